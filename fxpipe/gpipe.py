@@ -1,0 +1,208 @@
+"""``fxpipe.GPipe``: the torchgpipe-compatible front end for ``nn.Sequential``.
+
+It splits the sequential module by ``balance``, places each partition on its device, and
+runs micro-batches through the shared runtime. Behaviour, attributes and errors follow the
+torchgpipe documentation, with one change: without CUDA, ``devices`` defaults to CPU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
+
+import torch
+from torch import nn
+
+from .runtime import microbatch
+from .runtime.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from .runtime.pipeline import Pipeline
+from .skip.layout import inspect_skip_layout
+from .skip.skippable import verify_skippables
+
+__all__ = ["GPipe", "BalanceError", "checkpoint_stop"]
+
+Device = Union[torch.device, int, str]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def recommend_auto_balance(message: str) -> str:
+    """Appends a hint about automatic balancing to a balance error."""
+    return f"""{message}
+
+If your model is still under development, its optimal balance would change
+frequently. In this case, we highly recommend 'fxpipe.balance' for automatic
+balancing:
+
+  from fxpipe import GPipe
+  from fxpipe.balance import balance_by_time
+
+  partitions = torch.cuda.device_count()
+  sample = torch.empty(...)
+  balance = balance_by_time(partitions, model, sample)
+
+  model = GPipe(model, balance, ...)
+
+or let fxpipe.pipeline(model, sample, n_stages) trace and balance any module.
+"""
+
+
+class BalanceError(ValueError):
+    pass
+
+
+def verify_module(module: nn.Module) -> None:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError("module must be nn.Sequential to be partitioned")
+    named_children = list(module.named_children())
+    if len(named_children) != len(module):
+        raise ValueError("module with duplicate children is not supported")
+    seen = {}
+    for name, child in named_children:
+        for param in child.parameters():
+            other = seen.setdefault(id(param), name)
+            if other != name:
+                raise ValueError("module with duplicate parameters in distinct children is not supported")
+
+
+def split_module(
+    module: nn.Sequential, balance: Iterable[int], devices: List[torch.device],
+) -> Tuple[List[nn.Sequential], List[int], List[torch.device]]:
+    """Splits ``module`` by ``balance`` and moves each partition to its device."""
+    balance = list(balance)
+    if len(module) != sum(balance):
+        raise BalanceError(
+            "module and sum of balance have different length "
+            f"(module: {len(module)}, sum of balance: {sum(balance)})"
+        )
+    if any(x <= 0 for x in balance):
+        raise BalanceError(f"all balance numbers must be positive integer (balance: {balance!r})")
+    if len(balance) > len(devices):
+        raise IndexError(
+            f"too few devices to hold given partitions (devices: {len(devices)}, partitions: {len(balance)})"
+        )
+    children = list(module.named_children())
+    partitions: List[nn.Sequential] = []
+    start = 0
+    for size, device in zip(balance, devices):
+        layers = OrderedDict(children[start:start + size])
+        partitions.append(nn.Sequential(layers).to(device))
+        start += size
+    return partitions, balance, devices[: len(balance)]
+
+
+def default_devices() -> List[torch.device]:
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    # fxpipe's one change to torchgpipe: without CUDA, run on the CPU instead of failing.
+    return [torch.device("cpu")] * 64
+
+
+def checkpoint_stop(mode: str, num_microbatches: int, training: bool) -> int:
+    """How many leading micro-batches are checkpointed (none in eval or under no_grad)."""
+    if not (training and torch.is_grad_enabled()):
+        return 0
+    return {"always": num_microbatches, "except_last": num_microbatches - 1, "never": 0}[mode]
+
+
+MOVING_DENIED = "denied to move parameters and buffers, because GPipe should manage device placement"
+
+
+class GPipe(nn.Module):
+    """Wraps an ``nn.Sequential`` to train it with GPipe pipeline parallelism.
+
+    Args:
+        module: the sequential module to parallelize.
+        balance: number of layers in each partition.
+        devices: a device per partition (default: all CUDA devices, else CPU).
+        chunks: number of micro-batches.
+        checkpoint: ``'always'``, ``'except_last'`` or ``'never'``.
+        deferred_batch_norm: track BatchNorm running statistics per mini-batch.
+
+    Raises:
+        TypeError: the module is not an ``nn.Sequential``.
+        ValueError: invalid arguments, or a wrong balance.
+        IndexError: fewer devices than partitions.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Optional[Iterable[int]] = None,
+        *,
+        devices: Optional[Iterable[Device]] = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        chunks = int(chunks)
+        checkpoint = str(checkpoint)
+        if balance is None:
+            raise ValueError(recommend_auto_balance("balance is required"))
+        if chunks <= 0:
+            raise ValueError("number of chunks must be positive integer")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+
+        verify_module(module)
+        # Skips are static, so their integrity is checked before any forward.
+        verify_skippables(module)
+
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self._deferred = convert_deferred_batch_norm(module) if deferred_batch_norm else []
+
+        device_list = default_devices() if devices is None else [torch.device(d) for d in devices]
+        try:
+            partitions, self.balance, self.devices = split_module(module, balance, device_list)
+        except BalanceError as exc:
+            raise ValueError(recommend_auto_balance(str(exc))) from None
+        self.partitions = cast(nn.ModuleList, nn.ModuleList(partitions))
+        self._skip_layout = inspect_skip_layout(partitions)
+        self._pipeline = Pipeline(list(self.partitions), self.devices, skip_layout=self._skip_layout)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} layers")
+        if index < 0:
+            index += len(self)
+        for partition in self.partitions:
+            if index < len(partition):
+                return partition[index]
+            index -= len(partition)
+        raise IndexError(index)  # unreachable
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from partition
+
+    # GPipe manages device placement: moving the whole module is refused.
+    def cuda(self, device: Optional[Device] = None) -> "GPipe":  # type: ignore[override]
+        raise TypeError(MOVING_DENIED)
+
+    def cpu(self) -> "GPipe":  # type: ignore[override]
+        raise TypeError(MOVING_DENIED)
+
+    def to(self, *args: object, **kwargs: object) -> "GPipe":  # type: ignore[override]
+        # Deny to(device), to(tensor); allow to(dtype).
+        if "device" in kwargs or "tensor" in kwargs:
+            raise TypeError(MOVING_DENIED)
+        if args and (isinstance(args[0], (torch.device, int, str)) or torch.is_tensor(args[0])):
+            raise TypeError(MOVING_DENIED)
+        return super().to(*args, **kwargs)  # type: ignore[return-value]
+
+    def forward(self, input: microbatch.TensorOrTensors) -> microbatch.TensorOrTensors:  # type: ignore[override]
+        """Runs a mini-batch (a tensor or a tuple of tensors) through the pipeline."""
+        microbatch.check(input)
+        if not self.devices:
+            return input
+        batches = microbatch.scatter(input, self.chunks)
+        stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
+        self._pipeline.run(batches, stop)
+        if self.training:
+            commit_deferred_batch_norm(self._deferred)
+        return microbatch.gather(batches)

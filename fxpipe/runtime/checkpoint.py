@@ -1,0 +1,189 @@
+"""Checkpointing with a separate recomputation step (torchgpipe §3.2.1).
+
+``torch.utils.checkpoint`` recomputes inside the backward of the checkpointed region, so
+recomputation cannot start before the whole incoming gradient has arrived. Here the work is
+split into two autograd functions that share memory through a deque:
+
+* ``Checkpoint`` runs the partition without keeping activations and, in backward, only
+  consumes what ``Recompute`` left behind;
+* ``Recompute`` is attached (via Fork/Join) to the *output* side, so its backward -- the
+  recomputation -- is scheduled as soon as the output's gradient is being produced, which
+  lets it overlap the gradient copy from the next device.
+
+RNG states are saved before the first run and restored for the recomputation, so dropout
+recomputes bit-exactly. Outputs that cannot need grad (masks, integer tensors) are marked
+non-differentiable and skipped in backward, which torchgpipe 0.0.7 gets wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Callable, Deque, Generator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .dependency import fork, join
+from .microbatch import Batch
+from .phony import get_phony
+
+__all__ = ["is_checkpointing", "is_recomputing", "Checkpointing", "Checkpoint", "Recompute"]
+
+RNGStates = Tuple[Tensor, Optional[Tensor]]
+
+
+class _ThreadLocal(threading.local):
+    def __init__(self) -> None:
+        self.is_checkpointing = False
+        self.is_recomputing = False
+
+
+_local = _ThreadLocal()
+
+
+@contextmanager
+def enable_checkpointing() -> Generator[None, None, None]:
+    orig = _local.is_checkpointing
+    _local.is_checkpointing = True
+    try:
+        yield
+    finally:
+        _local.is_checkpointing = orig
+
+
+@contextmanager
+def enable_recomputing() -> Generator[None, None, None]:
+    orig = _local.is_recomputing
+    _local.is_recomputing = True
+    try:
+        yield
+    finally:
+        _local.is_recomputing = orig
+
+
+def is_checkpointing() -> bool:
+    """True while the current forward runs under checkpointing (the first, activation-free pass)."""
+    return _local.is_checkpointing
+
+
+def is_recomputing() -> bool:
+    """True while the current forward is a recomputation; use it to skip repeated side effects."""
+    return _local.is_recomputing
+
+
+def save_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> None:
+    cpu_state = torch.get_rng_state()
+    gpu_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    rng_states.append((cpu_state, gpu_state))
+
+
+@contextmanager
+def restore_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> Generator[None, None, None]:
+    """Runs the block with the saved RNG states, leaving the callers' RNG states unchanged."""
+    cpu_state, gpu_state = rng_states.pop()
+    gpu_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(gpu_devices):
+        torch.set_rng_state(cpu_state)
+        if gpu_state is not None:
+            torch.cuda.set_rng_state(gpu_state, device)
+        yield
+
+
+# A batch is passed through autograd functions as (template, *tensors): the template keeps
+# the non-tensor values and where the tensors go.
+_TENSOR = object()
+
+
+def _split(batch: Batch) -> Tuple[Tuple[bool, List[Any]], List[Tensor]]:
+    template = [_TENSOR if isinstance(v, Tensor) else v for v in batch.values]
+    return (batch.atomic, template), [v for v in batch.values if isinstance(v, Tensor)]
+
+
+def _rebuild(template: Tuple[bool, List[Any]], tensors: Sequence[Tensor]) -> Batch:
+    atomic, values = template
+    it = iter(tensors)
+    filled = [next(it) if v is _TENSOR else v for v in values]
+    return Batch(filled[0] if atomic else tuple(filled), atomic=atomic)
+
+
+def _differentiable(x: Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
+
+
+Function = Callable[[Batch], Batch]
+
+
+class Checkpointing:
+    """Checkpoint and recompute one (micro-batch, partition) task."""
+
+    def __init__(self, function: Function, batch: Batch, device: torch.device) -> None:
+        self.function = function
+        self.batch = batch
+        self.device = device
+        # Shared between Checkpoint and Recompute; one entry at a time.
+        self.recomputed: Deque[Tuple[List[Tensor], Tuple[Tensor, ...]]] = deque(maxlen=1)
+        self.rng_states: Deque[RNGStates] = deque(maxlen=1)
+        self.out_template: Deque[Tuple[bool, List[Any]]] = deque(maxlen=1)
+
+    def checkpoint(self) -> Batch:
+        """Runs the partition without keeping its activations."""
+        template, tensors = _split(self.batch)
+        phony = get_phony(self.device, requires_grad=True)
+        outputs = Checkpoint.apply(phony, self, template, *tensors)
+        return _rebuild(self.out_template.pop(), outputs)
+
+    def recompute(self, batch: Batch) -> None:
+        """Attaches the recomputation to ``batch``, the checkpointed output, in place."""
+        anchor = batch.anchor()
+        if anchor is None or not batch[anchor].requires_grad:
+            return
+        template, tensors = _split(self.batch)
+        batch[anchor], phony = fork(batch[anchor])
+        phony = Recompute.apply(phony, self, template, *tensors)
+        batch[anchor] = join(batch[anchor], phony)
+
+
+class Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, phony: Tensor, chk: Checkpointing, template: Any, *tensors: Tensor):  # type: ignore[override]
+        ctx.chk = chk
+        save_rng_states(chk.device, chk.rng_states)
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad(), enable_checkpointing():
+            output = chk.function(_rebuild(template, tensors))
+        out_template, out_tensors = _split(output)
+        chk.out_template.append(out_template)
+        ctx.mark_non_differentiable(*[y for y in out_tensors if not _differentiable(y)])
+        return tuple(out_tensors)
+
+    @staticmethod
+    def backward(ctx, *grad_output: Optional[Tensor]):  # type: ignore[override]
+        outputs, input_leaves = ctx.chk.recomputed.pop()
+        pairs = [(y, g) for y, g in zip(outputs, grad_output) if y.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        grads = tuple(x.grad if x.requires_grad else None for x in input_leaves)
+        return (None, None, None) + grads
+
+
+class Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, phony: Tensor, chk: Checkpointing, template: Any, *tensors: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.chk = chk
+        ctx.template = template
+        ctx.save_for_backward(*tensors)
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx, *grad_output: Tensor):  # type: ignore[override]
+        chk: Checkpointing = ctx.chk
+        tensors = ctx.saved_tensors
+        leaves = tuple(x.detach().requires_grad_(x.requires_grad) for x in tensors)
+        with restore_rng_states(chk.device, chk.rng_states):
+            with torch.enable_grad(), enable_recomputing():
+                output = chk.function(_rebuild(ctx.template, leaves))
+        _, out_tensors = _split(output)
+        chk.recomputed.append((out_tensors, leaves))
+        return (None, None, None) + tuple(None for _ in tensors)

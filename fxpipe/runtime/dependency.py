@@ -1,0 +1,56 @@
+"""Fork/Join: explicit autograd dependencies between micro-batches.
+
+Autograd orders backward work only by data dependencies. The pipeline needs more: on each
+device, micro-batch i-1's backward must run after micro-batch i's (the reverse of the
+forward order), or recomputation and copies would interleave badly and memory would peak.
+``fork`` taps a tensor for an empty "phony" and ``join`` attaches that phony to another
+tensor, which creates the edge without moving data.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from .phony import get_phony
+
+__all__ = ["fork", "join", "Fork", "Join"]
+
+
+def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
+    """Branches a phony off ``input``; backward through the phony happens after ``input``'s."""
+    if torch.is_grad_enabled() and input.requires_grad:
+        input, phony = Fork.apply(input)
+    else:
+        phony = get_phony(input.device, requires_grad=False)
+    return input, phony
+
+
+class Fork(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        phony = get_phony(input.device, requires_grad=False)
+        return input.detach(), phony.detach()
+
+    @staticmethod
+    def backward(ctx, grad_input: Tensor, grad_grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad_input
+
+
+def join(input: Tensor, phony: Tensor) -> Tensor:
+    """Merges ``phony`` into ``input``: backward reaches the phony's source after ``input``."""
+    if torch.is_grad_enabled() and (input.requires_grad or phony.requires_grad):
+        input = Join.apply(input, phony)
+    return input
+
+
+class Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
+        return input.detach()
+
+    @staticmethod
+    def backward(ctx, grad_input: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
+        return grad_input, None

@@ -1,0 +1,113 @@
+"""Persistent worker threads, one per device.
+
+torchgpipe starts fresh threads on every forward, a fixed cost of several milliseconds per
+call. Here a pipeline owns one long-lived daemon thread per distinct device. Threads never
+hold a reference to the pipeline, only to their queues, so dropping the pipeline stops them
+(a ``weakref.finalize`` sends the stop signal) and interpreter exit never waits on them.
+
+Results go to a queue owned by the caller's run, not by the worker: if a run is abandoned
+(an exception, a KeyboardInterrupt in the caller), late results land in that run's queue and
+can never be mistaken for the next run's.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import weakref
+from types import TracebackType
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+
+from .microbatch import Batch
+from .stream import AbstractStream, use_device, use_stream
+
+__all__ = ["Task", "WorkerPool", "ExcInfo"]
+
+ExcInfo = Tuple[Type[BaseException], BaseException, TracebackType]
+
+
+class Task:
+    """One (micro-batch, partition) computation, run on a worker in the caller's grad mode.
+
+    ``compute`` runs on the device's worker thread; ``finalize`` (attaching the
+    recomputation, for checkpointed tasks) runs on the caller's thread afterwards.
+    """
+
+    __slots__ = ("stream", "_compute", "_finalize", "_grad_enabled", "result_queue", "key")
+
+    def __init__(
+        self,
+        stream: AbstractStream,
+        *,
+        compute: Callable[[], Batch],
+        finalize: Optional[Callable[[Batch], None]],
+        result_queue: "queue.SimpleQueue[Any]",
+        key: Tuple[int, int],
+    ) -> None:
+        self.stream = stream
+        self._compute = compute
+        self._finalize = finalize
+        self._grad_enabled = torch.is_grad_enabled()
+        self.result_queue = result_queue
+        self.key = key
+
+    def compute(self) -> Batch:
+        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+            return self._compute()
+
+    def finalize(self, batch: Batch) -> None:
+        if self._finalize is None:
+            return
+        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+            self._finalize(batch)
+
+
+def _worker(in_queue: "queue.SimpleQueue[Optional[Task]]", device: torch.device) -> None:
+    with use_device(device):
+        while True:
+            task = in_queue.get()
+            if task is None:
+                return
+            try:
+                batch = task.compute()
+            except BaseException:  # noqa: BLE001 - every failure must reach the caller, or it hangs
+                exc_info = sys.exc_info()
+                task.result_queue.put((False, task.key, exc_info))
+            else:
+                task.result_queue.put((True, task.key, (task, batch)))
+            del task
+
+
+def _stop(in_queues: List["queue.SimpleQueue[Optional[Task]]"]) -> None:
+    for q in in_queues:
+        q.put(None)
+
+
+class WorkerPool:
+    """Worker threads for a list of devices; partitions on one device share its thread."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        by_device: Dict[torch.device, "queue.SimpleQueue[Optional[Task]]"] = {}
+        self.threads: List[threading.Thread] = []
+        for device in devices:
+            if device in by_device:
+                continue
+            q: "queue.SimpleQueue[Optional[Task]]" = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=_worker, args=(q, device), name=f"fxpipe-worker-{device}", daemon=True
+            )
+            thread.start()
+            by_device[device] = q
+            self.threads.append(thread)
+        self.in_queues = [by_device[d] for d in devices]
+        self._finalizer = weakref.finalize(self, _stop, list(by_device.values()))
+
+    def submit(self, partition_index: int, task: Task) -> None:
+        self.in_queues[partition_index].put(task)
+
+    def close(self) -> None:
+        """Stops the threads now (they also stop when the pool is garbage-collected)."""
+        self._finalizer()

@@ -1,0 +1,70 @@
+"""Where each skip connection starts and ends, by partition."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from .namespace import Namespace
+
+__all__ = ["SkipLayout", "inspect_skip_layout", "SkipKey"]
+
+SkipKey = Tuple[Optional[Namespace], str]
+
+
+class SkipLayout:
+    """Routes of skip tensors: ``(ns, name) -> (stash partition, pop partition)``.
+
+    The runtime asks it which skips must be carried by a portal (those crossing partitions)
+    and which portals to copy into a partition before it runs.
+    """
+
+    def __init__(self, num_partitions: int, skip_routes: Dict[SkipKey, Tuple[int, int]]) -> None:
+        self.num_partitions = num_partitions
+        self.by_ns_name: Dict[SkipKey, Tuple[int, int]] = dict(skip_routes)
+        self.by_partition: List[List[Tuple[int, Optional[Namespace], str]]] = [[] for _ in range(num_partitions)]
+        for (ns, name), (prev_j, next_j) in self.by_ns_name.items():
+            if not (0 <= prev_j <= next_j < num_partitions):
+                raise ValueError(
+                    f"skip '{name}' goes from partition {prev_j} to {next_j}; a skip must be popped "
+                    f"in the same or a later partition of 0..{num_partitions - 1}"
+                )
+            self.by_partition[next_j].append((prev_j, ns, name))
+
+    @classmethod
+    def from_names(cls, num_partitions: int, routes: Dict[str, Tuple[int, int]]) -> "SkipLayout":
+        """A layout of un-namespaced skips, as generated stage code uses."""
+        return cls(num_partitions, {(None, name): route for name, route in routes.items()})
+
+    def copy_policy(self, next_j: int) -> Iterable[Tuple[int, Optional[Namespace], str]]:
+        """The skips to carry into partition ``next_j`` from an earlier partition."""
+        for prev_j, ns, name in self.by_partition[next_j]:
+            if prev_j != next_j:
+                yield prev_j, ns, name
+
+    def requires_copy(self, ns: Optional[Namespace], name: str) -> bool:
+        """Whether a skip crosses partitions (and so travels through a portal)."""
+        prev_j, next_j = self.by_ns_name.get((ns, name), (-1, -1))
+        return prev_j != next_j
+
+    def __len__(self) -> int:
+        return len(self.by_ns_name)
+
+
+def inspect_skip_layout(partitions: Sequence[nn.Module]) -> SkipLayout:
+    """Finds the skip routes of ``@skippable`` layers inside ``partitions``."""
+    from .skippable import Skippable
+
+    routes: Dict[SkipKey, Tuple[int, int]] = {}
+    stashed_at: Dict[SkipKey, int] = {}
+    for j, partition in enumerate(partitions):
+        for layer in partition.modules():
+            if not isinstance(layer, Skippable):
+                continue
+            for key in layer.stashable():
+                stashed_at[key] = j
+            for key in layer.poppable():
+                if key in stashed_at:
+                    routes[key] = (stashed_at.pop(key), j)
+    return SkipLayout(len(partitions), routes)

@@ -1,0 +1,154 @@
+"""Skip trackers: where stashed tensors wait until they are popped.
+
+Outside a pipeline a thread-local :class:`SkipTracker` keeps stashed tensors in a dict, so
+skippable modules (and generated stage code) also run as plain modules. Inside the pipeline
+each micro-batch gets a :class:`SkipTrackerThroughPortals`, which routes skips that cross
+partitions through :class:`~fxpipe.skip.portal.Portal` objects.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Dict, Generator, List, Optional
+
+import torch
+from torch import Tensor
+
+from ..runtime.checkpoint import is_checkpointing
+from ..runtime.dependency import fork, join
+from ..runtime.microbatch import Batch
+from ..runtime.phony import get_phony
+from ..runtime.stream import AbstractStream
+from .layout import SkipKey, SkipLayout
+from .namespace import Namespace
+from .portal import Portal
+
+__all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker"]
+
+
+class SkipTracker:
+    """Stores skip tensors by (namespace, name) in a dict; used without a pipeline."""
+
+    def __init__(self) -> None:
+        self.tensors: Dict[SkipKey, Optional[Tensor]] = {}
+
+    def save(self, batch: Optional[Batch], ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
+        self.tensors[(ns, name)] = tensor
+
+    def load(self, batch: Optional[Batch], ns: Optional[Namespace], name: str) -> Optional[Tensor]:
+        try:
+            return self.tensors.pop((ns, name))
+        except KeyError:
+            raise KeyError(f"skip '{name}' has not been stashed") from None
+
+    def copy(
+        self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
+        ns: Optional[Namespace], name: str,
+    ) -> None:
+        raise TypeError("copy is only meaningful for skips carried by portals")
+
+    def join_pending(self, batch: Batch) -> None:
+        """Nothing to join outside a pipeline."""
+
+
+class SkipTrackerThroughPortals(SkipTracker):
+    """Carries skips that cross partitions through portals, for one micro-batch."""
+
+    def __init__(self, skip_layout: SkipLayout) -> None:
+        super().__init__()
+        self.skip_layout = skip_layout
+        self.portals: Dict[SkipKey, Portal] = {}
+        # Phonies from stashes made without a batch at hand (generated code's
+        # ``stash(name, value)`` calls); the runtime joins them to the partition output.
+        self.pending: List[Tensor] = []
+
+    def save(self, batch: Optional[Batch], ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
+        if not self.skip_layout.requires_copy(ns, name):
+            super().save(batch, ns, name, tensor)
+            return
+        key = (ns, name)
+        portal = self.portals.get(key)
+        if portal is None:
+            # The pop side uses the tensor once, or twice when it is recomputed.
+            tensor_life = 3 if is_checkpointing() else 2
+            portal = Portal(tensor, tensor_life)
+            self.portals[key] = portal
+        else:
+            # The stash partition is being recomputed: PortalBlue needs the new tensor once.
+            portal.put_tensor(tensor, 1)
+        phony = portal.blue()
+        if batch is None:
+            self.pending.append(phony)
+            return
+        _join_into(batch, phony)
+
+    def load(self, batch: Optional[Batch], ns: Optional[Namespace], name: str) -> Optional[Tensor]:
+        if not self.skip_layout.requires_copy(ns, name):
+            return super().load(batch, ns, name)
+        portal = self.portals.get((ns, name))
+        if portal is None:
+            raise KeyError(f"skip '{name}' has not been stashed")
+        return portal.orange()
+
+    def copy(
+        self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
+        ns: Optional[Namespace], name: str,
+    ) -> None:
+        """Moves a portal's tensor towards its pop partition, ordered by ``batch``."""
+        anchor = batch.anchor()
+        portal = self.portals[(ns, name)]
+        if anchor is None:
+            portal.copy(prev_stream, next_stream, _cpu_phony())
+            return
+        batch[anchor], phony = fork(batch[anchor])
+        phony = portal.copy(prev_stream, next_stream, phony)
+        batch[anchor] = join(batch[anchor], phony)
+
+    def join_pending(self, batch: Batch) -> None:
+        """Attaches phonies of stashes made during the partition call to its output."""
+        pending, self.pending = self.pending, []
+        for phony in pending:
+            _join_into(batch, phony)
+
+
+def _join_into(batch: Batch, phony: Tensor) -> None:
+    anchor = batch.anchor()
+    if anchor is None:
+        raise TypeError(
+            "a partition that stashes a skip tensor must return at least one tensor, so the "
+            "skip's gradient has a path back to it"
+        )
+    batch[anchor] = join(batch[anchor], phony)
+
+
+def _cpu_phony() -> Tensor:
+    return get_phony(torch.device("cpu"), requires_grad=False)
+
+
+class _ThreadLocal(threading.local):
+    def __init__(self) -> None:
+        self.skip_tracker: Optional[SkipTracker] = None
+
+
+_local = _ThreadLocal()
+
+
+@contextmanager
+def use_skip_tracker(skip_tracker: SkipTracker) -> Generator[None, None, None]:
+    """Makes ``skip_tracker`` current for stash/pop in this thread."""
+    orig = _local.skip_tracker
+    _local.skip_tracker = skip_tracker
+    try:
+        yield
+    finally:
+        _local.skip_tracker = orig
+
+
+def current_skip_tracker() -> SkipTracker:
+    """The tracker of the running pipeline task, or this thread's default one."""
+    skip_tracker = _local.skip_tracker
+    if skip_tracker is None:
+        skip_tracker = SkipTracker()
+        _local.skip_tracker = skip_tracker
+    return skip_tracker
