@@ -1,0 +1,413 @@
+"""Ordering and cutting an OpGraph into pipeline stages (no torch: graphs and numbers only).
+
+The cut is *contiguous* in a topological order: stage ``s`` owns one run of compute nodes.
+A stage's cost is its compute time plus the time to receive the activations it needs from
+earlier stages (``seconds_per_byte`` * bytes of the distinct values it receives). Values that
+skip stages travel directly (portals), so only the consuming stage pays for them.
+
+The receive term makes the cost of a stage ``[a, b)`` non-additive and non-monotone in its
+start ``a`` (starting earlier adds compute but may stop receiving a value), so greedy packing
+(or bisection with a greedy check) is not exact, and the exact O(k*m^2) DP is too slow for
+20k nodes. What *is* still true: for a fixed start ``a`` the cost is non-decreasing in the
+end ``b`` (costs are >= 0). So for a bottleneck ``T`` each start has a furthest feasible end
+``R(a)``, and "can the chain be cut into exactly k stages of cost <= T" is a k-layer
+reachability DP over starts. We search the smallest feasible ``T``, starting from the band
+[compute-only optimum, true cost of that cut]: a feasible probe lowers the upper bound to
+the bottleneck of the cut it found, an infeasible probe raises the lower bound to the next
+value at which any ``R(a)`` changes. The answer is the exact minimum of the computed stage
+costs, not an epsilon-approximation.
+
+Complexity: ``N = sum over cut positions of the values live across that cut`` (about
+``m * width`` for m compute nodes). Building the tables is O(N log N); a probe is
+O(N_active log m + k*m) numpy work, where segments settled by the current bounds are dropped
+as the band narrows; probes number O(log #distinct stage costs), in practice 10-25.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import networkx as nx
+import numpy as np
+
+__all__ = [
+    "COMPUTE_OPS",
+    "topological_order",
+    "split_chain",
+    "partition",
+    "stage_costs",
+    "value_bytes",
+]
+
+#: fx ops that do work and may be cut between stages.
+COMPUTE_OPS = frozenset({"call_module", "call_function", "call_method"})
+
+
+def _num(data: Mapping[str, Any], key: str) -> float:
+    """A numeric node attribute; missing (or None) counts as 0."""
+    value = data.get(key)
+    return 0.0 if value is None else float(value)
+
+
+def _is_value(op: str | None) -> bool:
+    """Whether a node's output can travel between stages (get_attr parameters never do)."""
+    return op == "placeholder" or op in COMPUTE_OPS
+
+
+def value_bytes(graph: nx.DiGraph, node: str) -> int:
+    """Bytes of ``node``'s output: ``out_bytes``, else the largest ``bytes`` of its out-edges."""
+    data = graph.nodes[node]
+    if data.get("out_bytes") is not None:
+        return int(data["out_bytes"])
+    return max((int(d.get("bytes") or 0) for _, _, d in graph.out_edges(node, data=True)), default=0)
+
+
+def topological_order(graph: nx.DiGraph) -> list[str]:
+    """Topological order that follows the original fx order (``index``) wherever it can.
+
+    The fx order is already topological, so this normally *is* the fx order; the key only
+    matters for graphs edited after tracing. Ties on index fall back to the node name.
+    """
+    nodes = graph.nodes
+    return list(nx.lexicographical_topological_sort(graph, key=lambda n: (nodes[n].get("index", 0), str(n))))
+
+
+class _Chain:
+    """A chain of m positions with a receive-cost table, answering "cut into k, bottleneck <= T".
+
+    ``costs[i]`` is the compute cost at position i. Each *rectangle* ``(l, r, s, w)`` says: a
+    stage starting at any ``a`` in ``[l, r]`` and ending at ``b >= s`` receives ``w`` bytes
+    (one value's next consumer is at ``s - 1``). Per start ``a`` we store the sorted steps of
+    its receive function as *segments* ``[lo, hi]`` of ends with constant received bytes.
+    """
+
+    def __init__(self, costs: Sequence[float], rects: Sequence[tuple[int, int, int, int]] = (), spb: float = 0.0):
+        cost = np.asarray(costs, dtype=np.float64)
+        if cost.size and not (np.all(np.isfinite(cost)) and cost.min() >= 0):
+            bad = int(np.flatnonzero(~(np.isfinite(cost) & (cost >= 0)))[0])
+            raise ValueError(f"cost at position {bad} is {cost[bad]!r}; costs must be finite and >= 0")
+        m = self.m = int(cost.size)
+        self.cost = cost
+        self.C = np.concatenate(([0.0], np.cumsum(cost)))  # prefix sums, non-decreasing
+        self.base = m + 2  # key = a * base + lo orders entries by (start, segment)
+        pos = np.arange(m, dtype=np.int64)
+        # Segment 0 of each start: ends a+1.. with nothing received yet (a zero-weight step).
+        ea, es, ew, real = [pos], [pos + 1], [np.zeros(m, np.int64)], [np.zeros(m, bool)]
+        if rects and spb > 0:
+            r = np.asarray(rects, dtype=np.int64).reshape(-1, 4)
+            r = r[(r[:, 0] <= r[:, 1]) & (r[:, 3] > 0)]
+            lens = r[:, 1] - r[:, 0] + 1
+            total = int(lens.sum())
+            # Expand each rectangle into one entry per start a in [l, r].
+            first = np.repeat(np.cumsum(lens) - lens, lens)
+            ea.append(np.arange(total, dtype=np.int64) - first + np.repeat(r[:, 0], lens))
+            es.append(np.repeat(r[:, 2], lens))
+            ew.append(np.repeat(r[:, 3], lens))
+            real.append(np.ones(total, bool))
+        a, s, w, rl = (np.concatenate(x) for x in (ea, es, ew, real))
+        perm = np.lexsort((rl, s, a))  # segment-0 entry first within each start
+        a, s, w = a[perm], s[perm], w[perm]
+        self.gstart = np.flatnonzero(~rl[perm])  # exactly one segment-0 entry per start
+        cum = np.cumsum(w)
+        cum -= np.repeat(cum[self.gstart] - w[self.gstart], np.diff(np.append(self.gstart, a.size)))
+        hi = np.empty_like(s)
+        hi[:-1] = s[1:] - 1
+        last = np.append(self.gstart[1:] - 1, a.size - 1) if m else self.gstart
+        hi[last] = m
+        self.ea, self.elo, self.ehi = a, s, hi
+        self.ex = spb * cum.astype(np.float64)  # transfer seconds of the segment
+        self.has_transfer = bool(self.ex.any())
+        self.keys = a * self.base + s
+
+    # -- costs -----------------------------------------------------------------------------
+    def stage_cost(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Cost of stages ``[a, b)`` (vectorised); the one formula every decision uses."""
+        idx = np.searchsorted(self.keys, a * self.base + b, side="right") - 1
+        return (self.C[b] - self.C[a]) + self.ex[idx]
+
+    def bottleneck(self, starts: Sequence[int]) -> float:
+        a = np.asarray(starts, dtype=np.int64)
+        return float(self.stage_cost(a, np.append(a[1:], self.m)).max())
+
+    # -- feasibility -----------------------------------------------------------------------
+    def narrow(self, lo: float, hi: float) -> None:
+        """Drop segments that are settled for every probe T in [lo, hi] still to come.
+
+        A segment too costly at its first end even for ``hi`` can never be used; one cheap
+        enough at its last end for ``lo`` always is, so it just raises ``floor[a]``. As the
+        bounds close in, only the segments where the boundary can still fall stay active.
+        """
+        a, l, h, x, Ca = self.active
+        ok = l <= h  # empty segments (repeated steps) never hold an end
+        full = ok & ((self.C[h] - Ca) + x <= lo)
+        np.maximum.at(self.floor, a[full], h[full])
+        keep = ok & ~full & ((self.C[l] - Ca) + x <= hi)
+        self.active = (a[keep], l[keep], h[keep], x[keep], Ca[keep])
+
+    def reach(self, T: float) -> np.ndarray:
+        """``R[a]`` = furthest end b with cost([a, b)) <= T, or ``a`` if none."""
+        R = self.floor.copy()
+        a, l, h, x, Ca = self.active
+        if a.size == 0:
+            return R
+        # Largest prefix value c with fl(fl(c - C[a]) + x) <= T: a threshold on C[b] that is
+        # exactly the predicate (both roundings are monotone), fixed up by a few ulps.
+        thr = Ca + (T - x)
+        while True:
+            bad = (thr - Ca) + x > T
+            if not bad.any():
+                break
+            thr[bad] = np.nextafter(thr[bad], -np.inf)
+        while True:
+            up = np.nextafter(thr, np.inf)
+            good = (up - Ca) + x <= T
+            if not good.any():
+                break
+            thr[good] = up[good]
+        b = np.minimum(np.searchsorted(self.C, thr, side="right") - 1, h)
+        first = np.flatnonzero(np.r_[True, a[1:] != a[:-1]])  # active entries stay sorted by a
+        starts = a[first]
+        R[starts] = np.maximum(R[starts], np.maximum.reduceat(np.where(b >= l, b, a), first))
+        return R
+
+    def next_event(self, R: np.ndarray) -> float:
+        """Smallest bottleneck above the probe at which some ``R[a]`` grows (inf if none)."""
+        a = np.flatnonzero(R < self.m)
+        if a.size == 0:
+            return float("inf")
+        return float(self.stage_cost(a, R[a] + 1).min())
+
+    def layers(self, R: np.ndarray, k: int) -> list[np.ndarray] | None:
+        """``S[j][x]``: stage j can start at x with stages 0..j-1 all feasible; None if no cut."""
+        m = self.m
+        pos = np.arange(m)
+        cur = pos == 0
+        out = [cur]
+        for j in range(1, k):
+            reach = np.where(cur, R, -1)
+            best = np.empty(m, np.int64)  # best[x] = max R[a] over reachable a < x
+            best[0] = -1
+            best[1:] = np.maximum.accumulate(reach[:-1])
+            cur = (best >= pos) & (pos <= m - (k - j))  # leave a node for each later stage
+            if not cur.any():
+                return None
+            out.append(cur)
+        return out if (cur & (R == m)).any() else None
+
+    @staticmethod
+    def reconstruct(S: list[np.ndarray], R: np.ndarray, m: int) -> list[int]:
+        """Walk back from the end taking the *latest* feasible start each time (deterministic)."""
+        starts, end = [0] * len(S), m
+        for j in range(len(S) - 1, 0, -1):
+            a = int(np.flatnonzero(S[j][:end] & (R[:end] >= end))[-1])
+            starts[j], end = a, a
+        return starts
+
+    def solve(self, k: int) -> list[int]:
+        """Stage start positions of an optimal cut into exactly k stages."""
+        m = self.m
+        if k == m:
+            return list(range(m))
+        if self.has_transfer:
+            # The compute-only optimum is a lower bound (transfer adds >= 0, also in floats)
+            # and its cut is a good first feasible answer: the search starts in a narrow band.
+            plain = _Chain(self.cost)
+            best = plain.solve(k)
+            lo, hi = plain.bottleneck(best), self.bottleneck(best)
+        else:
+            # Any valid cut (equal compute shares) bounds from above; the lower bound is shaved
+            # by a rounding margin so it stays below the computed costs.
+            total = self.C[-1]
+            starts = np.searchsorted(self.C, total * np.arange(k) / k, side="left")
+            starts[0] = 0
+            for j in range(1, k):
+                starts[j] = min(max(starts[j], starts[j - 1] + 1), m - (k - j))
+            best = [int(s) for s in starts]
+            hi = self.bottleneck(best)
+            lo = max(total / k, float(self.cost.max())) * (1 - 1e-9)
+        self.floor = np.arange(m)  # R[a] >= floor[a] for every probe still to come
+        self.active = (self.ea, self.elo, self.ehi, self.ex, self.C[self.ea])
+        while lo < hi:
+            self.narrow(lo, hi)
+            T = lo + (hi - lo) / 2
+            if not lo <= T < hi:
+                T = lo
+            R = self.reach(T)
+            S = self.layers(R, k)
+            if S is None:
+                lo = self.next_event(R)  # nothing changes below it: the optimum is >= it
+            else:
+                best = self.reconstruct(S, R, m)
+                hi = self.bottleneck(best)  # <= T < previous hi
+        # Canonical answer: latest cuts among all partitions with the optimal bottleneck.
+        R = self.reach(hi)
+        S = self.layers(R, k)
+        return self.reconstruct(S, R, m) if S is not None else best
+
+
+def split_chain(costs: Sequence[float], n_parts: int) -> list[int]:
+    """Optimal contiguous split of a chain minimising the largest block sum; block sizes.
+
+    Exact (unlike torchgpipe's block-partition heuristic), which matters for balance_by_size
+    where one huge layer dominates. Among optimal splits, the last block starts as late as
+    possible, then the one before it, and so on.
+    """
+    n = len(costs)
+    if n_parts < 1 or n_parts > n:
+        raise ValueError(f"n_parts={n_parts} but there are {n} costs; need 1 <= n_parts <= {n}")
+    starts = _Chain(costs).solve(n_parts)
+    return [b - a for a, b in zip(starts, starts[1:] + [n])]
+
+
+class _Problem:
+    """An OpGraph seen as a chain of compute positions plus a receive table."""
+
+    def __init__(self, graph: nx.DiGraph, order: Sequence[str] | None, cost_attr: str, spb: float):
+        if order is None:
+            order = topological_order(graph)
+        else:
+            order = list(order)
+            if len(order) != graph.number_of_nodes() or set(order) != set(graph.nodes):
+                raise ValueError("order must list every node of the graph exactly once")
+        ops: dict[str, Any] = dict(graph.nodes(data="op"))
+        out_bytes: dict[str, Any] = dict(graph.nodes(data="out_bytes"))
+        succ = {u: list(nbrs) for u, nbrs in graph.adjacency()}
+        self.order = order
+        self.compute = [n for n in order if ops[n] in COMPUTE_OPS]
+        self.pos = pos = {n: i for i, n in enumerate(self.compute)}
+        m = len(self.compute)
+        last = max(m - 1, 0)
+        rank = {n: i for i, n in enumerate(order)}
+        # glue[n]: the compute position whose stage node n joins.
+        glue: dict[str, int] = {}
+        for n in order:
+            op = ops[n]
+            if op in COMPUTE_OPS:
+                glue[n] = pos[n]
+            elif op == "placeholder":
+                glue[n] = 0
+            elif op == "output":
+                glue[n] = last
+        for n in order:  # get_attr (and anything else): with its first consumer, else stage 0
+            if n not in glue:
+                users = sorted((u for u in succ[n] if u in glue), key=rank.__getitem__)
+                glue[n] = glue[users[0]] if users else 0
+        self.glue = glue
+        self.costs = [0.0] * m
+        if m:
+            for n, c in graph.nodes(data=cost_attr):
+                self.costs[glue[n]] += 0.0 if c is None else float(c)
+        # One rectangle per (value, consumer position): see _Chain.
+        rects: list[tuple[int, int, int, int]] = []
+        for u in order:
+            op = ops[u]
+            if not _is_value(op):
+                continue
+            p = glue[u]
+            qs = set()
+            for v in succ[u]:
+                vop = ops[v]
+                if vop in COMPUTE_OPS:
+                    q = pos[v]
+                    if op != "placeholder" and q <= p:
+                        raise ValueError(f"order is not topological: {v!r} comes before its input {u!r}")
+                    qs.add(q)
+                elif vop == "output":
+                    qs.add(last)
+            if not qs:
+                continue
+            w = out_bytes[u]
+            w = value_bytes(graph, u) if w is None else int(w)
+            prev = p
+            for q in sorted(qs):
+                rects.append((prev + 1, q, q + 1, w))
+                prev = q
+        self.chain = _Chain(self.costs, rects, spb) if m else None
+
+    def assign(self, starts: Sequence[int]) -> dict[str, int]:
+        st = np.asarray(starts)
+        stage_at = np.searchsorted(st, np.arange(len(self.compute)), side="right") - 1
+        return {n: int(stage_at[self.glue[n]]) for n in self.order}
+
+
+def _check_n_stages(n_stages: int, m: int) -> None:
+    if not isinstance(n_stages, (int, np.integer)) or n_stages < 1 or n_stages > m:
+        raise ValueError(
+            f"n_stages={n_stages} but the graph has only {m} partitionable nodes "
+            f"(call_module/call_function/call_method); use 1 <= n_stages <= {m}"
+        )
+
+
+def _starts_from_split_before(prob: _Problem, split_before: Sequence[str], n_stages: int) -> list[int]:
+    names = list(split_before)
+    if len(names) != n_stages - 1:
+        raise ValueError(
+            f"split_before has {len(names)} names but n_stages={n_stages} needs exactly {n_stages - 1}"
+        )
+    starts = [0]
+    for name in names:
+        if name not in prob.pos:
+            raise ValueError(f"split_before: {name!r} is not a partitionable (compute) node of the graph")
+        p = prob.pos[name]
+        if p <= starts[-1]:
+            what = "the first compute node" if p == 0 else f"at or before {prob.compute[starts[-1]]!r}"
+            raise ValueError(
+                f"split_before: {name!r} is {what}; names must be strictly increasing in the order "
+                "and must not start at the first compute node (every stage needs a node)"
+            )
+        starts.append(p)
+    return starts
+
+
+def partition(
+    graph: nx.DiGraph,
+    n_stages: int,
+    *,
+    cost_attr: str = "cost",
+    seconds_per_byte: float = 0.0,
+    split_before: Sequence[str] | None = None,
+    order: Sequence[str] | None = None,
+) -> dict[str, int]:
+    """Assign every node to a stage, minimising the slowest stage exactly for the order.
+
+    Placeholders go to stage 0, the output to the last stage, get_attr nodes to the stage of
+    their first consumer (parameters are shared, never sent). ``split_before`` pins the cut
+    points instead of balancing. Returns ``{node: stage}``.
+    """
+    if seconds_per_byte < 0:
+        raise ValueError(f"seconds_per_byte must be >= 0, got {seconds_per_byte}")
+    prob = _Problem(graph, order, cost_attr, float(seconds_per_byte))
+    _check_n_stages(n_stages, len(prob.compute))
+    if split_before is not None:
+        starts = _starts_from_split_before(prob, split_before, n_stages)
+    else:
+        assert prob.chain is not None
+        starts = prob.chain.solve(int(n_stages))
+    return prob.assign(starts)
+
+
+def stage_costs(
+    graph: nx.DiGraph,
+    assignment: Mapping[str, int],
+    *,
+    cost_attr: str = "cost",
+    seconds_per_byte: float = 0.0,
+) -> list[float]:
+    """Per-stage cost by the definition ``partition`` optimises, computed straightforwardly.
+
+    Compute: sum of ``cost_attr`` over the stage's nodes. Transfer: ``seconds_per_byte`` times
+    the bytes of the distinct values (placeholder/compute outputs) made in an earlier stage
+    and used by any node of this one.
+    """
+    n = max(assignment.values(), default=-1) + 1
+    compute = [0.0] * n
+    received: list[set[str]] = [set() for _ in range(n)]
+    nodes = graph.nodes
+    for node, s in assignment.items():
+        compute[s] += _num(nodes[node], cost_attr)
+    for u, v in graph.edges:
+        if _is_value(nodes[u].get("op")) and assignment[u] < assignment[v]:
+            received[assignment[v]].add(u)
+    return [
+        c + seconds_per_byte * sum(value_bytes(graph, u) for u in r) for c, r in zip(compute, received)
+    ]

@@ -1,0 +1,159 @@
+"""Plan: boundary edges vs portals, the printed table, and JSON persistence."""
+
+from __future__ import annotations
+
+import json
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxpipe.partition import partition, stage_costs
+from fxpipe.plan import BoundaryEdge, Plan, Portal, StageInfo, portal_name
+
+SPB = 1e-6
+
+
+def _graph() -> nx.DiGraph:
+    """x -> a -> b -> c -> d -> out, plus a->d, x->d (skips) and b->out; w, w2 share target p."""
+    g = nx.DiGraph()
+    spec = [
+        ("x", "placeholder", "x", 0.0, 0, 8),
+        ("w", "get_attr", "p", 0.0, 40, 40),
+        ("a", "call_module", "l1", 1e-3, 100, 16),
+        ("b", "call_function", "add", 2e-3, 0, 32),
+        ("w2", "get_attr", "p", 0.0, 40, 40),
+        ("c", "call_module", "l2", 1e-3, 200, 64),
+        ("d", "call_function", "cat", 1e-3, 0, 4),
+        ("out", "output", "output", 0.0, 0, 0),
+    ]
+    for i, (name, op, target, cost, params, out) in enumerate(spec):
+        g.add_node(name, index=i, op=op, target=target, module="", cost=cost, param_bytes=params,
+                   out_bytes=out, shape="")
+    g.add_edges_from([("x", "a"), ("a", "b"), ("w", "b"), ("b", "c"), ("w2", "c"), ("c", "d"),
+                      ("a", "d"), ("x", "d"), ("d", "out"), ("b", "out")])
+    for u, v in g.edges:
+        g.edges[u, v]["bytes"] = g.nodes[u]["out_bytes"]
+    return g
+
+
+ASSIGN = {"x": 0, "a": 0, "w": 1, "b": 1, "w2": 1, "c": 1, "d": 2, "out": 2}
+
+
+def _plan() -> Plan:
+    return Plan.from_assignment(_graph(), ASSIGN, seconds_per_byte=SPB, meta={"model": "Toy", "nodes": 8})
+
+
+def test_edges_and_portals_exact() -> None:
+    plan = _plan()
+    assert plan.n_stages == 3 and plan.balance_by == "time"
+    assert plan.edges == [
+        BoundaryEdge("a", 0, 1, 16),
+        BoundaryEdge("b", 1, 2, 32),
+        BoundaryEdge("c", 1, 2, 64),
+    ]
+    assert plan.portals == [
+        Portal("x__to2", "x", 0, 2, 8),
+        Portal("a__to2", "a", 0, 2, 16),
+    ]
+    assert portal_name("a", 2) == "a__to2"
+
+
+def test_stage_info() -> None:
+    plan = _plan()
+    assert [s.nodes for s in plan.stages] == [["x", "a"], ["w", "b", "w2", "c"], ["d", "out"]]
+    assert [s.param_bytes for s in plan.stages] == [100, 240, 0]  # target p counted once
+    assert [s.act_in_bytes for s in plan.stages] == [0, 16, 120]
+    assert [s.act_out_bytes for s in plan.stages] == [40, 96, 0]
+    assert [s.cost for s in plan.stages] == pytest.approx([1e-3, 3.016e-3, 1.12e-3])
+    assert [s.cost for s in plan.stages] == stage_costs(_graph(), ASSIGN, seconds_per_byte=SPB)
+    assert plan.stage_of("w2") == 1
+    with pytest.raises(KeyError, match="nope"):
+        plan.stage_of("nope")
+
+
+def test_str_table() -> None:
+    text = str(_plan())
+    lines = text.splitlines()
+    assert lines[0] == "Plan: 3 stages, balanced by time"
+    for header in ("stage", "nodes", "first .. last", "cost", "params", "act in", "act out"):
+        assert header in lines[1]
+    row0, row1, row2 = lines[2:5]
+    assert row0.split()[:5] == ["0", "2", "x", "..", "a"] and "1.000 ms" in row0 and "100 B" in row0
+    assert row1.split()[:5] == ["1", "4", "w", "..", "c"] and "3.016 ms" in row1 and "240 B" in row1
+    assert row2.split()[:5] == ["2", "2", "d", "..", "out"] and "1.120 ms" in row2 and "120 B" in row2
+    assert "boundary edges (3):" in text and "  b  1->2  32 B" in text
+    assert "portals (2):" in text and "  x__to2  (x)  0->2  8 B" in text
+    assert lines[-1] == "bottleneck: stage 1 (3.016 ms); balance ratio max/mean = 1.762"
+
+
+def test_str_other_units() -> None:
+    g = _graph()
+    plan = Plan.from_assignment(g, ASSIGN, balance_by="params", cost_attr="param_bytes")
+    assert "280" in str(plan).splitlines()[3]  # cost column: sum over nodes
+    g.nodes["c"]["param_bytes"] = 3 << 20
+    plan = Plan.from_assignment(g, ASSIGN, balance_by="size", cost_attr="param_bytes")
+    assert "3.0 MiB" in str(plan).splitlines()[3]
+
+
+def test_json_round_trip(tmp_path) -> None:
+    plan = _plan()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert json.loads(plan.to_json())["format"] == "fxpipe.plan/1"
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    assert isinstance(Plan.load(path).stages[0], StageInfo)
+
+
+def test_bad_format() -> None:
+    d = json.loads(_plan().to_json())
+    d["format"] = "fxpipe.plan/2"
+    with pytest.raises(ValueError, match=r"'fxpipe.plan/2'.*expected 'fxpipe.plan/1'"):
+        Plan.from_json(json.dumps(d))
+    del d["format"]
+    with pytest.raises(ValueError, match="not an fxpipe plan"):
+        Plan.from_json(json.dumps(d))
+    with pytest.raises(ValueError, match="not an fxpipe plan"):
+        Plan.from_json("[1, 2]")
+
+
+def test_backward_flow_rejected() -> None:
+    bad = dict(ASSIGN, a=1, b=0)
+    with pytest.raises(ValueError, match="'b' \\(stage 0\\) consumes 'a' from a later stage"):
+        Plan.from_assignment(_graph(), bad)
+    with pytest.raises(ValueError, match="no stage"):
+        Plan.from_assignment(_graph(), {"x": 0})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(3, 12),
+    skips=st.lists(st.tuples(st.integers(0, 11), st.integers(2, 6)), max_size=6),
+    data=st.data(),
+)
+def test_plan_from_partition_is_consistent(n: int, skips, data) -> None:
+    g = nx.DiGraph()
+    g.add_node("x", index=0, op="placeholder", out_bytes=5)
+    prev = "x"
+    for i in range(n):
+        g.add_node(f"c{i}", index=i + 1, op="call_function", cost=float(i % 3 + 1), out_bytes=10 + i)
+        g.add_edge(prev, f"c{i}")
+        prev = f"c{i}"
+    g.add_node("out", index=n + 1, op="output")
+    g.add_edge(prev, "out")
+    for src, gap in skips:
+        if src + gap < n:
+            g.add_edge(f"c{src}", f"c{src + gap}")
+    k = data.draw(st.integers(1, n))
+    assign = partition(g, k, seconds_per_byte=0.01)
+    plan = Plan.from_assignment(g, assign, seconds_per_byte=0.01)
+    assert [s.cost for s in plan.stages] == stage_costs(g, assign, seconds_per_byte=0.01)
+    moves = [(e.value, e.src, e.dst) for e in plan.edges] + [(p.value, p.src, p.dst) for p in plan.portals]
+    expected = {(u, assign[u], assign[v]) for u, v in g.edges if assign[u] < assign[v]}
+    assert sorted(moves) == sorted(expected) and len(moves) == len(set(moves))
+    assert all(e.dst == e.src + 1 for e in plan.edges) and all(p.dst > p.src + 1 for p in plan.portals)
+    assert sum(s.act_in_bytes for s in plan.stages) == sum(s.act_out_bytes for s in plan.stages)
+    assert Plan.from_json(plan.to_json()) == plan
