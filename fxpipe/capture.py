@@ -1,0 +1,399 @@
+"""Capture any ``nn.Module`` as a flat ``torch.fx.GraphModule``.
+
+Why flat: every later stage (profile, partition, emit, runtime) wants to reason about a
+graph whose inputs are the leaves of ``tree_flatten((args, kwargs))`` and whose output is a
+flat tuple; the pytree specs kept in :class:`Capture` rebuild the user's structures.
+
+Strategy, in order (see :func:`capture`):
+
+1. torch.fx symbolic tracing. Standard ``torch.nn`` layers and the user's ``leaf_modules``
+   stay opaque (``call_module``). A submodule whose forward cannot be traced is made a
+   leaf automatically and tracing is retried.
+2. ``torch.export.export(strict=False)`` when fx fails at the root, or when the automatic
+   leaves would swallow most of the parameters (a graph with one giant opaque node cannot
+   be pipelined). The aten graph is rebuilt with the model's own Parameters.
+3. :class:`~fxpipe.errors.TraceError` naming module, source line, reason and remedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import keyword
+import os
+import re
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from .capture_export import _Failure, export_graph
+from .errors import TraceError
+
+__all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
+
+_MAX_RETRIES = 24
+# fx output with auto-leaves holding more than this share of parameters: prefer export
+_EXPORT_IF_OPAQUE_SHARE = 0.5
+
+
+# -- dataclass outputs ---------------------------------------------------------------------
+class _DataclassNode:
+    """Pytree stand-in for an instance of an *unregistered* dataclass.
+
+    Registering the user's dataclass with pytree would change how user code flattens it;
+    instead outputs are rewritten to this private node, whose unflatten builds the real
+    dataclass again, so ``tree_unflatten(leaves, out_spec)`` returns the user's type.
+    """
+
+    __slots__ = ("cls", "names", "values")
+
+    def __init__(self, cls: type, names: list[str], values: list[Any]) -> None:
+        self.cls, self.names, self.values = cls, names, values
+
+
+def _dc_unflatten(values: Iterable[Any], ctx: tuple[type, tuple[str, ...]]) -> Any:
+    cls, names = ctx
+    pairs = list(zip(names, values))
+    init = {f.name for f in dataclasses.fields(cls) if f.init}
+    obj = cls(**{n: v for n, v in pairs if n in init})
+    for n, v in pairs:
+        if n not in init:
+            object.__setattr__(obj, n, v)
+    return obj
+
+
+pytree.register_pytree_node(
+    _DataclassNode,
+    lambda n: (list(n.values), (n.cls, tuple(n.names))),
+    _dc_unflatten,
+    serialized_type_name="fxpipe.capture._DataclassNode",
+)
+
+
+def _is_plain_dataclass(obj: Any) -> bool:
+    return (dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+            and type(obj) not in pytree.SUPPORTED_NODES)
+
+
+def _encode(obj: Any) -> Any:
+    if not _is_plain_dataclass(obj):
+        return obj
+    names = [f.name for f in dataclasses.fields(obj)]
+    vals = [pytree.tree_map(_encode, getattr(obj, n), is_leaf=_is_plain_dataclass) for n in names]
+    return _DataclassNode(type(obj), names, vals)
+
+
+def flatten_output(out: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``tree_flatten`` that also understands (unregistered) dataclasses."""
+    return pytree.tree_flatten(pytree.tree_map(_encode, out, is_leaf=_is_plain_dataclass))
+
+
+# -- result --------------------------------------------------------------------------------
+@dataclass
+class Capture:
+    """A captured model: flat GraphModule plus the specs to rebuild user structures."""
+
+    graph_module: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    method: str  # 'fx' or 'export'
+    specialized: dict[int, object] = field(default_factory=dict)
+    leaves: list[str] = field(default_factory=list)
+
+    def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
+        """Flatten a call's inputs, checking structure and specialised values match."""
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        if spec != self.in_spec:
+            raise ValueError(f"input structure differs from the captured sample:\n{spec}\nvs\n{self.in_spec}")
+        for i, v in self.specialized.items():
+            if not _same_value(flat[i], v):
+                raise ValueError(f"input leaf {i} is {flat[i]!r} but the graph was specialised on {v!r}; "
+                                 "capture again with this value")
+        return flat
+
+    def unflatten_output(self, leaves: Sequence[Any]) -> Any:
+        return pytree.tree_unflatten(list(leaves), self.out_spec)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # objects without a boolean __eq__
+        return a is b
+
+
+# -- flat root -----------------------------------------------------------------------------
+def _key_str(k: Any) -> str:
+    for attr in ("idx", "key", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _input_names(model: nn.Module, paths: list[tuple]) -> list[str]:
+    """Readable placeholder names from the forward signature (``x``, ``mask``, ``x_0``)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    pos = [p.name for p in params if p.kind in kinds]
+    var = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "arg")
+    names: list[str] = []
+    for path in paths:
+        top, first, rest = _key_str(path[0]), path[1], path[2:]
+        if top == "0":
+            i = int(_key_str(first))
+            base = pos[i] if i < len(pos) else f"{var}_{i}"
+        else:
+            base = _key_str(first)
+        base = "_".join([base, *(_key_str(k) for k in rest)])
+        name = re.sub(r"\W", "_", base) or "arg"
+        if name[0].isdigit() or keyword.iskeyword(name) or name in ("self", "_fxpipe_impl"):
+            name = "_" + name
+        while name in names:
+            name += "_"
+        names.append(name)
+    return names
+
+
+def _flat_root(model: nn.Module, names: list[str], in_spec: pytree.TreeSpec,
+               consts: dict[int, Any], out_specs: list[pytree.TreeSpec]) -> nn.Module:
+    """A module that *is* the model for fx/export purposes but takes flat inputs.
+
+    It shares the model's ``_parameters/_buffers/_modules`` dicts, so qualified names and
+    objects are the model's own; its generated ``forward(self, x, mask, ...)`` gives the
+    placeholders readable names and calls the model's real forward (bound to the model).
+    Non-tensor leaves are replaced by their sample values (specialisation).
+    """
+    def impl(flat: list[Any]) -> tuple[Any, ...]:
+        leaves = [consts[i] if i in consts else v for i, v in enumerate(flat)]
+        args, kwargs = pytree.tree_unflatten(leaves, in_spec)
+        out_leaves, spec = flatten_output(model.forward(*args, **kwargs))
+        out_specs.append(spec)
+        return tuple(out_leaves)
+
+    src = f"def forward(self, {', '.join(names)}):\n    return _fxpipe_impl([{', '.join(names)}])\n"
+    ns: dict[str, Any] = {"_fxpipe_impl": impl}
+    exec(compile(src, "<fxpipe-flat-forward>", "exec"), ns)
+    cls = type(type(model).__name__, (nn.Module,), {"forward": ns["forward"]})
+    root = cls()
+    for attr in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+        root.__dict__[attr] = model.__dict__[attr]
+    root.__dict__["training"] = model.training
+    return root
+
+
+# -- fx ------------------------------------------------------------------------------------
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _is_standard_layer(m: nn.Module) -> bool:
+    mod = type(m).__module__
+    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(m, _CONTAINERS)
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer with fxpipe's leaf policy and module-path bookkeeping."""
+
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: set[str]) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self.leaf_types, self.leaf_names = leaf_types, leaf_names
+        self.stack: list[str] = [""]
+        self.failure_stack: list[str] | None = None
+        self.opaque: list[str] = []  # non-standard leaves actually used
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.leaf_names or isinstance(m, self.leaf_types):
+            if qualname not in self.opaque:
+                self.opaque.append(qualname)
+            return True
+        return _is_standard_layer(m)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        self.stack.append(self.path_of_module(m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failure_stack is None:  # innermost frame records first
+                self.failure_stack = list(self.stack)
+            raise
+        finally:
+            self.stack.pop()
+
+    def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
+        # keep only the model's frames: drop torch, fxpipe and the generated flat forward
+        kept = [f for f in super()._filter_traceback_frames(summary) if not _internal_file(f.filename)]
+        return traceback.StackSummary.from_list(kept)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta["fxpipe_module"] = self.stack[-1]
+        return node
+
+
+def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
+              leaf_names: set[str]) -> tuple[fx.Graph, list[str], list[_Failure]] | _Failure:
+    auto: list[_Failure] = []
+    for _ in range(_MAX_RETRIES):
+        tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
+        try:
+            graph = tracer.trace(root)
+            return graph, tracer.opaque, auto
+        except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
+            stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
+            if not stack:
+                return _Failure("", e, [f.module for f in auto])
+            auto.append(_Failure(stack[-1], e))
+    return _Failure(auto[-1].module, auto[-1].error, [f.module for f in auto[:-1]])
+
+
+# -- errors --------------------------------------------------------------------------------
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_STDLIB_DIR = os.path.dirname(os.__file__)
+
+
+def _internal_file(filename: str) -> bool:
+    fn = os.path.abspath(filename)
+    return (filename.startswith("<") or fn.startswith(_TORCH_DIR) or fn.startswith(_PKG_DIR)
+            or (fn.startswith(_STDLIB_DIR) and "site-packages" not in fn))
+
+
+def _user_frame(exc: BaseException) -> str:
+    """'file:line: code' of the innermost frame outside torch, fxpipe and the stdlib."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+            if _internal_file(fr.filename):
+                continue
+            return f"{fr.filename}:{fr.lineno}: {(fr.line or '').strip()}"
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return ""
+
+
+_REASONS = [
+    ("cannot be used as inputs to control flow", "data-dependent control flow: a tensor was used as a Python bool"),
+    ("data-dependent", "data-dependent control flow: a value computed from tensor data decides the Python code path"),
+    ("guard on", "data-dependent control flow: a value computed from tensor data decides the Python code path"),
+    ("cannot be iterated", "iteration over a traced tensor (for-loop / unpacking of unknown length)"),
+    ("'len' is not supported", "len() of a traced tensor"),
+    ("in output, which is not a known type", "the model returns an object that is neither a tensor nor a pytree "
+     "container (for transformers models pass use_cache=False / return_dict outputs without caches)"),
+    ("co_varnames is too small", "torch.fx cannot trace a forward with **kwargs on this Python version"),
+]
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    for needle, reason in _REASONS:
+        if needle in text:
+            return reason
+    return f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
+
+
+def _describe(model: nn.Module, path: str) -> str:
+    try:
+        cls = type(model.get_submodule(path))
+    except AttributeError:
+        cls = type(model)
+    return f"'{path}' ({cls.__module__}.{cls.__qualname__})" if path else f"the root module ({type(model).__qualname__})"
+
+
+def _trace_error(model: nn.Module, fx_fail: _Failure, ex_fail: _Failure | None) -> TraceError:
+    e = fx_fail.error
+    loc = _user_frame(e) or (_user_frame(ex_fail.error) if ex_fail else "")
+    reason = _reason(e)
+    if fx_fail.module:
+        todo = f"pass leaf_modules=['{fx_fail.module}'] to keep it opaque (it then runs eagerly inside one stage)"
+    else:
+        todo = ("the failing code is in the root forward, which cannot be opaque: move it into a submodule "
+                "and pass leaf_modules=['<that submodule>'], or avoid Python control flow on tensor values "
+                "(e.g. torch.where)")
+    lines = [f"fxpipe could not capture {type(model).__qualname__} (torch.fx and torch.export both failed).",
+             f"  module:   {_describe(model, fx_fail.module)}",
+             f"  location: {loc or 'unknown'}",
+             f"  reason:   {reason}"]
+    if ex_fail is not None:
+        lines.append(f"  torch.export: {_reason(ex_fail.error)}")
+    if fx_fail.auto:
+        lines.append(f"  already kept opaque automatically: {fx_fail.auto}")
+    lines.append(f"What to do: {todo}.")
+    return TraceError("\n".join(lines), module=fx_fail.module, location=loc, reason=reason)
+
+
+# -- entry point ---------------------------------------------------------------------------
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
+            leaf_modules: Iterable[type | str] = ()) -> Capture:
+    """Capture ``model(*args, **kwargs)`` as a flat GraphModule sharing the model's state.
+
+    ``leaf_modules``: module classes or qualified names to keep opaque (``call_module``).
+    Raises :class:`TraceError` when neither torch.fx nor torch.export can capture the model.
+    """
+    args, kwargs = tuple(args), dict(kwargs or {})
+    leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
+    leaf_names = {x for x in leaf_modules if isinstance(x, str)}
+    flat_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
+    flat = [v for _, v in flat_with_path]
+    names = _input_names(model, [p for p, _ in flat_with_path])
+    specialized = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+    out_specs: list[pytree.TreeSpec] = []
+    root = _flat_root(model, names, in_spec, specialized, out_specs)
+
+    fx_res = _trace_fx(model, root, leaf_types, leaf_names)
+    if not isinstance(fx_res, _Failure):
+        graph, opaque, auto = fx_res
+        fx_out_spec = out_specs[-1]
+        if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
+            return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
+    ex_res = export_graph(model, root, flat, names)
+    if not isinstance(ex_res, _Failure):
+        graph, table = ex_res
+        gm = fx.GraphModule(table, graph, class_name=type(model).__name__)
+        gm.training = model.training
+        return Capture(gm, in_spec, out_specs[-1], "export", specialized, [])
+    if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
+        return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
+    raise _trace_error(model, fx_res, ex_res) from fx_res.error
+
+
+def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytree.TreeSpec,
+               out_spec: pytree.TreeSpec, specialized: dict[int, object], opaque: list[str], auto: list[_Failure]) -> Capture:
+    for f in auto:
+        warnings.warn(f"fxpipe: {_describe(model, f.module)} could not be traced by torch.fx "
+                      f"({_reason(f.error)} at {_user_frame(f.error) or '?'}); kept opaque", stacklevel=3)
+    # root, not model: fx stores untracked tensor constants (_tensor_constant0) on the root
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    gm.training = model.training
+    return Capture(gm, in_spec, out_spec, "fx", specialized, list(opaque))
+
+
+def _opaque_share(model: nn.Module, names: list[str]) -> float:
+    total = sum(p.numel() for p in model.parameters()) or 1
+    seen: set[int] = set()
+    n = 0
+    for name in names:
+        for p in model.get_submodule(name).parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+    return n / total
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphModule:
+    """Rewrite literal ``device=`` kwargs (factory ops in export graphs) to ``device``.
+
+    fx graphs compute devices from their inputs; export graphs bake in the sample's device.
+    """
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device):
+            n.kwargs = {**n.kwargs, "device": torch.device(device)}
+    gm.recompile()
+    return gm

@@ -1,0 +1,221 @@
+"""Per-node cost of a captured graph: time (forward + backward), activation and parameter bytes.
+
+Why per node and on real inputs: the partitioner balances stages by the *sum* of node
+costs, so each node is timed in isolation with the tensors it really receives on the sample
+(an fx Interpreter runs the graph once and feeds every node its actual inputs). Backward is
+timed with ``torch.autograd.grad`` so nothing accumulates into the model's ``.grad``; buffers
+(BatchNorm running stats) and the RNG state are restored afterwards, so profiling leaves
+the model exactly as it found it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+__all__ = ["NodeCost", "profile_graph", "count_params_only", "tensor_bytes", "shape_str"]
+
+_COMPUTE_OPS = ("call_module", "call_function", "call_method")
+# a node is re-run only while its runs so far took less than this (a single slow, e.g.
+# pre-empted, run still gets company; an expensive node runs once)
+_NODE_BUDGET_S = 0.1
+# after this long, remaining nodes are timed once: keeps big models' profiles to seconds
+_TOTAL_BUDGET_S = 10.0
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one graph node costs. ``cost`` is seconds (fwd + bwd) from :func:`profile_graph`
+    or a parameter count from :func:`count_params_only`."""
+
+    cost: float
+    out_bytes: int
+    param_bytes: int
+    shape: str
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of all tensors in ``value`` (nested tuples/lists/dicts); 0 for symbolic sizes."""
+    total = 0
+    for t in pytree.tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            try:
+                total += int(t.numel()) * t.element_size()
+            except Exception:  # noqa: BLE001 - fake tensor with an unbacked symbolic size
+                pass
+    return total
+
+
+def shape_str(value: Any) -> str:
+    """``8x3x32x32`` for a tensor, ``(8x16, 8x16)`` for a tuple, ``()`` for a 0-dim tensor."""
+    if isinstance(value, torch.Tensor):
+        return "x".join(str(s) for s in value.shape) or "()"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(shape_str(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {shape_str(v)}" for k, v in value.items()) + "}"
+    return "None" if value is None else type(value).__name__
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _param_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
+    """Bytes of a call_module's parameters and buffers, or of a get_attr's tensor."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        return tensor_bytes(list(mod.parameters()) + list(mod.buffers()))
+    if node.op == "get_attr":
+        return tensor_bytes(_attr(gm, node.target))
+    return 0
+
+
+def _param_count(gm: fx.GraphModule, node: fx.Node) -> float:
+    """Number of parameters a node owns (its module's, or the Parameter it fetches)."""
+    if node.op == "call_module":
+        return float(sum(p.numel() for p in gm.get_submodule(node.target).parameters()))
+    if node.op == "get_attr":
+        obj = _attr(gm, node.target)
+        return float(obj.numel()) if isinstance(obj, torch.nn.Parameter) else 0.0
+    return 0.0
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Sequence[torch.Tensor],
+                  repeat: int, device: torch.device | None) -> float:
+    """Median seconds of forward + backward of one node; forward only if it cannot backward."""
+    times: list[float] = []
+    for _ in range(max(1, repeat)):
+        leaves: list[torch.Tensor] = []
+
+        def prep(t: Any) -> Any:  # fresh non-leaf copy: in-place ops are safe, grads go to `leaves`
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                leaf = t.detach().requires_grad_()
+                leaves.append(leaf)
+                return leaf.clone()
+            return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+        a, k = pytree.tree_map(prep, (args, kwargs))
+        wrt = leaves + [p for p in params if p.requires_grad]
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            out = run(*a, **k)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs and wrt:
+            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        if sum(times) > _NODE_BUDGET_S:
+            break
+    return max(statistics.median(times), 1e-9)
+
+
+class _Profiler(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, repeat: int, device: torch.device | None, timed: bool) -> None:
+        super().__init__(gm)
+        self.repeat, self.device, self.timed = repeat, device, timed
+        self.costs: dict[str, NodeCost] = {}
+        self.deadline = time.perf_counter() + _TOTAL_BUDGET_S
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if not self.timed:
+            cost = _param_count(self.module, n)
+        else:
+            cost = self._time(n) if n.op in _COMPUTE_OPS else 0.0
+        self.costs[n.name] = NodeCost(cost, tensor_bytes(out), _param_bytes(self.module, n), shape_str(out))
+        return out
+
+    def _time(self, n: fx.Node) -> float:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        params: list[torch.Tensor] = []
+        if n.op == "call_module":
+            params = list(self.module.get_submodule(n.target).parameters())
+        run = getattr(self, n.op)
+
+        def call(*a: Any, **k: Any) -> Any:
+            return run(n.target, a, k)
+
+        repeat = self.repeat if time.perf_counter() < self.deadline else 1
+        try:
+            return _time_fwd_bwd(call, args, kwargs, params, repeat, self.device)
+        except RuntimeError:  # e.g. an op without a derivative: time the forward alone
+            with torch.no_grad():
+                return _time_fwd_bwd(call, args, kwargs, [], repeat, self.device)
+
+
+def _warm_up(gm: fx.GraphModule, inputs: list[Any]) -> None:
+    """One whole forward + backward first, so one-time kernel/allocator set-up is not billed
+    to whichever node happens to run first."""
+    with torch.enable_grad():
+        outs = [o for o in pytree.tree_leaves(gm(*inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        params = [p for p in gm.parameters() if p.requires_grad]
+        if outs and params:
+            torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
+
+
+def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: torch.device | str | None,
+         timed: bool) -> dict[str, NodeCost]:
+    dev = torch.device(device) if device is not None else None
+    inputs = [x.to(dev) if dev is not None and isinstance(x, torch.Tensor) else x for x in flat_inputs]
+    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    prof = _Profiler(gm, repeat, dev, timed)
+    try:
+        if timed:
+            _warm_up(gm, inputs)
+        with torch.no_grad():
+            prof.run(*inputs)
+    finally:  # leave BatchNorm statistics and randomness as they were
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return prof.costs
+
+
+def profile_graph(gm: fx.GraphModule, flat_inputs: Sequence[Any], *, repeat: int = 3,
+                  device: torch.device | str | None = None) -> dict[str, NodeCost]:
+    """Time every compute node of ``gm`` (forward + backward, median of ``repeat``).
+
+    ``flat_inputs`` are the graph's placeholders' values (``Capture.flatten_inputs``). With
+    ``device`` the inputs are moved there and CUDA is synchronised around each timing; the
+    graph's parameters must already live on that device. Non-compute nodes cost 0.
+    """
+    return _run(gm, flat_inputs, repeat, device, timed=True)
+
+
+def count_params_only(gm: fx.GraphModule, flat_inputs: Sequence[Any] | None = None) -> dict[str, NodeCost]:
+    """Deterministic costs for ``balance_by='params'``: cost = number of parameters a node owns.
+
+    call_module nodes own their module's parameters, get_attr nodes the Parameter they
+    fetch. With ``flat_inputs`` the graph runs once (untimed) to fill ``out_bytes`` and
+    ``shape``; without, they come from ``node.meta['val']`` (export graphs) or are 0 / ''.
+    """
+    if flat_inputs is not None:
+        return _run(gm, flat_inputs, 1, None, timed=False)
+    costs: dict[str, NodeCost] = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        costs[n.name] = NodeCost(_param_count(gm, n), tensor_bytes(val) if val is not None else 0,
+                                 _param_bytes(gm, n), shape_str(val) if val is not None else "")
+    return costs

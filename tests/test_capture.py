@@ -1,0 +1,302 @@
+"""capture(): contract of the flat GraphModule, fallbacks and error messages."""
+
+from __future__ import annotations
+
+import copy
+import operator
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxpipe.capture import Capture, TraceError, capture, flatten_output, retarget_devices
+try:
+    import zoo  # tests/ on sys.path (pytest rootdir-less layout)
+except ImportError:  # pragma: no cover - tests imported as a package
+    from tests import zoo
+
+
+def _float_leaves(out: object) -> list[torch.Tensor]:
+    return [t for t in flatten_output(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _loss(out: object) -> torch.Tensor:
+    return sum((t.double() ** 2).mean() for t in _float_leaves(out))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_matches_eager(model: nn.Module, args: tuple, kwargs: dict, c: Capture, seed: int = 0) -> None:
+    """Captured graph == eager model: outputs (via out_spec), grads, buffers."""
+    ref_model = copy.deepcopy(model)
+    flat = c.flatten_inputs(args, kwargs)
+    torch.manual_seed(seed)
+    out = c.unflatten_output(c.graph_module(*flat))
+    torch.manual_seed(seed)
+    ref = ref_model(*args, **kwargs)
+    assert type(out) is type(ref)
+    got_leaves, got_spec = flatten_output(out)
+    ref_leaves, ref_spec = flatten_output(ref)
+    assert got_spec == ref_spec
+    for a, b in zip(got_leaves, ref_leaves):
+        torch.testing.assert_close(a, b)
+    _loss(out).backward()
+    _loss(ref).backward()
+    got, want = _grads(model), _grads(ref_model)
+    assert got.keys() == want.keys() and got, "no gradient reached the model's parameters"
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    for (name, a), (_, b) in zip(model.named_buffers(), ref_model.named_buffers()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def check_shares_state(model: nn.Module, c: Capture) -> None:
+    gm = c.graph_module
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            assert gm.get_submodule(node.target) is model.get_submodule(node.target)
+        elif node.op == "get_attr":
+            try:
+                want = model.get_parameter(node.target)
+            except AttributeError:
+                want = model.get_buffer(node.target)
+            assert getattr_path(gm, node.target) is want
+    assert {id(p) for p in gm.parameters()} <= {id(p) for p in model.parameters()}
+
+
+def getattr_path(obj: object, target: str) -> object:
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_meta(c: Capture) -> None:
+    nodes = list(c.graph_module.graph.nodes)
+    assert all("fxpipe_module" in n.meta for n in nodes)
+    compute = [n for n in nodes if n.op in ("call_module", "call_function", "call_method")]
+    assert compute and all(n.meta.get("stack_trace") for n in compute)
+    out = nodes[-1]
+    assert out.op == "output" and isinstance(out.args[0], tuple)
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_zoo_captures_with_fx_and_matches_eager(name: str) -> None:
+    model, args, kwargs = zoo.ZOO[name](seed=1)
+    model.train()
+    c = capture(model, args, kwargs)
+    assert c.method == "fx" and c.leaves == []
+    phs = [n for n in c.graph_module.graph.nodes if n.op == "placeholder"]
+    assert len(phs) == len(pytree.tree_flatten((args, kwargs))[0])
+    check_shares_state(model, c)
+    check_meta(c)
+    check_matches_eager(model, args, kwargs, c)
+
+
+def test_parameter_identity_and_tied_weights() -> None:
+    model, args, _ = zoo.gpt_tied()
+    gm = capture(model, args).graph_module
+    assert model.head.weight is model.tok.weight
+    assert gm.get_submodule("head").weight is gm.get_submodule("tok").weight is model.tok.weight
+    assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_placeholders_names_and_specialisation() -> None:
+    model, args, kwargs = zoo.kwargs_dict_model()
+    c = capture(model, args, kwargs)
+    assert [n.name for n in c.graph_module.graph.nodes if n.op == "placeholder"] == ["x", "mask", "scale"]
+    assert c.specialized == {2: 0.5}
+    with pytest.raises(ValueError, match="specialised"):
+        c.flatten_inputs(args, {**kwargs, "scale": 2.0})
+    out = c.unflatten_output(c.graph_module(*c.flatten_inputs(args, kwargs)))
+    assert set(out) == {"hidden", "out"}
+
+
+def test_dataclass_output_round_trips() -> None:
+    model, args, _ = zoo.dataclass_output_model()
+    c = capture(model, args)
+    out = c.unflatten_output(c.graph_module(*args))
+    assert isinstance(out, zoo.DataclassOut) and isinstance(out.extra, tuple)
+    torch.testing.assert_close(out.logits, model(*args).logits)
+    # nothing registered globally: the user's dataclass is still a pytree leaf
+    assert len(pytree.tree_flatten(out)[0]) == 1
+
+
+def test_leaf_policy_and_module_meta() -> None:
+    model, args, _ = zoo.resnet_like()
+    gm = capture(model, args).graph_module
+    calls = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    assert {"stem.0", "layer1.0.conv1", "layer1.0.bn1", "layer2.0.down.0", "fc"} <= calls
+    assert not any(isinstance(model.get_submodule(t), zoo.BasicBlock) for t in calls)
+    add = next(n for n in gm.graph.nodes if n.target is operator.add and n.meta["fxpipe_module"] == "layer1.1")
+    assert "zoo.py" in add.meta["stack_trace"] and "out + identity" in add.meta["stack_trace"]
+    assert next(n for n in gm.graph.nodes if n.target == "layer1.0.conv1").meta["fxpipe_module"] == "layer1.0.conv1"
+
+
+def test_user_leaf_modules_by_class_and_name() -> None:
+    model, args, _ = zoo.gpt_tied()
+    c = capture(model, args, leaf_modules=[zoo.GPTBlock])
+    assert c.leaves == ["blocks.0", "blocks.1", "blocks.2"]
+    calls = [n.target for n in c.graph_module.graph.nodes if n.op == "call_module"]
+    assert "blocks.1" in calls and "blocks.1.attn.qkv" not in calls
+    c = capture(model, args, leaf_modules=["blocks.1.attn"])
+    assert c.leaves == ["blocks.1.attn"]
+    calls = [n.target for n in c.graph_module.graph.nodes if n.op == "call_module"]
+    assert "blocks.1.attn" in calls and "blocks.0.attn.qkv" in calls
+    check_matches_eager(model, args, {}, c)
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: fx cannot trace this
+            return self.lin(x)
+        return -self.lin(x)
+
+
+class WithGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 4))
+        self.inner = nn.Sequential(nn.Linear(4, 4), Gate())
+        self.post = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.inner(self.pre(x)))
+
+
+def test_untraceable_submodule_falls_back_to_leaf() -> None:
+    torch.manual_seed(0)
+    model = WithGate()
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=r"'inner\.1'.*data-dependent control flow"):
+        c = capture(model, (x,))
+    assert c.method == "fx" and c.leaves == ["inner.1"]
+    assert "inner.1" in [n.target for n in c.graph_module.graph.nodes if n.op == "call_module"]
+    for sign in (1.0, -1.0):  # both branches run eagerly inside the leaf
+        torch.testing.assert_close(c.graph_module(sign * x)[0], model(sign * x))
+    check_matches_eager(model, (x,), {}, c)
+
+
+class RootBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum() > 0:
+            return y
+        return -y
+
+
+def test_root_data_dependent_control_flow_raises_trace_error() -> None:
+    with pytest.raises(TraceError) as info:
+        capture(RootBranch(), (torch.randn(2, 4),))
+    msg = str(info.value)
+    assert isinstance(info.value, RuntimeError) and info.value.__cause__ is not None
+    assert "RootBranch" in msg and "data-dependent control flow" in msg
+    assert "test_capture.py" in msg and "if y.sum() > 0:" in msg and "leaf_modules" in msg
+    assert info.value.module == "" and "if y.sum() > 0" in info.value.location
+
+
+class IterateGate(nn.Module):
+    """Root iterates over the opaque Gate's output: fx fails at the root after leafing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([row * 2 for row in self.gate(x)])
+
+
+def test_trace_error_mentions_automatic_leaves() -> None:
+    with pytest.raises(TraceError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        capture(IterateGate(), (torch.randn(2, 4),))
+    msg = str(info.value)
+    assert "IterateGate" in msg and "['gate']" in msg and "leaf_modules" in msg
+    assert "for row in self.gate(x)" in msg
+
+
+class FactoryRoot(nn.Module):
+    """``torch.ones(n, 8)`` with a traced size at the root: torch.fx refuses, export handles it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        h = self.bn(F.relu(self.fc(x))) * scale + torch.ones(x.size(0), 8, device=x.device)
+        return {"y": self.out(h), "h": h}
+
+
+def test_export_fallback_meets_contract() -> None:
+    torch.manual_seed(0)
+    model = FactoryRoot().train()
+    x = torch.randn(6, 4)
+    c = capture(model, (x, 2.0))
+    assert c.method == "export" and c.specialized == {1: 2.0}
+    gm = c.graph_module
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "scale"]
+    check_shares_state(model, c)
+    check_meta(c)
+    assert {n.meta["fxpipe_module"] for n in gm.graph.nodes} >= {"fc", "bn", "out"}
+    check_matches_eager(model, (x, 2.0), {}, c)  # includes BN running stats and grads
+    # dynamic batch: a micro-batch of a different size runs on the same graph. (Export
+    # bakes in the training mode of capture time, so compare in train mode.)
+    ref = copy.deepcopy(model)
+    torch.testing.assert_close(c.unflatten_output(gm(x[:2], 2.0))["y"], ref(x[:2], 2.0)["y"])
+    retarget_devices(gm, "cpu")
+
+
+# -- HF transformers (tiny random configs, no downloads) -----------------------------------
+def _hf_check(model: nn.Module, vocab: int) -> Capture:
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (4, 12), generator=g)
+    mask = torch.ones(4, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = capture(model, (ids,), {"attention_mask": mask})
+    assert c.method in ("fx", "export")
+    check_shares_state(model, c)
+    check_meta(c)
+    check_matches_eager(model, (ids,), {"attention_mask": mask}, c)
+    small = c.unflatten_output(c.graph_module(ids[:2], mask[:2]))  # micro-batch
+    torch.testing.assert_close(small[0], model(ids[:2], attention_mask=mask[:2])[0])
+    return c
+
+
+def test_hf_gpt2_tiny() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    c = _hf_check(model, 100)
+    assert type(c.unflatten_output(c.graph_module(*c.flatten_inputs(*_ids_mask(100))))).__name__.startswith("CausalLM")
+
+
+def _ids_mask(vocab: int) -> tuple[tuple, dict]:
+    ids = torch.randint(0, vocab, (4, 12))
+    return (ids,), {"attention_mask": torch.ones(4, 12, dtype=torch.long)}
+
+
+def test_hf_bert_tiny() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, vocab_size=100, max_position_embeddings=32)
+    torch.manual_seed(0)
+    _hf_check(transformers.BertModel(cfg), 100)
