@@ -96,12 +96,22 @@ def flatten_output(out: Any) -> tuple[list[Any], pytree.TreeSpec]:
 # -- result --------------------------------------------------------------------------------
 @dataclass
 class Capture:
-    """A captured model: flat GraphModule plus the specs to rebuild user structures."""
+    """A captured model: flat GraphModule plus the specs to rebuild user structures.
+
+    - ``graph_module``: one placeholder per leaf of ``tree_flatten((args, kwargs))``, output
+      a flat tuple of output leaves; parameters/submodules are the model's own objects.
+    - ``in_spec`` / ``out_spec``: pytree specs of ``(args, kwargs)`` and of the output.
+    - ``method``: ``'fx'`` or ``'export'``.
+    - ``specialized``: flat input index -> the non-tensor sample value baked into the graph
+      (its placeholder is unused); :meth:`flatten_inputs` checks later calls against it.
+    - ``leaves``: qualified names kept opaque besides standard torch.nn layers (user
+      ``leaf_modules`` and automatic fallbacks); always empty for ``'export'``.
+    """
 
     graph_module: fx.GraphModule
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
-    method: str  # 'fx' or 'export'
+    method: str
     specialized: dict[int, object] = field(default_factory=dict)
     leaves: list[str] = field(default_factory=list)
 
@@ -335,11 +345,18 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     """Capture ``model(*args, **kwargs)`` as a flat GraphModule sharing the model's state.
 
     ``leaf_modules``: module classes or qualified names to keep opaque (``call_module``).
+    Non-tensor inputs are specialised (see :attr:`Capture.specialized`). Python-level
+    decisions taken at capture time stay baked in: ``self.training`` read inside a traced
+    forward (fx), and the whole training mode for ``'export'`` graphs (aten ops carry it).
+    Export graphs also carry the sample's device in factory ops: see :func:`retarget_devices`.
     Raises :class:`TraceError` when neither torch.fx nor torch.export can capture the model.
     """
     args, kwargs = tuple(args), dict(kwargs or {})
     leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
     leaf_names = {x for x in leaf_modules if isinstance(x, str)}
+    known = {name for name, _ in model.named_modules()}
+    if leaf_names - known:
+        raise ValueError(f"leaf_modules: {sorted(leaf_names - known)} are not submodules of {type(model).__name__}")
     flat_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     flat = [v for _, v in flat_with_path]
     names = _input_names(model, [p for p, _ in flat_with_path])

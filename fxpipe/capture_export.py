@@ -45,7 +45,8 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any],
     dyn = tuple({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() else None for v in flat)
     ep, err = None, None
     quiet = logging.getLogger("torch")
-    level, quiet.level = quiet.level, logging.CRITICAL  # export logs/prints failed graphs at length
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # export logs/prints failed graphs at length
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             for shapes in (dyn, None):  # dynamic batch first: micro-batches are smaller than the sample

@@ -143,6 +143,8 @@ def test_user_leaf_modules_by_class_and_name() -> None:
     assert c.leaves == ["blocks.0", "blocks.1", "blocks.2"]
     calls = [n.target for n in c.graph_module.graph.nodes if n.op == "call_module"]
     assert "blocks.1" in calls and "blocks.1.attn.qkv" not in calls
+    with pytest.raises(ValueError, match="blocks.9"):
+        capture(model, args, leaf_modules=["blocks.9"])
     c = capture(model, args, leaf_modules=["blocks.1.attn"])
     assert c.leaves == ["blocks.1.attn"]
     calls = [n.target for n in c.graph_module.graph.nodes if n.op == "call_module"]
@@ -300,3 +302,23 @@ def test_hf_bert_tiny() -> None:
                                   intermediate_size=64, vocab_size=100, max_position_embeddings=32)
     torch.manual_seed(0)
     _hf_check(transformers.BertModel(cfg), 100)
+
+
+class NestedInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor], extra: dict, flag: bool = False) -> torch.Tensor:
+        y = self.lin(pair[0]) + pair[1] * extra["w"]
+        return y.relu() if flag else y  # Python control flow on a non-tensor input: specialised
+
+
+def test_nested_inputs_get_one_named_placeholder_per_leaf() -> None:
+    model = NestedInputs()
+    args = ((torch.randn(2, 4), torch.randn(2, 4)), {"w": torch.randn(4), "n": 3})
+    c = capture(model, args, {"flag": True})
+    names = [n.name for n in c.graph_module.graph.nodes if n.op == "placeholder"]
+    assert names == ["pair_0", "pair_1", "extra_w", "extra_n", "flag"]
+    assert c.specialized == {3: 3, 4: True}
+    check_matches_eager(model, args, {"flag": True}, c)
