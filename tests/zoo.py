@@ -237,10 +237,11 @@ class DropoutModel(nn.Module):
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 4)
-        self.drop = nn.Dropout(p)
+        # modules, not F.dropout(..., self.training): a traced graph then follows .train()/.eval()
+        self.drop, self.drop2 = nn.Dropout(p), nn.Dropout(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.dropout(self.drop(F.relu(self.fc1(x))), 0.1, self.training))
+        return self.fc2(self.drop2(self.drop(F.relu(self.fc1(x)))))
 
 
 def dropout_model(seed: int = 0, batch: int = 8) -> Sample:
