@@ -132,10 +132,12 @@ class Pipeline:
         n = len(self.partitions)
         streams = [current_stream(d) for d in self.devices]
         workers = self.workers
+        marks = {}
         for i, j in schedule:
             batch = batches[i]
             if j != 0:
                 wait(batch, copy_streams[j][i], streams[j])
+            marks[i] = timeline.mark_backward(batch, j, i, self.devices[j])
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
                 chk = Checkpointing(function, batch, self.devices[j])
@@ -161,6 +163,7 @@ class Pipeline:
                 wait(batch, streams[j], copy_streams[j][i])
             with use_device(self.devices[j]):
                 task.finalize(batch)
+            timeline.close_backward(batch, marks[i])
             batches[i] = batch
 
 

@@ -12,13 +12,17 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Generator, List, Optional
+from typing import TYPE_CHECKING, Generator, List, Optional
 
 import torch
 
 from .checkpoint import is_recomputing
+from .phony import get_phony
 
-__all__ = ["Span", "Recorder", "span", "compute_span", "active"]
+if TYPE_CHECKING:
+    from .microbatch import Batch
+
+__all__ = ["Span", "Recorder", "span", "compute_span", "active", "mark_backward", "close_backward"]
 
 
 @dataclass
@@ -89,3 +93,57 @@ def compute_span(partition: int, microbatch: int, device: torch.device) -> Gener
         return
     with span("recompute" if is_recomputing() else "forward", partition, microbatch, device):
         yield
+
+
+class _BackwardEnter(torch.autograd.Function):
+    """Identity; its backward marks the moment a partition's output gradient arrives."""
+
+    @staticmethod
+    def forward(ctx, marks: dict, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.marks = marks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.marks.setdefault("start", time.perf_counter())
+        return None, grad
+
+
+class _BackwardExit(torch.autograd.Function):
+    """Identity; its backward closes the backward span at the partition's input."""
+
+    @staticmethod
+    def forward(ctx, marks: dict, recorder: Recorder, key: tuple, x: torch.Tensor, phony: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.marks, ctx.recorder, ctx.key = marks, recorder, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        partition, microbatch, device = ctx.key
+        _sync(torch.device(device))
+        end = time.perf_counter()
+        start = ctx.marks.get("start", end)
+        ctx.recorder.add(Span("backward", partition, microbatch, device, start, end, threading.current_thread().name))
+        return None, None, None, grad, None
+
+
+def mark_backward(batch_in: "Batch", partition: int, microbatch: int, device: torch.device) -> Optional[dict]:
+    """Marks a task's input for a backward span; returns the marks to close on its output."""
+    recorder = _active
+    if recorder is None or not torch.is_grad_enabled():
+        return None
+    anchor = batch_in.anchor()
+    marks: dict = {}
+    if anchor is not None:
+        # The phony makes the span close even where the input itself needs no grad.
+        phony = get_phony(batch_in[anchor].device, requires_grad=True)
+        batch_in[anchor] = _BackwardExit.apply(marks, recorder, (partition, microbatch, str(device)), batch_in[anchor], phony)
+    return marks
+
+
+def close_backward(batch_out: "Batch", marks: Optional[dict]) -> None:
+    if marks is None:
+        return
+    anchor = batch_out.anchor()
+    if anchor is not None and batch_out[anchor].requires_grad:
+        batch_out[anchor] = _BackwardEnter.apply(marks, batch_out[anchor])

@@ -1,0 +1,193 @@
+"""``fxpipe.pipeline``: trace any ``nn.Module``, balance it, portal its long edges, run it.
+
+The data path is the one in ARCHITECTURE.md: capture -> profile -> OpGraph -> partition ->
+Plan -> emit -> runtime. Each step is a plain value kept on the returned :class:`Pipeline`
+(``capture``, ``plan``, ``stages``) so it can be printed, saved and tested on its own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from .capture import Capture, capture
+from .emit import Stages, emit_stages
+from .gpipe import CHECKPOINT_MODES, checkpoint_stop
+from .placement import place_stages
+from .planning import BALANCE_BY, make_plan
+from .plan import Plan
+from .runtime import microbatch
+from .runtime.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from .runtime.microbatch import Batch
+from .runtime.pipeline import Pipeline as Runtime
+from .skip.layout import SkipLayout
+
+__all__ = ["pipeline", "Pipeline"]
+
+Device = Union[torch.device, int, str]
+
+
+def _default_devices(n_stages: int) -> List[torch.device]:
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", i % count) for i in range(n_stages)]
+    return [torch.device("cpu")] * n_stages
+
+
+def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, balance_by: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(n_stages, int) or isinstance(n_stages, bool) or n_stages < 1:
+        raise ValueError(f"n_stages must be a positive integer, got n_stages={n_stages!r}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got chunks={chunks!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
+    if balance_by not in BALANCE_BY:
+        raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
+
+
+class Pipeline(nn.Module):
+    """A model run as a GPipe pipeline of generated stages.
+
+    Call it like the model: ``pipe(*args, **kwargs)`` returns the model's output structure.
+    The stages share the model's own parameters and buffers, so training the pipeline trains
+    the model; ``state_dict()`` has the model's keys.
+
+    Attributes:
+        module: the model.
+        stages: one ``torch.fx.GraphModule`` per stage (readable ``.code``).
+        plan: the :class:`~fxpipe.plan.Plan` (print it; ``plan.save(path)`` to reuse it).
+        devices, chunks, checkpoint: as given.
+    """
+
+    def __init__(
+        self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages,
+        devices: List[torch.device], chunks: int, checkpoint: str, deferred_batch_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self.capture = captured
+        self.plan = plan
+        self.emitted = stages
+        self.devices = devices
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self._deferred = convert_deferred_batch_norm(model) if deferred_batch_norm else []
+        layout = SkipLayout.from_names(len(stages), stages.skip_routes)
+        self._runtime = Runtime(list(stages.modules), devices, skip_layout=layout, spread=True)
+
+    @property
+    def stages(self) -> List[torch.fx.GraphModule]:
+        return list(self.emitted.modules)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.emitted)
+
+    def stage_code(self, k: int) -> str:
+        """Readable code of stage ``k``, with the original source lines as comments."""
+        return self.emitted.stage_code(k)
+
+    # The model's keys, not prefixed by "module.".
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the parameters the stages hold; use assign=False")
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
+        micro, _ = microbatch.scatter_tree(args, kwargs, self.chunks)
+        first = self.devices[0]
+        batches = [
+            Batch(tuple(x.to(first, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in leaves), atomic=False)
+            for leaves in micro
+        ]
+        stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
+        self._runtime.run(batches, stop)
+        if self.training and torch.is_grad_enabled():
+            commit_deferred_batch_norm(self._deferred)
+        names = self.emitted.output_names[-1] if self.emitted.output_names else None
+        flat = microbatch.gather_tree([b.values for b in batches], names)
+        return self.capture.unflatten_output(flat)
+
+    def extra_repr(self) -> str:
+        return f"n_stages={self.n_stages}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, devices={self.devices}"
+
+
+def pipeline(
+    model: nn.Module,
+    sample: Any,
+    n_stages: int,
+    *,
+    sample_kwargs: Optional[dict] = None,
+    chunks: int = 1,
+    devices: Optional[Iterable[Device]] = None,
+    checkpoint: str = "except_last",
+    deferred_batch_norm: bool = False,
+    balance_by: str = "time",
+    leaf_modules: Sequence[Union[type, str]] = (),
+    split_points: Optional[Sequence[str]] = None,
+    plan: Optional[Union[Plan, str, os.PathLike]] = None,
+) -> Pipeline:
+    """Turns ``model`` into a GPipe pipeline of ``n_stages`` stages.
+
+    Args:
+        model: any ``nn.Module``; it is traced with torch.fx (torch.export as a fallback).
+        sample: an example input: a tensor, or a tuple of positional arguments.
+        n_stages: number of pipeline stages.
+        sample_kwargs: keyword arguments of the example call.
+        chunks: number of micro-batches per mini-batch.
+        devices: one device per stage (default: the CUDA devices, else CPU).
+        checkpoint: ``'always'``, ``'except_last'`` or ``'never'``.
+        deferred_batch_norm: BatchNorm running statistics per mini-batch.
+        balance_by: ``'time'`` (profiled forward+backward), ``'memory'`` (activation and
+            parameter bytes) or ``'params'`` (parameter bytes; deterministic, no profiling).
+        leaf_modules: module classes or qualified names kept opaque.
+        split_points: qualified module names to cut before (``n_stages - 1`` of them);
+            overrides balancing.
+        plan: a saved :class:`Plan` (object or JSON path) to reuse; no profiling.
+
+    Raises:
+        fxpipe.TraceError: the model cannot be captured (the message says where and what to do).
+        ValueError: bad arguments, or a plan that does not match the model.
+        IndexError: fewer devices than stages.
+    """
+    _check_args(model, n_stages, chunks, checkpoint, balance_by)
+    device_list = _default_devices(n_stages) if devices is None else [torch.device(d) for d in devices]
+    if len(device_list) < n_stages:
+        raise IndexError(f"too few devices for the stages (devices: {len(device_list)}, n_stages: {n_stages})")
+    device_list = device_list[:n_stages]
+
+    args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
+    kwargs = dict(sample_kwargs or {})
+    captured = capture(model, args, kwargs, leaf_modules=leaf_modules)
+    if plan is not None:
+        chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
+        _check_plan(chosen, captured, n_stages)
+    else:
+        chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by,
+                           split_points=split_points, devices=device_list)
+    stages = emit_stages(captured.graph_module, chosen.assignment, n_stages)
+    place_stages(stages, device_list, exported=captured.method == "export")
+    return Pipeline(model, captured, chosen, stages, device_list, chunks, checkpoint, deferred_batch_norm)
+
+
+def _check_plan(plan: Plan, captured: Capture, n_stages: int) -> None:
+    if plan.n_stages != n_stages:
+        raise ValueError(f"the plan has {plan.n_stages} stages but n_stages={n_stages}; pass n_stages={plan.n_stages}")
+    nodes = {n.name for n in captured.graph_module.graph.nodes}
+    missing = sorted(nodes - set(plan.assignment))
+    extra = sorted(set(plan.assignment) - nodes)
+    if missing or extra:
+        raise ValueError(
+            "the plan does not match this model's graph "
+            f"(nodes without a stage: {missing[:5]}, unknown nodes: {extra[:5]}); "
+            "make a new plan for this model (omit plan=...)"
+        )

@@ -1,0 +1,115 @@
+"""From a captured graph to a Plan: profile, build the OpGraph, partition.
+
+Kept apart from ``api.py`` so the CLI can make and print plans without building a pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import networkx as nx
+import torch
+import torch.utils._pytree as pytree
+
+from .capture import Capture
+from .graph import build_opgraph
+from .partition import COMPUTE_OPS, partition
+from .plan import Plan
+from .profile import count_params_only, profile_graph
+
+__all__ = ["BALANCE_BY", "make_plan", "opgraph_for", "split_nodes"]
+
+BALANCE_BY = ("time", "memory", "params")
+_COST_ATTR = {"time": "cost", "memory": "memory", "params": "params"}
+
+#: Assumed inter-GPU bandwidth for the transfer term of stage costs (bytes per second).
+GPU_LINK_BYTES_PER_SECOND = 12e9
+
+
+def seconds_per_byte(devices: Sequence[torch.device]) -> float:
+    """Transfers between CPU "devices" cost nothing; between GPUs they take time."""
+    if len(set(devices)) <= 1 or all(d.type == "cpu" for d in devices):
+        return 0.0
+    return 1.0 / GPU_LINK_BYTES_PER_SECOND
+
+
+def opgraph_for(captured: Capture, args: tuple, kwargs: dict, balance_by: str) -> nx.DiGraph:
+    """The OpGraph with the cost attributes every balance mode reads."""
+    gm = captured.graph_module
+    flat = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
+    # 'memory' and 'params' need sizes only: one untimed run, deterministic.
+    costs = profile_graph(gm, flat) if balance_by == "time" else count_params_only(gm, flat)
+    graph = build_opgraph(gm, costs)
+    _fold_parameters(graph)
+    for _, data in graph.nodes(data=True):
+        # Training memory of a node: its activation, plus the parameter and its gradient.
+        data["memory"] = float(data.get("out_bytes") or 0) + 2.0 * float(data.get("params") or 0)
+    return graph
+
+
+def _fold_parameters(graph: nx.DiGraph) -> None:
+    """Charges each directly read parameter (get_attr) to the first node that reads it.
+
+    get_attr nodes are never cut, so without this a tied or functional weight would weigh
+    nothing in ``balance_by='params'``.
+    """
+    for node, data in graph.nodes(data=True):
+        data["params"] = float(data.get("param_bytes") or 0) if data.get("op") in COMPUTE_OPS else 0.0
+    for node, data in graph.nodes(data=True):
+        if data.get("op") != "get_attr":
+            continue
+        users = sorted(graph.successors(node), key=lambda n: graph.nodes[n].get("index", 0))
+        users = [u for u in users if graph.nodes[u].get("op") in COMPUTE_OPS]
+        if users:
+            graph.nodes[users[0]]["params"] += float(data.get("param_bytes") or 0)
+
+
+def split_nodes(captured: Capture, graph: nx.DiGraph, split_points: Sequence[str]) -> List[str]:
+    """The first compute node of each qualified module name in ``split_points``."""
+    order = sorted(graph.nodes, key=lambda n: graph.nodes[n].get("index", 0))
+    found: List[str] = []
+    for name in split_points:
+        match = None
+        for node in order:
+            data = graph.nodes[node]
+            if data.get("op") not in COMPUTE_OPS:
+                continue
+            module = str(data.get("module") or "")
+            target = str(data.get("target") or "")
+            if module == name or module.startswith(name + ".") or (data.get("op") == "call_module" and target == name):
+                match = node
+                break
+        if match is None:
+            known = sorted({str(graph.nodes[n].get("module") or "") for n in order} - {""})
+            raise ValueError(
+                f"split point {name!r} names no module of the traced graph; "
+                f"qualified names available include: {', '.join(known[:12])}"
+            )
+        found.append(match)
+    return found
+
+
+def make_plan(
+    captured: Capture, args: tuple, kwargs: dict, n_stages: int, *,
+    balance_by: str = "time", split_points: Optional[Sequence[str]] = None,
+    devices: Sequence[torch.device] = (),
+) -> Plan:
+    """Profiles (unless ``balance_by='params'``), partitions and describes the stages."""
+    graph = opgraph_for(captured, args, kwargs, balance_by)
+    cost_attr = _COST_ATTR[balance_by]
+    spb = seconds_per_byte(devices) if balance_by == "time" else 0.0
+    split_before = split_nodes(captured, graph, split_points) if split_points else None
+    if split_before is not None and len(split_before) != n_stages - 1:
+        raise ValueError(
+            f"split_points has {len(split_before)} names but n_stages={n_stages} needs {n_stages - 1}"
+        )
+    assignment = partition(graph, n_stages, cost_attr=cost_attr, seconds_per_byte=spb, split_before=split_before)
+    meta: Dict[str, Any] = {
+        "model": type(captured.graph_module).__name__,
+        "capture": captured.method,
+        "nodes": graph.number_of_nodes(),
+        "cost_attr": cost_attr,
+        "seconds_per_byte": spb,
+    }
+    return Plan.from_assignment(graph, assignment, balance_by=balance_by, cost_attr=cost_attr,
+                                seconds_per_byte=spb, meta=meta)
