@@ -1,0 +1,8 @@
+"""``python -m fxpipe``: the same command line as the ``fxpipe`` console script."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""``fxpipe`` / ``python -m fxpipe``: plan, render, code, timeline, env, demo.
+
+This module owns the command line only: the argument parser, turning ``MODEL`` and
+``--input`` into a model and sample, and the error policy. The subcommands themselves live
+in :mod:`fxpipe.commands`.
+
+Error policy: a mistake in what the user typed or in the model they pointed at (unknown
+file, missing factory, malformed shape, a factory that raises, a model that fails to trace,
+bad ``--stages``) prints ONE line on stderr and exits 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import traceback
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+__all__ = ["main", "UsageError", "load_factory", "parse_input", "build_parser"]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A mistake on the command line or in the user's model: one line, exit 2."""
+
+
+# -- --input ---------------------------------------------------------------------------------
+_DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64",
+                  "int": "int32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_input(spec: str) -> Tuple[Tuple[int, ...], str]:
+    """``'8x3x32x32'``, ``'8,3,32,32'`` or ``'16x128:int64'`` -> (shape, dtype name)."""
+    text, _, dtype = spec.partition(":")
+    dtype = _DTYPE_ALIASES.get(dtype.strip().lower(), dtype.strip().lower()) or "float32"
+    parts = re.split(r"[x,]", text.strip().lower())
+    if not text.strip() or not all(p.strip().isdigit() for p in parts):
+        raise UsageError(f"malformed --input {spec!r}: expected sizes like 8x3x32x32 or 8,3,32,32, "
+                         "optionally followed by :dtype (e.g. 16x128:int64)")
+    shape = tuple(int(p) for p in parts)
+    if any(s == 0 for s in shape):
+        raise UsageError(f"malformed --input {spec!r}: sizes must be positive")
+    import torch
+
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise UsageError(f"unknown dtype {dtype!r} in --input {spec!r}: use e.g. float32, float16, "
+                         "bfloat16, float64, int64, int32 or bool")
+    return shape, dtype
+
+
+def make_inputs(specs: Sequence[str], vocab: int = 100, seed: int = 0) -> tuple:
+    """Random tensors for ``--input`` specs: floats ~ N(0, 1), integers in [0, vocab)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for spec in specs:
+        shape, name = parse_input(spec)
+        dtype = getattr(torch, name)
+        if dtype == torch.bool:
+            out.append(torch.randint(0, 2, shape, generator=gen).bool())
+        elif dtype.is_floating_point or dtype.is_complex:
+            out.append(torch.randn(shape, generator=gen).to(dtype))
+        else:
+            out.append(torch.randint(0, vocab, shape, generator=gen).to(dtype))
+    return tuple(out)
+
+
+# -- MODEL -----------------------------------------------------------------------------------
+def _import_file(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise UsageError(f"no such file: {path}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:  # the model file may import its neighbours
+        sys.path.insert(0, directory)
+    name = "_fxpipe_model_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot load {path} as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: report, don't crash
+        raise UsageError(f"importing {path} failed: {_one_line(e)}") from e
+    return module
+
+
+def _import_module(name: str) -> Any:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and name.startswith(e.name):
+            raise UsageError(f"no module named {name!r} (MODEL is 'path/to/file.py:factory' or "
+                             "'package.module:factory')") from e
+        raise UsageError(f"importing {name} failed: {_one_line(e)}") from e
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"importing {name} failed: {_one_line(e)}") from e
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``'path/to/file.py:factory'`` or ``'package.module:factory'`` -> the factory."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise UsageError(f"MODEL {spec!r} must be 'path/to/file.py:factory' or 'package.module:factory'")
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    module = _import_file(where) if is_file else _import_module(where)
+    factory = getattr(module, attr, None)
+    if factory is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                        and getattr(v, "__module__", None) == module.__name__)
+        hint = f" (callables there: {', '.join(public[:10])})" if public else ""
+        raise UsageError(f"{where} has no factory {attr!r}{hint}")
+    if not callable(factory):
+        raise UsageError(f"{where}:{attr} is not callable (it is a {type(factory).__name__})")
+    return factory
+
+
+def load_model(spec: str, inputs: Sequence[str], vocab: int = 100) -> Tuple[Any, tuple, dict]:
+    """Calls the factory: returns ``(model, args, kwargs)``; ``--input`` overrides its sample."""
+    import torch
+    from torch import nn
+
+    factory = load_factory(spec)
+    try:
+        made = factory()
+    except Exception as e:  # noqa: BLE001 - the user's code
+        raise UsageError(f"factory {spec} raised {_one_line(e)}") from e
+    args: Any = None
+    kwargs: dict = {}
+    if isinstance(made, tuple) and made and isinstance(made[0], nn.Module) and len(made) in (2, 3):
+        model, args = made[0], made[1]
+        if len(made) == 3:
+            kwargs = dict(made[2] or {})
+    else:
+        model = made
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"factory {spec} returned {type(made).__name__}; expected an nn.Module or "
+                         "(module, args)")
+    if inputs:
+        args, kwargs = make_inputs(inputs, vocab), {}
+    elif args is None:
+        raise UsageError(f"factory {spec} returns no sample input: pass --input SHAPE (e.g. --input 8x3x32x32)")
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    elif isinstance(args, list):
+        args = tuple(args)
+    elif not isinstance(args, tuple):
+        args = (args,)
+    return model, args, kwargs
+
+
+# -- parser ----------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a positive integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be a positive integer, got {text!r}")
+        return value
+    return parse
+
+
+def _model_args(p: argparse.ArgumentParser, *, chunks: bool = False, balance: bool = True) -> None:
+    p.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory; "
+                   "the factory returns a module or (module, args)")
+    p.add_argument("--stages", "-n", type=_positive_int("--stages"), required=True, metavar="N",
+                   help="number of pipeline stages")
+    p.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:dtype]",
+                   help="one per positional input: 8x3x32x32 or 8,3,32,32, optional :dtype "
+                        "(float32 default; :int64 gives token ids in [0, --vocab))")
+    p.add_argument("--vocab", type=_positive_int("--vocab"), default=100, help="range of integer inputs (default 100)")
+    if balance:
+        p.add_argument("--balance-by", choices=("time", "memory", "params"), default="time",
+                       help="what to balance: profiled time (default), memory, or parameters (fast, deterministic)")
+    p.add_argument("--leaf", action="append", default=[], metavar="NAME",
+                   help="qualified submodule name to keep opaque (repeatable)")
+    p.add_argument("--split-at", action="append", default=[], metavar="NAME",
+                   help="cut before this module (repeat N-1 times); overrides balancing")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: the devices of the stages")
+    p.add_argument("--chunks", "-m", type=_positive_int("--chunks"), default=4 if chunks else 1, metavar="M",
+                   help="micro-batches per mini-batch" + (" (default 4)" if chunks else
+                                                          " (plans are profiled on one micro-batch)"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show Python tracebacks on errors")
+    parser = _Parser(prog="fxpipe", parents=[common],
+                     description="Automatic GPipe pipeline parallelism for any nn.Module (torch.fx).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("plan", parents=[common], help="print how the model is cut into stages")
+    _model_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--save", metavar="PATH", help="also save the plan as JSON (reuse: pipeline(..., plan=PATH))")
+
+    p = sub.add_parser("render", parents=[common], help="draw the staged graph with graphviz")
+    _model_args(p)
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="graph.svg, graph.png, graph.pdf or graph.dot")
+    p.add_argument("--depth", type=int, default=None, metavar="K",
+                   help="merge nodes by module depth K (1 = one node per top-level submodule)")
+    p.add_argument("--rankdir", choices=("LR", "TB"), default="LR", help="layout direction (default LR)")
+
+    p = sub.add_parser("code", parents=[common], help="print the generated stage code")
+    _model_args(p)
+    p.add_argument("--stage", type=int, default=None, metavar="K", help="only stage K")
+
+    p = sub.add_parser("timeline", parents=[common],
+                       help="run training steps, write a Chrome trace (JSON) and a PNG timeline")
+    _model_args(p, chunks=True)
+    p.add_argument("-o", "--output", default="trace.json", metavar="FILE",
+                   help="Chrome trace JSON (default trace.json); the PNG goes next to it")
+    p.add_argument("--steps", type=_positive_int("--steps"), default=1, help="recorded steps (after one warm-up)")
+    p.add_argument("--checkpoint", choices=("always", "except_last", "never"), default="except_last")
+
+    sub.add_parser("env", parents=[common], help="versions, devices, graphviz and matplotlib availability")
+
+    p = sub.add_parser("demo", parents=[common],
+                       help="pipeline a U-Net, check outputs and gradients against eager")
+    p.add_argument("--stages", "-n", type=_positive_int("--stages"), default=4)
+    p.add_argument("--chunks", "-m", type=_positive_int("--chunks"), default=4)
+    p.add_argument("--balance-by", choices=("time", "memory", "params"), default="time")
+    return parser
+
+
+# -- errors ----------------------------------------------------------------------------------
+def _one_line(e: BaseException) -> str:
+    """``'ValueError: first line; second line'`` -- a message that fits one line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    text = "; ".join(lines)
+    name = type(e).__name__
+    return f"{name}: {text}" if text else name
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, UsageError):
+        return " ".join(str(e).split("\n"))
+    from .errors import TraceError
+
+    if isinstance(e, TraceError):
+        return "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+    return _one_line(e)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``fxpipe`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    if ns.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    debug = getattr(ns, "debug", False)
+    from . import commands
+
+    try:
+        return int(getattr(commands, f"cmd_{ns.command}")(ns) or 0)
+    except KeyboardInterrupt:
+        print("fxpipe: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `fxpipe plan ... | head`
+        return EXIT_OK
+    except Exception as e:  # noqa: BLE001 - the error policy: one line, or the traceback
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (--debug shows the traceback)"
+        print(f"fxpipe {ns.command}: error: {_message(e)}{hint}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

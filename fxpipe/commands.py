@@ -1,0 +1,275 @@
+"""The ``fxpipe`` subcommands (the parser and error policy are in :mod:`fxpipe.cli`).
+
+Each ``cmd_<name>(ns)`` takes the parsed arguments and returns an exit code; mistakes are
+raised (:class:`~fxpipe.cli.UsageError` or the library's own exceptions) and turned into one
+line on stderr by :func:`fxpipe.cli.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, List, Tuple
+
+from .cli import UsageError, load_model
+
+__all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_env", "cmd_demo",
+           "progress", "stage_text", "training_loss"]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def progress(message: str, *, done: bool = False) -> None:
+    """A status line on a terminal's stderr; nothing when stderr is piped or redirected."""
+    stream = sys.stderr
+    if not stream.isatty():
+        return
+    stream.write("\r\033[K" + message + ("\n" if done else ""))
+    stream.flush()
+
+
+def _clear_progress() -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
+
+
+def _devices(ns: argparse.Namespace) -> list:
+    import torch
+
+    name = (ns.device or "cpu").lower()
+    if name == "cpu":
+        return [torch.device("cpu")] * ns.stages
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available (use --device cpu)")
+        if ":" in name:
+            return [torch.device(name)] * ns.stages
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", k % count) for k in range(ns.stages)]
+    raise UsageError(f"--device must be cpu or cuda, got {ns.device!r}")
+
+
+def _load(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
+    progress(f"loading {ns.model} ...")
+    model, args, kwargs = load_model(ns.model, ns.input, getattr(ns, "vocab", 100))
+    return model, args, kwargs
+
+
+def _capture(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict) -> Any:
+    from .capture import capture
+
+    progress("tracing ...")
+    return capture(model, args, kwargs, leaf_modules=tuple(ns.leaf))
+
+
+def _micro_sample(args: tuple, kwargs: dict, chunks: int) -> Tuple[tuple, dict]:
+    """The first micro-batch of the sample: what each stage really sees per step."""
+    if chunks <= 1:
+        return args, kwargs
+    import torch.utils._pytree as pytree
+
+    from .runtime.microbatch import scatter_tree
+
+    micro, spec = scatter_tree(args, kwargs, chunks)
+    a, k = pytree.tree_unflatten(micro[0], spec)
+    return tuple(a), dict(k)
+
+
+def _make_plan(ns: argparse.Namespace, captured: Any, args: tuple, kwargs: dict, devices: list) -> Any:
+    from .planning import make_plan
+
+    progress("profiling ..." if ns.balance_by == "time" else "sizing ...")
+    plan = make_plan(captured, args, kwargs, ns.stages, balance_by=ns.balance_by,
+                     split_points=ns.split_at or None, devices=devices)
+    _clear_progress()
+    return plan
+
+
+def _pipeline(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, *,
+              checkpoint: str = "except_last") -> Any:
+    import fxpipe
+
+    progress("tracing and profiling ..." if ns.balance_by == "time" else "tracing ...")
+    pipe = fxpipe.pipeline(model, args, ns.stages, sample_kwargs=kwargs, chunks=ns.chunks,
+                           devices=_devices(ns), checkpoint=checkpoint, balance_by=ns.balance_by,
+                           leaf_modules=tuple(ns.leaf), split_points=ns.split_at or None)
+    _clear_progress()
+    return pipe
+
+
+def stage_text(emitted: Any, k: int) -> str:
+    """Stage ``k``'s code with a header naming its inputs, outputs, stashes and pops."""
+    header = [f"# ---- stage {k} ----",
+              f"# inputs : {', '.join(emitted.input_names[k]) or '-'}",
+              f"# outputs: {', '.join(emitted.output_names[k]) or '-'}"]
+    header += [f"# stash  : {n} -> stage {emitted.skip_routes[n][1]}" for n in emitted.stashes(k)]
+    header += [f"# pop    : {n} <- stage {emitted.skip_routes[n][0]}" for n in emitted.pops(k)]
+    return "\n".join(header) + "\n" + emitted.stage_code(k)
+
+
+def training_loss(out: Any) -> Any:
+    """A scalar to call ``backward`` on: the sum of every floating-point output leaf."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()
+              and t.requires_grad]
+    if not leaves:
+        raise UsageError("the model's output has no floating-point tensor that requires grad: nothing to train")
+    return sum(t.float().square().mean() for t in leaves)
+
+
+# -- plan ------------------------------------------------------------------------------------
+def cmd_plan(ns: argparse.Namespace) -> int:
+    model, args, kwargs = _load(ns)
+    devices = _devices(ns)
+    captured = _capture(ns, model, args, kwargs)
+    margs, mkwargs = _micro_sample(args, kwargs, ns.chunks)
+    plan = _make_plan(ns, captured, margs, mkwargs, devices)
+    if ns.chunks > 1:
+        plan.meta["chunks"] = ns.chunks
+    if ns.save:
+        plan.save(ns.save)
+    print(plan.to_json() if ns.json else str(plan))
+    if ns.save and not ns.json:
+        print(f"saved to {ns.save}")
+    return 0
+
+
+# -- render ----------------------------------------------------------------------------------
+def cmd_render(ns: argparse.Namespace) -> int:
+    from .planning import opgraph_for
+    from .viz.render import render_plan, save_graph
+
+    model, args, kwargs = _load(ns)
+    devices = _devices(ns)
+    captured = _capture(ns, model, args, kwargs)
+    margs, mkwargs = _micro_sample(args, kwargs, ns.chunks)
+    plan = _make_plan(ns, captured, margs, mkwargs, devices)
+    graph = opgraph_for(captured, margs, mkwargs, "params")  # shapes and sizes, one untimed run
+    if ns.depth is not None and ns.depth < 1:
+        raise UsageError(f"--depth must be >= 1, got {ns.depth}")
+    dot = render_plan(graph, plan, gm=captured.graph_module, depth=ns.depth, rankdir=ns.rankdir,
+                      title=f"{type(model).__name__} in {plan.n_stages} stages (balanced by {plan.balance_by})")
+    written, note = save_graph(dot, ns.output)
+    if note:
+        print(note, file=sys.stderr)
+    print(f"wrote {written}")
+    return 0
+
+
+# -- code ------------------------------------------------------------------------------------
+def cmd_code(ns: argparse.Namespace) -> int:
+    model, args, kwargs = _load(ns)
+    pipe = _pipeline(ns, model, args, kwargs)
+    n = pipe.n_stages
+    if ns.stage is not None:
+        if not 0 <= ns.stage < n:
+            raise UsageError(f"--stage {ns.stage} is out of range: the pipeline has stages 0..{n - 1}")
+        print(stage_text(pipe.emitted, ns.stage), end="")
+    else:
+        print("\n".join(stage_text(pipe.emitted, k) for k in range(n)), end="")
+    return 0
+
+
+# -- timeline --------------------------------------------------------------------------------
+def cmd_timeline(ns: argparse.Namespace) -> int:
+    from .runtime.timeline import Recorder
+    from .viz.trace import plot_timeline, save_chrome_trace
+
+    model, args, kwargs = _load(ns)
+    model.train()
+    pipe = _pipeline(ns, model, args, kwargs, checkpoint=ns.checkpoint)
+
+    def step() -> None:
+        pipe.zero_grad(set_to_none=True)
+        training_loss(pipe(*args, **kwargs)).backward()
+
+    progress("warm-up step ...")
+    step()  # the first step pays one-time set-up costs; not recorded
+    rec = Recorder()
+    steps: List[Tuple[float, float]] = []
+    with rec:
+        for s in range(ns.steps):
+            progress(f"step {s + 1}/{ns.steps} ...")
+            t = time.perf_counter()
+            step()
+            steps.append((t, time.perf_counter()))
+    _clear_progress()
+    base = os.path.splitext(ns.output)[0]
+    png = base + ".png"
+    title = (f"{type(model).__name__}: {pipe.n_stages} stages, {ns.chunks} micro-batches, "
+             f"checkpoint={ns.checkpoint}")
+    devices = [str(d) for d in pipe.devices]
+    n_events = save_chrome_trace(ns.output, rec.spans, devices, steps=steps, title=title)
+    plot_timeline(png, rec.spans, devices, steps=steps, title=title)
+    total = steps[-1][1] - steps[0][0]
+    print(f"recorded {ns.steps} step(s) in {total * 1e3:.1f} ms: {len(rec.spans)} spans")
+    print(f"wrote {ns.output} ({n_events} events; open in https://ui.perfetto.dev or chrome://tracing)")
+    print(f"wrote {png}")
+    return 0
+
+
+# -- env -------------------------------------------------------------------------------------
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001
+        return "not installed"
+
+
+def dot_version() -> str:
+    """``'2.43.0'``-ish, or '' when the graphviz ``dot`` binary is not on PATH."""
+    exe = shutil.which("dot")
+    if not exe:
+        return ""
+    try:
+        res = subprocess.run([exe, "-V"], capture_output=True, text=True, timeout=10)
+    except Exception:  # noqa: BLE001
+        return "unknown version"
+    text = (res.stderr or res.stdout).strip()
+    marker = "version "
+    return text.split(marker, 1)[1].strip() if marker in text else text or "unknown version"
+
+
+def cmd_env(ns: argparse.Namespace) -> int:
+    import torch
+
+    import fxpipe
+
+    rows = [("fxpipe", f"{fxpipe.__version__} ({os.path.dirname(fxpipe.__file__)})"),
+            ("python", f"{platform.python_version()} ({sys.executable})"),
+            ("platform", platform.platform()),
+            ("torch", torch.__version__)]
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(k) for k in range(torch.cuda.device_count())]
+        rows.append(("devices", f"{len(names)} CUDA: " + ", ".join(f"cuda:{k} {n}" for k, n in enumerate(names))))
+        rows.append(("cuda", str(torch.version.cuda)))
+    else:
+        rows.append(("devices", f"CPU only ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"))
+    rows.append(("networkx", _version("networkx")))
+    rows.append(("graphviz (python)", _version("graphviz")))
+    dv = dot_version()
+    rows.append(("graphviz dot", f"{dv} ({shutil.which('dot')})" if dv else
+                 "not found: `fxpipe render` writes .dot files only (apt-get install graphviz / brew install graphviz)"))
+    mpl = _version("matplotlib")
+    rows.append(("matplotlib", mpl if mpl != "not installed" else
+                 "not installed: `fxpipe timeline` writes the JSON trace only (pip install matplotlib)"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.ljust(width)}  {v}")
+    return 0
+
+
+# -- demo ------------------------------------------------------------------------------------
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(stages=ns.stages, chunks=ns.chunks, balance_by=ns.balance_by)
