@@ -592,14 +592,6 @@ def test_functional_in_pipeline_spread_and_no_grad():
     pipeline.workers.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="BUG fxpipe/skip/tracker.py:100 SkipTrackerThroughPortals.copy indexes self.portals[(ns, name)] "
-    "directly: a skip in the layout that was never stashed fails in Pipeline._fence with a bare "
-    "KeyError((None, 'a')) instead of the RuntimeError \"skip 'a' has not been stashed ...\" that "
-    "functional.pop promises",
-)
 def test_functional_pop_without_stash_in_pipeline_raises():
     pipeline = Pipeline([nn.Identity(), FPop("a", 4, 4, 4).to(DTYPE)], [torch.device("cpu")] * 2,
                         skip_layout=SkipLayout.from_names(2, {"a": (0, 1)}))

@@ -128,19 +128,8 @@ def test_each_skip_is_copied_once_per_microbatch(monkeypatch, balance, mode):
     assert dict(copied) == expected            # recomputation copies nothing again
 
 
-PORTAL_GRAD_ORDER_BUG = (
-    "BUG fxpipe/skip/portal.py:47-53 (Portal.orange) + fxpipe/skip/tracker.py:86-92 "
-    "(SkipTrackerThroughPortals.load): PortalOrange takes a fresh cached leaf phony "
-    "(get_phony(..., requires_grad=True)) instead of a phony forked from the pop partition's "
-    "input, so nothing orders PortalOrange.backward before PortalCopy.backward. With "
-    "checkpoint='except_last', balance [2, 2, 2, 2], chunks=3 PortalCopy.backward of the last "
-    "micro-batch runs first and moves portal.grad=None; the real gradient is put in the portal "
-    "afterwards and PortalBlue picks it up un-moved (harmless on CPU; on CUDA it is a gradient on "
-    "the pop device handed to a tensor on the stash device, bypassing the copy streams)."
-)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PORTAL_GRAD_ORDER_BUG)
 def test_portal_copy_backward_moves_the_skip_gradient(monkeypatch):
     # PortalCopy.backward must move the skip's gradient, which PortalOrange.backward left in
     # the portal: PortalOrange.backward has to come first, for every micro-batch.
@@ -314,17 +303,8 @@ def test_no_reference_to_skip_after_no_grad_forward(balance, mode):
     assert rec.alive() == 0
 
 
-WORKER_KEEPS_LAST_BATCH = (
-    "BUG fxpipe/runtime/worker.py:75-81 (_worker): the loop deletes `task` but not `batch` (nor "
-    "`exc_info`), so each worker thread keeps the last output Batch it computed until its next "
-    "task. With autograd recording and no backward (a grad-enabled eval pass, a forward whose loss "
-    "is never used) that Batch's graph, linked to every micro-batch by the Fork/Join of depend(), "
-    "keeps all activations and stashed skip tensors alive after the caller dropped the output. "
-    "Fix: `del batch` after result_queue.put (and `del exc_info` in the except branch)."
-)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WORKER_KEEPS_LAST_BATCH)
 def test_no_reference_to_skip_after_forward_without_backward():
     for mode in MODES:
         for train in (True, False):
@@ -339,8 +319,7 @@ def test_no_reference_to_skip_after_forward_without_backward():
 
 
 def test_stale_worker_reference_is_released_by_the_next_call():
-    # The flip side of the xfail above: the graph is released once the worker runs again,
-    # so the leak is bounded by one forward.
+    # The graph is released whatever the worker does next.
     model = unet()
     rec = _recorded(model)
     pipe = _gpipe(model, [1, 1, 1, 2, 3], 3, "never")

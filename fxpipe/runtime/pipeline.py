@@ -59,8 +59,9 @@ class Pipeline:
 
     ``spread`` says how a partition is called: ``False`` passes one argument (a tensor or a
     tuple of tensors, as ``nn.Sequential`` layers expect), ``True`` passes each value as a
-    positional argument (generated stage code). Worker threads and copy streams are created
-    once and reused by every call.
+    positional argument (generated stage code). Worker threads (one per device) and copy
+    streams are created once and reused by every call; with only CPU devices the tasks run
+    on the caller's thread unless ``threads=True``.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class Pipeline:
         *,
         skip_layout: Optional[SkipLayout] = None,
         spread: bool = False,
+        threads: Optional[bool] = None,
     ) -> None:
         if len(partitions) != len(devices):
             raise ValueError(f"{len(partitions)} partitions but {len(devices)} devices")
@@ -77,13 +79,15 @@ class Pipeline:
         self.devices = list(devices)
         self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(partitions), {})
         self.spread = spread
+        # None: worker threads when a partition is on an accelerator; inline on CPU.
+        self.threads = threads
         self._pool: Optional[WorkerPool] = None
         self._copy_streams: List[List[AbstractStream]] = [[] for _ in self.devices]
 
     @property
     def workers(self) -> WorkerPool:
         if self._pool is None:
-            self._pool = WorkerPool(self.devices)
+            self._pool = WorkerPool(self.devices, threads=self.threads)
         return self._pool
 
     def copy_streams(self, m: int) -> List[List[AbstractStream]]:
@@ -179,7 +183,11 @@ def _partition_function(
 
     def function(batch: Batch) -> Batch:
         with use_skip_tracker(skip_tracker), timeline.compute_span(j, i, device):
-            output = batch.call(partition, spread=spread)
+            skip_tracker.input_batch = batch
+            try:
+                output = batch.call(partition, spread=spread)
+            finally:
+                skip_tracker.input_batch = None
             skip_tracker.join_pending(output)
             return output
 

@@ -44,13 +44,20 @@ class Portal:
             return get_phony(torch.device("cpu"), requires_grad=False)
         return PortalBlue.apply(self, tensor)
 
-    def orange(self) -> Optional[Tensor]:
-        """Pop side: the tensor, connected to autograd when gradients are being recorded."""
+    def orange(self, after: Optional[Tensor]) -> Optional[Tensor]:
+        """Pop side: the tensor, connected to autograd when gradients are being recorded.
+
+        ``after`` is a tensor of the popping partition's input. Making PortalOrange depend
+        on it orders the backward: the skip's gradient is left in the portal before the
+        input's gradient -- and with it PortalCopy's backward, which moves that gradient to
+        the stash device -- is computed.
+        """
         self.check_tensor_life()
         if self.tensor is None or not torch.is_grad_enabled():
             return self.use_tensor()
-        phony = get_phony(self.tensor.device, requires_grad=True)
-        return PortalOrange.apply(self, phony)
+        if after is None or not after.requires_grad:
+            after = get_phony(self.tensor.device, requires_grad=True)
+        return PortalOrange.apply(self, after)
 
     def copy(self, prev_stream: AbstractStream, next_stream: AbstractStream, phony: Tensor) -> Tensor:
         """Moves the tensor to the pop partition's device; returns a phony to join."""
@@ -95,7 +102,7 @@ class PortalBlue(torch.autograd.Function):
 
 class PortalOrange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, portal: Portal, phony: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, portal: Portal, after: Tensor) -> Tensor:  # type: ignore[override]
         ctx.portal = portal
         tensor = portal.use_tensor()
         assert tensor is not None

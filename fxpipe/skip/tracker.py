@@ -62,6 +62,8 @@ class SkipTrackerThroughPortals(SkipTracker):
         # Phonies from stashes made without a batch at hand (generated code's
         # ``stash(name, value)`` calls); the runtime joins them to the partition output.
         self.pending: List[Tensor] = []
+        # The input of the partition running now, for pops made without a batch at hand.
+        self.input_batch: Optional[Batch] = None
 
     def save(self, batch: Optional[Batch], ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
         if not self.skip_layout.requires_copy(ns, name):
@@ -89,7 +91,9 @@ class SkipTrackerThroughPortals(SkipTracker):
         portal = self.portals.get((ns, name))
         if portal is None:
             raise KeyError(f"skip '{name}' has not been stashed")
-        return portal.orange()
+        source = batch if batch is not None else self.input_batch
+        anchor = source.anchor() if source is not None else None
+        return portal.orange(source[anchor] if anchor is not None else None)
 
     def copy(
         self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
@@ -97,7 +101,12 @@ class SkipTrackerThroughPortals(SkipTracker):
     ) -> None:
         """Moves a portal's tensor towards its pop partition, ordered by ``batch``."""
         anchor = batch.anchor()
-        portal = self.portals[(ns, name)]
+        portal = self.portals.get((ns, name))
+        if portal is None:
+            raise RuntimeError(
+                f"skip '{name}' has not been stashed: the partition that stashes it did not run "
+                "stash for this micro-batch"
+            )
         if anchor is None:
             portal.copy(prev_stream, next_stream, _cpu_phony())
             return
