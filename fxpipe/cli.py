@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="graph.svg, graph.png, graph.pdf or graph.dot")
     p.add_argument("--depth", type=int, default=None, metavar="K",
                    help="merge nodes by module depth K (1 = one node per top-level submodule)")
-    p.add_argument("--rankdir", choices=("LR", "TB"), default="LR", help="layout direction (default LR)")
+    p.add_argument("--layout", choices=("columns", "lr", "tb"), default="columns",
+                   help="columns: stages side by side, each read top-down (default); lr / tb: one chain")
 
     p = sub.add_parser("code", parents=[common], help="print the generated stage code")
     _model_args(p)
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Chrome trace JSON (default trace.json); the PNG goes next to it")
     p.add_argument("--steps", type=_positive_int("--steps"), default=1, help="recorded steps (after one warm-up)")
     p.add_argument("--checkpoint", choices=("always", "except_last", "never"), default="except_last")
+    _threads_arg(p)
 
     sub.add_parser("env", parents=[common], help="versions, devices, graphviz and matplotlib availability")
 
@@ -238,7 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", "-n", type=_positive_int("--stages"), default=4)
     p.add_argument("--chunks", "-m", type=_positive_int("--chunks"), default=4)
     p.add_argument("--balance-by", choices=("time", "memory", "params"), default="time")
+    _threads_arg(p)
     return parser
+
+
+def _threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive_int("--threads"), default=None, metavar="T",
+                   help="torch intra-op threads (default: 1 when every stage is on the CPU -- the stage "
+                        "workers run concurrently and would oversubscribe the cores -- else torch's default)")
 
 
 # -- errors ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from .cli import UsageError, load_model
 
@@ -52,6 +52,22 @@ def _devices(ns: argparse.Namespace) -> list:
         count = torch.cuda.device_count()
         return [torch.device("cuda", k % count) for k in range(ns.stages)]
     raise UsageError(f"--device must be cpu or cuda, got {ns.device!r}")
+
+
+def set_threads(threads: Optional[int], devices: Sequence[Any]) -> int:
+    """Intra-op threads for a run: ``threads``, or 1 when all stages share the CPU.
+
+    Stage workers run concurrently; with every stage on the CPU each would start its own
+    parallel regions on the same cores, and the oversubscribed OpenMP pools can slow a
+    step down by orders of magnitude on a loaded machine.
+    """
+    import torch
+
+    if threads is None and all(str(d).startswith("cpu") for d in devices):
+        threads = 1
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def _load(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
@@ -154,7 +170,7 @@ def cmd_render(ns: argparse.Namespace) -> int:
     graph = opgraph_for(captured, margs, mkwargs, "params")  # shapes and sizes, one untimed run
     if ns.depth is not None and ns.depth < 1:
         raise UsageError(f"--depth must be >= 1, got {ns.depth}")
-    dot = render_plan(graph, plan, gm=captured.graph_module, depth=ns.depth, rankdir=ns.rankdir,
+    dot = render_plan(graph, plan, gm=captured.graph_module, depth=ns.depth, layout=ns.layout,
                       title=f"{type(model).__name__} in {plan.n_stages} stages (balanced by {plan.balance_by})")
     written, note = save_graph(dot, ns.output)
     if note:
@@ -184,6 +200,7 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
 
     model, args, kwargs = _load(ns)
     model.train()
+    threads = set_threads(ns.threads, _devices(ns))
     pipe = _pipeline(ns, model, args, kwargs, checkpoint=ns.checkpoint)
 
     def step() -> None:
@@ -204,7 +221,7 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     base = os.path.splitext(ns.output)[0]
     png = base + ".png"
     title = (f"{type(model).__name__}: {pipe.n_stages} stages, {ns.chunks} micro-batches, "
-             f"checkpoint={ns.checkpoint}")
+             f"checkpoint={ns.checkpoint}, {threads} intra-op thread{'s' if threads != 1 else ''}")
     devices = [str(d) for d in pipe.devices]
     n_events = save_chrome_trace(ns.output, rec.spans, devices, steps=steps, title=title)
     plot_timeline(png, rec.spans, devices, steps=steps, title=title)
@@ -272,4 +289,4 @@ def cmd_env(ns: argparse.Namespace) -> int:
 def cmd_demo(ns: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(stages=ns.stages, chunks=ns.chunks, balance_by=ns.balance_by)
+    return run_demo(stages=ns.stages, chunks=ns.chunks, balance_by=ns.balance_by, threads=ns.threads)

@@ -80,11 +80,12 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def run_demo(stages: int = 4, chunks: int = 4, balance_by: str = "time",
-             devices: Optional[Sequence[torch.device]] = None, out=None) -> int:
+             devices: Optional[Sequence[torch.device]] = None, threads: Optional[int] = None,
+             out=None) -> int:
     """Runs the demo; returns the exit code (0: PASS, 1: FAIL)."""
     import fxpipe
 
-    from .commands import progress, stage_text
+    from .commands import progress, set_threads, stage_text
 
     out = out or sys.stdout
     say = lambda *a: print(*a, file=out)  # noqa: E731
@@ -98,7 +99,8 @@ def run_demo(stages: int = 4, chunks: int = 4, balance_by: str = "time",
             devices = [torch.device("cpu")] * stages
     say(f"fxpipe {fxpipe.__version__} demo: U-Net ({sum(p.numel() for p in model.parameters()) / 1e3:.1f}k params), "
         f"input {'x'.join(map(str, x.shape))}, {stages} stages x {chunks} micro-batches, balance_by={balance_by!r}")
-    say(f"devices: {', '.join(str(d) for d in devices)}")
+    threads = set_threads(threads, devices)
+    say(f"devices: {', '.join(str(d) for d in devices)} ({threads} intra-op thread{'s' if threads != 1 else ''})")
 
     t = time.perf_counter()
     progress("tracing and profiling the U-Net ...")
@@ -116,7 +118,7 @@ def run_demo(stages: int = 4, chunks: int = 4, balance_by: str = "time",
     reference.to(ref_dev)
     y_ref = reference(x.to(ref_dev))
     _loss(y_ref).backward()
-    progress("", done=False)
+    progress("")
 
     out_diff = (y.to(ref_dev) - y_ref).abs().max().item()
     ref_params = dict(reference.named_parameters())

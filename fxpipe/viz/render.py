@@ -57,6 +57,13 @@ def _fmt_cost(cost: float, balance_by: str) -> str:
     return f"{cost:g} params"
 
 
+def _stage_summary(st: Any, balance_by: str) -> str:
+    if balance_by == "params":
+        return f"params {human_bytes(st.param_bytes)} ({_fmt_cost(st.cost, balance_by)})"
+    what = "time" if balance_by == "time" else balance_by
+    return f"{what} {_fmt_cost(st.cost, balance_by)} · params {human_bytes(st.param_bytes)}"
+
+
 def _short_target(target: str) -> str:
     for prefix in ("torch.nn.functional.", "torch._C._nn.", "torch.ops.aten.", "operator.", "builtins.",
                    "_operator."):
@@ -74,6 +81,7 @@ class _Drawn:
     stage: int
     members: List[str] = field(default_factory=list)
     group: str = ""
+    part: Tuple[int, int] = ()  # type: ignore[assignment]  # (i, n) when a group spans n stages
 
 
 def _esc(text: Any) -> str:
@@ -83,11 +91,13 @@ def _esc(text: Any) -> str:
 def _node_label(g: nx.DiGraph, d: _Drawn, gm: Any) -> Tuple[str, Dict[str, str]]:
     """HTML label and node attributes."""
     small = '<FONT POINT-SIZE="9" COLOR="#333333">{}</FONT>'
-    if d.group:
+    if d.group and not (len(d.members) == 1 and g.nodes[d.members[0]].get("op") == "call_module"):
         last = max(d.members, key=lambda n: g.nodes[n].get("index", 0))
         params = sum(int(g.nodes[n].get("param_bytes") or 0) for n in d.members)
-        lines = [f"<B>{_esc(d.group)}</B>",
-                 small.format(_esc(f"{len(d.members)} ops · params {human_bytes(params)}")),
+        part = f" (part {d.part[0]}/{d.part[1]})" if d.part else ""
+        ops = f"{len(d.members)} op" + ("s" if len(d.members) != 1 else "")
+        lines = [f"<B>{_esc(d.group)}</B>{_esc(part)}",
+                 small.format(_esc(f"{ops} · params {human_bytes(params)}")),
                  small.format(_esc(f"out {g.nodes[last].get('shape') or '?'}"))]
         return "<" + "<BR/>".join(lines) + ">", {"shape": "box3d"}
     data = g.nodes[d.members[0]]
@@ -142,40 +152,50 @@ def _drawn_nodes(g: nx.DiGraph, plan: Plan, depth: Optional[int]) -> Tuple[Dict[
         stage = plan.stage_of(n)
         grp = group_of[n]
         if grp:
-            key = f"group:{grp}" + (f"@{stage}" if len(stages_of_group[grp]) > 1 else "")
+            key = f"group__{grp}" + (f"__stage{stage}" if len(stages_of_group[grp]) > 1 else "")
         else:
-            key = f"node:{n}"
+            key = f"node__{n}"
         box = boxes.setdefault(key, _Drawn(key, stage, group=grp))
         box.members.append(n)
         box_of[n] = key
+    for box in boxes.values():
+        if box.group and len(stages_of_group[box.group]) > 1:
+            order = sorted(stages_of_group[box.group])
+            box.part = (order.index(box.stage) + 1, len(order))
     return box_of, boxes
 
 
+LAYOUTS = ("columns", "lr", "tb")
+
+
 def render_plan(g: nx.DiGraph, plan: Plan, *, gm: Any = None, depth: Optional[int] = None,
-                rankdir: str = "LR", title: str = "") -> Any:
+                layout: str = "columns", title: str = "") -> Any:
     """The staged graph as a ``graphviz.Digraph``.
 
     ``g`` is the OpGraph the plan was made from (``fxpipe.planning.opgraph_for``), ``gm``
     the captured GraphModule (optional: names the module types), ``depth`` collapses
-    nodes by module depth.
+    nodes by module depth. ``layout``: ``'columns'`` (stages side by side, each read top
+    down: compact for long chains), ``'lr'`` or ``'tb'`` (one chain left-right / top-down).
     """
     import graphviz
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    columns = layout == "columns"
     box_of, boxes = _drawn_nodes(g, plan, depth)
     dot = graphviz.Digraph("fxpipe", graph_attr={
-        "rankdir": rankdir, "fontname": "Helvetica", "newrank": "true", "compound": "true",
+        "rankdir": "LR" if layout == "lr" else "TB", "fontname": "Helvetica", "newrank": "true", "compound": "true",
         "nodesep": "0.25", "ranksep": "0.35", "splines": "spline", "bgcolor": "white",
         "labelloc": "t", "labeljust": "l", "pad": "0.3",
     }, node_attr={"fontname": "Helvetica", "fontsize": "11", "margin": "0.12,0.05", "penwidth": "1.4"},
         edge_attr={"fontname": "Helvetica", "fontsize": "9", "arrowsize": "0.7"})
-    if title:
-        dot.attr(label=f"<<B>{_esc(title)}</B>>", fontsize="16")
+    dot.attr(label=_legend(plan, title), labelloc="t", labeljust="l")
 
     for st in plan.stages:
         fill, border, background = stage_colors(st.index)
         with dot.subgraph(name=f"cluster_stage{st.index}") as c:
             c.attr(label=(f"<<B>stage {st.index}</B><BR/><FONT POINT-SIZE=\"10\">"
-                          f"{_esc(_fmt_cost(st.cost, plan.balance_by))} · params {_esc(human_bytes(st.param_bytes))}"
+                          f"{_esc(_stage_summary(st, plan.balance_by))}"
                           "</FONT>>"),
                    style="filled,rounded", fillcolor=background, color=border, penwidth="2",
                    fontsize="13", fontcolor=border, labeljust="c")
@@ -201,7 +221,9 @@ def render_plan(g: nx.DiGraph, plan: Plan, *, gm: Any = None, depth: Optional[in
             dot.edge(bu, bv, color="#555555")
         elif sv == su + 1:
             _, border, _ = stage_colors(su)
-            dot.edge(bu, bv, label=human_bytes(size), color=border, fontcolor=border, penwidth="2.2")
+            # in columns, each stage restarts at the top: cross-stage edges must not rank
+            dot.edge(bu, bv, label=human_bytes(size), color=border, fontcolor=border, penwidth="2.2",
+                     constraint="false" if columns else "true")
         else:
             # one label per (value, destination stage): a portal carries a value once per stage
             first = (tuple(sorted(sources)), sv) not in labelled
@@ -209,12 +231,19 @@ def render_plan(g: nx.DiGraph, plan: Plan, *, gm: Any = None, depth: Optional[in
             dot.edge(bu, bv, label=f"portal {su}→{sv}\n{human_bytes(size)}" if first else "",
                      color=PORTAL_COLOR, fontcolor=PORTAL_COLOR, style="dashed", penwidth="2.2",
                      constraint="false")
-    dot.node("legend", label=_legend(plan), shape="plaintext", margin="0")
+    if columns:  # an invisible root above the first box of every stage keeps the stages in order
+        dot.node("stage_order_root", label="", style="invis", shape="point", width="0", height="0",
+                 ordering="out")
+        for st in plan.stages:
+            keys = [k for k, b in boxes.items() if b.stage == st.index]
+            if keys:
+                dot.edge("stage_order_root", keys[0], style="invis")
     return dot
 
 
-def _legend(plan: Plan) -> str:
-    rows = ['<TR><TD COLSPAN="6" ALIGN="LEFT"><B>Legend</B></TD></TR>',
+def _legend(plan: Plan, title: str = "") -> str:
+    rows = [f'<TR><TD COLSPAN="6" ALIGN="LEFT"><FONT POINT-SIZE="16"><B>{_esc(title)}</B></FONT></TD></TR>'] if title else []
+    rows += [
             '<TR><TD></TD><TD ALIGN="LEFT"><B>stage</B></TD><TD ALIGN="RIGHT"><B>cost</B></TD>'
             '<TD ALIGN="RIGHT"><B>params</B></TD><TD ALIGN="RIGHT"><B>in</B></TD><TD ALIGN="RIGHT"><B>out</B></TD></TR>']
     for st in plan.stages:
@@ -226,7 +255,7 @@ def _legend(plan: Plan) -> str:
             f'<TD ALIGN="RIGHT">{_esc(human_bytes(st.act_in_bytes))}</TD>'
             f'<TD ALIGN="RIGHT">{_esc(human_bytes(st.act_out_bytes))}</TD></TR>')
     rows.append('<TR><TD COLSPAN="6" ALIGN="LEFT"><FONT COLOR="#1f78b4"><B>━━▶</B></FONT> boundary edge '
-                '(to the next stage, bytes per step)</TD></TR>')
+                '(to the next stage; activation bytes)</TD></TR>')
     rows.append(f'<TR><TD COLSPAN="6" ALIGN="LEFT"><FONT COLOR="{PORTAL_COLOR}"><B>╍╍▶</B></FONT> portal '
                 '(skips stages, sent straight to the consumer)</TD></TR>')
     return ('<<TABLE BORDER="1" COLOR="#999999" CELLBORDER="0" CELLSPACING="2" CELLPADDING="3" BGCOLOR="white">'

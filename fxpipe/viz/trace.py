@@ -21,7 +21,7 @@ __all__ = ["Box", "lanes", "chrome_trace", "save_chrome_trace", "plot_timeline",
 
 KIND_LETTER = {"forward": "F", "backward": "B", "recompute": "R", "copy": "copy"}
 KIND_COLORS = {"forward": "#4e8fd6", "backward": "#f0a043", "recompute": "#9b6fc3", "copy": "#d62728"}
-_KIND_ORDER = ("forward", "recompute", "backward", "copy")
+_KIND_ORDER = ("forward", "backward", "recompute", "copy")
 
 
 @dataclass
@@ -141,6 +141,8 @@ def plot_timeline(path: str, spans: Sequence[Any], devices: Sequence[str], *,
         return n_stages - 1 - stage  # stage 0 on top
 
     h = 0.62
+    # a backward box's label goes after its recompute, which is drawn over its first part
+    rec_end = {(b.stage, b.microbatch, b.step): b.end * ms for b in boxes if b.kind == "recompute"}
     for kind in _KIND_ORDER:  # recompute over backward: it is the first part of that work
         for b in (x for x in boxes if x.kind == kind):
             x0, w = b.start * ms, max((b.end - b.start) * ms, 0.0)
@@ -151,9 +153,14 @@ def plot_timeline(path: str, spans: Sequence[Any], devices: Sequence[str], *,
                 continue
             ax.add_patch(plt.Rectangle((x0, y - h / 2), w, h, facecolor=KIND_COLORS[kind],
                                        edgecolor="white", lw=0.6))
-            if w * px_per_ms >= 9:
-                ax.text(x0 + w / 2, y, f"{KIND_LETTER[kind]}{b.microbatch}" if w * px_per_ms >= 20 else str(b.microbatch),
-                        ha="center", va="center", fontsize=7.5, color="white", fontweight="bold", clip_on=True)
+            lx0 = x0
+            if kind == "backward":
+                lx0 = min(max(x0, rec_end.get((b.stage, b.microbatch, b.step), x0)), x0 + w)
+            lw = x0 + w - lx0
+            if lw * px_per_ms >= 9:
+                text = f"{KIND_LETTER[kind]}{b.microbatch}" if lw * px_per_ms >= 20 else str(b.microbatch)
+                ax.text(lx0 + lw / 2, y, text, ha="center", va="center", fontsize=7.5, color="white",
+                        fontweight="bold", clip_on=True)
     # busy share per stage (forward + backward lanes, merged)
     for k in range(n_stages):
         ivs = sorted((b.start, b.end) for b in boxes if b.stage == k and b.kind in ("forward", "backward", "recompute"))
@@ -167,7 +174,7 @@ def plot_timeline(path: str, spans: Sequence[Any], devices: Sequence[str], *,
                 cur_e = max(cur_e, e)
         if cur_e is not None:
             busy += cur_e - cur_s
-        ax.text(1.005, (row(k) + 0.6) / n_stages, f"busy {100 * busy / t_end:.0f}%", transform=ax.transAxes,
+        ax.text(1.005, row(k), f"busy {100 * busy / t_end:.0f}%", transform=ax.get_yaxis_transform(),
                 va="center", ha="left", fontsize=9, color="#444444")
     for i, (a, b) in enumerate(steps or ()):
         x = (a - steps[0][0]) * ms
