@@ -259,14 +259,27 @@ def _one_line(e: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
-def _message(e: BaseException) -> str:
-    if isinstance(e, UsageError):
-        return " ".join(str(e).split("\n"))
-    from .errors import TraceError
+_LOCATION = re.compile(r'File "([^"]+)", line (\d+), in \w+\s*\n\s*(.+)')
 
-    if isinstance(e, TraceError):
-        return "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
-    return _one_line(e)
+
+def _message(e: BaseException) -> str:
+    """One line for any exception: ours in full, other libraries' first line plus where."""
+    from .errors import FxpipeError
+
+    text = str(e).strip()
+    if isinstance(e, (UsageError, FxpipeError, ValueError, IndexError)):
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        joined = ""
+        for ln in lines:  # "a.\n  b: c" -> "a. b: c"; "a\nb" -> "a; b"
+            sep = "" if not joined else (" " if joined.endswith((".", ":", ";")) else "; ")
+            joined += sep + " ".join(ln.split())
+        if isinstance(e, (UsageError, FxpipeError)) or not joined:
+            return joined or type(e).__name__
+        return joined
+    first = text.splitlines()[0].strip() if text else ""
+    where = _LOCATION.search(text)
+    at = f" (at {where.group(1)}:{where.group(2)}: {where.group(3).strip()})" if where else ""
+    return f"{type(e).__name__}: {first}{at}" if first else type(e).__name__
 
 
 def main(argv: Optional[List[str]] = None) -> int:

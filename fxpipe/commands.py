@@ -162,14 +162,17 @@ def cmd_render(ns: argparse.Namespace) -> int:
     from .planning import opgraph_for
     from .viz.render import render_plan, save_graph
 
+    suffix = os.path.splitext(ns.output)[1].lower().lstrip(".")
+    if suffix not in ("svg", "png", "pdf", "jpg", "jpeg", "dot", "gv"):
+        raise UsageError(f"-o {ns.output}: unknown format {suffix or '(none)'!r}; use .svg, .png, .pdf or .dot")
+    if ns.depth is not None and ns.depth < 1:
+        raise UsageError(f"--depth must be >= 1, got {ns.depth}")
     model, args, kwargs = _load(ns)
     devices = _devices(ns)
     captured = _capture(ns, model, args, kwargs)
     margs, mkwargs = _micro_sample(args, kwargs, ns.chunks)
     plan = _make_plan(ns, captured, margs, mkwargs, devices)
     graph = opgraph_for(captured, margs, mkwargs, "params")  # shapes and sizes, one untimed run
-    if ns.depth is not None and ns.depth < 1:
-        raise UsageError(f"--depth must be >= 1, got {ns.depth}")
     dot = render_plan(graph, plan, gm=captured.graph_module, depth=ns.depth, layout=ns.layout,
                       title=f"{type(model).__name__} in {plan.n_stages} stages (balanced by {plan.balance_by})")
     written, note = save_graph(dot, ns.output)

@@ -249,7 +249,7 @@ def _legend(plan: Plan, title: str = "") -> str:
     for st in plan.stages:
         fill, border, _ = stage_colors(st.index)
         rows.append(
-            f'<TR><TD BGCOLOR="{fill}" WIDTH="18"> </TD><TD ALIGN="LEFT">stage {st.index} ({len(st.nodes)} nodes)</TD>'
+            f'<TR><TD BGCOLOR="{fill}" WIDTH="18"> </TD><TD ALIGN="LEFT">stage {st.index} ({len(st.nodes)} node{"s" if len(st.nodes) != 1 else ""})</TD>'
             f'<TD ALIGN="RIGHT">{_esc(_fmt_cost(st.cost, plan.balance_by))}</TD>'
             f'<TD ALIGN="RIGHT">{_esc(human_bytes(st.param_bytes))}</TD>'
             f'<TD ALIGN="RIGHT">{_esc(human_bytes(st.act_in_bytes))}</TD>'
