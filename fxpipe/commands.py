@@ -201,9 +201,10 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     from .runtime.timeline import Recorder
     from .viz.trace import plot_timeline, save_chrome_trace
 
+    devices = _devices(ns)  # a bad --device fails before the model is loaded
     model, args, kwargs = _load(ns)
     model.train()
-    threads = set_threads(ns.threads, _devices(ns))
+    threads = set_threads(ns.threads, devices)
     pipe = _pipeline(ns, model, args, kwargs, checkpoint=ns.checkpoint)
 
     def step() -> None:
@@ -225,9 +226,9 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     png = base + ".png"
     title = (f"{type(model).__name__}: {pipe.n_stages} stages, {ns.chunks} micro-batches, "
              f"checkpoint={ns.checkpoint}, {threads} intra-op thread{'s' if threads != 1 else ''}")
-    devices = [str(d) for d in pipe.devices]
-    n_events = save_chrome_trace(ns.output, rec.spans, devices, steps=steps, title=title)
-    plot_timeline(png, rec.spans, devices, steps=steps, title=title)
+    names = [str(d) for d in pipe.devices]
+    n_events = save_chrome_trace(ns.output, rec.spans, names, steps=steps, title=title)
+    plot_timeline(png, rec.spans, names, steps=steps, title=title)
     total = steps[-1][1] - steps[0][0]
     print(f"recorded {ns.steps} step(s) in {total * 1e3:.1f} ms: {len(rec.spans)} spans")
     print(f"wrote {ns.output} ({n_events} events; open in https://ui.perfetto.dev or chrome://tracing)")
