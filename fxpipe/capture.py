@@ -270,8 +270,14 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _STDLIB_DIR = os.path.dirname(os.__file__)
 
 
+# Models shipped with fxpipe (the demo) are user code for source locations.
+_PKG_MODEL_FILES = (os.path.join(_PKG_DIR, "demo.py"),)
+
+
 def _internal_file(filename: str) -> bool:
     fn = os.path.abspath(filename)
+    if fn in _PKG_MODEL_FILES:
+        return False
     return (filename.startswith("<") or fn.startswith(_TORCH_DIR) or fn.startswith(_PKG_DIR)
             or (fn.startswith(_STDLIB_DIR) and "site-packages" not in fn))
 

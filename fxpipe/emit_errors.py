@@ -29,6 +29,8 @@ _FRAME_RE = re.compile(r'^File "(.+)", line (\d+), in (.+)$')
 _DELETE_RE = re.compile(r";\s+(?:[A-Za-z_]\w*\s*=\s*)+None\s*$")
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The demo model ships inside the package but is user code for source locations.
+_DEMO_FILE = os.path.join(_FXPIPE_DIR, "demo.py")
 
 
 class EmitError(FxpipeError, ValueError):
@@ -51,7 +53,8 @@ def source_location(node: torch.fx.Node) -> str | None:
             frames.append((m.group(1), m.group(2), m.group(3), code))
     if not frames:
         return None
-    user = [f for f in frames if not os.path.abspath(f[0]).startswith((_TORCH_DIR, _FXPIPE_DIR))]
+    user = [f for f in frames
+            if os.path.abspath(f[0]) == _DEMO_FILE or not os.path.abspath(f[0]).startswith((_TORCH_DIR, _FXPIPE_DIR))]
     file, lineno, fn, code = (user or frames)[-1]
     return f'File "{file}", line {lineno}, in {fn}: {code}'
 
