@@ -252,13 +252,13 @@ def test_worker_threads_follow_the_callers_thread_count():
 
 
 def test_workers_are_persistent_and_one_per_device():
-    before = len(fxpipe_threads())
     pipe = threaded(GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu"] * 2, chunks=2))
     pipe(torch.randn(4, 2))
-    after_first = fxpipe_threads()
-    pipe(torch.randn(4, 2))
-    assert fxpipe_threads() == after_first
-    assert len(after_first) == before + 1  # both partitions live on the one CPU device
+    workers = list(pipe._pipeline.workers.threads)
+    assert len(workers) == 1  # both partitions live on the one CPU device
+    assert all(t.is_alive() and t in fxpipe_threads() for t in workers)
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert pipe._pipeline.workers.threads == workers  # the same threads serve every call
 
 
 def test_no_thread_leak_when_pipelines_are_dropped():

@@ -82,6 +82,8 @@ class Pipeline:
         # None: worker threads when a partition is on an accelerator; inline on CPU.
         self.threads = threads
         self._pool: Optional[WorkerPool] = None
+        # Nothing to overlap recomputation with when no copy is asynchronous.
+        self._cpu_only = all(d.type == "cpu" for d in self.devices)
         self._copy_streams: List[List[AbstractStream]] = [[] for _ in self.devices]
 
     @property
@@ -144,7 +146,7 @@ class Pipeline:
             marks[i] = timeline.mark_backward(batch, j, i, self.devices[j])
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
-                chk = Checkpointing(function, batch, self.devices[j])
+                chk = Checkpointing(function, batch, self.devices[j], fused=self._cpu_only)
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute, result_queue=results, key=(i, j))
                 del chk
             else:

@@ -66,7 +66,9 @@ class SkipTrackerThroughPortals(SkipTracker):
         self.input_batch: Optional[Batch] = None
 
     def save(self, batch: Optional[Batch], ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
-        if not self.skip_layout.requires_copy(ns, name):
+        if not self.skip_layout.requires_copy(ns, name) or not isinstance(tensor, (Tensor, type(None))):
+            # Same partition, or a plain value (an int, a torch.Size): nothing to copy or
+            # differentiate, so it waits in the dict.
             super().save(batch, ns, name, tensor)
             return
         key = (ns, name)
@@ -86,7 +88,7 @@ class SkipTrackerThroughPortals(SkipTracker):
         _join_into(batch, phony)
 
     def load(self, batch: Optional[Batch], ns: Optional[Namespace], name: str) -> Optional[Tensor]:
-        if not self.skip_layout.requires_copy(ns, name):
+        if not self.skip_layout.requires_copy(ns, name) or (ns, name) in self.tensors:
             return super().load(batch, ns, name)
         portal = self.portals.get((ns, name))
         if portal is None:
@@ -100,6 +102,8 @@ class SkipTrackerThroughPortals(SkipTracker):
         ns: Optional[Namespace], name: str,
     ) -> None:
         """Moves a portal's tensor towards its pop partition, ordered by ``batch``."""
+        if (ns, name) in self.tensors:
+            return  # a plain value, not a tensor: nothing to move
         anchor = batch.anchor()
         portal = self.portals.get((ns, name))
         if portal is None:
@@ -122,11 +126,14 @@ class SkipTrackerThroughPortals(SkipTracker):
 
 
 def _join_into(batch: Batch, phony: Tensor) -> None:
+    if not phony.requires_grad:
+        return  # no gradient will come back through this skip
     anchor = batch.anchor()
     if anchor is None:
         raise TypeError(
-            "a partition that stashes a skip tensor must return at least one tensor, so the "
-            "skip's gradient has a path back to it"
+            "a partition that stashes a skip tensor needing grad must return at least one "
+            "floating-point tensor, so the skip's gradient has a path back to it; move the cut "
+            "(split_points=...) so this stage passes its main activation on"
         )
     batch[anchor] = join(batch[anchor], phony)
 
