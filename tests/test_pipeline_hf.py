@@ -1,0 +1,162 @@
+"""fxpipe.pipeline on Hugging Face transformers models (tiny random configs, no downloads).
+
+GPT-2 (tied wte / lm_head) and BERT (with an attention_mask keyword tensor) are captured
+through torch.export (torch.fx cannot trace them), cut into 2-3 stages, run with 2
+micro-batches and compared with eager deep copies: the ModelOutput type and keys, every
+output tensor and every parameter gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import fxpipe  # noqa: E402
+
+# Gradients sum over micro-batches in another order than over the batch: float32 rounding.
+GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
+VOCAB, BATCH, SEQ = 100, 4, 8
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, use_cache=False,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=1,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def bert_config():
+    return transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 5:] = 0  # padding in the first micro-batch only
+    mask[3, 2:] = 0  # and more of it in the second
+    return ids, mask
+
+
+def weighted(t: torch.Tensor, k: int = 1) -> torch.Tensor:
+    return (t * torch.linspace(-1, 1, t.numel()).view_as(t) * k).sum()
+
+
+def assert_grads_equal(model, ref) -> None:
+    named = list(model.named_parameters())
+    assert [n for n, _ in named] == [n for n, _ in ref.named_parameters()]
+    for (name, p), q in zip(named, ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"grad of {name}: {m}", **GRAD_TOL)
+
+
+def assert_outputs_equal(out, expected) -> None:
+    assert type(out) is type(expected)
+    assert list(out.keys()) == list(expected.keys())
+    for key in expected.keys():
+        torch.testing.assert_close(out[key], expected[key], msg=lambda m: f"output {key!r}: {m}")
+
+
+# Export graphs carry the batch size as a SymInt node (sym_size_int); with 3 stages it skips
+# a stage by portal, and a checkpointed stage that pops it fails when recomputed.
+NON_TENSOR_PORTAL_BUG = pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "fxpipe/skip/tracker.py SkipTrackerThroughPortals.load pops non-tensor portal values "
+    "(a SymInt batch size) from its dict, so a checkpointed pop stage cannot re-read them when "
+    "recomputed: 'skip ... has not been stashed' (see test_pipeline_random.py::"
+    "test_non_tensor_portal_value_survives_recomputation)"))
+
+
+@pytest.mark.parametrize("n_stages,checkpoint", [
+    (2, "except_last"), (3, "never"), pytest.param(3, "always", marks=NON_TENSOR_PORTAL_BUG)])
+def test_gpt2_lm_matches_eager_with_tied_weights(n_stages, checkpoint):
+    torch.manual_seed(0)
+    model = gpt2()
+    ref = copy.deepcopy(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids, _ = inputs()
+    pipe = fxpipe.pipeline(model, ids, n_stages, chunks=2, devices=["cpu"] * n_stages,
+                           checkpoint=checkpoint, balance_by="params")
+    assert len(pipe.stages) == n_stages
+    assert pipe.capture.method == "export"  # fx cannot trace GPT-2
+
+    out = pipe(ids)
+    expected = ref(ids)
+    assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithCrossAttentions)
+    assert_outputs_equal(out, expected)
+
+    def loss(o):  # LM loss computed outside the model, plus a weighted sum of all logits
+        logits = o.logits
+        lm = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        return lm + weighted(logits) * 1e-2
+
+    loss(out).backward()
+    loss(expected).backward()
+    assert_grads_equal(model, ref)
+
+    # Still one tied parameter; its gradient is the sum of both uses, as in eager.
+    assert model.lm_head.weight is model.transformer.wte.weight
+    torch.testing.assert_close(model.lm_head.weight.grad, ref.lm_head.weight.grad, **GRAD_TOL)
+    if n_stages == 3:
+        users = [k for k, s in enumerate(pipe.stages) if any(p is model.transformer.wte.weight for p in s.parameters())]
+        assert users[0] == 0 and users[-1] == n_stages - 1, users
+    owned = {id(p) for s in pipe.stages for p in s.parameters()}
+    assert owned <= {id(p) for p in model.parameters()}  # no copies
+    assert list(pipe.state_dict()) == list(model.state_dict()) == list(ref.state_dict())
+
+
+@pytest.mark.parametrize("n_stages,checkpoint", [(2, "except_last"), (3, "never")])
+def test_bert_with_attention_mask_matches_eager(n_stages, checkpoint):
+    torch.manual_seed(0)
+    model = transformers.BertModel(bert_config())
+    ref = copy.deepcopy(model)
+    ids, mask = inputs(1)
+    pipe = fxpipe.pipeline(model, ids, n_stages, sample_kwargs={"attention_mask": mask}, chunks=2,
+                           devices=["cpu"] * n_stages, checkpoint=checkpoint, balance_by="params")
+    assert len(pipe.stages) == n_stages
+    assert pipe.capture.method == "export"
+
+    out = pipe(ids, attention_mask=mask)
+    expected = ref(ids, attention_mask=mask)
+    assert isinstance(out, transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions)
+    assert list(out.keys()) == ["last_hidden_state", "pooler_output"]
+    assert_outputs_equal(out, expected)
+    # The mask is split with the batch: an all-ones mask gives other values for padded rows.
+    unmasked = ref(ids, attention_mask=torch.ones_like(mask)).last_hidden_state
+    assert not torch.allclose(unmasked[1], out.last_hidden_state[1])
+    torch.testing.assert_close(unmasked[0], out.last_hidden_state[0])
+
+    (weighted(out.last_hidden_state) + weighted(out.pooler_output, 2)).backward()
+    (weighted(expected.last_hidden_state) + weighted(expected.pooler_output, 2)).backward()
+    assert_grads_equal(model, ref)
+    assert list(pipe.state_dict()) == list(ref.state_dict())
+
+
+def test_bert_masked_lm_tied_decoder_matches_eager():
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(bert_config())
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    ref = copy.deepcopy(model)
+    ids, mask = inputs(2)
+    pipe = fxpipe.pipeline(model, ids, 2, sample_kwargs={"attention_mask": mask}, chunks=2,
+                           devices=["cpu"] * 2, checkpoint="always", balance_by="params")
+    out = pipe(ids, attention_mask=mask)
+    expected = ref(ids, attention_mask=mask)
+    assert isinstance(out, transformers.modeling_outputs.MaskedLMOutput)
+    assert_outputs_equal(out, expected)
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    F.cross_entropy(out.logits.reshape(-1, VOCAB), labels.reshape(-1)).backward()
+    F.cross_entropy(expected.logits.reshape(-1, VOCAB), labels.reshape(-1)).backward()
+    assert_grads_equal(model, ref)
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert list(pipe.state_dict()) == list(ref.state_dict())

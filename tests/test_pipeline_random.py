@@ -1,0 +1,488 @@
+"""fxpipe.pipeline on hypothesis-generated random DAG models.
+
+A model is a static spec: a list of nodes, each reading 1-3 earlier nodes (far-back ones
+included, so values skip stages and travel by portal) through one op. The model's forward
+interprets the spec with a Python loop, which torch.fx traces into a flat graph. The
+pipeline must agree with an eager deep copy on every output, every parameter gradient and
+the inputs' gradients, for any number of stages, micro-batches and checkpoint mode, for
+balanced cuts and for random forced cuts; its Plan must route every cross-stage value by a
+boundary edge or a portal. The partitioner is also checked against brute force on the
+OpGraphs of these real captured models.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import os
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxpipe
+from fxpipe.capture import capture
+from fxpipe.partition import COMPUTE_OPS, partition, stage_costs, topological_order
+from fxpipe.plan import Plan
+from fxpipe.planning import opgraph_for
+
+D = 6
+MODES = ["always", "except_last", "never"]
+# Gradients sum over micro-batches in another order than over the batch: float32 rounding.
+GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
+# fxpipe bug (see the xfail tests below): under checkpointing, parameters/inputs that get no
+# gradient in eager get a zero gradient. Set to False once fixed.
+TOLERATE_ZERO_FOR_NONE = os.environ.get("FXPIPE_STRICT_NONE_GRADS") != "1"
+
+# op -> (min inputs, max inputs)
+OPS = {
+    "linear": (1, 3),  # act(Linear(sum of inputs))
+    "add": (2, 3),
+    "cat": (2, 3),  # Linear(k*d, d)(cat(inputs))
+    "mul": (2, 2),
+    "tanh": (1, 1),
+    "scale": (1, 1),  # constant * x
+    "sub_mean": (1, 1),  # x - x.mean(-1, keepdim=True), a call_method pair
+}
+ACTS = ("relu", "tanh", "gelu", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    op: str
+    inputs: tuple[int, ...]
+    act: str = "none"
+    const: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    n_inputs: int  # value ids 0 .. n_inputs-1 are the model's inputs
+    nodes: tuple[Node, ...]  # node i has value id n_inputs + i
+    outputs: tuple[int, ...]
+    out_kind: str  # 'tensor' | 'tuple' | 'dict' | 'nested'
+
+
+class DagModel(nn.Module):
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        layers = {}
+        for i, node in enumerate(spec.nodes):
+            if node.op == "linear":
+                layers[f"n{i}"] = nn.Linear(D, D)
+            elif node.op == "cat":
+                layers[f"n{i}"] = nn.Linear(len(node.inputs) * D, D)
+        self.layers = nn.ModuleDict(layers)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        spec = self.spec
+        vals = list(inputs)
+        for i, node in enumerate(spec.nodes):
+            xs = [vals[j] for j in node.inputs]
+            if node.op == "linear":
+                h = xs[0]
+                for x in xs[1:]:
+                    h = h + x
+                y = self.layers[f"n{i}"](h)
+                if node.act == "relu":
+                    y = torch.relu(y)
+                elif node.act == "tanh":
+                    y = torch.tanh(y)
+                elif node.act == "gelu":
+                    y = nn.functional.gelu(y)
+            elif node.op == "add":
+                y = xs[0]
+                for x in xs[1:]:
+                    y = y + x
+            elif node.op == "cat":
+                y = self.layers[f"n{i}"](torch.cat(xs, dim=-1))
+            elif node.op == "mul":
+                y = xs[0] * xs[1]
+            elif node.op == "tanh":
+                y = torch.tanh(xs[0])
+            elif node.op == "scale":
+                y = xs[0] * node.const
+            else:  # sub_mean
+                y = xs[0] - xs[0].mean(-1, keepdim=True)
+            vals.append(y)
+        outs = [vals[j] for j in spec.outputs]
+        if spec.out_kind == "tensor":
+            return outs[0]
+        if spec.out_kind == "tuple":
+            return tuple(outs)
+        if spec.out_kind == "dict":
+            return {f"o{k}": v for k, v in enumerate(outs)}
+        return {"first": outs[0], "rest": outs[1:]}  # nested: dict holding a list
+
+
+@st.composite
+def specs(draw, max_nodes: int = 10) -> Spec:
+    n_inputs = draw(st.integers(1, 2))
+    n = draw(st.integers(1, max_nodes))
+    nodes = []
+    for i in range(n):
+        avail = n_inputs + i
+        op = draw(st.sampled_from(sorted(OPS)))
+        lo, hi = OPS[op]
+        k = draw(st.integers(lo, hi))
+        # The previous value (chain) or anything earlier: far-back picks are long skips.
+        first = draw(st.one_of(st.just(avail - 1), st.integers(0, avail - 1)))
+        rest = draw(st.lists(st.integers(0, avail - 1), min_size=k - 1, max_size=k - 1))
+        act = draw(st.sampled_from(ACTS)) if op == "linear" else "none"
+        const = draw(st.sampled_from([0.5, -1.5, 2.0])) if op == "scale" else 1.0
+        nodes.append(Node(op, (first, *rest), act, const))
+    total = n_inputs + n
+    # The last node, plus 0-2 of anything (the inputs and early nodes included).
+    extra = draw(st.lists(st.integers(0, total - 1), max_size=2))
+    outputs = tuple(draw(st.permutations([total - 1, *extra])))
+    kinds = ["tuple", "dict", "nested"] + (["tensor"] if len(outputs) == 1 else [])
+    out_kind = draw(st.sampled_from(kinds))
+    if out_kind == "nested" and len(outputs) == 1:
+        out_kind = "tuple"
+    return prune(Spec(n_inputs, tuple(nodes), outputs, out_kind))
+
+
+def prune(spec: Spec) -> Spec:
+    """Drops the nodes no output depends on (dead code has its own tests below)."""
+    n_in = spec.n_inputs
+    live = set(spec.outputs)
+    for i in reversed(range(len(spec.nodes))):
+        if n_in + i in live:
+            live.update(spec.nodes[i].inputs)
+    new_id = {j: j for j in range(n_in)}
+    nodes = []
+    for i, node in enumerate(spec.nodes):
+        if n_in + i in live:
+            new_id[n_in + i] = n_in + len(nodes)
+            nodes.append(dataclasses.replace(node, inputs=tuple(new_id[j] for j in node.inputs)))
+    if not nodes:  # only inputs are returned: keep one node so there is something to cut
+        nodes.append(Node("tanh", (spec.outputs[0],)))
+    return Spec(n_in, tuple(nodes), tuple(new_id[j] for j in spec.outputs), spec.out_kind)
+
+
+# -- helpers -------------------------------------------------------------------------------
+def leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [x for k in obj for x in leaves(obj[k])]
+    if isinstance(obj, (tuple, list)):
+        return [x for v in obj for x in leaves(v)]
+    return []
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    total = torch.zeros(())
+    for i, t in enumerate(leaves(out)):
+        if t.requires_grad:
+            w = torch.linspace(-1, 1, t.numel()).view_as(t) * (i + 1)
+            total = total + (t * w).sum()
+    return total
+
+
+def same_structure(a: Any, b: Any) -> None:
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            same_structure(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same_structure(x, y)
+
+
+def make(spec: Spec, batch: int, seed: int) -> tuple[nn.Module, tuple]:
+    torch.manual_seed(seed)
+    model = DagModel(spec)
+    g = torch.Generator().manual_seed(seed + 1)
+    args = tuple(torch.randn(batch, D, generator=g) for _ in range(spec.n_inputs))
+    return model, args
+
+
+def n_compute(gm: torch.fx.GraphModule) -> int:
+    return sum(n.op in COMPUTE_OPS for n in gm.graph.nodes)
+
+
+def check_plan_routes(pipe) -> None:
+    """Every portal skips a stage; every value used in a stage is made there, comes from the
+    previous stage by a boundary edge, or from an earlier one by a portal; the emitted stages
+    receive exactly those placeholders and pop exactly those portals."""
+    plan = pipe.plan
+    assign = plan.assignment
+    edges = {(e.value, e.src, e.dst) for e in plan.edges}
+    portals = {(p.value, p.src, p.dst) for p in plan.portals}
+    for e in plan.edges:
+        assert e.dst == e.src + 1, e
+    for p in plan.portals:
+        assert p.dst > p.src + 1, p
+        assert p.name == fxpipe.plan.portal_name(p.value, p.dst)
+    gm = pipe.capture.graph_module
+    needed_edges, needed_portals = set(), set()
+    for v in gm.graph.nodes:
+        sv = assign[v.name]
+        assert 0 <= sv < plan.n_stages
+        if v.op == "placeholder":
+            assert sv == 0
+        if v.op == "output":
+            assert sv == plan.n_stages - 1
+        for u in v.all_input_nodes:
+            if u.op == "get_attr":
+                continue  # parameters are shared, never sent
+            su = assign[u.name]
+            assert su <= sv, f"{v.name} (stage {sv}) reads {u.name} from later stage {su}"
+            if su == sv:
+                continue
+            if sv == su + 1:
+                assert (u.name, su, sv) in edges, f"{u.name} {su}->{sv} has no boundary edge"
+                needed_edges.add((u.name, su, sv))
+            else:
+                assert (u.name, su, sv) in portals, f"{u.name} {su}->{sv} has no portal"
+                needed_portals.add((u.name, su, sv))
+    # Nothing sent that nobody reads.
+    assert needed_edges == edges
+    assert needed_portals == portals
+    emitted = pipe.emitted
+    routes = {name: (s, d) for name, (s, d) in emitted.skip_routes.items()}
+    assert routes == {p.name: (p.src, p.dst) for p in plan.portals}
+    for k in range(1, plan.n_stages):
+        assert set(emitted.input_names[k]) == {e.value for e in plan.edges if e.dst == k}, k
+
+
+def empty_boundary(plan: Plan) -> bool:
+    """Whether some stage but the last sends no boundary value to its successor."""
+    return any(not any(e.src == k for e in plan.edges) for k in range(plan.n_stages - 1))
+
+
+def forced_plan(model: nn.Module, args: tuple, n_stages: int, data) -> Plan:
+    """A plan with cut points drawn at random among the compute nodes."""
+    cap = capture(model, args, {})
+    graph = opgraph_for(cap, args, {}, "params")
+    comp = [n for n in topological_order(graph) if graph.nodes[n]["op"] in COMPUTE_OPS]
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(comp) - 1), min_size=n_stages - 1,
+                                    max_size=n_stages - 1), label="cuts"))
+    assignment = partition(graph, n_stages, cost_attr="params", split_before=[comp[c] for c in cuts])
+    return Plan.from_assignment(graph, assignment, balance_by="params", cost_attr="params")
+
+
+# -- pipeline vs eager ---------------------------------------------------------------------
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    spec=specs(),
+    n_stages=st.integers(1, 4),
+    chunks=st.integers(1, 4),
+    checkpoint=st.sampled_from(MODES),
+    batch=st.sampled_from([4, 5, 8]),
+    forced=st.booleans(),
+    data=st.data(),
+)
+def test_random_dag_matches_eager(spec, n_stages, chunks, checkpoint, batch, forced, data):
+    model, args = make(spec, batch, seed=len(spec.nodes))
+    ref = copy.deepcopy(model)
+    m = n_compute(capture(model, args, {}).graph_module)
+    n_stages = min(n_stages, m)
+    plan = forced_plan(model, args, n_stages, data) if forced and n_stages > 1 else None
+
+    pipe = fxpipe.pipeline(model, args, n_stages, chunks=chunks, devices=["cpu"] * n_stages,
+                           checkpoint=checkpoint, balance_by="params", plan=plan)
+    assert len(pipe.stages) == n_stages
+    check_plan_routes(pipe)
+    # Known fxpipe bug (test_stage_without_boundary_output_* below): a stage that sends nothing
+    # to the next one breaks the backward path of the portals crossing it.
+    assume(not empty_boundary(pipe.plan))
+
+    xs = tuple(a.clone().requires_grad_() for a in args)
+    ref_xs = tuple(a.clone().requires_grad_() for a in args)
+    out = pipe(*xs)
+    expected = ref(*ref_xs)
+    same_structure(out, expected)
+    for a, b in zip(leaves(out), leaves(expected)):
+        torch.testing.assert_close(a, b)
+
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    named = [(f"input {k}", x, rx) for k, (x, rx) in enumerate(zip(xs, ref_xs))]
+    named += [(name, p, q) for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]
+    for name, p, q in named:
+        if q.grad is None and p.grad is not None and checkpoint != "never" and TOLERATE_ZERO_FOR_NONE:
+            # Known runtime bug (test_*_grad_none_under_checkpoint below): checkpointed
+            # stages and Fork/Join turn "no gradient" into zeros. Tolerated until fixed.
+            assert not p.grad.any(), name
+            continue
+        assert (p.grad is None) == (q.grad is None), f"grad of {name}: {p.grad} vs eager {q.grad}"
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"grad of {name}: {s}", **GRAD_TOL)
+    assert list(pipe.state_dict()) == list(ref.state_dict())
+
+
+def test_long_skip_crosses_every_stage_and_input_is_an_output():
+    """A fixed worst case: the input feeds the last node and is itself an output, four stages."""
+    nodes = tuple(Node("linear", (i,), "tanh") for i in range(6)) + (Node("add", (6, 0)),)
+    spec = Spec(1, nodes, (7, 0, 1), "tuple")
+    model, args = make(spec, 6, seed=3)
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, args, 4, chunks=3, devices=["cpu"] * 4, checkpoint="always",
+                           balance_by="params")
+    check_plan_routes(pipe)
+    assert any(p.src == 0 and p.dst == 3 for p in pipe.plan.portals), str(pipe.plan)
+    x, rx = args[0].clone().requires_grad_(), args[0].clone().requires_grad_()
+    out, expected = pipe(x), ref(rx)
+    for a, b in zip(out, expected):
+        torch.testing.assert_close(a, b)
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    torch.testing.assert_close(x.grad, rx.grad, **GRAD_TOL)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **GRAD_TOL)
+
+
+class _AuxOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.c(h), self.b(h)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fxpipe/runtime/checkpoint.py Checkpoint.forward does not call ctx.set_materialize_grads(False): "
+    "autograd hands backward() zeros for outputs that got no gradient, so parameters that only "
+    "feed an unused output (or a dead value crossing a stage) get zero grads instead of None"))
+@pytest.mark.parametrize("n_stages", [1, 2])
+def test_unused_output_leaves_grad_none_under_checkpoint(n_stages):
+    torch.manual_seed(0)
+    model, x = _AuxOutput(), torch.randn(4, 4)
+    pipe = fxpipe.pipeline(model, x, n_stages, chunks=2, devices=["cpu"] * n_stages,
+                           checkpoint="always", balance_by="params")
+    main, aux = pipe(x)
+    main.sum().backward()  # aux unused, as eager: model.b gets no gradient at all
+    assert model.a.weight.grad is not None
+    assert model.b.weight.grad is None, "zeros instead of None (eager gives None)"
+
+
+def _dead_middle_spec() -> Spec:
+    # v1 = x + x, v2 = v1 + x, v3 = x - mean(x); outputs (v3, x, v2). Balanced by params (all
+    # zero), the planner puts v2 alone in stage 1, which then sends nothing to stage 2:
+    # v2 and x reach stage 3 by portals only.
+    nodes = (Node("add", (0, 0)), Node("add", (1, 0)), Node("sub_mean", (0,)))
+    return Spec(1, nodes, (3, 0, 2), "tuple")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fxpipe: a stage that returns no boundary tensor to the next stage (all its values leave "
+    "by portal) breaks the portal backward chain: TypeError from skip/tracker.py _join_into "
+    "when not checkpointed, and silently missing gradients when checkpointed"))
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_stage_without_boundary_output_keeps_gradients(checkpoint):
+    model, args = make(_dead_middle_spec(), 4, seed=1)
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, args, 4, chunks=1, devices=["cpu"] * 4, checkpoint=checkpoint,
+                           balance_by="params")
+    assert empty_boundary(pipe.plan)  # the automatic plan itself has the empty boundary
+    x, rx = args[0].clone().requires_grad_(), args[0].clone().requires_grad_()
+    out, expected = pipe(x), ref(rx)
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    assert x.grad is not None, "gradient of the input lost"
+    torch.testing.assert_close(x.grad, rx.grad, **GRAD_TOL)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fxpipe runtime: Join/Fork (runtime/dependency.py) and Checkpoint (runtime/checkpoint.py) "
+    "materialise missing gradients as zeros, so an input no output depends on gets a zero "
+    "grad instead of None under checkpointing"))
+def test_unused_input_grad_none_under_checkpoint():
+    spec = Spec(2, (Node("add", (1, 1)),), (2,), "tuple")  # input 0 unused
+    model, args = make(spec, 4, seed=1)
+    pipe = fxpipe.pipeline(model, args, 1, chunks=2, devices=["cpu"], checkpoint="always", balance_by="params")
+    xs = tuple(a.clone().requires_grad_() for a in args)
+    loss_of(pipe(*xs)).backward()
+    assert xs[1].grad is not None
+    assert xs[0].grad is None, "zeros instead of None (eager gives None)"
+
+
+class _SizeSkip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = x.size(0)  # stage 0: a plain int, sent to stage 2 by portal
+        h = self.l1(self.l0(x))
+        return self.l2(h).view(n, 2, 2)
+
+
+@pytest.mark.parametrize("checkpoint", [
+    "never",
+    *(pytest.param(mode, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+        "fxpipe/skip/tracker.py SkipTrackerThroughPortals.load pops a non-tensor portal value "
+        "from its dict (SkipTracker.load), so recomputing the checkpointed pop stage finds it "
+        "gone: 'skip size__to2 has not been stashed'"))) for mode in ("except_last", "always")),
+])
+def test_non_tensor_portal_value_survives_recomputation(checkpoint):
+    model, x = _SizeSkip(), torch.randn(4, 4)
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, x, 3, chunks=2, devices=["cpu"] * 3, checkpoint=checkpoint,
+                           split_points=["l1", "l2"], balance_by="params")
+    assert [(p.value, p.src, p.dst) for p in pipe.plan.portals] == [("size", 0, 2)]
+    out = pipe(x)
+    torch.testing.assert_close(out, ref(x))
+    loss_of(out).backward()
+    loss_of(ref(x)).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **GRAD_TOL)
+
+
+# -- partitioner vs brute force on real captured graphs -----------------------------------
+def brute_force(graph, k: int, cost_attr: str, spb: float) -> float:
+    """Minimum bottleneck over every contiguous cut of the compute nodes in topological
+    order; placeholders in stage 0, the output in the last, get_attr with its first user."""
+    order = topological_order(graph)
+    nodes = graph.nodes
+    comp = [n for n in order if nodes[n]["op"] in COMPUTE_OPS]
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(comp)), k - 1):
+        assign = {n: sum(i >= c for c in cuts) for i, n in enumerate(comp)}
+        for n in order:
+            if nodes[n]["op"] == "placeholder":
+                assign[n] = 0
+            elif nodes[n]["op"] == "output":
+                assign[n] = k - 1
+        for n in order:
+            if n not in assign:
+                users = [u for u in order if graph.has_edge(n, u) and u in assign]
+                assign[n] = assign[users[0]] if users else 0
+        best = min(best, max(stage_costs(graph, assign, cost_attr=cost_attr, seconds_per_byte=spb)))
+    return best
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs(max_nodes=7), batch=st.sampled_from([2, 4]),
+       cost=st.sampled_from([("params", 0.0), ("memory", 0.0), ("memory", 1.0), ("memory", 0.05)]))
+def test_partition_matches_brute_force_on_captured_graphs(spec, batch, cost):
+    cost_attr, spb = cost
+    model, args = make(spec, batch, seed=1)
+    cap = capture(model, args, {})
+    graph = opgraph_for(cap, args, {}, "params")
+    m = sum(graph.nodes[n]["op"] in COMPUTE_OPS for n in graph)
+    assert m == n_compute(cap.graph_module)
+    for k in range(1, min(4, m) + 1):
+        assign = partition(graph, k, cost_attr=cost_attr, seconds_per_byte=spb)
+        comp = [n for n in topological_order(graph) if graph.nodes[n]["op"] in COMPUTE_OPS]
+        stages = [assign[n] for n in comp]
+        assert stages == sorted(stages) and set(stages) == set(range(k))  # contiguous, none empty
+        got = max(stage_costs(graph, assign, cost_attr=cost_attr, seconds_per_byte=spb))
+        assert got == pytest.approx(brute_force(graph, k, cost_attr, spb), rel=1e-9, abs=1e-9)
+        # The Plan built on it reports the same costs and routes consistently.
+        plan = Plan.from_assignment(graph, assign, balance_by=cost_attr, cost_attr=cost_attr,
+                                    seconds_per_byte=spb)
+        assert max(s.cost for s in plan.stages) == pytest.approx(got, rel=1e-12, abs=1e-12)
+        assert all(p.dst > p.src + 1 for p in plan.portals)
+        assert all(e.dst == e.src + 1 for e in plan.edges)
