@@ -44,10 +44,14 @@ class Slow(nn.Module):
 
 
 def test_balance_by_time_finds_the_heavy_layers():
-    model = nn.Sequential(Slow(1), Slow(1), Slow(1), Slow(12), Slow(1), Slow(1))
+    work = [1, 1, 1, 12, 1, 1]
+    model = nn.Sequential(*[Slow(w) for w in work])
     balance = balance_by_time(2, model, torch.randn(64, 64), timeout=0.3, device="cpu")
     assert sum(balance) == 6 and len(balance) == 2
-    assert balance[0] >= 3 and balance[1] <= 3  # the heavy layer ends up with few neighbours
+    # Judged in known units of work: within timing noise of the optimum ([3, 3] -> 14).
+    bounds = list(itertools.accumulate([0] + balance))
+    bottleneck = max(sum(work[a:b]) for a, b in zip(bounds, bounds[1:]))
+    assert bottleneck <= 1.1 * brute_force_bottleneck(work, 2)
     assert all(p.grad is None for p in model.parameters())  # profiled on copies
     GPipe(model, balance, devices=["cpu"] * 2)
 
