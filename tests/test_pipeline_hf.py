@@ -69,16 +69,9 @@ def assert_outputs_equal(out, expected) -> None:
 
 
 # Export graphs carry the batch size as a SymInt node (sym_size_int); with 3 stages it skips
-# a stage by portal, and a checkpointed stage that pops it fails when recomputed.
-NON_TENSOR_PORTAL_BUG = pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "fxpipe/skip/tracker.py SkipTrackerThroughPortals.load pops non-tensor portal values "
-    "(a SymInt batch size) from its dict, so a checkpointed pop stage cannot re-read them when "
-    "recomputed: 'skip ... has not been stashed' (see test_pipeline_random.py::"
-    "test_non_tensor_portal_value_survives_recomputation)"))
-
-
+# a stage by portal, and a checkpointed stage that pops it reads it again when recomputed.
 @pytest.mark.parametrize("n_stages,checkpoint", [
-    (2, "except_last"), (3, "never"), pytest.param(3, "always", marks=NON_TENSOR_PORTAL_BUG)])
+    (2, "except_last"), (3, "never"), (3, "always")])
 def test_gpt2_lm_matches_eager_with_tied_weights(n_stages, checkpoint):
     torch.manual_seed(0)
     model = gpt2()

@@ -375,10 +375,6 @@ def _dead_middle_spec() -> Spec:
     return Spec(1, nodes, (3, 0, 2), "tuple")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fxpipe: a stage that returns no boundary tensor to the next stage (all its values leave "
-    "by portal) breaks the portal backward chain: TypeError from skip/tracker.py _join_into "
-    "when not checkpointed, and silently missing gradients when checkpointed"))
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_stage_without_boundary_output_keeps_gradients(checkpoint):
     model, args = make(_dead_middle_spec(), 4, seed=1)
@@ -419,13 +415,7 @@ class _SizeSkip(nn.Module):
         return self.l2(h).view(n, 2, 2)
 
 
-@pytest.mark.parametrize("checkpoint", [
-    "never",
-    *(pytest.param(mode, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "fxpipe/skip/tracker.py SkipTrackerThroughPortals.load pops a non-tensor portal value "
-        "from its dict (SkipTracker.load), so recomputing the checkpointed pop stage finds it "
-        "gone: 'skip size__to2 has not been stashed'"))) for mode in ("except_last", "always")),
-])
+@pytest.mark.parametrize("checkpoint", MODES)
 def test_non_tensor_portal_value_survives_recomputation(checkpoint):
     model, x = _SizeSkip(), torch.randn(4, 4)
     ref = copy.deepcopy(model)

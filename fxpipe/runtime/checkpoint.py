@@ -100,16 +100,22 @@ def restore_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> Ge
 _TENSOR = object()
 
 
-def _split(batch: Batch) -> Tuple[Tuple[bool, List[Any]], List[Tensor]]:
+def _split(batch: Batch) -> Tuple[Tuple[bool, List[Any], bool], List[Tensor]]:
     template = [_TENSOR if isinstance(v, Tensor) else v for v in batch.values]
-    return (batch.atomic, template), [v for v in batch.values if isinstance(v, Tensor)]
+    tensors = [v for v in batch.values if isinstance(v, Tensor)]
+    if batch.carry is not None:
+        tensors.append(batch.carry)
+    return (batch.atomic, template, batch.carry is not None), tensors
 
 
-def _rebuild(template: Tuple[bool, List[Any]], tensors: Sequence[Tensor]) -> Batch:
-    atomic, values = template
+def _rebuild(template: Tuple[bool, List[Any], bool], tensors: Sequence[Tensor]) -> Batch:
+    atomic, values, has_carry = template
     it = iter(tensors)
     filled = [next(it) if v is _TENSOR else v for v in values]
-    return Batch(filled[0] if atomic else tuple(filled), atomic=atomic)
+    batch = Batch(filled[0] if atomic else tuple(filled), atomic=atomic)
+    if has_carry:
+        batch.carry = next(it)
+    return batch
 
 
 def _differentiable(x: Tensor) -> bool:
@@ -144,12 +150,17 @@ class Checkpointing:
         if self.fused:
             return  # Checkpoint's backward recomputes by itself.
         anchor = batch.anchor()
-        if anchor is None or not batch[anchor].requires_grad:
+        target = batch[anchor] if anchor is not None else batch.carry
+        if target is None or not target.requires_grad:
             return
         template, tensors = _split(self.batch)
-        batch[anchor], phony = fork(batch[anchor])
+        target, phony = fork(target)
         phony = Recompute.apply(phony, self, template, *tensors)
-        batch[anchor] = join(batch[anchor], phony)
+        target = join(target, phony)
+        if anchor is not None:
+            batch[anchor] = target
+        else:
+            batch.carry = target
 
 
 class Checkpoint(torch.autograd.Function):

@@ -11,7 +11,7 @@ Two shapes of input are handled:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -30,13 +30,17 @@ class Batch:
     only tensors are copied between devices or carry autograd dependencies.
     """
 
-    __slots__ = ("values", "atomic")
+    __slots__ = ("values", "atomic", "carry")
 
     def __init__(self, value: Any, atomic: bool | None = None) -> None:
         if atomic is None:
             atomic = not isinstance(value, tuple)
         self.atomic = atomic
         self.values: List[Any] = [value] if atomic else list(value)
+        # A phony that keeps autograd paths (portal gradients) alive through partitions
+        # whose outputs hold no floating-point tensor to join them to. Never passed to a
+        # partition; the runtime joins it into the next output that has an anchor.
+        self.carry: Optional[Tensor] = None
 
     @property
     def value(self) -> Any:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..skip.layout import SkipLayout
-from ..skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
+from ..skip.tracker import SkipTrackerThroughPortals, _join_into, use_skip_tracker
 from .checkpoint import Checkpointing
 from .copy import copy, wait
 from .dependency import fork, join
@@ -191,6 +191,8 @@ def _partition_function(
             finally:
                 skip_tracker.input_batch = None
             skip_tracker.join_pending(output)
+            if batch.carry is not None:
+                _join_into(output, batch.carry)
             return output
 
     return function

@@ -88,8 +88,12 @@ class SkipTrackerThroughPortals(SkipTracker):
         _join_into(batch, phony)
 
     def load(self, batch: Optional[Batch], ns: Optional[Namespace], name: str) -> Optional[Tensor]:
-        if not self.skip_layout.requires_copy(ns, name) or (ns, name) in self.tensors:
+        if not self.skip_layout.requires_copy(ns, name):
             return super().load(batch, ns, name)
+        if (ns, name) in self.tensors:
+            # A plain value from an earlier partition: kept (not popped), because a
+            # recomputation of this partition reads it again before the stash side reruns.
+            return self.tensors[(ns, name)]
         portal = self.portals.get((ns, name))
         if portal is None:
             raise KeyError(f"skip '{name}' has not been stashed")
@@ -112,7 +116,7 @@ class SkipTrackerThroughPortals(SkipTracker):
                 "stash for this micro-batch"
             )
         if anchor is None:
-            portal.copy(prev_stream, next_stream, _cpu_phony())
+            _join_into(batch, portal.copy(prev_stream, next_stream, get_phony(torch.device("cpu"), requires_grad=False)))
             return
         batch[anchor], phony = fork(batch[anchor])
         phony = portal.copy(prev_stream, next_stream, phony)
@@ -126,20 +130,18 @@ class SkipTrackerThroughPortals(SkipTracker):
 
 
 def _join_into(batch: Batch, phony: Tensor) -> None:
-    if not phony.requires_grad:
-        return  # no gradient will come back through this skip
+    """Makes backward through ``batch`` reach ``phony`` (a stash's gradient path).
+
+    Without a floating-point output to join to, the phony rides along as the batch's
+    ``carry`` until an output that has one. It does so even when it needs no grad yet: in
+    the activation-free pass of checkpointing nothing does, and the recomputation must
+    find the same outputs.
+    """
     anchor = batch.anchor()
     if anchor is None:
-        raise TypeError(
-            "a partition that stashes a skip tensor needing grad must return at least one "
-            "floating-point tensor, so the skip's gradient has a path back to it; move the cut "
-            "(split_points=...) so this stage passes its main activation on"
-        )
-    batch[anchor] = join(batch[anchor], phony)
-
-
-def _cpu_phony() -> Tensor:
-    return get_phony(torch.device("cpu"), requires_grad=False)
+        batch.carry = phony if batch.carry is None else join(batch.carry, phony)
+    elif phony.requires_grad:
+        batch[anchor] = join(batch[anchor], phony)
 
 
 class _ThreadLocal(threading.local):
