@@ -68,21 +68,13 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _human_count(n: float) -> str:
-    """1_200_000 -> '1.2M' (parameter counts)."""
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n:g}"
-
-
-def _fmt_cost(cost: float, balance_by: str) -> str:
+def format_cost(cost: float, balance_by: str) -> str:
+    """A stage cost in its unit: seconds for 'time', bytes for 'memory' and 'params'
+    (parameter bytes: what a stage must hold), else a plain number."""
     if balance_by == "time":
         return f"{cost * 1e3:.3f} ms"
-    if balance_by in ("size", "memory", "bytes"):
+    if balance_by in ("size", "memory", "bytes", "params"):
         return human_bytes(cost)
-    if balance_by == "params":
-        return _human_count(cost)
     return f"{cost:.6g}"
 
 
@@ -189,7 +181,7 @@ class Plan:
         for st in self.stages:
             span = f"{st.nodes[0]} .. {st.nodes[-1]}" if st.nodes else "-"
             rows.append([
-                str(st.index), str(len(st.nodes)), span, _fmt_cost(st.cost, self.balance_by),
+                str(st.index), str(len(st.nodes)), span, format_cost(st.cost, self.balance_by),
                 human_bytes(st.param_bytes), human_bytes(st.act_in_bytes), human_bytes(st.act_out_bytes),
             ])
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -209,7 +201,7 @@ class Plan:
             mean = sum(costs) / len(costs)
             ratio = costs[worst] / mean if mean > 0 else 1.0
             out.append(
-                f"bottleneck: stage {worst} ({_fmt_cost(costs[worst], self.balance_by)}); "
+                f"bottleneck: stage {worst} ({format_cost(costs[worst], self.balance_by)}); "
                 f"balance ratio max/mean = {ratio:.3f}"
             )
         return "\n".join(out)

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import networkx as nx
 
 from ..graph import collapse_by_depth
-from ..plan import Plan, human_bytes
+from ..plan import Plan, format_cost, human_bytes
 
 __all__ = ["render_plan", "save_graph", "stage_colors", "INSTALL_HINT"]
 
@@ -46,22 +46,11 @@ def _blend(color: str, amount: float) -> str:
     return "#" + "".join(f"{c:02x}" for c in mix)
 
 
-def _fmt_cost(cost: float, balance_by: str) -> str:
-    if balance_by == "time":
-        return f"{cost * 1e3:.2f} ms"
-    if balance_by == "memory":
-        return human_bytes(cost)
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(cost) >= scale:
-            return f"{cost / scale:.1f}{unit} params"
-    return f"{cost:g} params"
-
-
 def _stage_summary(st: Any, balance_by: str) -> str:
     if balance_by == "params":
-        return f"params {human_bytes(st.param_bytes)} ({_fmt_cost(st.cost, balance_by)})"
+        return f"params {human_bytes(st.param_bytes)}"
     what = "time" if balance_by == "time" else balance_by
-    return f"{what} {_fmt_cost(st.cost, balance_by)} · params {human_bytes(st.param_bytes)}"
+    return f"{what} {format_cost(st.cost, balance_by)} · params {human_bytes(st.param_bytes)}"
 
 
 def _short_target(target: str) -> str:
@@ -250,7 +239,7 @@ def _legend(plan: Plan, title: str = "") -> str:
         fill, border, _ = stage_colors(st.index)
         rows.append(
             f'<TR><TD BGCOLOR="{fill}" WIDTH="18"> </TD><TD ALIGN="LEFT">stage {st.index} ({len(st.nodes)} node{"s" if len(st.nodes) != 1 else ""})</TD>'
-            f'<TD ALIGN="RIGHT">{_esc(_fmt_cost(st.cost, plan.balance_by))}</TD>'
+            f'<TD ALIGN="RIGHT">{_esc(format_cost(st.cost, plan.balance_by))}</TD>'
             f'<TD ALIGN="RIGHT">{_esc(human_bytes(st.param_bytes))}</TD>'
             f'<TD ALIGN="RIGHT">{_esc(human_bytes(st.act_in_bytes))}</TD>'
             f'<TD ALIGN="RIGHT">{_esc(human_bytes(st.act_out_bytes))}</TD></TR>')
