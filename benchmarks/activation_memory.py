@@ -57,6 +57,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import fxpipe  # noqa: E402
 from zoo import UNet  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _memory import cpu_peak  # noqa: E402
+
 torch.set_num_threads(1)
 MIB = float(1 << 20)
 
@@ -70,28 +73,6 @@ def zero_grads(model: nn.Module) -> None:
     for p in model.parameters():
         if p.grad is not None:
             p.grad.zero_()
-
-
-def cpu_peak(fn: Callable[[], None]) -> Dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    # The raw allocator records, not prof.events(): a FunctionEvent's cpu_memory_usage sums
-    # every record inside its time interval (nested ops and other threads included).
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events = sorted(
-        (e.start_ns(), e.nbytes(), e.start_thread_id())
-        for e in records
-        if e.device_type() == torch.autograd.DeviceType.CPU and e.nbytes()
-    )
-    running = peak = 0
-    for _, b, _ in events:
-        running += b
-        peak = max(peak, running)
-    threads = sorted({t for _, _, t in events})
-    return {"peak_bytes": peak, "end_bytes": running, "alloc_events": len(events), "threads": len(threads),
-            "how": "torch.profiler raw [memory] records (kineto_results), running sum of +alloc/-free by timestamp, max"}
 
 
 def cuda_peak(fn: Callable[[], None], devices: List[torch.device]) -> Dict[str, Any]:

@@ -21,9 +21,14 @@ Reported per training step (forward + backward):
   (forward tensor + backward gradient). This is what would travel between GPUs.
 * step time: median over ``--steps`` timed steps (after warm-up), forward + backward, the
   two forms timed alternately (A B B A ...) so that machine noise hits both alike.
-* peak memory: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the peak of the running
-  sum of allocations recorded by ``torch.profiler(profile_memory=True)`` over one step
-  (an estimate: it includes the worker thread's allocations, not the allocator's caching).
+* peak memory: ``torch.cuda.max_memory_allocated`` minus the allocation before the step on
+  CUDA; on CPU ``benchmarks/_memory.py``'s ``cpu_peak``: over one step under
+  ``torch.profiler(profile_memory=True)``, the raw allocator ``[memory]`` records (+bytes per
+  allocation, -bytes per free, every thread) sorted by timestamp, running sum, maximum (not
+  the allocator's caching). ``peak_memory_end_bytes`` is the running sum at the end: the
+  parameter bytes, i.e. the new ``.grad`` tensors the step leaves; the step also frees the
+  previous ones (``zero_grad(set_to_none=True)``), but the profiler records no free of a
+  block allocated before it started. Everything else the step allocates is freed by its end.
 
 Usage::
 
@@ -51,11 +56,13 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fxpipe.runtime.copy as runtime_copy  # noqa: E402
 import fxpipe.skip.portal as portal_mod  # noqa: E402
 from fxpipe import GPipe, is_recomputing  # noqa: E402
 from fxpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
+from _memory import cpu_peak  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "skip_portals.json")
 
@@ -262,19 +269,6 @@ def step(pipe: GPipe, x: torch.Tensor) -> None:
     y.float().pow(2).mean().backward()
 
 
-def cpu_peak_bytes(pipe: GPipe, x: torch.Tensor) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(pipe, x)
-    events = [(e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage]
-    running = peak = 0
-    for _, delta in sorted(events):
-        running += delta
-        peak = max(peak, running)
-    return peak
-
-
 def timed_step(pipe: GPipe, x: torch.Tensor, device: str) -> float:
     synchronize(device)
     t0 = time.perf_counter()
@@ -311,11 +305,13 @@ def measure(name: str, pipe: GPipe, x: torch.Tensor, args: argparse.Namespace, t
         step(pipe, x)
         synchronize(args.device)
         peak = torch.cuda.max_memory_allocated() - base
+        peak_end = torch.cuda.memory_allocated() - base
         peak_how = "cuda max_memory_allocated - allocated before the step"
     elif args.no_profile:
-        peak, peak_how = float("nan"), "not measured"
+        peak, peak_how, peak_end = float("nan"), "not measured", float("nan")
     else:
-        peak, peak_how = cpu_peak_bytes(pipe, x), "torch.profiler running sum of CPU allocations"
+        prof = cpu_peak(lambda: step(pipe, x))
+        peak, peak_how, peak_end = prof["peak_bytes"], prof["how"], prof["end_bytes"]
 
     return {
         "form": name,
@@ -327,6 +323,7 @@ def measure(name: str, pipe: GPipe, x: torch.Tensor, args: argparse.Namespace, t
         "step_time_min_s": min(times),
         "step_times_s": times,
         "peak_memory_bytes": peak,
+        "peak_memory_end_bytes": peak_end,
         "peak_memory_how": peak_how,
     }
 
