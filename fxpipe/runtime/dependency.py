@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .phony import get_phony
 
-__all__ = ["fork", "join", "Fork", "Join"]
+__all__ = ["fork", "join", "Fork", "Join", "Depend", "depend_tensors"]
 
 
 def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
@@ -54,3 +54,28 @@ class Join(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_input: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
         return grad_input, None
+
+
+def depend_tensors(before: Tensor, after: Tensor) -> Tuple[Tensor, Tensor]:
+    """Fork from ``before`` and join into ``after`` in one autograd node.
+
+    Backward reaches ``before``'s producer only once ``after``'s gradient is there (the
+    point of Fork/Join) -- and, being one node, also holds ``after``'s gradient until
+    ``before``'s has arrived. In the pipeline that extra wait is already implied by the
+    reverse clock-cycle order, so the schedule is the same with half the Python autograd
+    functions (each costs tens of microseconds).
+    """
+    if torch.is_grad_enabled() and (before.requires_grad or after.requires_grad):
+        return Depend.apply(before, after)
+    return before, after
+
+
+class Depend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, before: Tensor, after: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        return before.detach(), after.detach()
+
+    @staticmethod
+    def backward(ctx, grad_before: Tensor, grad_after: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        return grad_before, grad_after

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ..skip.layout import SkipLayout
-from ..skip.tracker import SkipTrackerThroughPortals, _join_into, use_skip_tracker
+from ..skip.tracker import SkipTrackerThroughPortals, _join_into, swap_skip_tracker
 from .checkpoint import Checkpointing
 from .copy import copy, wait
-from .dependency import fork, join
+from .dependency import depend_tensors
 from .microbatch import Batch
 from .stream import AbstractStream, current_stream, new_stream, use_device
 from .worker import Task, WorkerPool
@@ -50,8 +50,7 @@ def depend(fork_from: Batch, join_to: Batch) -> None:
     a, b = fork_from.anchor(), join_to.anchor()
     if a is None or b is None:
         return
-    fork_from[a], phony = fork(fork_from[a])
-    join_to[b] = join(join_to[b], phony)
+    fork_from[a], join_to[b] = depend_tensors(fork_from[a], join_to[b])
 
 
 class Pipeline:
@@ -184,15 +183,22 @@ def _partition_function(
     """The computation of task (i, j), also replayed as is by the recomputation."""
 
     def function(batch: Batch) -> Batch:
-        with use_skip_tracker(skip_tracker), timeline.compute_span(j, i, device):
-            skip_tracker.input_batch = batch
-            try:
+        # Plain attribute swaps, not context managers: this runs once per task (and per
+        # recomputation), where every microsecond of Python shows in the overhead.
+        previous = swap_skip_tracker(skip_tracker)
+        skip_tracker.input_batch = batch
+        try:
+            if timeline.active() is None:
                 output = batch.call(partition, spread=spread)
-            finally:
-                skip_tracker.input_batch = None
-            skip_tracker.join_pending(output)
-            if batch.carry is not None:
-                _join_into(output, batch.carry)
-            return output
+            else:
+                with timeline.compute_span(j, i, device):
+                    output = batch.call(partition, spread=spread)
+        finally:
+            skip_tracker.input_batch = None
+            swap_skip_tracker(previous)
+        skip_tracker.join_pending(output)
+        if batch.carry is not None:
+            _join_into(output, batch.carry)
+        return output
 
     return function

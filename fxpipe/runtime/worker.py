@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 
 from .microbatch import Batch
-from .stream import AbstractStream, use_device, use_stream
+from .stream import AbstractStream, is_cuda, use_device, use_stream
 
 __all__ = ["Task", "WorkerPool", "ExcInfo"]
 
@@ -59,6 +59,8 @@ class Task:
     def compute(self) -> Batch:
         if torch.get_num_threads() != self._num_threads:
             torch.set_num_threads(self._num_threads)
+        if not is_cuda(self.stream) and torch.is_grad_enabled() == self._grad_enabled:
+            return self._compute()  # inline on the caller's thread: nothing to set up
         with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
             return self._compute()
 

@@ -24,7 +24,7 @@ from .layout import SkipKey, SkipLayout
 from .namespace import Namespace
 from .portal import Portal
 
-__all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker"]
+__all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker", "swap_skip_tracker"]
 
 
 class SkipTracker:
@@ -161,6 +161,13 @@ def use_skip_tracker(skip_tracker: SkipTracker) -> Generator[None, None, None]:
         yield
     finally:
         _local.skip_tracker = orig
+
+
+def swap_skip_tracker(skip_tracker: Optional[SkipTracker]) -> Optional[SkipTracker]:
+    """Makes ``skip_tracker`` current and returns the previous one (for hot paths)."""
+    previous = _local.skip_tracker
+    _local.skip_tracker = skip_tracker
+    return previous
 
 
 def current_skip_tracker() -> SkipTracker:
