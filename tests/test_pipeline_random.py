@@ -390,10 +390,6 @@ def test_stage_without_boundary_output_keeps_gradients(checkpoint):
     torch.testing.assert_close(x.grad, rx.grad, **GRAD_TOL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fxpipe runtime: Join/Fork (runtime/dependency.py) and Checkpoint (runtime/checkpoint.py) "
-    "materialise missing gradients as zeros, so an input no output depends on gets a zero "
-    "grad instead of None under checkpointing"))
 def test_unused_input_grad_none_under_checkpoint():
     spec = Spec(2, (Node("add", (1, 1)),), (2,), "tuple")  # input 0 unused
     model, args = make(spec, 4, seed=1)
