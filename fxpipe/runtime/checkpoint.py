@@ -187,6 +187,14 @@ def _run_backward(outputs: List[Tensor], grads: List[Tensor]) -> None:
     _engine_run_backward(tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
+def _phony_carriers(template: Tuple[bool, List[Any], bool], tensors: Sequence[Tensor]) -> Tuple[int, ...]:
+    """Indices, among a batch's tensors, of its anchor and its carry (see Batch)."""
+    carriers = [next((i for i, t in enumerate(tensors) if _differentiable(t)), -1)]
+    if template[2]:
+        carriers.append(len(tensors) - 1)
+    return tuple(carriers)
+
+
 class Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, phony: Tensor, chk: Checkpointing, template: Any, *tensors: Tensor):  # type: ignore[override]
@@ -199,6 +207,11 @@ class Checkpoint(torch.autograd.Function):
         out_template, out_tensors = _split(output)
         chk.out_template.append(out_template)
         ctx.mark_non_differentiable(*[y for y in out_tensors if not _differentiable(y)])
+        # Outputs that get no gradient stay without one (as in eager, a parameter feeding
+        # only an unused output keeps grad None) -- except the two that carry the
+        # pipeline's phony joins (the anchor and the carry), whose backward must run.
+        ctx.set_materialize_grads(False)
+        ctx.always = _phony_carriers(out_template, out_tensors)
         return tuple(out_tensors)
 
     @staticmethod
@@ -206,6 +219,10 @@ class Checkpoint(torch.autograd.Function):
         if not ctx.chk.recomputed:  # fused: no Recompute ran ahead of us
             _recompute(ctx.chk, ctx.template, ctx.saved_tensors)
         outputs, input_leaves = ctx.chk.recomputed.pop()
+        grad_output = tuple(
+            torch.zeros_like(y) if g is None and i in ctx.always else g
+            for i, (y, g) in enumerate(zip(outputs, grad_output))
+        )
         pairs = [(y, g) for y, g in zip(outputs, grad_output) if y.requires_grad and g is not None]
         if pairs:
             _run_backward([y for y, _ in pairs], [g for _, g in pairs])
