@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, List, Optional, Union
+from typing import List, Optional, Union
 
 import torch
 from torch import Tensor, nn

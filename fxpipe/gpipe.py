@@ -8,7 +8,7 @@ torchgpipe documentation, with one change: without CUDA, ``devices`` defaults to
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn

@@ -237,14 +237,11 @@ def test_split_points_and_leaf_modules():
     ref = copy.deepcopy(model)
     pipe = fxpipe.pipeline(model, args, 3, devices=["cpu"] * 3, split_points=["blocks.1", "ln_f"],
                            leaf_modules=["blocks.0"])
-    modules = [{pipe.plan_module(n) for n in s.nodes} for s in pipe.plan.stages] if hasattr(pipe, "plan_module") else None
-    stage_of = pipe.plan.assignment
     assert any(n.op == "call_module" and n.target == "blocks.0" for n in pipe.stages[0].graph.nodes)
     code1 = pipe.stages[1].code
     assert "blocks" in code1 and "ln_f" not in code1
     assert "ln_f" in pipe.stages[2].code
     torch.testing.assert_close(pipe(*args), ref(*args))
-    del modules, stage_of
     with pytest.raises(ValueError, match="split point 'nope'"):
         fxpipe.pipeline(model, args, 2, devices=["cpu"] * 2, split_points=["nope"])
     with pytest.raises(ValueError, match="needs 2"):
@@ -327,5 +324,10 @@ def test_non_tensor_and_none_arguments_pass_through():
     x = torch.randn(6, 3)
     pipe = fxpipe.pipeline(model, (x,), 2, sample_kwargs={"scale": 3.0}, chunks=3, devices=["cpu"] * 2, balance_by="params")
     torch.testing.assert_close(pipe(x, scale=3.0), ref(x, scale=3.0))
+    # A tensor keyword argument is split like a positional one.
+    bias = torch.randn(6, 3)
+    pipe2 = fxpipe.pipeline(copy.deepcopy(ref), (x,), 2, sample_kwargs={"bias": bias, "scale": 3.0}, chunks=3,
+                            devices=["cpu"] * 2, balance_by="params")
+    torch.testing.assert_close(pipe2(x, bias=bias, scale=3.0), ref(x, bias=bias, scale=3.0))
     with pytest.raises(ValueError, match="tensor inputs must share one batch size"):
-        pipe(torch.randn(6, 3), bias=torch.randn(5, 3), scale=3.0) if False else fxpipe.runtime.microbatch.scatter_tree((torch.randn(6, 3),), {"bias": torch.randn(5, 3)}, 2)
+        pipe2(x, bias=torch.randn(5, 3), scale=3.0)

@@ -13,7 +13,6 @@ import queue
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 
 from ..skip.layout import SkipLayout
 from ..skip.tracker import SkipTrackerThroughPortals, _join_into, swap_skip_tracker

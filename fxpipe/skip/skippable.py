@@ -9,7 +9,7 @@ pipeline, where crossing skips travel through portals.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Set, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Set, Type, TypeVar
 
 from torch import Tensor, nn
 
