@@ -8,6 +8,7 @@ Plan -> emit -> runtime. Each step is a plain value kept on the returned :class:
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -67,6 +68,7 @@ class Pipeline(nn.Module):
     def __init__(
         self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages,
         devices: List[torch.device], chunks: int, checkpoint: str, deferred_batch_norm: bool,
+        mode_sensitive: str = "",
     ) -> None:
         super().__init__()
         self.module = model
@@ -77,6 +79,10 @@ class Pipeline(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self._deferred = convert_deferred_batch_norm(model) if deferred_batch_norm else []
+        # Graphs that baked the training mode in cannot follow .train()/.eval().
+        self.captured_training = model.training
+        self.mode_sensitive = mode_sensitive
+        self.training = model.training  # the pipeline starts in the model's mode
         layout = SkipLayout.from_names(len(stages), stages.skip_routes)
         self._runtime = Runtime(list(stages.modules), devices, skip_layout=layout, spread=True)
 
@@ -102,6 +108,15 @@ class Pipeline(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if self.mode_sensitive and self.training != self.captured_training:
+            captured = "training" if self.captured_training else "eval"
+            now = "training" if self.training else "eval"
+            raise RuntimeError(
+                f"this pipeline was captured in {captured} mode and its graph has that mode baked in "
+                f"({self.mode_sensitive}), so it cannot run in {now} mode. Build one pipeline per "
+                f"mode: fxpipe.pipeline(model.{'train' if self.training else 'eval'}(), ...) -- it shares "
+                "the same parameters."
+            )
         self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
         micro, _ = microbatch.scatter_tree(args, kwargs, self.chunks)
         first = self.devices[0]
@@ -168,6 +183,7 @@ def pipeline(
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
     captured = capture(model, args, kwargs, leaf_modules=leaf_modules)
+    sensitive = mode_sensitivity(model, captured, args, kwargs, leaf_modules)
     if plan is not None:
         chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
         _check_plan(chosen, captured, n_stages)
@@ -176,7 +192,33 @@ def pipeline(
                            split_points=split_points, devices=device_list)
     stages = emit_stages(captured.graph_module, chosen.assignment, n_stages)
     place_stages(stages, device_list, exported=captured.method == "export")
-    return Pipeline(model, captured, chosen, stages, device_list, chunks, checkpoint, deferred_batch_norm)
+    return Pipeline(model, captured, chosen, stages, device_list, chunks, checkpoint, deferred_batch_norm, sensitive)
+
+
+def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: dict,
+                     leaf_modules: Sequence[Union[type, str]]) -> str:
+    """Why the captured graph cannot follow .train()/.eval(), or '' when it can.
+
+    torch.export bakes the mode into aten ops (dropout, batch_norm). torch.fx keeps
+    nn.Dropout / BatchNorm as modules that follow the mode, but a ``self.training`` read
+    inside a traced forward becomes a constant: trace once more in the other mode and
+    compare the code.
+    """
+    if captured.method == "export":
+        return "captured with torch.export"
+    original = model.training
+    try:
+        model.train(not original)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            other = capture(model, args, kwargs, leaf_modules=leaf_modules)
+    except Exception:  # noqa: BLE001 - a model that traces in one mode only is mode-sensitive
+        return "the model does not trace the same way in the other mode"
+    finally:
+        model.train(original)
+    if other.graph_module.code != captured.graph_module.code:
+        return "a traced forward reads self.training"
+    return ""
 
 
 def _check_plan(plan: Plan, captured: Capture, n_stages: int) -> None:

@@ -331,3 +331,36 @@ def test_non_tensor_and_none_arguments_pass_through():
     torch.testing.assert_close(pipe2(x, bias=bias, scale=3.0), ref(x, bias=bias, scale=3.0))
     with pytest.raises(ValueError, match="tensor inputs must share one batch size"):
         pipe2(x, bias=torch.randn(5, 3), scale=3.0)
+
+
+class ReadsTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.training:  # baked into the fx graph as a constant
+            h = nn.functional.dropout(h, 0.5)
+        return self.b(h)
+
+
+def test_mode_following_graphs_run_in_both_modes():
+    model, args, _ = ZOO["dropout_model"]()  # nn.Dropout modules: the graph follows the mode
+    pipe = fxpipe.pipeline(model, args, 2, devices=["cpu"] * 2, balance_by="params")
+    assert pipe.mode_sensitive == ""
+    pipe.eval()
+    torch.testing.assert_close(pipe(*args), model(*args))
+
+
+def test_mode_baked_graph_refuses_the_other_mode():
+    model = ReadsTraining()
+    pipe = fxpipe.pipeline(model, torch.randn(4, 4), 2, devices=["cpu"] * 2, balance_by="params")
+    assert "self.training" in pipe.mode_sensitive
+    pipe(torch.randn(4, 4))
+    pipe.eval()
+    with pytest.raises(RuntimeError, match=r"captured in training mode .* cannot run in eval mode.*model.eval\(\)"):
+        pipe(torch.randn(4, 4))
+    eval_pipe = fxpipe.pipeline(model.eval(), torch.randn(4, 4), 2, devices=["cpu"] * 2, balance_by="params")
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(eval_pipe(x), model(x))
