@@ -35,7 +35,7 @@ try:  # private but long-standing: what torch.autograd.backward itself calls
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # pragma: no cover - other torch versions
     _engine_run_backward = None
-from .microbatch import Batch
+from .microbatch import Batch, flatten_values, unflatten_values
 from .phony import get_phony
 
 __all__ = ["is_checkpointing", "is_recomputing", "Checkpointing", "Checkpoint", "Recompute"]
@@ -112,19 +112,23 @@ def restore_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> Ge
 _TENSOR = object()
 
 
-def _split(batch: Batch) -> Tuple[Tuple[bool, List[Any], bool], List[Tensor]]:
-    template = [_TENSOR if isinstance(v, Tensor) else v for v in batch.values]
-    tensors = [v for v in batch.values if isinstance(v, Tensor)]
+Template = Tuple[bool, Any, List[Any], bool]  # atomic, pytree spec, leaves, has carry
+
+
+def _split(batch: Batch) -> Tuple[Template, List[Tensor]]:
+    leaves, spec = flatten_values(batch.values)
+    template = [_TENSOR if isinstance(v, Tensor) else v for v in leaves]
+    tensors = [v for v in leaves if isinstance(v, Tensor)]
     if batch.carry is not None:
         tensors.append(batch.carry)
-    return (batch.atomic, template, batch.carry is not None), tensors
+    return (batch.atomic, spec, template, batch.carry is not None), tensors
 
 
-def _rebuild(template: Tuple[bool, List[Any], bool], tensors: Sequence[Tensor]) -> Batch:
-    atomic, values, has_carry = template
+def _rebuild(template: Template, tensors: Sequence[Tensor]) -> Batch:
+    atomic, spec, leaves, has_carry = template
     it = iter(tensors)
-    filled = [next(it) if v is _TENSOR else v for v in values]
-    batch = Batch(filled[0] if atomic else tuple(filled), atomic=atomic)
+    values = unflatten_values([next(it) if v is _TENSOR else v for v in leaves], spec)
+    batch = Batch(values[0] if atomic else tuple(values), atomic=atomic)
     if has_carry:
         batch.carry = next(it)
     return batch
@@ -148,7 +152,7 @@ class Checkpointing:
         # Shared between Checkpoint and Recompute; one entry at a time.
         self.recomputed: Deque[Tuple[List[Tensor], Tuple[Tensor, ...]]] = deque(maxlen=1)
         self.rng_states: Deque[RNGStates] = deque(maxlen=1)
-        self.out_template: Deque[Tuple[bool, List[Any]]] = deque(maxlen=1)
+        self.out_template: Deque[Template] = deque(maxlen=1)
 
     def checkpoint(self) -> Batch:
         """Runs the partition without keeping its activations."""
@@ -187,10 +191,10 @@ def _run_backward(outputs: List[Tensor], grads: List[Tensor]) -> None:
     _engine_run_backward(tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
-def _phony_carriers(template: Tuple[bool, List[Any], bool], tensors: Sequence[Tensor]) -> Tuple[int, ...]:
+def _phony_carriers(template: Template, tensors: Sequence[Tensor]) -> Tuple[int, ...]:
     """Indices, among a batch's tensors, of its anchor and its carry (see Batch)."""
     carriers = [next((i for i, t in enumerate(tensors) if _differentiable(t)), -1)]
-    if template[2]:
+    if template[3]:
         carriers.append(len(tensors) - 1)
     return tuple(carriers)
 

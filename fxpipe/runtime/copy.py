@@ -82,21 +82,19 @@ class Wait(torch.autograd.Function):
 
 
 def _apply(function: type, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
-    indices = batch.tensor_indices()
-    if not indices:
+    tensors = batch.tensors()
+    if not tensors:
         return
-    tensors = [batch[i] for i in indices]
     outputs = function.apply(prev_stream, next_stream, *tensors)
-    for i, x, y in zip(indices, tensors, outputs):
-        # A tensor that needed no grad must not start needing one after the copy.
-        batch[i] = y if x.requires_grad else y.detach()
+    # A tensor that needed no grad must not start needing one after the copy.
+    batch.set_tensors([y if x.requires_grad else y.detach() for x, y in zip(tensors, outputs)])
 
 
 def _needs_work(prev_stream: AbstractStream, next_stream: AbstractStream, batch: Batch) -> bool:
     if is_cuda(prev_stream) or is_cuda(next_stream):
         return True
     # CPU to CPU: only tensors living elsewhere need moving.
-    return any(batch[i].device.type != "cpu" for i in batch.tensor_indices())
+    return any(t.device.type != "cpu" for t in batch.tensors())
 
 
 def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:

@@ -17,7 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["Batch", "check", "scatter", "gather", "scatter_tree", "gather_tree", "TensorOrTensors"]
+__all__ = ["Batch", "check", "scatter", "gather", "scatter_tree", "gather_tree", "TensorOrTensors",
+           "flatten_values", "unflatten_values"]
 
 TensorOrTensors = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -58,8 +59,17 @@ class Batch:
             return Batch(function(*self.values))
         return Batch(function(self.value))
 
-    def tensor_indices(self) -> List[int]:
-        return [i for i, v in enumerate(self.values) if isinstance(v, Tensor)]
+    def tensors(self) -> List[Tensor]:
+        """Every tensor of the batch, also those inside tuples, lists and dicts (a value such
+        as ``x.split(...)``'s result may cross a stage whole)."""
+        leaves, _ = flatten_values(self.values)
+        return [v for v in leaves if isinstance(v, Tensor)]
+
+    def set_tensors(self, tensors: Sequence[Tensor]) -> None:
+        """Replaces the tensors returned by :meth:`tensors`, in order, in place."""
+        leaves, spec = flatten_values(self.values)
+        it = iter(tensors)
+        self.values = unflatten_values([next(it) if isinstance(v, Tensor) else v for v in leaves], spec)
 
     def anchor(self) -> int | None:
         """Index of the tensor that carries phony dependencies for this batch.
@@ -86,6 +96,24 @@ class Batch:
 
     def __repr__(self) -> str:
         return f"Batch[atomic={self.atomic}]({self.values!r})"
+
+
+_CONTAINERS = (tuple, list, dict)
+
+
+def _keep_whole(x: Any) -> bool:
+    return isinstance(x, torch.Size)  # a tuple subclass that is a value, not a container
+
+
+def flatten_values(values: Sequence[Any]) -> Tuple[List[Any], Optional[pytree.TreeSpec]]:
+    """Leaves of a batch's values; the common flat case costs no pytree work."""
+    if not any(type(v) in _CONTAINERS for v in values):
+        return list(values), None
+    return pytree.tree_flatten(list(values), is_leaf=_keep_whole)
+
+
+def unflatten_values(leaves: Sequence[Any], spec: Optional[pytree.TreeSpec]) -> List[Any]:
+    return list(leaves) if spec is None else pytree.tree_unflatten(list(leaves), spec)
 
 
 def check(input: Any) -> None:

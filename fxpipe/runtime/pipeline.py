@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from ..skip.layout import SkipLayout
-from ..skip.tracker import SkipTrackerThroughPortals, _join_into, swap_skip_tracker
+from ..skip.tracker import SkipTrackerThroughPortals, merge_phony, swap_skip_tracker
 from .checkpoint import Checkpointing
 from .copy import copy, wait
 from .dependency import depend_tensors
@@ -195,9 +195,9 @@ def _partition_function(
         finally:
             skip_tracker.input_batch = None
             swap_skip_tracker(previous)
+        # The carry passes on, with this stage's stashes added.
+        output.carry = merge_phony(output.carry, batch.carry)
         skip_tracker.join_pending(output)
-        if batch.carry is not None:
-            _join_into(output, batch.carry)
         return output
 
     return function

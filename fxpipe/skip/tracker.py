@@ -24,7 +24,8 @@ from .layout import SkipKey, SkipLayout
 from .namespace import Namespace
 from .portal import Portal
 
-__all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker", "swap_skip_tracker"]
+__all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker", "swap_skip_tracker",
+           "merge_phony"]
 
 
 class SkipTracker:
@@ -97,9 +98,18 @@ class SkipTrackerThroughPortals(SkipTracker):
         portal = self.portals.get((ns, name))
         if portal is None:
             raise KeyError(f"skip '{name}' has not been stashed")
-        source = batch if batch is not None else self.input_batch
-        anchor = source.anchor() if source is not None else None
-        return portal.orange(source[anchor] if anchor is not None else None)
+        if batch is not None:  # @skippable: the module's input, as torchgpipe does
+            anchor = batch.anchor()
+            return portal.orange(batch[anchor] if anchor is not None else None)
+        # Generated code's pop: depend on the stage's input anchor (PortalCopy's backward
+        # must wait for this pop's) and on its carry, where the stashes' phonies ride
+        # (PortalBlue's backward must wait for it too).
+        source = self.input_batch
+        after = None
+        if source is not None:
+            anchor = source.anchor()
+            after = merge_phony(source[anchor] if anchor is not None else None, source.carry)
+        return portal.orange(after)
 
     def copy(
         self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
@@ -123,10 +133,24 @@ class SkipTrackerThroughPortals(SkipTracker):
         batch[anchor] = join(batch[anchor], phony)
 
     def join_pending(self, batch: Batch) -> None:
-        """Attaches phonies of stashes made during the partition call to its output."""
+        """Puts the phonies of stashes made by generated code on the output's carry.
+
+        Not on an output tensor: the next stage may use that tensor only for its shape,
+        or not at all, and the stash's gradient path would die with it. The carry goes
+        from stage to stage, and the pop of each portal depends on it.
+        """
         pending, self.pending = self.pending, []
         for phony in pending:
-            _join_into(batch, phony)
+            batch.carry = merge_phony(batch.carry, phony)
+
+
+def merge_phony(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    """One tensor whose backward waits for both (either may be None)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return join(a, b)
 
 
 def _join_into(batch: Batch, phony: Tensor) -> None:
