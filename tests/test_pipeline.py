@@ -364,3 +364,23 @@ def test_mode_baked_graph_refuses_the_other_mode():
     eval_pipe = fxpipe.pipeline(model.eval(), torch.randn(4, 4), 2, devices=["cpu"] * 2, balance_by="params")
     x = torch.randn(4, 4)
     torch.testing.assert_close(eval_pipe(x), model(x))
+
+
+@pytest.mark.parametrize("cut", [
+    ("getitem_5", "blocks_2_attn_qkv"),  # stage 0 sends qkv.split(...)'s tuple to stage 1 whole
+    ("getattr_3", "invert"),  # stage 1 only computes the mask: stage 0's outputs reach it as shapes
+])
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_awkward_cuts_keep_every_gradient(cut, checkpoint):
+    from fxpipe.capture import capture
+    from fxpipe.partition import partition
+    from fxpipe.planning import opgraph_for
+
+    model, args, _ = ZOO["gpt_tied"]()
+    ref = copy.deepcopy(model)
+    graph = opgraph_for(capture(model, args, {}), args, {}, "params")
+    plan = fxpipe.Plan.from_assignment(graph, partition(graph, 3, split_before=list(cut)))
+    pipe = fxpipe.pipeline(model, args, 3, chunks=2, devices=["cpu"] * 3, checkpoint=checkpoint, plan=plan)
+    loss_of(pipe(*args)).backward()
+    loss_of(ref(*args)).backward()
+    assert_grads_equal(model, ref)
