@@ -176,22 +176,22 @@ class _ThreadLocal(threading.local):
 _local = _ThreadLocal()
 
 
-@contextmanager
-def use_skip_tracker(skip_tracker: SkipTracker) -> Generator[None, None, None]:
-    """Makes ``skip_tracker`` current for stash/pop in this thread."""
-    orig = _local.skip_tracker
-    _local.skip_tracker = skip_tracker
-    try:
-        yield
-    finally:
-        _local.skip_tracker = orig
-
-
 def swap_skip_tracker(skip_tracker: Optional[SkipTracker]) -> Optional[SkipTracker]:
     """Makes ``skip_tracker`` current and returns the previous one (for hot paths)."""
     previous = _local.skip_tracker
     _local.skip_tracker = skip_tracker
     return previous
+
+
+@contextmanager
+def use_skip_tracker(skip_tracker: SkipTracker) -> Generator[None, None, None]:
+    """Makes ``skip_tracker`` current for stash/pop in this thread, within the block
+    (torchgpipe's API, for running skippable modules under a tracker by hand)."""
+    previous = swap_skip_tracker(skip_tracker)
+    try:
+        yield
+    finally:
+        swap_skip_tracker(previous)
 
 
 def current_skip_tracker() -> SkipTracker:
