@@ -16,7 +16,7 @@ from torch import nn
 
 from .capture import Capture, capture
 from .emit import Stages, emit_stages
-from .gpipe import CHECKPOINT_MODES, checkpoint_stop
+from .gpipe import CHECKPOINT_MODES, PlacedModule, checkpoint_stop
 from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .plan import Plan
@@ -51,12 +51,13 @@ def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, b
         raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
 
 
-class Pipeline(nn.Module):
+class Pipeline(PlacedModule):
     """A model run as a GPipe pipeline of generated stages.
 
     Call it like the model: ``pipe(*args, **kwargs)`` returns the model's output structure.
     The stages share the model's own parameters and buffers, so training the pipeline trains
-    the model; ``state_dict()`` has the model's keys.
+    the model; ``state_dict()`` has the model's keys. Moving it whole (``.cuda()``,
+    ``.to(device)``) is refused: its stages are placed on their devices.
 
     Attributes:
         module: the model.

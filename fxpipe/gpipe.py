@@ -19,7 +19,7 @@ from .runtime.pipeline import Pipeline
 from .skip.layout import inspect_skip_layout
 from .skip.skippable import verify_skippables
 
-__all__ = ["GPipe", "BalanceError", "checkpoint_stop"]
+__all__ = ["GPipe", "BalanceError", "PlacedModule", "checkpoint_stop"]
 
 Device = Union[torch.device, int, str]
 
@@ -108,7 +108,26 @@ def checkpoint_stop(mode: str, num_microbatches: int, training: bool) -> int:
 MOVING_DENIED = "denied to move parameters and buffers, because GPipe should manage device placement"
 
 
-class GPipe(nn.Module):
+class PlacedModule(nn.Module):
+    """A module whose parts the pipeline has placed on devices: moving it whole is refused
+    (it would put every stage on one device); changing its dtype is allowed."""
+
+    def cuda(self, device: Optional[Device] = None) -> "PlacedModule":  # type: ignore[override]
+        raise TypeError(MOVING_DENIED)
+
+    def cpu(self) -> "PlacedModule":  # type: ignore[override]
+        raise TypeError(MOVING_DENIED)
+
+    def to(self, *args: object, **kwargs: object) -> "PlacedModule":  # type: ignore[override]
+        # Deny to(device), to(tensor); allow to(dtype).
+        if "device" in kwargs or "tensor" in kwargs:
+            raise TypeError(MOVING_DENIED)
+        if args and (isinstance(args[0], (torch.device, int, str)) or torch.is_tensor(args[0])):
+            raise TypeError(MOVING_DENIED)
+        return super().to(*args, **kwargs)  # type: ignore[return-value]
+
+
+class GPipe(PlacedModule):
     """Wraps an ``nn.Sequential`` to train it with GPipe pipeline parallelism.
 
     Args:
@@ -179,21 +198,6 @@ class GPipe(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         for partition in self.partitions:
             yield from partition
-
-    # GPipe manages device placement: moving the whole module is refused.
-    def cuda(self, device: Optional[Device] = None) -> "GPipe":  # type: ignore[override]
-        raise TypeError(MOVING_DENIED)
-
-    def cpu(self) -> "GPipe":  # type: ignore[override]
-        raise TypeError(MOVING_DENIED)
-
-    def to(self, *args: object, **kwargs: object) -> "GPipe":  # type: ignore[override]
-        # Deny to(device), to(tensor); allow to(dtype).
-        if "device" in kwargs or "tensor" in kwargs:
-            raise TypeError(MOVING_DENIED)
-        if args and (isinstance(args[0], (torch.device, int, str)) or torch.is_tensor(args[0])):
-            raise TypeError(MOVING_DENIED)
-        return super().to(*args, **kwargs)  # type: ignore[return-value]
 
     def forward(self, input: microbatch.TensorOrTensors) -> microbatch.TensorOrTensors:  # type: ignore[override]
         """Runs a mini-batch (a tensor or a tuple of tensors) through the pipeline."""

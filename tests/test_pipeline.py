@@ -384,3 +384,13 @@ def test_awkward_cuts_keep_every_gradient(cut, checkpoint):
     loss_of(pipe(*args)).backward()
     loss_of(ref(*args)).backward()
     assert_grads_equal(model, ref)
+
+
+def test_moving_a_placed_pipeline_is_refused():
+    model, args, _ = ZOO["unet"]()
+    pipe = fxpipe.pipeline(model, args, 2, devices=["cpu"] * 2, balance_by="params")
+    for move in (lambda: pipe.cuda(), lambda: pipe.cpu(), lambda: pipe.to("cpu"), lambda: pipe.to(device="cpu")):
+        with pytest.raises(TypeError, match="denied to move parameters and buffers"):
+            move()
+    assert pipe.to(torch.float64) is pipe
+    assert pipe(*(a.double() for a in args)).dtype == torch.float64
