@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, Deque, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Deque, Generator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -53,23 +53,22 @@ _local = _ThreadLocal()
 
 
 @contextmanager
-def enable_checkpointing() -> Generator[None, None, None]:
-    orig = _local.is_checkpointing
-    _local.is_checkpointing = True
+def _raised(flag: str) -> Generator[None, None, None]:
+    """Sets one of this thread's flags for the block, restoring it afterwards."""
+    orig = getattr(_local, flag)
+    setattr(_local, flag, True)
     try:
         yield
     finally:
-        _local.is_checkpointing = orig
+        setattr(_local, flag, orig)
 
 
-@contextmanager
-def enable_recomputing() -> Generator[None, None, None]:
-    orig = _local.is_recomputing
-    _local.is_recomputing = True
-    try:
-        yield
-    finally:
-        _local.is_recomputing = orig
+def enable_checkpointing() -> ContextManager[None]:
+    return _raised("is_checkpointing")
+
+
+def enable_recomputing() -> ContextManager[None]:
+    return _raised("is_recomputing")
 
 
 def is_checkpointing() -> bool:

@@ -87,7 +87,7 @@ def span(kind: str, partition: int, microbatch: int, device: torch.device) -> Ge
 
 @contextmanager
 def compute_span(partition: int, microbatch: int, device: torch.device) -> Generator[None, None, None]:
-    """A forward or recompute span, and the backward markers around the computation."""
+    """A forward span, or a recompute span when the partition runs again for backward."""
     if _active is None:
         yield
         return

@@ -163,7 +163,7 @@ def _join_into(batch: Batch, phony: Tensor) -> None:
     """
     anchor = batch.anchor()
     if anchor is None:
-        batch.carry = phony if batch.carry is None else join(batch.carry, phony)
+        batch.carry = merge_phony(batch.carry, phony)
     elif phony.requires_grad:
         batch[anchor] = join(batch[anchor], phony)
 
