@@ -35,7 +35,8 @@ try:  # private but long-standing: what torch.autograd.backward itself calls
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # pragma: no cover - other torch versions
     _engine_run_backward = None
-from .microbatch import Batch, flatten_values, unflatten_values
+from ..tree import flatten_values, unflatten_values
+from .microbatch import Batch
 from .phony import get_phony
 
 __all__ = ["is_checkpointing", "is_recomputing", "Checkpointing", "Checkpoint", "Recompute"]
@@ -190,10 +191,11 @@ def _run_backward(outputs: List[Tensor], grads: List[Tensor]) -> None:
     _engine_run_backward(tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
-def _phony_carriers(template: Template, tensors: Sequence[Tensor]) -> Tuple[int, ...]:
+def _phony_carriers(batch: Batch, tensors: Sequence[Tensor]) -> Tuple[int, ...]:
     """Indices, among a batch's tensors, of its anchor and its carry (see Batch)."""
-    carriers = [next((i for i, t in enumerate(tensors) if _differentiable(t)), -1)]
-    if template[3]:
+    anchor = batch.anchor()
+    carriers = [next((i for i, t in enumerate(tensors) if t is batch[anchor]), -1) if anchor is not None else -1]
+    if batch.carry is not None:
         carriers.append(len(tensors) - 1)
     return tuple(carriers)
 
@@ -214,7 +216,7 @@ class Checkpoint(torch.autograd.Function):
         # only an unused output keeps grad None) -- except the two that carry the
         # pipeline's phony joins (the anchor and the carry), whose backward must run.
         ctx.set_materialize_grads(False)
-        ctx.always = _phony_carriers(out_template, out_tensors)
+        ctx.always = _phony_carriers(output, out_tensors)
         return tuple(out_tensors)
 
     @staticmethod

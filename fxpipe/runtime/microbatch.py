@@ -17,6 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from ..tree import flatten_values, unflatten_values
+
 __all__ = ["Batch", "check", "scatter", "gather", "scatter_tree", "gather_tree", "TensorOrTensors",
            "flatten_values", "unflatten_values"]
 
@@ -96,24 +98,6 @@ class Batch:
 
     def __repr__(self) -> str:
         return f"Batch[atomic={self.atomic}]({self.values!r})"
-
-
-_CONTAINERS = (tuple, list, dict)
-
-
-def _keep_whole(x: Any) -> bool:
-    return isinstance(x, torch.Size)  # a tuple subclass that is a value, not a container
-
-
-def flatten_values(values: Sequence[Any]) -> Tuple[List[Any], Optional[pytree.TreeSpec]]:
-    """Leaves of a batch's values; the common flat case costs no pytree work."""
-    if not any(type(v) in _CONTAINERS for v in values):
-        return list(values), None
-    return pytree.tree_flatten(list(values), is_leaf=_keep_whole)
-
-
-def unflatten_values(leaves: Sequence[Any], spec: Optional[pytree.TreeSpec]) -> List[Any]:
-    return list(leaves) if spec is None else pytree.tree_unflatten(list(leaves), spec)
 
 
 def check(input: Any) -> None:

@@ -1,4 +1,4 @@
-"""Portals carry a skip tensor straight from its stash partition to its pop partition.
+"""Portals carry a skip value straight from its stash partition to its pop partition.
 
 Without portals a skip tensor would be threaded through every partition in between, copied
 at each hop (the paper's "sequential form", §3.3). A portal keeps the tensor aside and adds
@@ -18,12 +18,13 @@ orange needs the tensor once more), reset to 1 when the stash partition recomput
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ..runtime.copy import move
+from ..tree import TreeSpec, flatten, unflatten
 from ..runtime.phony import get_phony
 from ..runtime.stream import AbstractStream, get_device
 
@@ -31,21 +32,26 @@ __all__ = ["Portal"]
 
 
 class Portal:
-    """Holds one skip tensor of one micro-batch, and its gradient."""
+    """Holds one skip value of one micro-batch, and its gradient.
 
-    def __init__(self, tensor: Optional[Tensor], tensor_life: int) -> None:
+    The value is a tensor or any structure of them (a ``split`` result, a ``ModelOutput``,
+    a dataclass): its tensor leaves, found by :mod:`fxpipe.tree`, travel and get their
+    gradients together, so no leaf is left behind without a gradient path.
+    """
+
+    def __init__(self, tensor: Any, tensor_life: int) -> None:
         self.put_tensor(tensor, tensor_life)
-        self.grad: Optional[Tensor] = None
+        self.grad: Optional[Tuple[Optional[Tensor], ...]] = None
 
     def blue(self) -> Tensor:
-        """Stash side: a phony whose backward delivers the gradient to the stashed tensor."""
-        tensor = self.use_tensor()
-        if tensor is None:
+        """Stash side: a phony whose backward delivers the gradients to the stashed tensors."""
+        tensors, _, _ = _split(self.use_tensor())
+        if not tensors:
             return get_phony(torch.device("cpu"), requires_grad=False)
-        return PortalBlue.apply(self, tensor)
+        return PortalBlue.apply(self, *tensors)
 
-    def orange(self, after: Optional[Tensor]) -> Optional[Tensor]:
-        """Pop side: the tensor, connected to autograd when gradients are being recorded.
+    def orange(self, after: Optional[Tensor]) -> Any:
+        """Pop side: the value, connected to autograd when gradients are being recorded.
 
         ``after`` is a tensor of the popping partition's input. Making PortalOrange depend
         on it orders the backward: the skip's gradient is left in the portal before the
@@ -53,15 +59,16 @@ class Portal:
         the stash device -- is computed.
         """
         self.check_tensor_life()
-        if self.tensor is None or not torch.is_grad_enabled():
+        tensors, leaves, spec = _split(self.tensor)
+        if not tensors or not torch.is_grad_enabled():
             return self.use_tensor()
         if after is None or not after.requires_grad:
-            after = get_phony(self.tensor.device, requires_grad=True)
-        return PortalOrange.apply(self, after)
+            after = get_phony(tensors[0].device, requires_grad=True)
+        return _join(PortalOrange.apply(self, after), leaves, spec)
 
     def copy(self, prev_stream: AbstractStream, next_stream: AbstractStream, phony: Tensor) -> Tensor:
-        """Moves the tensor to the pop partition's device; returns a phony to join."""
-        if self.tensor is None:
+        """Moves the tensors to the pop partition's device; returns a phony to join."""
+        if not _split(self.tensor)[0]:
             return get_phony(torch.device("cpu"), requires_grad=False)
         return PortalCopy.apply(self, prev_stream, next_stream, phony)
 
@@ -69,11 +76,11 @@ class Portal:
         if self.tensor_life <= 0:
             raise RuntimeError("tensor in portal has been removed")
 
-    def put_tensor(self, tensor: Optional[Tensor], tensor_life: int) -> None:
+    def put_tensor(self, tensor: Any, tensor_life: int) -> None:
         self.tensor_life = tensor_life
         self.tensor = tensor if tensor_life > 0 else None
 
-    def use_tensor(self) -> Optional[Tensor]:
+    def use_tensor(self) -> Any:
         self.check_tensor_life()
         tensor = self.tensor
         self.tensor_life -= 1
@@ -81,36 +88,64 @@ class Portal:
             self.tensor = None
         return tensor
 
-    def put_grad(self, grad: Optional[Tensor]) -> None:
+    def put_grad(self, grad: Tuple[Optional[Tensor], ...]) -> None:
         self.grad = grad
 
-    def use_grad(self) -> Optional[Tensor]:
+    def use_grad(self) -> Tuple[Optional[Tensor], ...]:
         grad, self.grad = self.grad, None
-        return grad
+        return grad if grad is not None else ()
+
+
+def _split(value: Any) -> Tuple[List[Tensor], List[Any], Optional[TreeSpec]]:
+    """The tensor leaves of a portal's value, all its leaves, and the spec (None: a tensor)."""
+    if value is None:
+        return [], [], None
+    if isinstance(value, Tensor):
+        return [value], [value], None
+    leaves, spec = flatten(value)
+    return [x for x in leaves if isinstance(x, Tensor)], leaves, spec
+
+
+def _join(tensors: Sequence[Tensor], leaves: List[Any], spec: Optional[TreeSpec]) -> Any:
+    """``value`` with its tensor leaves replaced by ``tensors``, in order."""
+    if spec is None:
+        return tensors[0]
+    it = iter(tensors)
+    return unflatten([next(it) if isinstance(x, Tensor) else x for x in leaves], spec)
+
+
+def _differentiable(x: Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
 
 
 class PortalBlue(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, portal: Portal, tensor: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, portal: Portal, *tensors: Tensor) -> Tensor:  # type: ignore[override]
         ctx.portal = portal
-        return get_phony(tensor.device, requires_grad=False).detach()
+        ctx.count = len(tensors)
+        return get_phony(tensors[0].device, requires_grad=False).detach()
 
     @staticmethod
-    def backward(ctx, grad_phony: Tensor) -> Tuple[None, Optional[Tensor]]:  # type: ignore[override]
-        return None, ctx.portal.use_grad()
+    def backward(ctx, grad_phony: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        grads = tuple(ctx.portal.use_grad())
+        grads += (None,) * (ctx.count - len(grads))
+        return (None, *grads)
 
 
 class PortalOrange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, portal: Portal, after: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, portal: Portal, after: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
         ctx.portal = portal
-        tensor = portal.use_tensor()
-        assert tensor is not None
-        return tensor.detach()
+        tensors, _, _ = _split(portal.use_tensor())
+        assert tensors
+        outputs = tuple(x.detach() for x in tensors)
+        ctx.mark_non_differentiable(*[y for y in outputs if not _differentiable(y)])
+        ctx.set_materialize_grads(False)
+        return outputs
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tuple[None, None]:  # type: ignore[override]
-        ctx.portal.put_grad(grad)
+    def backward(ctx, *grads: Optional[Tensor]) -> Tuple[None, None]:  # type: ignore[override]
+        ctx.portal.put_grad(grads)
         return None, None
 
 
@@ -122,12 +157,13 @@ class PortalCopy(torch.autograd.Function):
         ctx.portal = portal
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
-        assert portal.tensor is not None
-        (portal.tensor,) = move([portal.tensor], prev_stream, next_stream)
+        tensors, leaves, spec = _split(portal.tensor)
+        assert tensors
+        portal.tensor = _join(move(tensors, prev_stream, next_stream), leaves, spec)  # type: ignore[arg-type]
         return get_phony(get_device(next_stream), requires_grad=False).detach()
 
     @staticmethod
     def backward(ctx, grad_phony: Tensor) -> Tuple[None, None, None, None]:  # type: ignore[override]
         portal = ctx.portal
-        (portal.grad,) = move([portal.grad], ctx.next_stream, ctx.prev_stream)
+        portal.grad = tuple(move(list(portal.grad or ()), ctx.next_stream, ctx.prev_stream))
         return None, None, None, None

@@ -20,6 +20,7 @@ from ..runtime.dependency import fork, join
 from ..runtime.microbatch import Batch
 from ..runtime.phony import get_phony
 from ..runtime.stream import AbstractStream
+from ..tree import flatten
 from .layout import SkipKey, SkipLayout
 from .namespace import Namespace
 from .portal import Portal
@@ -67,9 +68,10 @@ class SkipTrackerThroughPortals(SkipTracker):
         self.input_batch: Optional[Batch] = None
 
     def save(self, batch: Optional[Batch], ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
-        if not self.skip_layout.requires_copy(ns, name) or not isinstance(tensor, (Tensor, type(None))):
+        if not self.skip_layout.requires_copy(ns, name) or not _holds_tensor(tensor):
             # Same partition, or a plain value (an int, a torch.Size): nothing to copy or
-            # differentiate, so it waits in the dict.
+            # differentiate, so it waits in the dict. Structures holding tensors (a split
+            # result, a ModelOutput) go through a portal like a tensor.
             super().save(batch, ns, name, tensor)
             return
         key = (ns, name)
@@ -142,6 +144,14 @@ class SkipTrackerThroughPortals(SkipTracker):
         pending, self.pending = self.pending, []
         for phony in pending:
             batch.carry = merge_phony(batch.carry, phony)
+
+
+def _holds_tensor(value: object) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if value is None or isinstance(value, (int, float, str, torch.Size)):
+        return False
+    return any(isinstance(x, Tensor) for x in flatten(value)[0])
 
 
 def merge_phony(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
