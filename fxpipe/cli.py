@@ -5,8 +5,9 @@ This module owns the command line only: the argument parser, turning ``MODEL`` a
 in :mod:`fxpipe.commands`.
 
 Error policy: a mistake in what the user typed or in the model they pointed at (unknown
-file, missing factory, malformed shape, a factory that raises, a model that fails to trace,
-bad ``--stages``) prints ONE line on stderr and exits 2; ``--debug`` shows the traceback.
+file, missing factory, malformed shape, a factory that raises or calls ``sys.exit()``, a
+model that fails to trace, bad ``--stages``) prints ONE line on stderr and exits 2;
+``--debug`` shows the traceback. Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def _import_file(path: str) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:  # a script's argparse / sys.exit() at import time
+        raise UsageError(f"importing {path} exited with {_exit_text(e)}: it runs code at import; put that "
+                         "code under `if __name__ == '__main__':`") from e
     except Exception as e:  # noqa: BLE001 - the user's file: report, don't crash
         raise UsageError(f"importing {path} failed: {_one_line(e)}") from e
     return module
@@ -101,6 +105,9 @@ def _import_module(name: str) -> Any:
             raise UsageError(f"no module named {name!r} (MODEL is 'path/to/file.py:factory' or "
                              "'package.module:factory')") from e
         raise UsageError(f"importing {name} failed: {_one_line(e)}") from e
+    except SystemExit as e:
+        raise UsageError(f"importing {name} exited with {_exit_text(e)}: it runs code at import; put that "
+                         "code under `if __name__ == '__main__':`") from e
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"importing {name} failed: {_one_line(e)}") from e
 
@@ -131,6 +138,9 @@ def load_model(spec: str, inputs: Sequence[str], vocab: int = 100) -> Tuple[Any,
     factory = load_factory(spec)
     try:
         made = factory()
+    except SystemExit as e:  # sys.exit() in the factory: not fxpipe's exit status to pass on
+        raise UsageError(f"factory {spec} exited with {_exit_text(e)} instead of returning a model; "
+                         "make it return the model (or (model, args))") from e
     except Exception as e:  # noqa: BLE001 - the user's code
         raise UsageError(f"factory {spec} raised {_one_line(e)}") from e
     args: Any = None
@@ -251,6 +261,17 @@ def _threads_arg(p: argparse.ArgumentParser) -> None:
 
 
 # -- errors ----------------------------------------------------------------------------------
+def _exit_text(e: SystemExit) -> str:
+    """``'sys.exit(5) (exit code 5)'`` for a SystemExit raised by the user's code."""
+    code = e.code
+    if code is None:
+        return "sys.exit() (exit code 0)"
+    if isinstance(code, int):
+        return f"sys.exit({code!r}) (exit code {int(code)})"
+    text = " ".join(str(code).split())
+    return f"sys.exit({text[:80]!r}) (exit code 1)"
+
+
 def _one_line(e: BaseException) -> str:
     """``'ValueError: first line; second line'`` -- a message that fits one line."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
@@ -303,6 +324,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     except BrokenPipeError:  # `fxpipe plan ... | head`
         return EXIT_OK
+    except SystemExit as e:  # sys.exit() in the model's code (its forward, while tracing or running)
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (--debug shows the traceback)"
+        print(f"fxpipe {ns.command}: error: the model's code exited with {_exit_text(e)}; "
+              f"remove the sys.exit() call from it{hint}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - the error policy: one line, or the traceback
         if debug:
             traceback.print_exc()

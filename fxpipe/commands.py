@@ -141,7 +141,18 @@ def training_loss(out: Any) -> Any:
 
 
 # -- plan ------------------------------------------------------------------------------------
+def _check_save_path(path: str) -> None:
+    """Fail before the model is loaded and profiled, not after, when --save cannot be written."""
+    if os.path.isdir(path):
+        raise UsageError(f"--save {path}: it is a directory; pass a file path such as {os.path.join(path, 'plan.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--save {path}: the directory {parent} does not exist; create it first or pass another path")
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
+    if ns.save:
+        _check_save_path(ns.save)
     model, args, kwargs = _load(ns)
     devices = _devices(ns)
     captured = _capture(ns, model, args, kwargs)

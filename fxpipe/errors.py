@@ -28,3 +28,42 @@ class TraceError(FxpipeError, RuntimeError):
         self.location = location
         #: short human reason ("data-dependent control flow: ...")
         self.reason = reason
+
+
+class InputMismatchError(FxpipeError, ValueError):
+    """A call's arguments do not fit the sample a pipeline (or capture) was built from.
+
+    The graph is specialised on the sample's call structure: which arguments are passed
+    positionally or by keyword, the shape of every container, and the value of every
+    non-tensor argument. The message names the argument and says what to do.
+    """
+
+
+class PlanError(FxpipeError, ValueError):
+    """A saved plan cannot be read: the message names the file and what to do.
+
+    Problems with the file itself also subclass the builtin a caller would catch:
+    :class:`PlanFileError` is an ``OSError`` (and :class:`PlanNotFoundError` a
+    ``FileNotFoundError``); a path that is not a path at all raises :class:`PlanPathError`,
+    a ``TypeError``.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        #: the file involved, as given (``None`` for JSON text that came from no file)
+        self.path = path
+
+    def __str__(self) -> str:  # OSError would print "[Errno ...]" forms; keep our message
+        return str(self.args[0]) if self.args else ""
+
+
+class PlanPathError(PlanError, TypeError):
+    """The plan path is not a ``str`` / ``os.PathLike``."""
+
+
+class PlanFileError(PlanError, OSError):
+    """The plan file cannot be opened, read or written (a directory, no permission, ...)."""
+
+
+class PlanNotFoundError(PlanFileError, FileNotFoundError):
+    """There is no file at the plan path."""

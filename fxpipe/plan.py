@@ -9,12 +9,13 @@ or past one or more stages (``Portal``, sent straight to the consumer, named by
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from os import PathLike
+from dataclasses import asdict, dataclass, field, fields
+from os import PathLike, fspath
 from typing import Any, Mapping
 
 import networkx as nx
 
+from fxpipe.errors import PlanError, PlanFileError, PlanNotFoundError, PlanPathError
 from fxpipe.partition import _is_value, stage_costs, value_bytes
 
 __all__ = ["FORMAT", "StageInfo", "BoundaryEdge", "Portal", "Plan", "portal_name", "human_bytes"]
@@ -204,6 +205,8 @@ class Plan:
                 f"bottleneck: stage {worst} ({format_cost(costs[worst], self.balance_by)}); "
                 f"balance ratio max/mean = {ratio:.3f}"
             )
+        notes = self.meta.get("warnings") if isinstance(self.meta, dict) else None
+        out += [f"warning: {w}" for w in (notes or []) if isinstance(w, str)]
         return "\n".join(out)
 
     # -- persistence -----------------------------------------------------------------------
@@ -212,25 +215,143 @@ class Plan:
 
     @classmethod
     def from_json(cls, s: str) -> "Plan":
-        d = json.loads(s)
-        fmt = d.get("format") if isinstance(d, dict) else None
-        if fmt != FORMAT:
-            raise ValueError(f"not an fxpipe plan: format is {fmt!r}, expected {FORMAT!r}")
-        return cls(
-            n_stages=int(d["n_stages"]),
-            balance_by=d["balance_by"],
-            assignment={k: int(v) for k, v in d["assignment"].items()},
-            stages=[StageInfo(**x) for x in d["stages"]],
-            edges=[BoundaryEdge(**x) for x in d["edges"]],
-            portals=[Portal(**x) for x in d["portals"]],
-            meta=d.get("meta", {}),
-        )
+        """A Plan from :meth:`to_json` text; :class:`~fxpipe.errors.PlanError` if it is not one."""
+        return _plan_from_text(cls, s, None)
 
     def save(self, path: str | PathLike[str]) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
+        """Write the plan as JSON; reuse it with ``Plan.load(path)`` or ``pipeline(..., plan=path)``."""
+        where = _check_path(path, "save")
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(self.to_json())
+        except OSError as e:
+            raise _file_error(e, where, "cannot write the plan to",
+                              "pass a path in an existing, writable directory") from e
 
     @classmethod
     def load(cls, path: str | PathLike[str]) -> "Plan":
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+        """Read a plan written by :meth:`save`.
+
+        Raises :class:`~fxpipe.errors.PlanError` naming the file when it is missing
+        (:class:`~fxpipe.errors.PlanNotFoundError`), unreadable, not JSON, or not a plan.
+        """
+        where = _check_path(path, "load")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise PlanError(f"plan file {where!r} is not a text (JSON) file ({e.reason} at byte {e.start}); "
+                            f"{_REMAKE}", path=where) from e
+        except OSError as e:
+            raise _file_error(e, where, "cannot read the plan file", _REMAKE) from e
+        return _plan_from_text(cls, text, where)
+
+
+# -- reading plans ---------------------------------------------------------------------------
+_REMAKE = ("pass the path of a file written by plan.save(path), or make a new plan "
+           "(omit plan=, or run `fxpipe plan ... --save PATH`) and save it again")
+
+
+def _check_path(path: Any, verb: str) -> str:
+    """The path as text, for messages; :class:`PlanPathError` unless it is a str/PathLike."""
+    if isinstance(path, (str, PathLike)):
+        return str(fspath(path))
+    if isinstance(path, bytes):
+        return path.decode(errors="replace")
+    what = type(path).__name__
+    hint = ""
+    if isinstance(path, dict):
+        hint = " (for a plan already parsed from JSON, use Plan.from_json(json.dumps(d)))"
+    if verb == "save":
+        raise PlanPathError(f"plan.save(path): path must be a str or os.PathLike naming the JSON file "
+                            f"to write, got {what}")
+    raise PlanPathError(f"a plan path must be a str or os.PathLike naming a JSON file written by "
+                        f"plan.save(path), or pass the Plan object itself; got {what}{hint}")
+
+
+def _file_error(e: OSError, where: str, doing: str, todo: str) -> PlanError:
+    if isinstance(e, FileNotFoundError):
+        return PlanNotFoundError(f"{doing} {where!r}: no such file or directory; {todo}", path=where)
+    if isinstance(e, IsADirectoryError):
+        return PlanFileError(f"{doing} {where!r}: it is a directory, not a file; {todo}", path=where)
+    reason = e.strerror or type(e).__name__
+    return PlanFileError(f"{doing} {where!r}: {reason}; {todo}", path=where)
+
+
+# (field, check, description) of every key a plan file must have
+_FIELDS: list[tuple[str, type, str]] = [
+    ("n_stages", int, "an integer"),
+    ("balance_by", str, "a string"),
+    ("assignment", dict, "an object {node: stage}"),
+    ("stages", list, "a list"),
+    ("edges", list, "a list"),
+    ("portals", list, "a list"),
+]
+
+
+def _plan_from_text(cls: type, text: str, where: str | None) -> "Plan":
+    src = f"plan file {where!r}" if where is not None else "plan JSON"
+    todo = _REMAKE if where is not None else "pass the text written by plan.to_json()"
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise PlanPathError(f"Plan.from_json expects the JSON text (str), got {type(text).__name__}; "
+                            "to read a file use Plan.load(path)")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        body = text.strip() if isinstance(text, str) else text.decode(errors="replace").strip()
+        cut = (e.pos >= len(body) or e.msg.startswith("Unterminated")
+               or (body[:1] in "{[" and body[-1:] not in "}]"))
+        if not body:
+            raise PlanError(f"{src} is empty; {todo}", path=where) from None
+        raise PlanError(f"{src} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno})"
+                        f"{'; it looks truncated' if cut else ''}; {todo}", path=where) from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise PlanError(f"{src} is not valid JSON ({e}); {todo}", path=where) from None
+    fmt = d.get("format") if isinstance(d, dict) else None
+    if fmt != FORMAT:
+        got = f"format is {fmt!r}" if isinstance(d, dict) else f"it holds a JSON {type(d).__name__}"
+        raise PlanError(f"{src} is not an fxpipe plan: {got}, expected {FORMAT!r}; {todo}", path=where)
+    missing = [k for k, _, _ in _FIELDS if k not in d]
+    if missing:
+        raise PlanError(f"{src} is not a complete fxpipe plan: it has no {', '.join(map(repr, missing))}; {todo}",
+                        path=where)
+    for key, typ, desc in _FIELDS:
+        value = d[key]
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise PlanError(f"{src}: {key!r} must be {desc}, got {type(value).__name__}; {todo}", path=where)
+
+    def entries(key: str, kind: type) -> list[Any]:
+        names = [f.name for f in fields(kind)]
+        out = []
+        for i, x in enumerate(d[key]):
+            if not isinstance(x, dict):
+                raise PlanError(f"{src}: {key}[{i}] must be an object with keys {names}, "
+                                f"got {type(x).__name__}; {todo}", path=where)
+            lacks, extra = [n for n in names if n not in x], [k for k in x if k not in names]
+            if lacks or extra:
+                what = "; ".join(([f"it has no {', '.join(map(repr, lacks))}"] if lacks else [])
+                                 + ([f"unknown {', '.join(map(repr, extra))}"] if extra else []))
+                raise PlanError(f"{src}: {key}[{i}] is not a {kind.__name__} ({what}); {todo}", path=where)
+            out.append(kind(**x))
+        return out
+
+    n = d["n_stages"]
+    bad = [(k, v) for k, v in d["assignment"].items()
+           if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < n]
+    if n < 1 or bad:
+        what = f"n_stages is {n}" if n < 1 else f"node {bad[0][0]!r} has stage {bad[0][1]!r}, not in 0..{n - 1}"
+        raise PlanError(f"{src} is inconsistent: {what}; {todo}", path=where)
+    stages = entries("stages", StageInfo)
+    if len(stages) != n:
+        raise PlanError(f"{src} is inconsistent: n_stages is {n} but it lists {len(stages)} stages; {todo}",
+                        path=where)
+    meta = d.get("meta", {})
+    return cls(
+        n_stages=n,
+        balance_by=d["balance_by"],
+        assignment=dict(d["assignment"]),
+        stages=stages,
+        edges=entries("edges", BoundaryEdge),
+        portals=entries("portals", Portal),
+        meta=meta if isinstance(meta, dict) else {},
+    )

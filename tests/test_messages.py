@@ -1,0 +1,355 @@
+"""Error messages for what users get wrong: calls that do not fit the sample, plan files,
+factories that exit (issue #8, items 11-13).
+
+Each test checks the error's type (an :class:`fxpipe.FxpipeError` that is also the builtin a
+caller would catch) and the words that make it actionable: the argument or file it is about
+and what to do.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.capture import capture
+from fxpipe.cli import main
+from fxpipe.errors import (FxpipeError, InputMismatchError, PlanError, PlanFileError, PlanNotFoundError,
+                           PlanPathError)
+from fxpipe.plan import Plan
+
+
+# -- item 11: a call structured differently from the sample ----------------------------------
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, y=None, mask=None, pair=None, extras=None, scale=1.0):
+        h = self.a(x)
+        if y is not None:
+            h = h + y
+        if mask is not None:
+            h = h * mask
+        if pair is not None:
+            h = h + pair[0] * pair[1]
+        if extras is not None:
+            h = h + extras["bias"]
+        return self.b(h) * scale
+
+
+X, Y, M = torch.randn(4, 4), torch.randn(4, 4), torch.ones(4, 4)
+KW = {"pair": (X, Y), "extras": {"bias": Y}, "scale": 0.5}
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    model = Net()
+    build = dict(n_stages=2, balance_by="params", chunks=2)
+    return {
+        "model": model,
+        # x, y positional; pair, extras, scale by keyword
+        "pos": fxpipe.pipeline(model, (X, Y), sample_kwargs=dict(KW), **build),
+        # everything by keyword
+        "kw": fxpipe.pipeline(model, (), sample_kwargs={"x": X, "mask": M}, **build),
+        # x alone: no mask
+        "bare": fxpipe.pipeline(model, X, **build),
+    }
+
+
+def test_matching_calls_run(pipes):
+    model = pipes["model"]
+    torch.testing.assert_close(pipes["pos"](X, Y, **KW), model(X, Y, **KW))
+    torch.testing.assert_close(pipes["kw"](x=X, mask=M), model(x=X, mask=M))
+    torch.testing.assert_close(pipes["bare"](X), model(X))
+
+
+CASES = [
+    # (pipeline, args, kwargs, words the message must contain)
+    ("pos", (X,), KW, ["positional argument y is missing", "pass y"]),
+    ("bare", (X, Y), {}, ["y is passed positionally", "sample", "sample=("]),
+    ("pos", (X, Y, X, X, X, X, X), KW, ["Net.forward takes 6 positional arguments", "passes 7",
+                                        "remove the extra"]),
+    ("pos", (X, Y), {**KW, "mask": M}, ["mask= is passed", "sample_kwargs={'mask': ...}"]),
+    ("pos", (X, Y), {**KW, "dropout": 0.1}, ["no parameter 'dropout'", "remove dropout="]),
+    ("pos", (X,), {**KW, "y": Y}, ["y is passed by keyword", "pass y positionally, as in the sample"]),
+    ("kw", (X,), {"mask": M}, ["x is passed positionally", "by keyword", "pass it as x=..."]),
+    ("pos", ([X, X], Y), KW, ["x is a list of 2 items", "sample passed a tensor", "pass a tensor for x"]),
+    ("pos", (X, Y), {**KW, "pair": (X, Y, X)}, ["pair is a tuple of 3 items", "tuple of 2 items",
+                                                "pass pair with 2 items"]),
+    ("pos", (X, Y), {**KW, "extras": {"bias": Y, "gain": X}}, ["extras has keys ['bias', 'gain']",
+                                                               "unexpected ['gain']", "sample's keys"]),
+    ("pos", (X, Y), {**KW, "extras": {"gain": X}}, ["missing ['bias']", "unexpected ['gain']"]),
+    ("pos", (X, Y), {**KW, "pair": (X, 3)}, ["pair[1] is 3 (int)", "sample passed a tensor",
+                                             "pass a tensor for pair[1]"]),
+    ("bare", (X,), {"mask": None}, ["mask=None is passed", "leave mask out",
+                                    "sample_kwargs={'mask': None, ...}"]),
+    ("kw", (), {"x": X, "mask": None}, ["mask is None", "sample passed a tensor", "pass a tensor for mask"]),
+    ("kw", (), {"x": X}, ["mask= is missing", "sample passed mask (a tensor)", "pass mask=..."]),
+    ("kw", (), {"mask": M, "x": X}, ["order mask, x", "order x, mask", "sample's order"]),
+]
+
+
+@pytest.mark.parametrize("which, args, kwargs, words", CASES, ids=[" ".join(c[3][0].split()[:4]) for c in CASES])
+def test_call_mismatch_names_the_argument(pipes, which, args, kwargs, words):
+    with pytest.raises(InputMismatchError) as info:
+        pipes[which](*args, **kwargs)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, FxpipeError)
+    msg = str(info.value)
+    assert msg.startswith("Net: this call does not match the sample")
+    for word in words:
+        assert word in msg, msg
+    assert "TreeSpec" not in msg and "leaf" not in msg, msg
+
+
+def test_specialised_value_names_the_argument(pipes):
+    with pytest.raises(InputMismatchError, match="specialised") as info:
+        pipes["pos"](X, Y, **{**KW, "scale": 2.0})
+    msg = str(info.value)
+    assert "scale is 2.0" in msg and "sample's 0.5" in msg and "pass 0.5 for scale" in msg
+    assert "input leaf" not in msg
+
+
+def test_several_mismatches_are_listed_together(pipes):
+    with pytest.raises(InputMismatchError) as info:
+        pipes["pos"](X, **{**KW, "scale": 3.0, "pair": [X, Y]})
+    lines = str(info.value).splitlines()
+    assert len(lines) == 4 and all(ln.startswith("  - ") for ln in lines[1:])
+    assert "y is missing" in lines[1] and "pair is a list" in lines[2] and "scale is 3.0" in lines[3]
+
+
+def test_var_positional_and_capture_level_messages():
+    class Sum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, *xs):
+            return self.l(sum(xs))
+
+    c = capture(Sum(), (X, Y))
+    assert len(c.flatten_inputs((X, Y))) == 2
+    with pytest.raises(InputMismatchError, match=r"positional argument xs\[1\] is missing"):
+        c.flatten_inputs((X,))
+    with pytest.raises(InputMismatchError, match=r"xs\[2\] is passed positionally"):
+        c.flatten_inputs((X, Y, X))
+
+
+# -- item 12: plan files -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plan_model():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    pipe = fxpipe.pipeline(model, torch.randn(4, 4), 2, balance_by="params")
+    return model, pipe.plan
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_plan_round_trip_through_pipeline(tmp_path, plan_model):
+    model, plan = plan_model
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    again = fxpipe.pipeline(model, torch.randn(4, 4), 2, plan=path)
+    assert again.plan == plan
+
+
+@pytest.mark.parametrize("how, err, builtin, words", [
+    ("truncated", PlanError, ValueError, ["not valid JSON", "it looks truncated", "plan.save(path)", "omit plan="]),
+    ("empty", PlanError, ValueError, ["is empty", "plan.save(path)"]),
+    ("not a plan", PlanError, ValueError, ["not an fxpipe plan", "expected 'fxpipe.plan/1'", "plan.save(path)"]),
+    ("a list", PlanError, ValueError, ["not an fxpipe plan", "JSON list"]),
+    ("missing keys", PlanError, ValueError, ["not a complete fxpipe plan", "'assignment', 'edges'"]),
+    ("wrong type", PlanError, ValueError, ["'stages' must be a list, got dict"]),
+    ("stage out of range", PlanError, ValueError, ["has stage 5, not in 0..1"]),
+    ("bad stage entry", PlanError, ValueError, ["stages[0] is not a StageInfo", "no 'cost'"]),
+    ("directory", PlanFileError, OSError, ["is a directory", "plan.save(path)"]),
+    ("missing file", PlanNotFoundError, FileNotFoundError, ["no such file", "make a new plan", "omit plan="]),
+])
+def test_plan_load_errors_name_the_file(tmp_path, plan_model, how, err, builtin, words):
+    text = plan_model[1].to_json()
+    d = json.loads(text)
+    if how == "truncated":
+        path = _write(tmp_path, "p.json", text[: len(text) // 2])
+    elif how == "empty":
+        path = _write(tmp_path, "p.json", "")
+    elif how == "not a plan":
+        path = _write(tmp_path, "p.json", json.dumps({"model": "x"}))
+    elif how == "a list":
+        path = _write(tmp_path, "p.json", "[1, 2]")
+    elif how == "missing keys":
+        path = _write(tmp_path, "p.json", json.dumps({k: v for k, v in d.items() if k not in ("assignment", "edges")}))
+    elif how == "wrong type":
+        path = _write(tmp_path, "p.json", json.dumps({**d, "stages": {}}))
+    elif how == "stage out of range":
+        node = next(iter(d["assignment"]))
+        path = _write(tmp_path, "p.json", json.dumps({**d, "assignment": {**d["assignment"], node: 5}}))
+    elif how == "bad stage entry":
+        stages = [dict(d["stages"][0]), *d["stages"][1:]]
+        del stages[0]["cost"]
+        path = _write(tmp_path, "p.json", json.dumps({**d, "stages": stages}))
+    elif how == "directory":
+        path = str(tmp_path)
+    else:
+        path = str(tmp_path / "nope.json")
+    with pytest.raises(err) as info:
+        Plan.load(path)
+    e = info.value
+    assert isinstance(e, PlanError) and isinstance(e, FxpipeError) and isinstance(e, builtin)
+    assert repr(path) in str(e) and e.path == path
+    for word in words:
+        assert word in str(e), str(e)
+    # the same through fxpipe.pipeline(..., plan=path)
+    model = plan_model[0]
+    with pytest.raises(err, match="plan"):
+        fxpipe.pipeline(model, torch.randn(4, 4), 2, plan=path)
+
+
+def test_plan_path_of_wrong_type(plan_model):
+    with pytest.raises(PlanPathError) as info:
+        Plan.load({"format": "fxpipe.plan/1"})
+    assert isinstance(info.value, TypeError) and isinstance(info.value, PlanError)
+    assert "str or os.PathLike" in str(info.value) and "got dict" in str(info.value)
+    assert "Plan.from_json(json.dumps(d))" in str(info.value)
+    with pytest.raises(PlanPathError, match="got dict"):
+        fxpipe.pipeline(plan_model[0], torch.randn(4, 4), 2, plan={})
+    with pytest.raises(PlanPathError, match="plan.save\\(path\\): path must be a str"):
+        plan_model[1].save(3)
+
+
+def test_plan_save_errors_name_the_file(tmp_path, plan_model):
+    plan = plan_model[1]
+    target = str(tmp_path / "no_dir" / "plan.json")
+    with pytest.raises(PlanNotFoundError) as info:
+        plan.save(target)
+    assert repr(target) in str(info.value) and "existing, writable directory" in str(info.value)
+    with pytest.raises(PlanFileError, match="is a directory"):
+        plan.save(tmp_path)
+
+
+def test_from_json_text_errors():
+    with pytest.raises(PlanError, match="plan JSON is not valid JSON.*plan.to_json"):
+        Plan.from_json('{"format": ')
+    with pytest.raises(PlanPathError, match="Plan.load"):
+        Plan.from_json({"format": "fxpipe.plan/1"})
+
+
+def test_plan_and_errors_import_no_torch():
+    here = os.path.join(os.path.dirname(__file__), os.pardir, "fxpipe")
+    for name in ("plan.py", "errors.py", "partition.py"):
+        tree = ast.parse(open(os.path.join(here, name), encoding="utf-8").read())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "torch" not in imported, name
+
+
+# -- item 13: the CLI and factories that exit ------------------------------------------------
+EXITING = textwrap.dedent('''
+    import sys
+    import torch
+    from torch import nn
+
+
+    class Quits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            sys.exit(3)
+
+
+    def code5():
+        sys.exit(5)
+
+
+    def bare_exit():
+        sys.exit()
+
+
+    def message():
+        raise SystemExit("bad config\\nsee docs")
+
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+
+    def quits():
+        return Quits(), torch.randn(2, 4)
+
+
+    def ok():
+        return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), torch.randn(2, 4)
+''')
+
+
+@pytest.fixture(scope="module")
+def exiting_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli_exit") / "exiting_model.py"
+    path.write_text(EXITING)
+    return str(path)
+
+
+def _one_line(capsys, argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2, (rc, err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("factory, words", [
+    ("code5", ["sys.exit(5)", "exit code 5"]),
+    ("bare_exit", ["sys.exit()", "exit code 0"]),
+    ("message", ["sys.exit('bad config see docs')", "exit code 1"]),
+])
+def test_factory_that_exits_is_one_line_exit_2(capsys, exiting_file, factory, words):
+    line = _one_line(capsys, ["plan", f"{exiting_file}:{factory}", "-n", 2])
+    assert f"factory {exiting_file}:{factory} exited with" in line
+    assert "return the model" in line
+    for word in words:
+        assert word in line, line
+
+
+def test_factory_interrupt_still_exits_130(capsys, exiting_file):
+    assert main(["plan", f"{exiting_file}:interrupted", "-n", "2"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_model_file_that_exits_at_import(capsys, tmp_path):
+    path = tmp_path / "script_model.py"
+    path.write_text("import sys\nsys.exit(4)\n")
+    line = _one_line(capsys, ["plan", f"{path}:factory", "-n", 2])
+    assert f"importing {path} exited with sys.exit(4)" in line and "__name__ == '__main__'" in line
+
+
+def test_model_that_exits_while_traced(capsys, exiting_file):
+    line = _one_line(capsys, ["plan", f"{exiting_file}:quits", "-n", 2, "--balance-by", "params"])
+    assert "sys.exit(3) (exit code 3)" in line and "model's code" in line
+    rc = main(["plan", f"{exiting_file}:quits", "-n", "2", "--balance-by", "params", "--debug"])
+    assert rc == 2 and "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, words", [
+    ("{dir}/missing_dir/plan.json", ["does not exist", "missing_dir"]),
+    ("{dir}", ["is a directory", "plan.json"]),
+])
+def test_plan_save_path_checked_first(capsys, exiting_file, where, words):
+    where = where.format(dir=os.path.dirname(exiting_file))
+    # the factory would exit: the bad --save path is reported before the model is loaded
+    line = _one_line(capsys, ["plan", f"{exiting_file}:code5", "-n", 2, "--save", where])
+    assert f"--save {where}" in line
+    for word in words:
+        assert word in line, line
