@@ -353,3 +353,13 @@ def test_plan_save_path_checked_first(capsys, exiting_file, where, words):
     assert f"--save {where}" in line
     for word in words:
         assert word in line, line
+
+
+def test_deep_copied_pipeline_still_names_the_argument(pipes):
+    import copy
+
+    clone = copy.deepcopy(pipes["bare"])  # fx's deepcopy forgets the model's class name
+    with pytest.raises(InputMismatchError, match="mask=None is passed but the sample did not pass mask"):
+        clone(X, mask=None)
+    with pytest.raises(InputMismatchError, match="forward has no parameter 'foo'"):
+        clone(X, foo=1)
