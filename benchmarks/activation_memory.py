@@ -89,16 +89,6 @@ def cuda_peak(fn: Callable[[], None], devices: List[torch.device]) -> Dict[str, 
     return {"peak_bytes": peak, "end_bytes": end, "how": "sum over devices of cuda max_memory_allocated - allocated before"}
 
 
-def stop_workers(pipe: Any) -> None:
-    """Stops fxpipe's worker threads while the interpreter is fully alive (see overhead.py)."""
-    pool = getattr(getattr(pipe, "_runtime", None), "_pool", None)
-    if pool is None:
-        return
-    pool.close()
-    for thread in pool.threads:
-        thread.join(timeout=5)
-
-
 def measure(name: str, model: nn.Module, x: torch.Tensor, device: torch.device, devices: List[torch.device]) -> Dict[str, Any]:
     step(model, x)  # warm-up: .grad exists from now on
     zero_grads(model)
@@ -146,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             row = measure(f"fxpipe {mode}", pipe, x, device, devices)
             row["plan_stage_costs_s"] = [s.cost for s in pipe.plan.stages]
         finally:
-            stop_workers(pipe)
+            pipe.close()  # its worker threads end while the interpreter is fully alive (see overhead.py)
         rows.append(row)
         del pipe
         gc.collect()

@@ -36,9 +36,9 @@ tens of ms on a loaded machine. So, unless ``--no-thread-env`` is given, the ben
 ``OMP_NUM_THREADS=1`` and ``MKL_NUM_THREADS=1`` before importing torch, making every
 thread single-threaded, as the eager baseline is.
 
-fxpipe's worker threads are stopped explicitly before exit: its pools stop their daemon
-workers from an ``atexit`` finalizer, which races interpreter shutdown and aborts the
-process now and then ("terminate called without an active exception").
+fxpipe's pipelines are closed (``close()``) before exit, so their worker threads end while
+the interpreter is fully alive: waking daemon threads during interpreter shutdown aborts
+the process now and then ("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -205,12 +205,7 @@ def fit(points: List[Tuple[int, int, float]]) -> Dict[str, float]:
 def stop_fxpipe_workers(models: List[nn.Module]) -> None:
     """Stops fxpipe's worker threads while the interpreter is fully alive (see the docstring)."""
     for model in models:
-        pool = getattr(getattr(model, "_pipeline", None), "_pool", None)
-        if pool is None:
-            continue
-        pool.close()
-        for thread in pool.threads:
-            thread.join(timeout=5)
+        model.close()  # fxpipe.GPipe: stops and joins its worker threads
 
 
 def cpu_name() -> str:

@@ -16,12 +16,12 @@ from torch import nn
 
 from .capture import Capture, capture
 from .emit import Stages, emit_stages
-from .gpipe import CHECKPOINT_MODES, PlacedModule, checkpoint_stop
+from .gpipe import CHECKPOINT_MODES, PipelinePicklingError, PlacedModule, check_chunks, checkpoint_stop
 from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .plan import Plan
 from .runtime import microbatch
-from .runtime.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
 from .runtime.pipeline import Pipeline as Runtime
 from .skip.layout import SkipLayout
@@ -43,8 +43,7 @@ def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, b
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(n_stages, int) or isinstance(n_stages, bool) or n_stages < 1:
         raise ValueError(f"n_stages must be a positive integer, got n_stages={n_stages!r}")
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got chunks={chunks!r}")
+    check_chunks(chunks)
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
     if balance_by not in BALANCE_BY:
@@ -79,13 +78,13 @@ class Pipeline(PlacedModule):
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self._deferred = convert_deferred_batch_norm(model) if deferred_batch_norm else []
         # Graphs that baked the training mode in cannot follow .train()/.eval().
         self.captured_training = model.training
         self.mode_sensitive = mode_sensitive
         self.training = model.training  # the pipeline starts in the model's mode
         layout = SkipLayout.from_names(len(stages), stages.skip_routes)
-        self._runtime = Runtime(list(stages.modules), devices, skip_layout=layout, spread=True)
+        runtime = Runtime(list(stages.modules), devices, skip_layout=layout, spread=True)
+        self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
     @property
     def stages(self) -> List[torch.fx.GraphModule]:
@@ -107,6 +106,25 @@ class Pipeline(PlacedModule):
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the parameters the stages hold; use assign=False")
         return self.module.load_state_dict(state_dict, strict=strict)
+
+    # The model's names as well (optimizer parameter groups are built by name); parameters()
+    # and buffers() follow, in the model's order.
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:  # type: ignore[override]
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:  # type: ignore[override]
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # fx unpickles a GraphModule by re-tracing its code, which would run the stages'
+        # portal calls (stash/pop) instead of recording them: refused rather than inexact.
+        raise PipelinePicklingError(
+            "an fxpipe.Pipeline cannot be pickled (torch.save/pickle): fx rebuilds generated stage "
+            "code by re-tracing it, which would not reproduce the portals between stages. Save the "
+            "model and the plan instead -- torch.save(pipe.state_dict(), path) and "
+            "pipe.plan.save('plan.json') -- and rebuild with fxpipe.pipeline(model, sample, n_stages, "
+            "plan='plan.json') (no profiling). copy.deepcopy(pipe) works."
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         if self.mode_sensitive and self.training != self.captured_training:

@@ -205,7 +205,7 @@ class Counter(nn.Module):
 def test_exception_propagates_with_type_and_pipeline_stays_usable(exc, threads):
     explode, counter = Explode(exc), Counter()
     pipe = GPipe(nn.Sequential(nn.Linear(3, 3), explode, counter), [1, 1, 1], devices=["cpu"] * 3, chunks=4)
-    pipe._pipeline.threads = threads
+    pipe._runtime.threads = threads
     with pytest.raises(exc, match="kaboom") as info:
         pipe(torch.randn(8, 3))
     # The traceback reaches the raising frame inside the worker.
@@ -223,14 +223,14 @@ def fxpipe_threads():
 
 def threaded(pipe):
     """Forces worker threads on a CPU pipeline (CPU-only pipelines run tasks inline)."""
-    pipe._pipeline.threads = True
+    pipe._runtime.threads = True
     return pipe
 
 
 def test_cpu_pipelines_run_inline_without_threads():
     pipe = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu"] * 2, chunks=2)
     pipe(torch.randn(4, 2)).sum().backward()
-    assert pipe._pipeline.workers.inline and pipe._pipeline.workers.threads == []
+    assert pipe._runtime.workers.inline and pipe._runtime.workers.threads == []
 
 
 def test_worker_threads_follow_the_callers_thread_count():
@@ -254,11 +254,11 @@ def test_worker_threads_follow_the_callers_thread_count():
 def test_workers_are_persistent_and_one_per_device():
     pipe = threaded(GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu"] * 2, chunks=2))
     pipe(torch.randn(4, 2))
-    workers = list(pipe._pipeline.workers.threads)
+    workers = list(pipe._runtime.workers.threads)
     assert len(workers) == 1  # both partitions live on the one CPU device
     assert all(t.is_alive() and t in fxpipe_threads() for t in workers)
     pipe(torch.randn(4, 2)).sum().backward()
-    assert pipe._pipeline.workers.threads == workers  # the same threads serve every call
+    assert pipe._runtime.workers.threads == workers  # the same threads serve every call
 
 
 def test_no_thread_leak_when_pipelines_are_dropped():
@@ -287,7 +287,7 @@ def test_no_hang_at_interpreter_exit(tmp_path):
         "ps = [fxpipe.GPipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1, 1], devices=['cpu'] * 2, chunks=2)\n"
         "      for _ in range(24)]\n"
         "for p in ps:\n"
-        "    p._pipeline.threads = True\n"
+        "    p._runtime.threads = True\n"
         "    p(torch.randn(4, 2)).sum().backward()\n"
         "print('done')\n"
     )
@@ -353,8 +353,8 @@ def test_cuda_streams_and_copies_between_devices():
     r.sum().backward()
     torch.testing.assert_close(out, r.to(out.device))
     assert out.device == torch.device(devices[-1])
-    assert len(pipe._pipeline._copy_streams[0]) == 4
-    assert all(isinstance(s, torch.cuda.Stream) for s in pipe._pipeline._copy_streams[0])
+    assert len(pipe._runtime._copy_streams[0]) == 4
+    assert all(isinstance(s, torch.cuda.Stream) for s in pipe._runtime._copy_streams[0])
     del n
 
 

@@ -551,7 +551,7 @@ def test_functional_in_pipeline(balance, chunks, checkpoint):
     for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
         assert_close(p.grad, p_ref.grad, msg=lambda msg, name=name: f"grad of {name}: {msg}")
     assert current_skip_tracker().tensors == {}
-    pipeline.workers.close()
+    pipeline.close()
 
 
 def test_functional_in_pipeline_spread_and_no_grad():
@@ -589,7 +589,7 @@ def test_functional_in_pipeline_spread_and_no_grad():
     microbatch.gather(batches).pow(2).sum().backward()
     eager(x_ref).pow(2).sum().backward()
     assert_close(x_pipe.grad, x_ref.grad)
-    pipeline.workers.close()
+    pipeline.close()
 
 
 def test_functional_pop_without_stash_in_pipeline_raises():
@@ -597,7 +597,7 @@ def test_functional_pop_without_stash_in_pipeline_raises():
                         skip_layout=SkipLayout.from_names(2, {"a": (0, 1)}))
     with pytest.raises(RuntimeError, match="skip 'a' has not been stashed"):
         pipeline.run(microbatch.scatter(_input(width=4), 2), 0)
-    pipeline.workers.close()
+    pipeline.close()
 
 
 def test_skip_layout_rejects_backward_routes():

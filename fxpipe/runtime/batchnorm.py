@@ -9,12 +9,19 @@ statistics: making it per mini-batch would serialise the micro-batches.
 
 Conversion swaps the class of existing BatchNorm modules in place: parameters, buffers,
 module identity and ``state_dict`` keys are unchanged, so the model passed in stays the
-model that gets trained.
+model that gets trained. The swap is borrowed, not permanent: every conversion is paired
+with a :func:`release_deferred_batch_norm` (the pipeline's ``close()`` or its garbage
+collection), and a layer whose last pipeline lets go gets its own class back, without the
+deferred attributes. Meanwhile a swapped layer pickles and deep-copies as its own class, so
+``torch.save(model)`` and ``copy.deepcopy(model)`` give the plain model.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Type
+import copyreg
+import threading
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Type
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +30,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit_deferred_batch_norm"]
+__all__ = [
+    "DeferredBatchNorm", "convert_deferred_batch_norm", "defer_batch_norms",
+    "release_deferred_batch_norm", "commit_deferred_batch_norm", "DEFERRED_ATTRIBUTES",
+]
+
+#: Instance attributes a deferred layer carries on top of its BatchNorm state.
+DEFERRED_ATTRIBUTES = ("_count", "_mean", "_m2", "_tracked")
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -32,11 +45,13 @@ class DeferredBatchNorm(_BatchNorm):
     _count: int
     _mean: Optional[Tensor]
     _m2: Optional[Tensor]
+    _tracked: int  # micro-batches merged since the last commit
 
     def _reset_deferred(self) -> None:
         self._count = 0
         self._mean = None
         self._m2 = None
+        self._tracked = 0
 
     def _track(self, input: Tensor) -> None:
         dims = [0] + list(range(2, input.dim()))
@@ -45,6 +60,7 @@ class DeferredBatchNorm(_BatchNorm):
             n = input.numel() // input.size(1)
             mean = x.mean(dims)
             m2 = ((x - mean.view([1, -1] + [1] * (input.dim() - 2))) ** 2).sum(dims)
+            self._tracked += 1
             if self._mean is None:
                 self._count, self._mean, self._m2 = n, mean, m2
                 return
@@ -83,29 +99,79 @@ class DeferredBatchNorm(_BatchNorm):
         )
 
 
+def _reduce_as_original(self: nn.Module, protocol: Any) -> Any:
+    """Pickles (and deep-copies) a swapped layer as an instance of its original class.
+
+    The swapped class is created at run time and cannot be found by name; and a copy of
+    the model belongs to no pipeline, so it must be the plain BatchNorm anyway.
+    """
+    state = self.__getstate__()
+    for name in DEFERRED_ATTRIBUTES:
+        state.pop(name, None)
+    # The standard library's reconstructor (what protocols 0-1 use): the pickle needs no fxpipe.
+    return copyreg._reconstructor, (type(self)._fxpipe_original, object, None), state  # type: ignore[attr-defined]
+
+
 _deferred_classes: Dict[Type[_BatchNorm], Type[_BatchNorm]] = {}
+# How many live conversions hold each swapped layer; the last release restores it.
+_holders: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
 
 
 def _deferred_class(cls: Type[_BatchNorm]) -> Type[_BatchNorm]:
-    if issubclass(cls, DeferredBatchNorm):
-        return cls
     deferred = _deferred_classes.get(cls)
     if deferred is None:
-        deferred = type(f"Deferred{cls.__name__}", (DeferredBatchNorm, cls), {"__module__": __name__})
+        deferred = type(f"Deferred{cls.__name__}", (DeferredBatchNorm, cls), {
+            "__module__": __name__, "_fxpipe_original": cls, "__reduce_ex__": _reduce_as_original,
+        })
         _deferred_classes[cls] = deferred
     return deferred
 
 
-def convert_deferred_batch_norm(module: nn.Module) -> List[DeferredBatchNorm]:
-    """Turns every BatchNorm in ``module`` into a deferred one, in place; returns them."""
+def _is_swapped(module: nn.Module) -> bool:
+    return "_fxpipe_original" in vars(type(module))
+
+
+def defer_batch_norms(modules: Iterable[nn.Module]) -> List[DeferredBatchNorm]:
+    """Makes each tracking BatchNorm of ``modules`` deferred, in place; returns them.
+
+    Layers that already are a :class:`DeferredBatchNorm` by class (``fxpipe.batchnorm``)
+    are returned as they are and never restored. Each call must be paired with one
+    :func:`release_deferred_batch_norm` of the returned list.
+    """
     converted: List[DeferredBatchNorm] = []
-    for child in module.modules():
-        if isinstance(child, _BatchNorm) and child.track_running_stats:
-            if not isinstance(child, DeferredBatchNorm):
+    with _lock:
+        for child in modules:
+            if not (isinstance(child, _BatchNorm) and child.track_running_stats):
+                continue
+            if _is_swapped(child):
+                _holders[child] = _holders.get(child, 0) + 1
+            elif not isinstance(child, DeferredBatchNorm):
                 child.__class__ = _deferred_class(type(child))
                 child._reset_deferred()  # type: ignore[attr-defined]
+                _holders[child] = 1
             converted.append(child)  # type: ignore[arg-type]
     return converted
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> List[DeferredBatchNorm]:
+    """Turns every BatchNorm in ``module`` into a deferred one, in place; returns them."""
+    return defer_batch_norms(module.modules())
+
+
+def release_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:
+    """Undoes one conversion: a layer no conversion holds any more gets its class back."""
+    with _lock:
+        for child in modules:
+            count = _holders.get(child, 0)
+            if count > 1:
+                _holders[child] = count - 1
+                continue
+            _holders.pop(child, None)
+            if _is_swapped(child):
+                child.__class__ = type(child)._fxpipe_original  # type: ignore[attr-defined]
+                for name in DEFERRED_ATTRIBUTES:
+                    child.__dict__.pop(name, None)
 
 
 def commit_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:

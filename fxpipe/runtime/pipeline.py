@@ -5,6 +5,9 @@ computing, the *fence* adds the dependencies and copies for the tick (copies are
 before computes, so they overlap); then every task is handed to its device's worker and
 the caller waits for the tick to finish. The first failure is re-raised with its original
 type and traceback once every task of the tick has returned, and no later tick starts.
+
+Worker threads and copy streams are runtime state: ``close()`` ends them for good, and
+copies and pickles of a pipeline leave them out (the copy makes its own on first use).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import FxpipeError
 from ..skip.layout import SkipLayout
 from ..skip.tracker import SkipTrackerThroughPortals, merge_phony, swap_skip_tracker
 from .checkpoint import Checkpointing
@@ -24,7 +28,7 @@ from .stream import AbstractStream, current_stream, new_stream, use_device
 from .worker import Task, WorkerPool
 from . import timeline
 
-__all__ = ["Pipeline", "clock_cycles", "depend"]
+__all__ = ["Pipeline", "PipelineClosedError", "clock_cycles", "depend"]
 
 Schedule = List[Tuple[int, int]]
 
@@ -42,6 +46,10 @@ def clock_cycles(m: int, n: int) -> Iterable[Schedule]:
     """
     for k in range(m + n - 1):
         yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
+
+
+class PipelineClosedError(FxpipeError, RuntimeError):
+    """A closed pipeline was called (the message names it and says what to do)."""
 
 
 def depend(fork_from: Batch, join_to: Batch) -> None:
@@ -83,9 +91,40 @@ class Pipeline:
         # Nothing to overlap recomputation with when no copy is asynchronous.
         self._cpu_only = all(d.type == "cpu" for d in self.devices)
         self._copy_streams: List[List[AbstractStream]] = [[] for _ in self.devices]
+        self.closed = False
+        #: how errors name the pipeline; front ends set their own class name
+        self.label = "this pipeline"
+
+    def close(self, wait: bool = True) -> None:
+        """Stops the worker threads (``wait``: until they have ended) and refuses later runs.
+
+        Idempotent. Copy streams are dropped; the partitions are left as they are.
+        """
+        self.closed = True
+        pool, self._pool = self._pool, None
+        self._copy_streams = [[] for _ in self.devices]
+        if pool is not None:
+            pool.close(wait=wait)
+
+    def __getstate__(self) -> dict:
+        # Threads, queues, finalizers and CUDA streams neither copy nor pickle; a copy
+        # creates its own on first use.
+        state = self.__dict__.copy()
+        state["_pool"] = None
+        state["_copy_streams"] = [[] for _ in self.devices]
+        return state
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise PipelineClosedError(
+                f"{self.label} was closed (by close() or at the end of its `with` block): its "
+                "worker threads are stopped and its deferred BatchNorm layers are plain BatchNorm "
+                "again. Build a new pipeline to run the model, or use the model itself."
+            )
 
     @property
     def workers(self) -> WorkerPool:
+        self.check_open()
         if self._pool is None:
             self._pool = WorkerPool(self.devices, threads=self.threads)
         return self._pool
@@ -102,6 +141,7 @@ class Pipeline:
 
         Micro-batches ``i < checkpoint_stop`` are checkpointed.
         """
+        self.check_open()
         m = len(batches)
         skip_trackers = [SkipTrackerThroughPortals(self.skip_layout) for _ in range(m)]
         copy_streams = self.copy_streams(m)

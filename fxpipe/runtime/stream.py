@@ -19,10 +19,18 @@ __all__ = [
 
 
 class CPUStream:
-    """A placeholder for a stream on the CPU, where work is synchronous."""
+    """A placeholder for a stream on the CPU, where work is synchronous.
+
+    There is one, ``CPU_STREAM``, and ``is_cuda`` tests identity with it: copies and
+    unpickled instances are that same object, or a copied pipeline would take its CPU
+    streams for CUDA ones.
+    """
 
     def __repr__(self) -> str:
         return "<CPUStream>"
+
+    def __reduce__(self) -> str:
+        return "CPU_STREAM"  # pickle and copy return the module-level instance
 
 
 CPU_STREAM = CPUStream()

@@ -136,6 +136,16 @@ class WorkerPool:
             return
         self.in_queues[partition_index].put(task)
 
-    def close(self) -> None:
-        """Stops the threads now (they also stop when the pool is garbage-collected)."""
+    def close(self, wait: bool = True) -> None:
+        """Stops the threads now (they also stop when the pool is garbage-collected).
+
+        With ``wait`` it returns once they have ended, so a closed pipeline leaves no thread
+        behind; a worker closing its own pool (from inside a task) does not wait for itself.
+        """
         self._finalizer()
+        if not wait:
+            return
+        current = threading.current_thread()
+        for thread in self.threads:
+            if thread is not current:
+                thread.join()
