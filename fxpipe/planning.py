@@ -5,6 +5,7 @@ Kept apart from ``api.py`` so the CLI can make and print plans without building 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import networkx as nx
@@ -14,13 +15,26 @@ import torch.utils._pytree as pytree
 from .capture import Capture
 from .graph import build_opgraph
 from .partition import COMPUTE_OPS, partition
-from .plan import Plan
+from .plan import Plan, format_cost
 from .profile import count_params_only, profile_graph
 
-__all__ = ["BALANCE_BY", "make_plan", "opgraph_for", "split_nodes"]
+__all__ = ["BALANCE_BY", "BalanceWarning", "IMBALANCE_RATIO", "make_plan", "opgraph_for", "split_nodes",
+           "imbalance_warning"]
 
 BALANCE_BY = ("time", "memory", "params")
 _COST_ATTR = {"time": "cost", "memory": "memory", "params": "params"}
+
+#: A plan whose slowest stage costs more than this many times the mean stage, because of one
+#: node that alone costs more than the mean, gets a :class:`BalanceWarning`.
+IMBALANCE_RATIO = 2.0
+
+
+class BalanceWarning(UserWarning):
+    """One node fxpipe cannot split makes a stage far slower than the others.
+
+    The message (also in ``print(plan)``) names the node and its module, why it is opaque,
+    and what to do.
+    """
 
 #: Assumed inter-GPU bandwidth for the transfer term of stage costs (bytes per second).
 GPU_LINK_BYTES_PER_SECOND = 12e9
@@ -111,5 +125,78 @@ def make_plan(
         "cost_attr": cost_attr,
         "seconds_per_byte": spb,
     }
-    return Plan.from_assignment(graph, assignment, balance_by=balance_by, cost_attr=cost_attr,
+    plan = Plan.from_assignment(graph, assignment, balance_by=balance_by, cost_attr=cost_attr,
                                 seconds_per_byte=spb, meta=meta)
+    if split_before is None:  # with split_points the user chose the cuts
+        message = imbalance_warning(captured, graph, plan, cost_attr)
+        if message:
+            plan.meta["warnings"] = [message]  # printed by Plan.__str__, saved with the plan
+            warnings.warn(f"fxpipe: {message}", BalanceWarning, stacklevel=3)
+    return plan
+
+
+def imbalance_warning(captured: Capture, graph: nx.DiGraph, plan: Plan, cost_attr: str) -> str:
+    """Why the slowest stage is far above the mean because of one unsplittable node, or ''.
+
+    Fires when the slowest stage costs more than :data:`IMBALANCE_RATIO` times the mean and
+    its most expensive node alone costs more than the mean: no cut can fix that, the node
+    itself must become splittable (or the pipeline shorter).
+    """
+    costs = [st.cost for st in plan.stages]
+    if len(costs) < 2 or sum(costs) <= 0:
+        return ""
+    mean = sum(costs) / len(costs)
+    worst = max(range(len(costs)), key=costs.__getitem__)
+    if costs[worst] <= IMBALANCE_RATIO * mean:
+        return ""
+    nodes = [n for n in plan.stages[worst].nodes if n in graph.nodes and graph.nodes[n].get("op") in COMPUTE_OPS]
+    if plan.balance_by == "time":
+        # Measured times of tiny operations are noisy enough to single one out by chance:
+        # report only modules kept opaque, whose cost is real and which the user can change.
+        nodes = [n for n in nodes if _opaque_module(captured, graph, n)]
+    if not nodes:
+        return ""
+    big = max(nodes, key=lambda n: float(graph.nodes[n].get(cost_attr) or 0.0))
+    big_cost = float(graph.nodes[big].get(cost_attr) or 0.0)
+    if big_cost <= mean:
+        return ""
+    what, todo = _describe_opaque(captured, graph, big)
+    fmt = lambda c: format_cost(c, plan.balance_by)  # noqa: E731
+    return (f"stage {worst} costs {fmt(costs[worst])}, {costs[worst] / mean:.1f}x the mean stage ({fmt(mean)}), "
+            f"because of one node fxpipe cannot split: {what}, {fmt(big_cost)} on its own. {todo}")
+
+
+def _opaque_module(captured: Capture, graph: nx.DiGraph, name: str) -> bool:
+    """A call_module node of a module kept opaque automatically or by ``leaf_modules``."""
+    data = graph.nodes[name]
+    return data.get("op") == "call_module" and str(data.get("target")) in captured.leaves
+
+
+def _describe_opaque(captured: Capture, graph: nx.DiGraph, name: str) -> tuple[str, str]:
+    """(what the node is, what to do) for :func:`imbalance_warning`."""
+    data = graph.nodes[name]
+    gm = captured.graph_module
+    fx_node = next((n for n in gm.graph.nodes if n.name == name), None)
+    if data.get("op") == "call_module":
+        target = str(data.get("target"))
+        try:
+            cls = type(gm.get_submodule(target))
+            kind = f"{cls.__module__}.{cls.__qualname__}"
+        except AttributeError:
+            kind = "module"
+        auto = fx_node.meta.get("fxpipe_auto_leaf") if fx_node is not None else None
+        if auto:
+            return (f"the opaque module '{target}' ({kind}; {auto})",
+                    f"To split it, make '{target}' traceable by torch.fx (for transformers models a config "
+                    "change such as use_cache=False often does it), or move the untraceable lines into a small "
+                    "submodule of their own: fxpipe then keeps only that one opaque and cuts the rest.")
+        if target in captured.leaves:
+            return (f"the module '{target}' ({kind}), kept opaque by leaf_modules",
+                    f"Remove '{target}' from leaf_modules (or list some of its submodules instead) so fxpipe "
+                    "can cut inside it.")
+        return (f"the torch.nn layer '{target}' ({kind}), which fxpipe keeps whole",
+                "Use fewer stages, or build that part of the model from smaller layers.")
+    module = str(data.get("module") or "")
+    where = f" in '{module}'" if module else ""
+    return (f"the single operation '{name}' ({data.get('target')}){where}",
+            "One operation cannot be split: use fewer stages.")
