@@ -15,7 +15,9 @@ the Recompute/Fork/Join detour and recomputes inside ``Checkpoint``'s backward: 
 fewer autograd functions per task, same results.
 
 RNG states are saved before the first run and restored for the recomputation, so dropout
-recomputes bit-exactly. Outputs that cannot need grad (masks, integer tensors) are marked
+recomputes bit-exactly; so are the autocast state (the recomputation usually runs in
+backward, outside the user's ``torch.autocast`` block) and the buffers the partition updates
+in forward (see ``_state_swapped``). Outputs that cannot need grad (masks, integer tensors) are marked
 non-differentiable and skipped in backward, which torchgpipe 0.0.7 gets wrong.
 """
 
@@ -29,6 +31,8 @@ from typing import Any, Callable, ContextManager, Deque, Generator, List, Option
 import torch
 from torch import Tensor
 
+from .autocast import AutocastState, autocast_state
+from .autocast import entered as entered_autocast
 from .dependency import fork, join
 
 try:  # private but long-standing: what torch.autograd.backward itself calls
@@ -141,14 +145,49 @@ def _differentiable(x: Tensor) -> bool:
 Function = Callable[[Batch], Batch]
 
 
-class Checkpointing:
-    """Checkpoint and recompute one (micro-batch, partition) task."""
+#: One piece of mutable module state: (module, "_buffers" or "_parameters", key).
+StateSlot = Tuple[torch.nn.Module, str, str]
 
-    def __init__(self, function: Function, batch: Batch, device: torch.device, *, fused: bool = False) -> None:
+
+@contextmanager
+def _state_swapped(slots: Sequence[StateSlot], snapshot: Sequence[Tensor]) -> Generator[None, None, None]:
+    """Runs the block with each slot holding its snapshot instead of the live tensor.
+
+    The recomputation of a stage that updates a buffer in forward (running statistics, a
+    counter) must see the buffer as the first pass saw it, not as later micro-batches left
+    it, and must not apply its update a second time. Swapping the *object* (not copying
+    data into the live buffer) keeps the live buffer's version counter untouched, so
+    nothing saved for backward is invalidated, and the recomputation's own update lands on
+    the snapshot, which is dropped.
+    """
+    live = []
+    for (module, where, key), saved in zip(slots, snapshot):
+        table = module.__dict__[where]
+        live.append(table[key])
+        table[key] = saved
+    try:
+        yield
+    finally:
+        for (module, where, key), tensor in zip(slots, live):
+            module.__dict__[where][key] = tensor
+
+
+class Checkpointing:
+    """Checkpoint and recompute one (micro-batch, partition) task.
+
+    ``state`` lists the buffers the partition updates in forward; they are snapshotted
+    before the first pass and swapped in for the recomputation (see ``_state_swapped``).
+    """
+
+    def __init__(self, function: Function, batch: Batch, device: torch.device, *, fused: bool = False,
+                 state: Sequence[StateSlot] = ()) -> None:
         self.function = function
         self.batch = batch
         self.device = device
         self.fused = fused
+        self.state = state
+        self.snapshot: List[Tensor] = []
+        self.autocast: AutocastState = autocast_state()
         # Shared between Checkpoint and Recompute; one entry at a time.
         self.recomputed: Deque[Tuple[List[Tensor], Tuple[Tensor, ...]]] = deque(maxlen=1)
         self.rng_states: Deque[RNGStates] = deque(maxlen=1)
@@ -206,6 +245,8 @@ class Checkpoint(torch.autograd.Function):
         ctx.chk = chk
         ctx.template = template
         save_rng_states(chk.device, chk.rng_states)
+        if chk.state:
+            chk.snapshot = [module.__dict__[where][key].detach().clone() for module, where, key in chk.state]
         ctx.save_for_backward(*tensors)
         with torch.no_grad(), enable_checkpointing():
             output = chk.function(_rebuild(template, tensors))
@@ -253,8 +294,9 @@ class Recompute(torch.autograd.Function):
 def _recompute(chk: Checkpointing, template: Any, tensors: Sequence[Tensor]) -> None:
     """Runs the partition again, with the saved RNG states, recording its graph this time."""
     leaves = tuple(x.detach().requires_grad_(x.requires_grad) for x in tensors)
-    with restore_rng_states(chk.device, chk.rng_states):
-        with torch.enable_grad(), enable_recomputing():
+    with restore_rng_states(chk.device, chk.rng_states), _state_swapped(chk.state, chk.snapshot):
+        with torch.enable_grad(), enable_recomputing(), entered_autocast(chk.autocast):
             output = chk.function(_rebuild(template, leaves))
+    chk.snapshot = []
     _, out_tensors = _split(output)
     chk.recomputed.append((out_tensors, leaves))

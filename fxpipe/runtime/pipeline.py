@@ -184,7 +184,8 @@ class Pipeline:
             marks[i] = timeline.mark_backward(batch, j, i, self.devices[j])
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
-                chk = Checkpointing(function, batch, self.devices[j], fused=self._cpu_only)
+                chk = Checkpointing(function, batch, self.devices[j], fused=self._cpu_only,
+                                    state=getattr(self.partitions[j], "mutable_state", ()))
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute, result_queue=results, key=(i, j))
                 del chk
             else:

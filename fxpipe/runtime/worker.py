@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
+from .autocast import autocast_state
+from .autocast import entered as entered_autocast
 from .microbatch import Batch
 from .stream import AbstractStream, is_cuda, use_device, use_stream
 
@@ -30,13 +32,15 @@ ExcInfo = Tuple[Type[BaseException], BaseException, TracebackType]
 
 
 class Task:
-    """One (micro-batch, partition) computation, run on a worker in the caller's grad mode.
+    """One (micro-batch, partition) computation, run on a worker in the caller's grad mode
+    and autocast state (both are thread-local, and a worker is another thread).
 
     ``compute`` runs on the device's worker thread; ``finalize`` (attaching the
     recomputation, for checkpointed tasks) runs on the caller's thread afterwards.
     """
 
-    __slots__ = ("stream", "_compute", "_finalize", "_grad_enabled", "_num_threads", "result_queue", "key")
+    __slots__ = ("stream", "_compute", "_finalize", "_grad_enabled", "_autocast", "_num_threads", "result_queue",
+                 "key")
 
     def __init__(
         self,
@@ -51,6 +55,7 @@ class Task:
         self._compute = compute
         self._finalize = finalize
         self._grad_enabled = torch.is_grad_enabled()
+        self._autocast = autocast_state()
         # torch.set_num_threads is per thread: workers follow the caller's setting.
         self._num_threads = torch.get_num_threads()
         self.result_queue = result_queue
@@ -60,14 +65,15 @@ class Task:
         if torch.get_num_threads() != self._num_threads:
             torch.set_num_threads(self._num_threads)
         if not is_cuda(self.stream) and torch.is_grad_enabled() == self._grad_enabled:
-            return self._compute()  # inline on the caller's thread: nothing to set up
-        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+            with entered_autocast(self._autocast):  # a no-op on the caller's own thread
+                return self._compute()
+        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled), entered_autocast(self._autocast):
             return self._compute()
 
     def finalize(self, batch: Batch) -> None:
         if self._finalize is None:
             return
-        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled), entered_autocast(self._autocast):
             self._finalize(batch)
 
 
