@@ -8,19 +8,21 @@ Plan -> emit -> runtime. Each step is a plain value kept on the returned :class:
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from .capture import Capture, capture
+from .batching import Batching, ChunkDims, OutputMerge
+from .capture import Capture
+from .compiling import refuse_whole_pipeline_compile
 from .emit import Stages, emit_stages
 from .gpipe import CHECKPOINT_MODES, PipelinePicklingError, PlacedModule, check_chunks, checkpoint_stop
 from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
+from .mutation import check_kept_together, mutable_state
 from .plan import Plan
-from .runtime import microbatch
+from .prepare import preserved, prepare
 from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
 from .runtime.pipeline import Pipeline as Runtime
@@ -68,11 +70,13 @@ class Pipeline(PlacedModule):
     def __init__(
         self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages,
         devices: List[torch.device], chunks: int, checkpoint: str, deferred_batch_norm: bool,
-        mode_sensitive: str = "",
+        mode_sensitive: str = "", batching: Optional[Batching] = None,
     ) -> None:
         super().__init__()
         self.module = model
         self.capture = captured
+        #: how inputs are split into micro-batches and outputs merged (checked when built)
+        self.batching = batching if batching is not None else _default_batching(model, captured)
         self.plan = plan
         self.emitted = stages
         self.devices = devices
@@ -127,6 +131,7 @@ class Pipeline(PlacedModule):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        refuse_whole_pipeline_compile()  # torch.compile(pipe): a typed error naming stage.compile()
         if self.mode_sensitive and self.training != self.captured_training:
             captured = "training" if self.captured_training else "eval"
             now = "training" if self.training else "eval"
@@ -136,8 +141,8 @@ class Pipeline(PlacedModule):
                 f"mode: fxpipe.pipeline(model.{'train' if self.training else 'eval'}(), ...) -- it shares "
                 "the same parameters."
             )
-        self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
-        micro, _ = microbatch.scatter_tree(args, kwargs, self.chunks)
+        flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
+        micro, sizes = self.batching.split(flat, self.chunks)
         first = self.devices[0]
         batches = [
             Batch(tuple(x.to(first, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in leaves), atomic=False)
@@ -147,9 +152,8 @@ class Pipeline(PlacedModule):
         self._runtime.run(batches, stop)
         if self.training and torch.is_grad_enabled():
             commit_deferred_batch_norm(self._deferred)
-        names = self.emitted.output_names[-1] if self.emitted.output_names else None
-        flat = microbatch.gather_tree([b.values for b in batches], names)
-        return self.capture.unflatten_output(flat)
+        merged = self.batching.merge([b.values for b in batches], sizes)
+        return self.capture.unflatten_output(merged)
 
     def extra_repr(self) -> str:
         return f"n_stages={self.n_stages}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, devices={self.devices}"
@@ -169,6 +173,8 @@ def pipeline(
     leaf_modules: Sequence[Union[type, str]] = (),
     split_points: Optional[Sequence[str]] = None,
     plan: Optional[Union[Plan, str, os.PathLike]] = None,
+    chunk_dims: ChunkDims = 0,
+    output_merge: Optional[OutputMerge] = None,
 ) -> Pipeline:
     """Turns ``model`` into a GPipe pipeline of ``n_stages`` stages.
 
@@ -187,9 +193,18 @@ def pipeline(
         split_points: qualified module names to cut before (``n_stages - 1`` of them);
             overrides balancing.
         plan: a saved :class:`Plan` (object or JSON path) to reuse; no profiling.
+        chunk_dims: the dim each input is split along: an int for all, or
+            ``{argument name: dim or None}`` (None: every micro-batch gets it whole).
+        output_merge: how each output's micro-batch values combine: a dim to concatenate
+            along (default 0), ``'sum'``, ``'mean'``, ``'first'`` or a callable on the list of
+            values; one for all, or ``{output name: merge}`` (``'loss'``, ``'0'``, ``'a.b'``).
+            Both are verified on the sample when the pipeline is built.
 
     Raises:
         fxpipe.TraceError: the model cannot be captured (the message says where and what to do).
+        fxpipe.errors.MicroBatchError: splitting the sample and merging the outputs does not
+            give the model's result (set ``chunk_dims`` / ``output_merge``).
+        fxpipe.errors.MutationError: an in-place update that cannot be made exact.
         ValueError: bad arguments, or a plan that does not match the model.
         IndexError: fewer devices than stages.
     """
@@ -201,43 +216,32 @@ def pipeline(
 
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
-    captured = capture(model, args, kwargs, leaf_modules=leaf_modules)
-    sensitive = mode_sensitivity(model, captured, args, kwargs, leaf_modules)
-    if plan is not None:
-        chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
-        _check_plan(chosen, captured, n_stages)
-    else:
-        chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by,
-                           split_points=split_points, devices=device_list)
+    with preserved(model):  # building runs the model; none of it may show afterwards
+        prepared = prepare(model, args, kwargs, leaf_modules)
+        captured = prepared.capture
+        flat = captured.flatten_inputs(args, kwargs)
+        whole = Batching.sample_run(captured.graph_module, model, flat)
+        batching = Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
+        batching.check(captured.graph_module, model, flat, whole)
+        if plan is not None:
+            chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
+            _check_plan(chosen, captured, n_stages)
+        else:
+            chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by,
+                               split_points=split_points, devices=device_list)
+        check_kept_together(captured.graph_module, chosen.assignment)
     stages = emit_stages(captured.graph_module, chosen.assignment, n_stages)
+    for stage in stages:
+        stage.mutable_state = mutable_state(model, stage)
     place_stages(stages, device_list, exported=captured.method == "export")
-    return Pipeline(model, captured, chosen, stages, device_list, chunks, checkpoint, deferred_batch_norm, sensitive)
+    return Pipeline(model, captured, chosen, stages, device_list, chunks, checkpoint, deferred_batch_norm,
+                    prepared.mode_sensitive, batching)
 
 
-def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: dict,
-                     leaf_modules: Sequence[Union[type, str]]) -> str:
-    """Why the captured graph cannot follow .train()/.eval(), or '' when it can.
-
-    torch.export bakes the mode into aten ops (dropout, batch_norm). torch.fx keeps
-    nn.Dropout / BatchNorm as modules that follow the mode, but a ``self.training`` read
-    inside a traced forward becomes a constant: trace once more in the other mode and
-    compare the code.
-    """
-    if captured.method == "export":
-        return "captured with torch.export"
-    original = model.training
-    try:
-        model.train(not original)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            other = capture(model, args, kwargs, leaf_modules=leaf_modules)
-    except Exception:  # noqa: BLE001 - a model that traces in one mode only is mode-sensitive
-        return "the model does not trace the same way in the other mode"
-    finally:
-        model.train(original)
-    if other.graph_module.code != captured.graph_module.code:
-        return "a traced forward reads self.training"
-    return ""
+def _default_batching(model: nn.Module, captured: Capture) -> Batching:
+    n_in = captured.in_spec.num_leaves
+    return Batching(["input"] * n_in, [0] * n_in, [""] * captured.out_spec.num_leaves,
+                    [None] * captured.out_spec.num_leaves)
 
 
 def _check_plan(plan: Plan, captured: Capture, n_stages: int) -> None:

@@ -77,10 +77,12 @@ def _load(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
 
 
 def _capture(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict) -> Any:
-    from .capture import capture
+    """The graph fxpipe.pipeline would plan (in-place ops rewritten, state left untouched)."""
+    from .prepare import prepare, preserved
 
     progress("tracing ...")
-    return capture(model, args, kwargs, leaf_modules=tuple(ns.leaf))
+    with preserved(model):
+        return prepare(model, args, kwargs, tuple(ns.leaf)).capture
 
 
 def _micro_sample(args: tuple, kwargs: dict, chunks: int) -> Tuple[tuple, dict]:

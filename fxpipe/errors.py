@@ -67,3 +67,25 @@ class PlanFileError(PlanError, OSError):
 
 class PlanNotFoundError(PlanFileError, FileNotFoundError):
     """There is no file at the plan path."""
+
+
+class MutationError(FxpipeError, ValueError):
+    """An in-place update in the model's forward that a pipeline cannot make exact.
+
+    The message names the operation, the tensor and the source line, and says what to do
+    (usually: the out-of-place op, a ``.clone()``, or ``leaf_modules=[...]``).
+    """
+
+    def __init__(self, message: str, *, node: str = "") -> None:
+        super().__init__(message)
+        #: the message as written (fx's interpreter appends notes to ``args``)
+        self.detail = message
+        #: the graph node performing the update
+        self.node = node
+
+
+class MicroBatchError(FxpipeError, ValueError):
+    """Splitting the batch into micro-batches and merging the outputs would not give the
+    model's result: the batch is not where the split happens, or an output is not per sample.
+    The message names the input or output and the option to set (``chunk_dims=``,
+    ``output_merge=``)."""

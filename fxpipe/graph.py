@@ -40,7 +40,8 @@ def build_opgraph(gm: fx.GraphModule, costs: Mapping[str, NodeCost] | None = Non
         c = costs.get(n.name)
         g.add_node(n.name, index=i, op=n.op, target=target_str(n), module=n.meta.get("fxpipe_module", ""),
                    cost=c.cost if c else 0.0, param_bytes=c.param_bytes if c else 0,
-                   out_bytes=c.out_bytes if c else 0, shape=c.shape if c else "")
+                   out_bytes=c.out_bytes if c else 0, shape=c.shape if c else "",
+                   keep_with=list(n.meta.get("fxpipe_keep_with", ())))
     for n in gm.graph.nodes:
         for u in n.all_input_nodes:
             g.add_edge(u.name, n.name, bytes=g.nodes[u.name]["out_bytes"])

@@ -273,8 +273,11 @@ class _Problem:
         out_bytes: dict[str, Any] = dict(graph.nodes(data="out_bytes"))
         succ = {u: list(nbrs) for u, nbrs in graph.adjacency()}
         self.order = order
-        self.compute = [n for n in order if ops[n] in COMPUTE_OPS]
-        self.pos = pos = {n: i for i, n in enumerate(self.compute)}
+        compute = [n for n in order if ops[n] in COMPUTE_OPS]
+        # Nodes that must share a stage (``keep_with``) make every position between them one
+        # indivisible unit: a cut can only fall before a unit's first node.
+        self.pos = pos = _units(graph, compute)
+        self.compute = [n for i, n in enumerate(compute) if i == 0 or pos[n] != pos[compute[i - 1]]]
         m = len(self.compute)
         last = max(m - 1, 0)
         rank = {n: i for i, n in enumerate(order)}
@@ -309,9 +312,10 @@ class _Problem:
                 vop = ops[v]
                 if vop in COMPUTE_OPS:
                     q = pos[v]
-                    if op != "placeholder" and q <= p:
+                    if op != "placeholder" and q < p:
                         raise ValueError(f"order is not topological: {v!r} comes before its input {u!r}")
-                    qs.add(q)
+                    if q > p or op == "placeholder":
+                        qs.add(q)
                 elif vop == "output":
                     qs.add(last)
             if not qs:
@@ -328,6 +332,27 @@ class _Problem:
         st = np.asarray(starts)
         stage_at = np.searchsorted(st, np.arange(len(self.compute)), side="right") - 1
         return {n: int(stage_at[self.glue[n]]) for n in self.order}
+
+
+def _units(graph: nx.DiGraph, compute: Sequence[str]) -> dict[str, int]:
+    """Unit index of each compute node: consecutive positions, merged across ``keep_with`` spans."""
+    index = {n: i for i, n in enumerate(compute)}
+    reach = list(range(len(compute)))  # reach[i]: the last position that must share i's stage
+    for n, keep in graph.nodes(data="keep_with"):
+        if not keep or n not in index:
+            continue
+        for other in keep:
+            if other in index:
+                a, b = sorted((index[n], index[other]))
+                reach[a] = max(reach[a], b)
+    units: dict[str, int] = {}
+    unit, end = -1, -1
+    for i, n in enumerate(compute):
+        if i > end:
+            unit += 1
+        end = max(end, reach[i])
+        units[n] = unit
+    return units
 
 
 def _check_n_stages(n_stages: int, m: int) -> None:
@@ -349,6 +374,12 @@ def _starts_from_split_before(prob: _Problem, split_before: Sequence[str], n_sta
         if name not in prob.pos:
             raise ValueError(f"split_before: {name!r} is not a partitionable (compute) node of the graph")
         p = prob.pos[name]
+        if prob.compute[p] != name:
+            raise ValueError(
+                f"split_before: {name!r} is inside a group of nodes that must share one stage (from "
+                f"{prob.compute[p]!r}: an in-place update of a buffer, or an op filling a copy); "
+                "split before or after the group"
+            )
         if p <= starts[-1]:
             what = "the first compute node" if p == 0 else f"at or before {prob.compute[starts[-1]]!r}"
             raise ValueError(

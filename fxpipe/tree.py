@@ -22,7 +22,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["flatten", "unflatten", "flatten_values", "unflatten_values", "TreeSpec"]
+__all__ = ["flatten", "unflatten", "leaf_names", "flatten_values", "unflatten_values", "TreeSpec"]
 
 TreeSpec = pytree.TreeSpec
 
@@ -52,6 +52,8 @@ pytree.register_pytree_node(
     lambda n: (list(n.values), (n.cls, tuple(n.names))),
     _dc_unflatten,
     serialized_type_name="fxpipe.tree._DataclassNode",
+    flatten_with_keys_fn=lambda n: ([(pytree.GetAttrKey(k), v) for k, v in zip(n.names, n.values)],
+                                    (n.cls, tuple(n.names))),
 )
 
 
@@ -84,6 +86,21 @@ def flatten(value: Any) -> Tuple[List[Any], TreeSpec]:
 
 def unflatten(leaves: Sequence[Any], spec: TreeSpec) -> Any:
     return pytree.tree_unflatten(list(leaves), spec)
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("idx", "key", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_names(value: Any) -> List[str]:
+    """A readable name per leaf, in :func:`flatten` order: ``'logits'``, ``'0'``,
+    ``'hidden_states.2'``; ``''`` for a value that is itself a leaf."""
+    encoded = pytree.tree_map(_encode, value, is_leaf=_is_whole_or_dataclass)
+    paths = pytree.tree_flatten_with_path(encoded, is_leaf=_is_whole)[0]
+    return [".".join(_key_name(k) for k in path) for path, _ in paths]
 
 
 # Leaves that need no pytree work: the common case of a stage passing plain tensors on.

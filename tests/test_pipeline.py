@@ -329,7 +329,7 @@ def test_non_tensor_and_none_arguments_pass_through():
     pipe2 = fxpipe.pipeline(copy.deepcopy(ref), (x,), 2, sample_kwargs={"bias": bias, "scale": 3.0}, chunks=3,
                             devices=["cpu"] * 2, balance_by="params")
     torch.testing.assert_close(pipe2(x, bias=bias, scale=3.0), ref(x, bias=bias, scale=3.0))
-    with pytest.raises(ValueError, match="tensor inputs must share one batch size"):
+    with pytest.raises(ValueError, match="inputs split into micro-batches must share one batch size"):
         pipe2(x, bias=torch.randn(5, 3), scale=3.0)
 
 

@@ -110,7 +110,7 @@ def check(input: Any) -> None:
         raise TypeError(f"expected Tensor or Tuple[Tensor, ...], but got {type(input).__name__}")
 
 
-def _split_sizes(total: int, chunks: int) -> List[int]:
+def split_sizes(total: int, chunks: int) -> List[int]:
     """Chunk sizes exactly like ``torch.chunk``: ceil-sized chunks, fewer when short."""
     if total == 0:
         return [0]
@@ -158,7 +158,7 @@ def scatter_tree(args: tuple, kwargs: dict, chunks: int) -> Tuple[List[List[Any]
     leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
     named = [(pytree.keystr(path), v) for path, v in leaves if isinstance(v, Tensor)]
     batch_size = _check_batch_sizes(named)
-    sizes = _split_sizes(batch_size, chunks) if named else [0]
+    sizes = split_sizes(batch_size, chunks) if named else [0]
     micro: List[List[Any]] = [[] for _ in sizes]
     for _, value in leaves:
         if isinstance(value, Tensor) and value.dim() > 0:

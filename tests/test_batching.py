@@ -1,0 +1,166 @@
+"""Where the batch is and how outputs merge (issue #8, items 4 and 5).
+
+A pipeline splits inputs and merges outputs; when the batch is not in dim 0, or an output
+is not per sample, that silently changes the result. ``chunk_dims`` / ``output_merge`` say
+how, and the build-time check refuses what would differ, naming the input or output.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from exact import assert_exact
+from fxpipe.errors import MicroBatchError
+
+MODES = ["always", "except_last", "never"]
+
+
+class SeqFirst(nn.Module):
+    """A sequence-first model: input (T, B, D); attention mixes along T, never along B."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)                  # (T, B, D)
+        scores = torch.einsum("tbd,sbd->bts", q, k).softmax(-1)    # (B, T, T)
+        h = torch.einsum("bts,sbd->tbd", scores, v)
+        return self.out(torch.tanh(h) + x)
+
+
+def test_seq_first_split_along_dim_0_is_refused_naming_the_option():
+    x = torch.randn(5, 4, 8)
+    with pytest.raises(MicroBatchError, match=r"(?s)the output differs.*dim 0 of x.*chunk_dims"):
+        fxpipe.pipeline(SeqFirst(), x, 2, chunks=2, devices=["cpu"] * 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_seq_first_with_chunk_dims_is_exact(mode, chunks):
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, 8)
+    for n in (2, 3):
+        assert_exact(SeqFirst(), (x,), n, chunks=chunks, checkpoint=mode, chunk_dims=1, output_merge=1,
+                     balance_by="params")
+
+
+class SeqFirstLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.lstm = nn.LSTM(8, 8, num_layers=2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, state):
+        out, (h, c) = self.lstm(torch.relu(self.embed(x)), state)
+        return self.head(out), h
+
+
+def test_seq_first_lstm_refused_then_exact_with_chunk_dims():
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, 6)
+    state = (torch.randn(2, 4, 8), torch.randn(2, 4, 8))
+    with pytest.raises(MicroBatchError, match=r"(?s)x has 5, state has 2.*chunk_dims"):
+        fxpipe.pipeline(SeqFirstLSTM(), (x, state), 2, chunks=2, devices=["cpu"] * 2)
+    for mode in MODES:
+        assert_exact(SeqFirstLSTM(), (x, state), 3, chunks=2, checkpoint=mode, chunk_dims=1, output_merge=1,
+                     balance_by="params")
+
+
+class WithStats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.l(x)
+        return h, h.mean(0), h.sum(), h.shape
+
+
+def test_output_without_batch_dim_is_refused():
+    with pytest.raises(MicroBatchError, match=r"(?s)output '1' has shape \(4,\).*output_merge=\{'1': 'mean'\}"):
+        fxpipe.pipeline(WithStats(), torch.randn(6, 4), 2, chunks=2, devices=["cpu"] * 2)
+
+
+def test_declared_merges_are_exact():
+    torch.manual_seed(0)
+    merges = {"1": "mean", "2": "sum", "3": lambda parts: torch.Size([sum(p[0] for p in parts), parts[0][1]])}
+    for mode in MODES:
+        for chunks in (2, 3):  # 3: uneven micro-batches of a batch of 7; 'mean' is size-weighted
+            pipe = assert_exact(WithStats(), (torch.randn(7, 4),), 2, chunks=chunks, checkpoint=mode,
+                                output_merge=merges)
+            assert pipe(torch.randn(7, 4))[3] == torch.Size([7, 4])
+
+
+def test_non_tensor_output_taken_from_one_micro_batch_is_refused():
+    class Shape(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x), x.shape[0]
+
+    with pytest.raises(MicroBatchError, match=r"output '1' is 6 for the whole batch but 3 merged"):
+        fxpipe.pipeline(Shape(), torch.randn(6, 4), 2, chunks=2, devices=["cpu"] * 2)
+    assert_exact(Shape(), (torch.randn(6, 4),), 2, chunks=2, output_merge={"1": "sum"})
+
+
+def test_zero_dim_loss_needs_a_declared_merge():
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 2)
+
+        def forward(self, x, y):
+            out = self.l(x)
+            return {"logits": out, "loss": nn.functional.mse_loss(out, y)}
+
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with pytest.raises(MicroBatchError, match=r"(?s)output 'loss'.*output_merge=\{'loss': 'mean'\}"):
+        fxpipe.pipeline(WithLoss(), (x, y), 2, chunks=2, devices=["cpu"] * 2)
+    for mode in MODES:
+        assert_exact(WithLoss(), (x, y), 2, chunks=4, checkpoint=mode, output_merge={"loss": "mean"},
+                     loss=lambda out: out["loss"])
+
+
+def test_replicated_argument_is_not_split():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x, table):  # table: (4, 4), the same for every sample
+            return self.l(x) @ table
+
+    x, table = torch.randn(4, 4), torch.randn(4, 4)
+    with pytest.raises(MicroBatchError):  # split along dim 0, the table breaks
+        fxpipe.pipeline(Scaled(), (x, table), 2, chunks=2, devices=["cpu"] * 2)
+    assert_exact(Scaled(), (x, table.requires_grad_()), 2, chunks=2, chunk_dims={"table": None})
+
+
+def test_batchnorm_model_is_not_refused():
+    """BatchNorm normalises micro-batches on their own statistics by design: the check runs
+    in eval mode, and the model's mode and statistics are left as they were."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    stats = copy.deepcopy(model[1].state_dict())
+    fxpipe.pipeline(model, torch.randn(8, 4), 2, chunks=4, devices=["cpu"] * 2)
+    assert model.training and model[1].training
+    for k, v in stats.items():
+        assert torch.equal(model[1].state_dict()[k], v)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(MicroBatchError, match="not arguments"):
+        fxpipe.pipeline(nn.Linear(4, 4), torch.randn(4, 4), 1, devices=["cpu"], chunk_dims={"y": 1})
+    with pytest.raises(MicroBatchError, match="not outputs"):
+        fxpipe.pipeline(nn.Linear(4, 4), torch.randn(4, 4), 1, devices=["cpu"], output_merge={"loss": "mean"})
+    with pytest.raises(MicroBatchError, match="must be a dim"):
+        fxpipe.pipeline(nn.Linear(4, 4), torch.randn(4, 4), 1, devices=["cpu"], output_merge="median")

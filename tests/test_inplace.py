@@ -1,0 +1,298 @@
+"""In-place ops and buffers updated in forward (issue #8, items 2 and 3).
+
+In-place ops on activations must be exact at every cut: fxpipe runs them on a copy, so the
+graph's edges carry the dependency. Buffers updated in forward are applied once per
+micro-batch, in order, never twice by a recomputation, and building a pipeline leaves the
+model's state untouched. What cannot be made exact is refused with a MutationError.
+"""
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from exact import assert_exact, weighted_loss
+from fxpipe.errors import MutationError
+
+MODES = ["always", "except_last", "never"]
+
+
+class InplaceChain(nn.Module):
+    """The issue's model: in-place ops on values that cross every possible cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.l2 = nn.Linear(8, 8)
+        self.l3 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu_(self.l1(x))
+        g = self.l2(h)
+        g.add_(h)
+        g.mul_(0.5)
+        return self.l3(F.relu(g, inplace=True))
+
+
+class InplaceModules(nn.Module):
+    """nn.ReLU(inplace=True), ``+=`` on activations, ``x.add_()`` and ``setitem``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.conv2 = nn.Linear(8, 8)
+        self.conv3 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        identity = self.act(self.conv1(x))
+        out = self.conv2(identity)
+        out += identity
+        out = self.act(out)
+        z = torch.zeros_like(out)
+        z[:, :4] = out[:, :4] * 2
+        y = self.conv3(z)
+        y.add_(out)
+        return y, out
+
+
+def _compute_nodes(pipe):
+    return [n.name for n in pipe.capture.graph_module.graph.nodes
+            if n.op in ("call_module", "call_function", "call_method")]
+
+
+@pytest.mark.parametrize("model_cls", [InplaceChain, InplaceModules])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_inplace_ops_every_balance(model_cls, mode, chunks):
+    torch.manual_seed(0)
+    model = model_cls()
+    x = torch.randn(4, 8)
+    for n_stages in (2, 3, 4, 5):
+        assert_exact(model, (x,), n_stages, chunks=chunks, checkpoint=mode, balance_by="params")
+
+
+@pytest.mark.parametrize("model_cls", [InplaceChain, InplaceModules])
+def test_inplace_ops_every_cut(model_cls):
+    """Every legal pair of cut points, every checkpoint mode."""
+    torch.manual_seed(0)
+    model = model_cls()
+    x = torch.randn(4, 8)
+    probe = fxpipe.pipeline(copy.deepcopy(model), x, 1, devices=["cpu"])
+    nodes = _compute_nodes(probe)
+    for a, b in itertools.combinations(range(1, len(nodes)), 2):
+        stage_of = {n: (0 if i < a else 1 if i < b else 2) for i, n in enumerate(nodes)}
+        keep = probe.capture.graph_module.graph
+        if any(stage_of.get(n.name) != stage_of.get(o) for n in keep.nodes for o in n.meta.get("fxpipe_keep_with", ())):
+            continue  # a cut inside an op and its copy: refused, tested below
+        for mode in MODES:
+            assert_exact(model, (x,), 3, chunks=2, checkpoint=mode, split_points=None,
+                         plan=_plan_with(probe, stage_of, 3))
+
+
+def _plan_with(probe, stage_of, n_stages):
+    from fxpipe.plan import Plan
+    from fxpipe.planning import opgraph_for
+
+    graph = opgraph_for(probe.capture, (torch.randn(4, 8),), {}, "params")
+    assignment = {}
+    order = [n.name for n in probe.capture.graph_module.graph.nodes]
+    last = 0
+    for name in order:
+        if name in stage_of:
+            last = stage_of[name]
+        assignment[name] = last
+    for n in probe.capture.graph_module.graph.nodes:
+        if n.op == "placeholder":
+            assignment[n.name] = 0
+        elif n.op == "output":
+            assignment[n.name] = n_stages - 1
+        elif n.op == "get_attr":
+            users = sorted(n.users, key=lambda u: order.index(u.name))
+            assignment[n.name] = stage_of.get(users[0].name, 0) if users else 0
+    return Plan.from_assignment(graph, assignment, balance_by="params", cost_attr="params")
+
+
+def test_a_plan_separating_an_op_from_its_copy_is_refused():
+    model = InplaceChain()
+    x = torch.randn(4, 8)
+    probe = fxpipe.pipeline(copy.deepcopy(model), x, 1, devices=["cpu"])
+    nodes = _compute_nodes(probe)
+    copy_at = next(i for i, n in enumerate(nodes) if n.endswith("_copy"))
+    stage_of = {n: (0 if i <= copy_at else 1) for i, n in enumerate(nodes)}
+    with pytest.raises(MutationError, match="must share a stage"):
+        fxpipe.pipeline(copy.deepcopy(model), x, 2, devices=["cpu"] * 2, plan=_plan_with(probe, stage_of, 2))
+
+
+def test_mutating_an_input_is_refused_naming_the_line():
+    class Mutates(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x.mul_(2)  # the line the error must name
+            return self.l(x)
+
+    with pytest.raises(MutationError, match=r"(?s)line \d+.*x\.mul_\(2\).*model input.*clone"):
+        fxpipe.pipeline(Mutates(), torch.randn(4, 8), 1, devices=["cpu"])
+
+
+def test_mutating_through_a_view_updates_its_base_exactly():
+    class ViewMutation(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+            self.m = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.l(x)
+            v = h.view(-1)
+            v.add_(1)  # also changes h, which is read below
+            return self.m(h * 2)
+
+    torch.manual_seed(0)
+    for mode in MODES:
+        for n in (2, 3):
+            assert_exact(ViewMutation(), (torch.randn(4, 8),), n, chunks=2, checkpoint=mode, balance_by="params")
+
+
+def test_mutating_a_view_while_another_view_is_read_later_is_refused():
+    class TwoViews(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.l(x)
+            v = h.view(-1)
+            w = h[0]
+            v.add_(1)  # changes w too, which is read below
+            return w * 2 + h
+
+    with pytest.raises(MutationError, match="shares its memory"):
+        fxpipe.pipeline(TwoViews(), torch.randn(4, 8), 1, devices=["cpu"])
+
+
+# -- buffers updated in forward ---------------------------------------------------------------
+class Tracker(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        self.count += 1
+        self.avg.mul_(0.9).add_(x.mean(0).detach() * 0.1)
+        return self.lin(x)
+
+
+class WithTracker(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.t = Tracker()
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(self.t(self.a(x)))))
+
+
+def _row_loss(out):
+    """A loss that decomposes over samples: micro-batch losses add up to the batch's."""
+    return (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_state(model, expected):
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_buffers_updated_once_per_micro_batch_never_by_recomputation(mode, chunks):
+    torch.manual_seed(0)
+    model = WithTracker()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    before = _state(model)
+    rng = torch.get_rng_state()
+    with pytest.warns(UserWarning, match=r"'t' updates buffer 't\.(count|avg)'"):
+        pipe = fxpipe.pipeline(model, x, 3, chunks=chunks, checkpoint=mode, devices=["cpu"] * 3,
+                               balance_by="params")
+    _assert_state(model, before)  # building touched nothing
+    assert torch.equal(torch.get_rng_state(), rng)
+    for _ in range(2):  # two training steps, forward and backward
+        _row_loss(pipe(x)).backward()
+        # eager reference: the model run on each micro-batch in order
+        for part in x.chunk(chunks):
+            _row_loss(reference(part)).backward()
+    _assert_state(model, _state(reference))
+    assert int(model.t.count) == 2 * chunks
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batchnorm_running_stats_not_updated_again_by_recomputation(mode):
+    """Without deferred_batch_norm, each micro-batch updates the statistics once, like the
+    model run on the micro-batches in order; recomputation no longer adds updates."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8),
+                          nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(12, 8)
+    pipe = fxpipe.pipeline(model, x, 3, chunks=3, checkpoint=mode, devices=["cpu"] * 3, balance_by="params")
+    _row_loss(pipe(x)).backward()
+    for part in x.chunk(3):
+        _row_loss(reference(part)).backward()
+    _assert_state(model, _state(reference))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_update_in_the_root_forward_is_refused_naming_buffer_and_line():
+    class RootCounter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls += 1
+            return self.l(x)
+
+    model = RootCounter()
+    with pytest.raises(MutationError, match=r"(?s)'calls'.*self\.calls \+= 1.*submodule"):
+        fxpipe.pipeline(model, torch.randn(4, 8), 1, devices=["cpu"])
+    assert float(model.calls) == 0.0
+
+
+def test_building_leaves_modes_grads_and_rng_as_they_were():
+    torch.manual_seed(0)
+    model = WithTracker()
+    model.b.eval()  # a mixed-mode model
+    weighted_loss(model(torch.randn(4, 8))).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = _state(model)
+    modes = [m.training for m in model.modules()]
+    x = torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2)  # profiles: runs fwd+bwd
+    assert [m.training for m in model.modules()] == modes
+    assert torch.equal(torch.get_rng_state(), rng)
+    _assert_state(model, state)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
