@@ -13,7 +13,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .batching import Batching, ChunkDims, OutputMerge
+from .batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from .capture import Capture
 from .compiling import refuse_whole_pipeline_compile
 from .emit import Stages, emit_stages
@@ -217,7 +217,8 @@ def pipeline(
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
     with preserved(model):  # building runs the model; none of it may show afterwards
-        prepared = prepare(model, args, kwargs, leaf_modules)
+        _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
+        prepared = prepare(model, args, kwargs, leaf_modules, split_dims)
         captured = prepared.capture
         flat = captured.flatten_inputs(args, kwargs)
         whole = Batching.sample_run(captured.graph_module, model, flat)

@@ -33,7 +33,7 @@ from .errors import MicroBatchError
 from .runtime.microbatch import split_sizes as _split_sizes
 from .tree import leaf_names
 
-__all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES"]
+__all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims"]
 
 Merge = Union[int, str, Callable[[List[Any]], Any]]
 ChunkDims = Union[int, Mapping[str, Optional[int]]]
@@ -70,6 +70,26 @@ def _argument_names(model: nn.Module, args: tuple, kwargs: dict) -> List[str]:
     return names
 
 
+def input_split_dims(model: nn.Module, args: tuple, kwargs: dict,
+                     chunk_dims: ChunkDims = 0) -> Tuple[List[str], List[Optional[int]]]:
+    """Per flat input leaf: the argument it belongs to, and the dim it is split along."""
+    in_names = _argument_names(model, args, kwargs)
+    if isinstance(chunk_dims, int) and not isinstance(chunk_dims, bool):
+        in_dims: List[Optional[int]] = [chunk_dims] * len(in_names)
+    elif isinstance(chunk_dims, Mapping):
+        unknown = sorted(set(chunk_dims) - set(in_names))
+        if unknown:
+            raise MicroBatchError(f"chunk_dims names {unknown}, which are not arguments of this call; "
+                                  f"the arguments are {sorted(set(in_names))}")
+        in_dims = [chunk_dims.get(name, 0) for name in in_names]
+    else:
+        raise MicroBatchError(f"chunk_dims must be an int or a dict {{argument: dim or None}}, got {chunk_dims!r}")
+    for name, d in zip(in_names, in_dims):
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool)):
+            raise MicroBatchError(f"chunk_dims[{name!r}] must be an int dim or None, got {d!r}")
+    return in_names, in_dims
+
+
 def _select(key: str, table: Mapping[str, Any]) -> Tuple[bool, Any]:
     """The entry of ``table`` for leaf ``key``: its own, or its closest container's."""
     parts = key.split(".") if key else [""]
@@ -93,21 +113,7 @@ class Batching:
     @classmethod
     def build(cls, model: nn.Module, args: tuple, kwargs: dict, out_structure: Any,
               chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None) -> "Batching":
-        in_names = _argument_names(model, args, kwargs)
-        flat = pytree.tree_leaves((args, kwargs))
-        if isinstance(chunk_dims, int) and not isinstance(chunk_dims, bool):
-            in_dims: List[Optional[int]] = [chunk_dims] * len(flat)
-        elif isinstance(chunk_dims, Mapping):
-            unknown = sorted(set(chunk_dims) - set(in_names))
-            if unknown:
-                raise MicroBatchError(f"chunk_dims names {unknown}, which are not arguments of this call; "
-                                      f"the arguments are {sorted(set(in_names))}")
-            in_dims = [chunk_dims.get(name, 0) for name in in_names]
-        else:
-            raise MicroBatchError(f"chunk_dims must be an int or a dict {{argument: dim or None}}, got {chunk_dims!r}")
-        for name, d in zip(in_names, in_dims):
-            if d is not None and (not isinstance(d, int) or isinstance(d, bool)):
-                raise MicroBatchError(f"chunk_dims[{name!r}] must be an int dim or None, got {d!r}")
+        in_names, in_dims = input_split_dims(model, args, kwargs, chunk_dims)
         out_names = leaf_names(out_structure)
         merges: List[Optional[Merge]] = [None] * len(out_names)
         if output_merge is not None:

@@ -575,10 +575,12 @@ def _trace_error(model: nn.Module, fx_fail: _Failure, ex_fail: _Failure | None) 
 
 # -- entry point ---------------------------------------------------------------------------
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
-            leaf_modules: Iterable[type | str] = ()) -> Capture:
+            leaf_modules: Iterable[type | str] = (), split_dims: list[int | None] | None = None) -> Capture:
     """Capture ``model(*args, **kwargs)`` as a flat GraphModule sharing the model's state.
 
     ``leaf_modules``: module classes or qualified names to keep opaque (``call_module``).
+    ``split_dims``: per flat input leaf, the dim micro-batches split (None: not split); a
+    torch.export capture keeps that dim dynamic (default: dim 0 of every tensor).
     Non-tensor inputs are specialised (see :attr:`Capture.specialized`). Python-level
     decisions taken at capture time stay baked in: ``self.training`` read inside a traced
     forward (fx), and the whole training mode for ``'export'`` graphs (aten ops carry it).
@@ -604,7 +606,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         fx_out_spec = out_specs[-1]
         if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
             return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
-    ex_res = export_graph(model, root, flat, names)
+    ex_res = export_graph(model, root, flat, names, split_dims)
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
         gm.training = model.training

@@ -276,7 +276,8 @@ def compose_out_spec(spec: pytree.TreeSpec, leaf_specs: Sequence[pytree.TreeSpec
 
 
 # -- export -------------------------------------------------------------------------------
-def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list[str]) -> Exported | _Failure:
+def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list[str],
+                 split_dims: list[int | None] | None = None) -> Exported | _Failure:
     """Export the flat root and rebuild a contract-conforming graph.
 
     Why not ``ep.module()`` or ``torch.export.unflatten``: both return modules with their
@@ -289,7 +290,10 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
 
     record: dict[str, Any] = {}
     target = _encoding_root(root, names, record)
-    dyn = tuple({0: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() else None for v in flat)
+    # The dim each input is split along (the batch) is dynamic: micro-batches are smaller.
+    dims = split_dims if split_dims is not None else [0] * len(flat)
+    dyn = tuple({d % v.dim(): torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() and d is not None
+                else None for v, d in zip(flat, dims))
     ep, err = None, None
     quiet = logging.getLogger("torch")
     level = quiet.level

@@ -139,15 +139,15 @@ class Prepared:
     mode_sensitive: str
 
 
-def prepare(model: nn.Module, args: tuple, kwargs: dict,
-            leaf_modules: Sequence[Union[type, str]] = ()) -> Prepared:
+def prepare(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[Union[type, str]] = (),
+            split_dims: Optional[List[Optional[int]]] = None) -> Prepared:
     """Capture ``model`` exactly (see the module docstring). Wrap the call in :func:`preserved`:
-    tracing runs the model."""
+    tracing runs the model. ``split_dims``: see :func:`fxpipe.capture.capture`."""
     leaves: List[Union[type, str]] = list(leaf_modules)
     names = {id(m): name for name, m in model.named_modules()}
     for _ in range(8):
         before = _versions(model)
-        captured = capture(model, args, kwargs, leaf_modules=leaves)
+        captured = capture(model, args, kwargs, leaf_modules=leaves, split_dims=split_dims)
         after = _versions(model)
         changed = [name for name, v in before.items() if after.get(name) != v]
         if not changed or captured.method == "export":
@@ -176,14 +176,15 @@ def prepare(model: nn.Module, args: tuple, kwargs: dict,
                 f"buffers {changed} are updated in place while the model is traced and the update "
                 f"cannot be kept in the graph (at {[writers.get(n, ('unknown',))[0] for n in changed]}). "
                 "What to do: keep the module that updates them opaque with leaf_modules=[...].")
-    sensitive = mode_sensitivity(model, captured, args, kwargs, leaves)
+    sensitive = mode_sensitivity(model, captured, args, kwargs, leaves, split_dims)
     flat = captured.flatten_inputs(args, kwargs)
     mutations = find_and_fix_mutations(model, captured.graph_module, flat)
     return Prepared(captured, mutations, leaves, sensitive)
 
 
 def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: dict,
-                     leaf_modules: Sequence[Union[type, str]]) -> str:
+                     leaf_modules: Sequence[Union[type, str]],
+                     split_dims: Optional[List[Optional[int]]] = None) -> str:
     """Why the captured graph cannot follow .train()/.eval(), or '' when it can.
 
     torch.export bakes the mode into aten ops (dropout, batch_norm). torch.fx keeps
@@ -198,7 +199,7 @@ def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: d
         model.train(not original)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            other = capture(model, args, kwargs, leaf_modules=leaf_modules)
+            other = capture(model, args, kwargs, leaf_modules=leaf_modules, split_dims=split_dims)
     except Exception:  # noqa: BLE001 - a model that traces in one mode only is mode-sensitive
         return "the model does not trace the same way in the other mode"
     finally:

@@ -164,3 +164,16 @@ def test_bad_options_are_refused():
         fxpipe.pipeline(nn.Linear(4, 4), torch.randn(4, 4), 1, devices=["cpu"], output_merge={"loss": "mean"})
     with pytest.raises(MicroBatchError, match="must be a dim"):
         fxpipe.pipeline(nn.Linear(4, 4), torch.randn(4, 4), 1, devices=["cpu"], output_merge="median")
+
+
+def test_seq_first_transformer_encoder_captured_by_export():
+    """torch.export keeps the split dim dynamic: the dim chunk_dims names, not dim 0."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 2, enable_nested_tensor=False)
+    x = torch.randn(5, 4, 16)  # (T, B, D)
+    with pytest.raises(MicroBatchError, match="chunk_dims"):
+        fxpipe.pipeline(copy.deepcopy(enc), x, 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
+    for mode in MODES:
+        pipe = assert_exact(enc, (x,), 2, chunks=2, checkpoint=mode, chunk_dims=1, output_merge=1,
+                            balance_by="params")
+    assert pipe.capture.method == "export"
