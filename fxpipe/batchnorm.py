@@ -25,16 +25,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .errors import FxpipeError
+from .errors import BatchNormConversionError
 from .runtime.batchnorm import DeferredBatchNorm as _Deferred
 
 __all__ = ["DeferredBatchNorm", "BatchNormConversionError"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
-
-
-class BatchNormConversionError(FxpipeError, ValueError):
-    """A BatchNorm layer cannot be converted (the message names it and says what to do)."""
 
 
 class DeferredBatchNorm(_Deferred):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
-from .errors import FxpipeError
+from .errors import CompileError
 
 __all__ = ["CompileError", "refuse_whole_pipeline_compile"]
 
@@ -28,10 +28,6 @@ _HOW = (
     "        stage.compile()\n"
     "    out = pipe(x)"
 )
-
-
-class CompileError(FxpipeError, RuntimeError):
-    """``torch.compile`` was applied to a whole fxpipe pipeline (or to code calling one)."""
 
 
 def _compile_region_active() -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import EmitError
 
 
 __all__ = ["EmitError", "StageModule", "annotate_stage_exception", "source_location", "source_comment"]
@@ -31,11 +31,6 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # The demo model ships inside the package but is user code for source locations.
 _DEMO_FILE = os.path.join(_FXPIPE_DIR, "demo.py")
-
-
-class EmitError(FxpipeError, ValueError):
-    """The graph and the stage assignment cannot be turned into stages (for example a
-    node uses a value from a later stage)."""
 
 
 def source_location(node: torch.fx.Node) -> str | None:

@@ -89,3 +89,32 @@ class MicroBatchError(FxpipeError, ValueError):
     model's result: the batch is not where the split happens, or an output is not per sample.
     The message names the input or output and the option to set (``chunk_dims=``,
     ``output_merge=``)."""
+
+
+class ChunksError(FxpipeError, ValueError):
+    """``chunks`` is not a positive integer."""
+
+
+class PlacementError(FxpipeError, TypeError):
+    """A pipeline was asked to move whole to one device."""
+
+
+class PipelinePicklingError(FxpipeError, TypeError):
+    """A pipeline that cannot be pickled exactly was pickled (the message says what to save)."""
+
+
+class PipelineClosedError(FxpipeError, RuntimeError):
+    """A closed pipeline was called (the message names it and says what to do)."""
+
+
+class CompileError(FxpipeError, RuntimeError):
+    """``torch.compile`` was applied to a whole fxpipe pipeline (or to code calling one)."""
+
+
+class BatchNormConversionError(FxpipeError, ValueError):
+    """A BatchNorm layer cannot be converted (the message names it and says what to do)."""
+
+
+class EmitError(FxpipeError, ValueError):
+    """The graph and the stage assignment cannot be turned into stages (for example a
+    node uses a value from a later stage)."""

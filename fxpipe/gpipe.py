@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple, Type, Union, 
 import torch
 from torch import nn
 
-from .errors import FxpipeError
+from .errors import ChunksError, PipelinePicklingError, PlacementError
 from .runtime import microbatch
 from .runtime.batchnorm import (
     DeferredBatchNorm, commit_deferred_batch_norm, convert_deferred_batch_norm, defer_batch_norms,
@@ -114,18 +114,6 @@ def checkpoint_stop(mode: str, num_microbatches: int, training: bool) -> int:
     if not (training and torch.is_grad_enabled()):
         return 0
     return {"always": num_microbatches, "except_last": num_microbatches - 1, "never": 0}[mode]
-
-
-class ChunksError(FxpipeError, ValueError):
-    """``chunks`` is not a positive integer."""
-
-
-class PlacementError(FxpipeError, TypeError):
-    """A pipeline was asked to move whole to one device."""
-
-
-class PipelinePicklingError(FxpipeError, TypeError):
-    """A pipeline that cannot be pickled exactly was pickled (the message says what to save)."""
 
 
 def check_chunks(chunks: object) -> int:

@@ -118,3 +118,25 @@ def test_model_output_is_the_pipeline_output(mode):
                         leaf_modules=[Producer])
     out = pipe(torch.randn(4, 8))
     assert type(out).__name__ == "BaseModelOutput"
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x), self.c(self.b(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unused_first_output_keeps_grad_none(mode):
+    """The first float output of a checkpointed stage carries no phony joins in generated
+    code, so a parameter used only by an output the loss ignores keeps grad None, as eager."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    pipe = assert_exact(model, (torch.randn(4, 8),), 2, chunks=2, checkpoint=mode, split_points=["c"],
+                        loss=lambda out: out[1].sum())
+    assert pipe.module.a.weight.grad is None

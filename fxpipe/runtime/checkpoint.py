@@ -180,12 +180,13 @@ class Checkpointing:
     """
 
     def __init__(self, function: Function, batch: Batch, device: torch.device, *, fused: bool = False,
-                 state: Sequence[StateSlot] = ()) -> None:
+                 state: Sequence[StateSlot] = (), anchor_carries: bool = True) -> None:
         self.function = function
         self.batch = batch
         self.device = device
         self.fused = fused
         self.state = state
+        self.anchor_carries = anchor_carries
         self.snapshot: List[Tensor] = []
         self.autocast: AutocastState = autocast_state()
         # Shared between Checkpoint and Recompute; one entry at a time.
@@ -230,9 +231,11 @@ def _run_backward(outputs: List[Tensor], grads: List[Tensor]) -> None:
     _engine_run_backward(tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
-def _phony_carriers(batch: Batch, tensors: Sequence[Tensor]) -> Tuple[int, ...]:
-    """Indices, among a batch's tensors, of its anchor and its carry (see Batch)."""
-    anchor = batch.anchor()
+def _phony_carriers(batch: Batch, tensors: Sequence[Tensor], anchor_carries: bool) -> Tuple[int, ...]:
+    """Indices, among a batch's tensors, of those that carry phony joins made inside the
+    partition: its carry, and its anchor when ``anchor_carries`` (``@skippable`` layers
+    join their stashes to it; generated stage code puts them on the carry)."""
+    anchor = batch.anchor() if anchor_carries else None
     carriers = [next((i for i, t in enumerate(tensors) if t is batch[anchor]), -1) if anchor is not None else -1]
     if batch.carry is not None:
         carriers.append(len(tensors) - 1)
@@ -257,7 +260,7 @@ class Checkpoint(torch.autograd.Function):
         # only an unused output keeps grad None) -- except the two that carry the
         # pipeline's phony joins (the anchor and the carry), whose backward must run.
         ctx.set_materialize_grads(False)
-        ctx.always = _phony_carriers(output, out_tensors)
+        ctx.always = _phony_carriers(output, out_tensors, chk.anchor_carries)
         return tuple(out_tensors)
 
     @staticmethod

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import FxpipeError
+from ..errors import PipelineClosedError
 from ..skip.layout import SkipLayout
 from ..skip.tracker import SkipTrackerThroughPortals, merge_phony, swap_skip_tracker
 from .checkpoint import Checkpointing
@@ -46,10 +46,6 @@ def clock_cycles(m: int, n: int) -> Iterable[Schedule]:
     """
     for k in range(m + n - 1):
         yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
-
-
-class PipelineClosedError(FxpipeError, RuntimeError):
-    """A closed pipeline was called (the message names it and says what to do)."""
 
 
 def depend(fork_from: Batch, join_to: Batch) -> None:
@@ -185,7 +181,8 @@ class Pipeline:
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
                 chk = Checkpointing(function, batch, self.devices[j], fused=self._cpu_only,
-                                    state=getattr(self.partitions[j], "mutable_state", ()))
+                                    state=getattr(self.partitions[j], "mutable_state", ()),
+                                    anchor_carries=not self.spread)
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute, result_queue=results, key=(i, j))
                 del chk
             else:
