@@ -150,7 +150,7 @@ class Pipeline(PlacedModule):
         ]
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
         self._runtime.run(batches, stop)
-        if self.training and torch.is_grad_enabled():
+        if self.training:  # as eager BatchNorm: training mode updates statistics, grad or not
             commit_deferred_batch_norm(self._deferred)
         merged = self.batching.merge([b.values for b in batches], sizes)
         return self.capture.unflatten_output(merged)

@@ -176,3 +176,20 @@ def test_conversion_refusals_are_typed():
     for bad in (0, True):
         with pytest.raises(BatchNormConversionError, match="chunks must be a positive integer"):
             DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(3), bad)
+
+
+def test_training_call_under_no_grad_commits_its_own_statistics():
+    """A training-mode call under no_grad updates running statistics, as eager BatchNorm does,
+    and does not leak its statistics into the next mini-batch's commit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, torch.randn(8, 4), 2, chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True)
+    first, second = torch.randn(8, 4), torch.randn(8, 4)
+    with torch.no_grad():
+        pipe(first)
+        reference(first)
+    pipe(second).sum().backward()
+    reference(second).sum().backward()
+    for key, value in reference[1].state_dict().items():
+        torch.testing.assert_close(model[1].state_dict()[key], value, msg=lambda m: f"{key}: {m}")
