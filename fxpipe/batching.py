@@ -20,7 +20,6 @@ per-micro-batch values.
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -29,6 +28,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
+from .capture import positional_names
 from .errors import MicroBatchError
 from .runtime.microbatch import split_sizes as _split_sizes
 from .tree import leaf_names
@@ -54,13 +54,8 @@ def _output_label(name: str) -> str:
 
 def _argument_names(model: nn.Module, args: tuple, kwargs: dict) -> List[str]:
     """The top-level argument each flat input leaf belongs to: 'x', 'mask', 'args[2]'."""
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positional = [p.name for p in params if p.kind in kinds]
-    var = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "args")
+    positional, var_name = positional_names(model)
+    var = var_name or "args"
     names: List[str] = []
     for i, a in enumerate(args):
         name = positional[i] if i < len(positional) else f"{var}[{i - len(positional)}]"

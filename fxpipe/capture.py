@@ -373,15 +373,21 @@ def _key_str(k: Any) -> str:
     return str(k)
 
 
-def _input_names(model: nn.Module, paths: list[tuple]) -> list[str]:
-    """Readable placeholder names from the forward signature (``x``, ``mask``, ``x_0``)."""
+def positional_names(model: nn.Module) -> tuple[list[str], str | None]:
+    """The names of ``model.forward``'s positional parameters, and of its ``*args`` (or None)."""
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
         params = []
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    pos = [p.name for p in params if p.kind in kinds]
-    var = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "arg")
+    var = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    return [p.name for p in params if p.kind in kinds], var
+
+
+def _input_names(model: nn.Module, paths: list[tuple]) -> list[str]:
+    """Readable placeholder names from the forward signature (``x``, ``mask``, ``x_0``)."""
+    pos, var_name = positional_names(model)
+    var = var_name or "arg"
     names: list[str] = []
     for path in paths:
         top, first, rest = _key_str(path[0]), path[1], path[2:]
