@@ -88,7 +88,10 @@ class _Chain:
             raise ValueError(f"cost at position {bad} is {cost[bad]!r}; costs must be finite and >= 0")
         m = self.m = int(cost.size)
         self.cost = cost
-        self.C = np.concatenate(([0.0], np.cumsum(cost)))  # prefix sums, non-decreasing
+        with np.errstate(over="ignore"):
+            self.C = np.concatenate(([0.0], np.cumsum(cost)))  # prefix sums, non-decreasing
+        if not np.isfinite(self.C[-1]):
+            raise ValueError(f"costs add up to {self.C[-1]!r}; their sum must be a finite float")
         self.base = m + 2  # key = a * base + lo orders entries by (start, segment)
         pos = np.arange(m, dtype=np.int64)
         # Segment 0 of each start: ends a+1.. with nothing received yet (a zero-weight step).
@@ -115,7 +118,8 @@ class _Chain:
         last = np.append(self.gstart[1:] - 1, a.size - 1) if m else self.gstart
         hi[last] = m
         self.ea, self.elo, self.ehi = a, s, hi
-        self.ex = spb * cum.astype(np.float64)  # transfer seconds of the segment
+        with np.errstate(over="ignore"):  # an absurd spb * bytes is an inf cost, handled as such
+            self.ex = spb * cum.astype(np.float64)  # transfer seconds of the segment
         self.has_transfer = bool(self.ex.any())
         self.keys = a * self.base + s
 
@@ -145,26 +149,51 @@ class _Chain:
         self.active = (a[keep], l[keep], h[keep], x[keep], Ca[keep])
 
     def reach(self, T: float) -> np.ndarray:
-        """``R[a]`` = furthest end b with cost([a, b)) <= T, or ``a`` if none."""
+        """``R[a]`` = furthest end b with cost([a, b)) <= T, or ``a`` if none.
+
+        Exact for the float formula of ``stage_cost``: within a segment the cost is
+        non-decreasing in b, so the answer is settled by evaluating that formula itself. A
+        threshold on ``C[b]`` gives a first guess (one searchsorted); the guess is checked at b
+        and b + 1, and only a wrong guess is corrected, by bisection on the index range left
+        (at most log2(segment length) steps). Correcting the *threshold* instead, one ulp at a
+        time, can take ~2**50 steps when ``C[a]`` is tiny next to ``T`` and ``x`` (zero or
+        denormal compute costs before the stage): the solver looked hung.
+        """
         R = self.floor.copy()
         a, l, h, x, Ca = self.active
         if a.size == 0:
             return R
-        # Largest prefix value c with fl(fl(c - C[a]) + x) <= T: a threshold on C[b] that is
-        # exactly the predicate (both roundings are monotone), fixed up by a few ulps.
-        thr = Ca + (T - x)
-        while True:
-            bad = (thr - Ca) + x > T
-            if not bad.any():
-                break
-            thr[bad] = np.nextafter(thr[bad], -np.inf)
-        while True:
-            up = np.nextafter(thr, np.inf)
-            good = (up - Ca) + x <= T
-            if not good.any():
-                break
-            thr[good] = up[good]
-        b = np.minimum(np.searchsorted(self.C, thr, side="right") - 1, h)
+        C = self.C
+
+        def fits(i: np.ndarray, b: np.ndarray) -> np.ndarray:
+            return (C[b] - Ca[i]) + x[i] <= T  # the same expression as stage_cost
+
+        with np.errstate(invalid="ignore", over="ignore"):
+            guess = np.searchsorted(C, Ca + (T - x), side="right") - 1  # NaN/inf guesses are fixed below
+        # Invariant: the answer lies in [lo_b, hi_b]; lo_b fits (or is l - 1: nothing in the
+        # segment fits) and hi_b + 1 does not fit (or hi_b is the segment's last end h).
+        lo_b, hi_b = l - 1, h.copy()
+        g = np.clip(guess, l - 1, h)
+        idx = np.arange(a.size)
+        at = g >= l
+        ok = np.ones(a.size, bool)
+        ok[at] = fits(idx[at], g[at])
+        hi_b[~ok] = g[~ok] - 1  # the guess does not fit: the answer is below it
+        lo_b[ok] = g[ok]
+        nxt = ok & (g < h)
+        up = np.zeros(a.size, bool)
+        up[nxt] = fits(idx[nxt], g[nxt] + 1)
+        lo_b[up] = g[up] + 1  # the next end fits too: the answer is above the guess
+        hi_b[ok & ~up] = g[ok & ~up]  # settled: g fits and g + 1 does not (or g == h)
+        open_ = np.flatnonzero(lo_b < hi_b)
+        while open_.size:
+            lb, hb = lo_b[open_], hi_b[open_]
+            mid = hb - (hb - lb) // 2  # in (lb, hb]
+            f = fits(open_, mid)
+            lo_b[open_] = np.where(f, mid, lb)
+            hi_b[open_] = np.where(f, hb, mid - 1)
+            open_ = open_[lo_b[open_] < hi_b[open_]]
+        b = lo_b
         first = np.flatnonzero(np.r_[True, a[1:] != a[:-1]])  # active entries stay sorted by a
         starts = a[first]
         R[starts] = np.maximum(R[starts], np.maximum.reduceat(np.where(b >= l, b, a), first))
@@ -203,6 +232,17 @@ class _Chain:
             starts[j], end = a, a
         return starts
 
+    #: Probes at the midpoint of the band's values; after that the midpoint of the floats in
+    #: the band, which at most halves their number each probe: 64 more probes end any search.
+    VALUE_PROBES = 64
+    MAX_PROBES = VALUE_PROBES + 66
+
+    @staticmethod
+    def _float_midpoint(lo: float, hi: float) -> float:
+        """A float T with lo <= T < hi halving the floats in [lo, hi) (for 0 <= lo < hi)."""
+        i, j = (max(int(np.float64(v).view(np.int64)), 0) for v in (lo, hi))  # monotone for v >= 0
+        return float(np.int64(i + (j - i) // 2).view(np.float64))
+
     def solve(self, k: int) -> list[int]:
         """Stage start positions of an optimal cut into exactly k stages."""
         m = self.m
@@ -215,8 +255,9 @@ class _Chain:
             best = plain.solve(k)
             lo, hi = plain.bottleneck(best), self.bottleneck(best)
         else:
-            # Any valid cut (equal compute shares) bounds from above; the lower bound is shaved
-            # by a rounding margin so it stays below the computed costs.
+            # Any valid cut (equal compute shares) bounds from above. Below: the stage holding
+            # position i costs at least C[i+1] - C[i] (subtraction is monotone), and the stages
+            # add up to the total, shaved by a rounding margin so it stays below their max.
             total = self.C[-1]
             starts = np.searchsorted(self.C, total * np.arange(k) / k, side="left")
             starts[0] = 0
@@ -224,21 +265,34 @@ class _Chain:
                 starts[j] = min(max(starts[j], starts[j - 1] + 1), m - (k - j))
             best = [int(s) for s in starts]
             hi = self.bottleneck(best)
-            lo = max(total / k, float(self.cost.max())) * (1 - 1e-9)
+            lo = max(total / k * (1 - 1e-9), float(np.diff(self.C).max()), 0.0)
         self.floor = np.arange(m)  # R[a] >= floor[a] for every probe still to come
         self.active = (self.ea, self.elo, self.ehi, self.ex, self.C[self.ea])
-        while lo < hi:
+        # Invariant: lo <= optimum <= hi = bottleneck(best). Every probe T in [lo, hi) strictly
+        # narrows the band: a feasible one finds a cut costing <= T, an infeasible one proves
+        # the optimum > T. Stage costs are floats, so the search ends with hi the exact optimum.
+        for probe in range(self.MAX_PROBES):
+            if not lo < hi:
+                break
             self.narrow(lo, hi)
-            T = lo + (hi - lo) / 2
+            T = lo + (hi - lo) / 2 if probe < self.VALUE_PROBES else self._float_midpoint(lo, hi)
             if not lo <= T < hi:
                 T = lo
             R = self.reach(T)
             S = self.layers(R, k)
             if S is None:
-                lo = self.next_event(R)  # nothing changes below it: the optimum is >= it
+                # Nothing changes below the next event, so the optimum is >= it; it is > T by
+                # construction, and in any case the optimum (a float) is >= the float after T.
+                event = self.next_event(R)
+                lo = event if event > T else float(np.nextafter(T, np.inf))
             else:
-                best = self.reconstruct(S, R, m)
-                hi = self.bottleneck(best)  # <= T < previous hi
+                cut = self.reconstruct(S, R, m)
+                cost = self.bottleneck(cut)  # <= T: reach uses the same formula
+                if not cost <= T:
+                    raise RuntimeError(f"partition: probe {T!r} found a cut costing {cost!r} (internal error)")
+                best, hi = cut, cost
+        else:
+            raise RuntimeError(f"partition: no optimum after {self.MAX_PROBES} probes (internal error)")
         # Canonical answer: latest cuts among all partitions with the optimal bottleneck.
         R = self.reach(hi)
         S = self.layers(R, k)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
+import signal
 import time
 
 import networkx as nx
@@ -174,6 +176,72 @@ def _chain(costs, out_bytes=None, extra_edges=()) -> nx.DiGraph:
     g.add_edge("w", "c2")
     g.add_edges_from(extra_edges)
     return _finish(g)
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Fail (instead of hanging the run) if the body takes longer; no-op where unsupported."""
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def _expired(*_):
+        raise TimeoutError(f"took more than {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, _expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _regression_graph(costs, out_bytes, edges) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for name in ("x0", "x1"):
+        _add(g, name, "placeholder", out_bytes=out_bytes.get(name, 0))
+    for i, c in enumerate(costs):
+        _add(g, f"c{i}", "call_module", cost=c, out_bytes=out_bytes.get(f"c{i}", 0))
+    _add(g, "output", "output")
+    g.add_edges_from(edges)
+    return _finish(g)
+
+
+@pytest.mark.parametrize(
+    "g",
+    [
+        # Found by test_partition_matches_brute_force (k=3, spb=0.05 hung for good): stage
+        # starts whose prefix cost C[a] is denormal/tiny next to the transfer cost x. The old
+        # reach() fixed its threshold on C[b] up one ulp of C[a] at a time, and fl(c - C[a]) + x
+        # only moves every ulp(x)/2: ~2**50+ steps, 100% CPU in _Chain.reach.
+        _regression_graph(
+            [5e-324, 1.3436521437096175e-108, 1.3436521437096175e-108, 4.585530283810074],
+            {"x0": 327, "x1": 37, "c0": 390, "c1": 288, "c2": 31, "c3": 118},
+            [("x1", "c0"), ("c0", "c1"), ("c0", "c2"), ("c1", "c2"), ("c2", "c3"), ("c3", "output")],
+        ),
+        # Also found: equal 1e-5 costs, ~2**18 ulp steps per probe (seconds per call).
+        _regression_graph(
+            [1e-05, 1e-05, 1e-05],
+            {"x0": 211, "c0": 87, "c1": 838, "c2": 442},
+            [("x0", "c0"), ("x0", "c1"), ("x0", "c2"), ("c0", "c1"), ("c0", "c2"), ("c0", "output"),
+             ("c1", "c2"), ("c2", "output")],
+        ),
+        # Zero compute: C[a] == 0, so the optimal bottleneck is a pure transfer x and the walk
+        # started at 0 and went through every denormal.
+        _chain([0.0] * 5, out_bytes=[3, 5, 7, 11, 13]),
+    ],
+    ids=["denormal-costs", "equal-tiny-costs", "zero-costs"],
+)
+@pytest.mark.parametrize("spb", [0.003, 0.05, 1e-300, 1e100])
+def test_partition_tiny_costs_terminate_exactly(g: nx.DiGraph, spb: float) -> None:
+    m = sum(g.nodes[n]["op"] in COMPUTE for n in g)
+    for k in range(1, m + 1):
+        with _time_limit(10):
+            assign = partition(g, k, seconds_per_byte=spb)
+        _check_placement(g, assign, k)
+        got = max(_cost_by_definition(g, assign, spb))
+        assert got == pytest.approx(_brute_force(g, k, spb), rel=1e-9, abs=1e-12)
 
 
 def test_placement_and_determinism() -> None:
