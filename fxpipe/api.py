@@ -22,7 +22,7 @@ from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .mutation import check_kept_together, mutable_state
 from .plan import Plan
-from .prepare import preserved, prepare
+from .prepare import check_capture, preserved, prepare
 from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
 from .runtime.pipeline import Pipeline as Runtime
@@ -221,9 +221,15 @@ def pipeline(
         prepared = prepare(model, args, kwargs, leaf_modules, split_dims)
         captured = prepared.capture
         flat = captured.flatten_inputs(args, kwargs)
-        whole = Batching.sample_run(captured.graph_module, model, flat)
+        gm = captured.graph_module
+        with preserved(model):
+            whole = list(Batching.sample_run(lambda: gm(*flat), model))
         batching = Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
-        batching.check(captured.graph_module, model, flat, whole)
+        with preserved(model):
+            deterministic = batching.check(gm, model, flat, whole)
+        with preserved(model):
+            eager = Batching.sample_run(lambda: model(*args, **kwargs), model)
+        check_capture(eager, whole, batching.out_names, deterministic)
         if plan is not None:
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
             _check_plan(chosen, captured, n_stages)

@@ -33,7 +33,7 @@ from .errors import MicroBatchError
 from .runtime.microbatch import split_sizes as _split_sizes
 from .tree import leaf_names
 
-__all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims"]
+__all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims", "same_value"]
 
 Merge = Union[int, str, Callable[[List[Any]], Any]]
 ChunkDims = Union[int, Mapping[str, Optional[int]]]
@@ -193,7 +193,7 @@ class Batching:
         return torch.cat(parts, dim=int(merge))  # type: ignore[arg-type]
 
     # -- the build-time check --------------------------------------------------------------
-    def check(self, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any]) -> None:
+    def check(self, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any]) -> bool:
         """Runs ``gm`` split on the sample and compares with ``whole`` (:func:`sample_run`);
         refuses when the results differ.
 
@@ -202,16 +202,17 @@ class Batching:
         micro-batches on their own statistics in training, by design) and under no_grad;
         the caller restores the model's state. A graph that gives another result with
         another seed (random ops the eval mode does not switch off) is checked for
-        structure only.
+        structure only. Returns whether the graph is deterministic on the sample.
         """
-        total = self.batch_size(flat)
-        if total < 2:
-            return
-        k = 2
         with _evaluating(model), torch.no_grad():
             torch.manual_seed(1)
             again = list(gm(*flat))
-            deterministic = all(_same(a, b, exact=True) for a, b in zip(whole, again))
+        deterministic = all(_same(a, b, exact=True) for a, b in zip(whole, again))
+        total = self.batch_size(flat)
+        if total < 2:
+            return deterministic
+        k = 2
+        with _evaluating(model), torch.no_grad():
             micro, sizes = self.split(flat, k)
             try:
                 outs = [list(gm(*m)) for m in micro]
@@ -223,15 +224,16 @@ class Batching:
                     "be split).") from e
             for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
                 b = self._merge_leaf(i, list(column), sizes)
-                if not _same(a, b, exact=False, values=deterministic):
+                if not same_value(a, b, values=deterministic):
                     self._refuse(i, a, b, k)
+        return deterministic
 
     @staticmethod
-    def sample_run(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any]) -> List[Any]:
-        """The graph's flat outputs on the whole sample, in eval mode, seeded (see check)."""
+    def sample_run(run: Callable[[], Any], model: nn.Module) -> Any:
+        """``run()`` on the whole sample in eval mode, under no_grad, seeded (see check)."""
         with _evaluating(model), torch.no_grad():
             torch.manual_seed(0)
-            return list(gm(*flat))
+            return run()
 
     def _dims_text(self) -> str:
         seen: Dict[str, Optional[int]] = {}
@@ -273,6 +275,11 @@ def _check_merge(key: str, merge: Any) -> None:
     if not ok:
         raise MicroBatchError(f"output_merge[{key!r}] must be a dim (int), one of {MERGES} or a callable, "
                               f"got {merge!r}")
+
+
+def same_value(a: Any, b: Any, *, values: bool = True) -> bool:
+    """Whether two outputs agree: same type, shape and dtype, and (with ``values``) close."""
+    return _same(a, b, exact=False, values=values)
 
 
 def _same(a: Any, b: Any, *, exact: bool, values: bool = True) -> bool:

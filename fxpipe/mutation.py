@@ -238,6 +238,17 @@ def _view_chain(node: fx.Node, views: Dict[fx.Node, Tuple[str, Any]]) -> List[fx
     return chain[::-1]
 
 
+def updated(value: Any, *writers: Any) -> Any:
+    """``value`` once the in-place ops passed as ``writers`` have written into it.
+
+    An identity, emitted right after such an op when it does not return what it changed
+    (``setitem``, ``copy_`` into a view): later uses read this node, so the graph's edges
+    say they come after the write. Reading the copy itself would let a stage boundary or a
+    portal take the value before the op, and its gradient would skip the op.
+    """
+    return value
+
+
 def _rewrite(gm: fx.GraphModule, found: _Found) -> List[str]:
     """Runs each value-mutating op on a copy; later uses read the mutated copy.
 
@@ -245,8 +256,6 @@ def _rewrite(gm: fx.GraphModule, found: _Found) -> List[str]:
     ``copy_``) copies the view's base instead and replays the view ops on the copy, so the
     base's later uses read the updated copy.
     """
-    nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
     rewritten: List[str] = []
     meta_keys = ("stack_trace", "fxpipe_module", "nn_module_stack")
     for n, slot, returns_it, through_view in found.values:
@@ -268,11 +277,22 @@ def _rewrite(gm: fx.GraphModule, found: _Found) -> List[str]:
                 replayed[view] = new
                 group.append(new.name)
         _copy_slot(n, slot, replayed[target])
-        redirects = {base: copy} if through_view else {}
-        redirects[target] = n if returns_it else replayed[target]
+        redirects: Dict[fx.Node, fx.Node] = {}
+        if through_view or not returns_it:
+            with gm.graph.inserting_after(n):
+                done = gm.graph.call_function(updated, (copy, n))
+            done.name = gm.graph._graph_namespace.create_name(f"{base.name}_updated", None)
+            done.meta = {k: v for k, v in n.meta.items() if k in meta_keys}
+            group.append(done.name)
+            redirects[base] = done
+        if through_view:
+            redirects[target] = n if returns_it else replayed[target]
+        elif returns_it:
+            redirects[target] = n
+        made = set(replayed.values()) | {n, *(redirects.values())}
         for old, new in redirects.items():
             for user in list(old.users):
-                if user in replayed.values() or user is n or order.get(user, len(nodes)) <= order[n]:
+                if user in made or not user > n:  # only uses after the op (fx keeps node order)
                     continue
                 user.replace_input_with(old, new)
         # The op must run where its copy is made: a stage input is a leaf in recomputation,

@@ -30,10 +30,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .capture import Capture, capture
-from .errors import MutationError
+from .batching import same_value
+from .errors import MutationError, TraceError
 from .mutation import Mutations, find_and_fix_mutations
+from .tree import flatten
 
-__all__ = ["Prepared", "prepare", "preserved", "mode_sensitivity"]
+__all__ = ["Prepared", "prepare", "preserved", "mode_sensitivity", "check_capture"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -207,3 +209,26 @@ def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: d
     if other.graph_module.code != captured.graph_module.code:
         return "a traced forward reads self.training"
     return ""
+
+
+def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str], deterministic: bool) -> None:
+    """Refuses a captured graph that does not reproduce the model on the sample.
+
+    ``eager`` is the model's own output and ``graph_leaves`` the graph's flat outputs, both
+    from :meth:`fxpipe.batching.Batching.sample_run`. A capture can be silently unfaithful:
+    torch.fx records ``g += x`` as ``g = g + x`` (its proxies have no in-place add), so
+    another name for the same tensor keeps the old value. Values are compared only when
+    the graph is deterministic (``deterministic``).
+    """
+    leaves, _ = flatten(eager)
+    if len(leaves) != len(graph_leaves):
+        return  # objects fxpipe.tree does not open (a transformers cache): the capture took them apart
+    for name, a, b in zip(names, leaves, graph_leaves):
+        if not same_value(a, b, values=deterministic):
+            label = f"output {name!r}" if name else "the output"
+            raise TraceError(
+                f"the captured graph does not reproduce the model on the sample: {label} differs from "
+                "model(*sample). A known cause: an in-place update written on another name of a tensor "
+                "(`g = h; g += x`), which torch.fx records as `g = g + x`, so `h` keeps its old value. What "
+                "to do: write the update out of place (h = h + x), or keep the module doing it opaque with "
+                "leaf_modules=[...].")

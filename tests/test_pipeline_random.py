@@ -8,10 +8,25 @@ the inputs' gradients, for any number of stages, micro-batches and checkpoint mo
 balanced cuts and for random forced cuts; its Plan must route every cross-stage value by a
 boundary edge or a portal. The partitioner is also checked against brute force on the
 OpGraphs of these real captured models.
+
+The typed sweeps (models from tests/random_models.py) add in-place ops on activations, opaque
+leaf modules returning containers, int64 indices, bool masks and Python ints crossing stages,
+autocast and dropout. Each example draws a model, 2-5 stages, 1-3 micro-batches and cut
+points anywhere in the graph fxpipe plans, and runs all three checkpoint modes on that cut:
+each against eager, and against each other. Cuts that separate an in-place op from the copy
+it fills must be refused (MutationError); half the examples draw only cuts that do not.
+
+Known bugs, each with a strict-xfail reproduction at the end of this file, are kept out of
+the sweeps (and only those): ``+=`` under autocast (``AUTOCAST_EXCLUDE``), ``x[a:b] += y``
+(refused; not generated), a leaf's container returned as the model's output (refused;
+``container_outputs``), and zero gradients where eager has None (``ZERO_FOR_NONE_KNOWN``:
+zeros accepted, nothing else). ``+=`` on another name of a tensor is refused at build (its
+own test); the generator rebinds every name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -20,15 +35,20 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
+import random_models as rm
+from exact import assert_exact, weighted_loss
 from fxpipe.capture import capture
+from fxpipe.errors import MicroBatchError, MutationError
 from fxpipe.partition import COMPUTE_OPS, partition, stage_costs, topological_order
 from fxpipe.plan import Plan
 from fxpipe.planning import opgraph_for
+from fxpipe.prepare import prepare, preserved
+from fxpipe.tree import flatten
 
 D = 6
 MODES = ["always", "except_last", "never"]
@@ -292,9 +312,6 @@ def test_random_dag_matches_eager(spec, n_stages, chunks, checkpoint, batch, for
                            checkpoint=checkpoint, balance_by="params", plan=plan)
     assert len(pipe.stages) == n_stages
     check_plan_routes(pipe)
-    # Known fxpipe bug (test_stage_without_boundary_output_* below): a stage that sends nothing
-    # to the next one breaks the backward path of the portals crossing it.
-    assume(not empty_boundary(pipe.plan))
 
     xs = tuple(a.clone().requires_grad_() for a in args)
     ref_xs = tuple(a.clone().requires_grad_() for a in args)
@@ -468,3 +485,448 @@ def test_partition_matches_brute_force_on_captured_graphs(spec, batch, cost):
         assert max(s.cost for s in plan.stages) == pytest.approx(got, rel=1e-12, abs=1e-12)
         assert all(p.dst > p.src + 1 for p in plan.portals)
         assert all(e.dst == e.src + 1 for e in plan.edges)
+
+
+# -- typed random models: in-place ops, containers, integers and masks, autocast ------------
+# The models of tests/random_models.py mutate activations in place, pass containers from
+# opaque leaf modules, and send int64 indices, bool masks and Python ints across stages. Cut
+# points are forced anywhere among the compute nodes of the graph fxpipe plans (after its
+# in-place rewrite, which adds the copies); every checkpoint mode runs on the same cut.
+
+LEAVES = [rm.Producer]
+#: A parameter or input whose every path to the loss goes through a non-differentiable op
+#: (argmax, argsort, a mask, a shape) in another stage gets zeros where eager gets None: a
+#: known bug, reproduced by test_grad_reaching_only_argmax_is_none_not_zero. Zeros are
+#: accepted there (anything else still fails) until it is fixed.
+ZERO_FOR_NONE_KNOWN = True
+#: `x += y` under autocast: fx records it out of place, so a bfloat16 x becomes float32
+#: (test_iadd_under_autocast_keeps_the_dtype).
+AUTOCAST_EXCLUDE = ("iadd",)
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+
+
+def prepared(model: nn.Module, args: tuple):
+    """The graph fxpipe plans for ``model``: captured, in-place ops rewritten; and its OpGraph."""
+    with preserved(model):
+        cap = prepare(model, args, {}, LEAVES).capture
+        graph = opgraph_for(cap, args, {}, "params")
+    return cap, graph
+
+
+def keep_groups(graph) -> list[tuple[str, str]]:
+    """Pairs of nodes that must share a stage (an in-place op and the copy it fills)."""
+    return [(n, o) for n, keep in graph.nodes(data="keep_with") for o in keep or ()]
+
+
+def assignment_for(graph, cuts: list[int]) -> dict[str, int]:
+    """Compute nodes cut before the given positions of the topological order; placeholders in
+    stage 0, the output in the last, get_attr with its first consumer (as partition does)."""
+    order = topological_order(graph)
+    nodes = graph.nodes
+    comp = [n for n in order if nodes[n]["op"] in COMPUTE_OPS]
+    assign = {n: sum(i >= c for c in cuts) for i, n in enumerate(comp)}
+    for n in order:
+        if nodes[n]["op"] == "placeholder":
+            assign[n] = 0
+        elif nodes[n]["op"] == "output":
+            assign[n] = len(cuts)
+    for n in order:
+        if n not in assign:
+            users = [u for u in order if graph.has_edge(n, u) and u in assign]
+            assign[n] = assign[users[0]] if users else 0
+    return assign
+
+
+def draw_plan(data, graph, n_stages: int) -> tuple[Plan, bool]:
+    """Random cut points: half the time only where no group is split, else anywhere. Returns
+    the plan and whether it separates nodes that must share a stage. ``partition`` with the
+    same ``split_before`` makes the same plan, or refuses the cut inside a group."""
+    order = topological_order(graph)
+    comp = [n for n in order if graph.nodes[n]["op"] in COMPUTE_OPS]
+    index = {n: i for i, n in enumerate(comp)}
+    spans = [sorted((index[a], index[b])) for a, b in keep_groups(graph) if a in index and b in index]
+    legal = [c for c in range(1, len(comp)) if not any(lo < c <= hi for lo, hi in spans)]
+    pool = legal if len(legal) >= n_stages - 1 and data.draw(st.booleans(), label="legal only") else range(1, len(comp))
+    cuts = sorted(data.draw(st.sets(st.sampled_from(pool), min_size=n_stages - 1, max_size=n_stages - 1),
+                            label="cuts"))
+    assign = assignment_for(graph, cuts)
+    separated = any(assign[a] != assign[b] for a, b in keep_groups(graph))
+    split_before = [comp[c] for c in cuts]
+    if separated:  # a cut inside a group, or more stages than groups allow
+        with pytest.raises(ValueError):
+            partition(graph, n_stages, cost_attr="params", split_before=split_before)
+    else:
+        assert partition(graph, n_stages, cost_attr="params", split_before=split_before) == assign
+    plan = Plan.from_assignment(graph, assign, balance_by="params", cost_attr="params", meta={"cuts": cuts})
+    return plan, separated
+
+
+def assert_outputs(got: Any, expected: Any, tol: dict) -> None:
+    """Same structure (container types included), dtypes and values; indices, masks and
+    Python values exactly."""
+    la, sa = flatten(got)
+    lb, sb = flatten(expected)
+    assert sa == sb, f"output structures differ:\n{sa}\nvs\n{sb}"
+    for k, (a, b) in enumerate(zip(la, lb)):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.dtype == b.dtype, (k, a, b)
+            if b.is_floating_point():
+                torch.testing.assert_close(a, b, msg=lambda m: f"output leaf {k}: {m}", **tol)
+            else:  # indices, masks: exactly
+                assert torch.equal(a, b), f"output leaf {k}: {a} vs {b}"
+        else:
+            assert a == b, f"output leaf {k}: {a!r} vs {b!r}"
+
+
+def assert_grads(named: list, tol: dict, scaled: bool = False, symmetric: bool = False) -> None:
+    """``(name, tensor, reference tensor)``: the same gradient, or None on both sides."""
+    for name, p, q in named:
+        if ZERO_FOR_NONE_KNOWN and (p.grad is None) != (q.grad is None) and (symmetric or q.grad is None):
+            # Known bug (test_grad_reaching_only_argmax_is_none_not_zero): zeros, not None.
+            g = p.grad if p.grad is not None else q.grad
+            assert not g.any(), f"grad of {name}: {p.grad} vs {q.grad} (a gradient where the other has none)"
+            continue
+        assert (p.grad is None) == (q.grad is None), \
+            f"grad of {name}: {'None' if p.grad is None else 'a tensor'} vs {'None' if q.grad is None else 'a tensor'}"
+        if q.grad is not None:
+            t = dict(tol)
+            if scaled:  # bf16: errors scale with the largest gradient entry
+                t["atol"] = tol["atol"] * max(1.0, float(q.grad.abs().max()))
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"grad of {name}: {m}", **t)
+
+
+def run_modes(model: nn.Module, args: tuple, n_stages: int, build: dict, modes, ctx, seed=None) -> list:
+    """Per checkpoint mode, a pipeline of a copy of ``model`` run forward (in ``ctx``) and
+    backward: ``(mode, outputs, [(name, tensor holding .grad)])``, inputs first."""
+    runs = []
+    for mode in modes:
+        piped = copy.deepcopy(model)
+        pipe = fxpipe.pipeline(piped, args, n_stages, checkpoint=mode, **build)
+        check_plan_routes(pipe)
+        xs = tuple(a.clone().requires_grad_() for a in args)
+        if seed is not None:
+            torch.manual_seed(seed)
+        with ctx():
+            out = pipe(*xs)
+            loss = weighted_loss(out)
+        if loss.requires_grad:
+            loss.backward()
+        runs.append((mode, out, [(f"input {k}", x) for k, x in enumerate(xs)] + list(piped.named_parameters())))
+    return runs
+
+
+def assert_modes_agree(runs: list, tol: dict = GRAD_TOL) -> None:
+    """Checkpointing recomputes the forward exactly (dtypes and random numbers included):
+    every mode gives the same outputs and gradients, to float32 rounding."""
+    first_mode, first, first_grads = runs[0]
+    for mode, out, grads in runs[1:]:
+        try:
+            assert_outputs(out, first, GRAD_TOL)
+            assert_grads([(name, p, q) for (name, p), (_, q) in zip(grads, first_grads)], tol,
+                         scaled=tol is BF16_TOL, symmetric=True)
+        except AssertionError as e:
+            raise AssertionError(f"checkpoint={mode!r} vs {first_mode!r}: {e}") from None
+
+
+def sweep_cut(model: nn.Module, args: tuple, graph, n_stages: int, chunks: int, plan: Plan, separated: bool,
+              modes=MODES, autocast: bool = False, cache: bool = True) -> None:
+    """The pipeline on ``plan`` against eager, in each checkpoint mode: outputs, every
+    parameter gradient, the inputs' gradients; or, for a plan that separates an in-place op
+    from its copy, the refusal. The modes must also agree with each other, to float32
+    rounding: the recomputation repeats the forward exactly.
+
+    ``autocast``: forward under ``torch.autocast('cpu', bfloat16, cache_enabled=cache)``,
+    backward outside. Modes then agree to bfloat16 rounding only: a checkpointed stage sums
+    the gradients of its inputs on its own before handing them on (other groupings of the
+    same bfloat16 sums), and with the cast cache on, micro-batches without checkpointing
+    share one bfloat16 copy of each weight, whose gradient sums over micro-batches in
+    bfloat16, where recomputation makes a copy per micro-batch, summed in float32."""
+    build = dict(chunks=chunks, devices=["cpu"] * n_stages, balance_by="params", plan=plan, leaf_modules=LEAVES)
+    if separated:
+        with pytest.raises(MutationError, match="must share a stage"):
+            fxpipe.pipeline(copy.deepcopy(model), args, n_stages, checkpoint=modes[0], **build)
+        return
+    ctx = contextlib.nullcontext
+    if autocast:
+        ctx = lambda: torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache)  # noqa: E731
+    tol = BF16_TOL if autocast else GRAD_TOL
+    ref = copy.deepcopy(model)
+    ref_xs = tuple(a.clone().requires_grad_() for a in args)
+    with ctx():
+        expected = ref(*ref_xs)
+        ref_loss = weighted_loss(expected)
+    if ref_loss.requires_grad:
+        ref_loss.backward()
+    eager = [(f"input {k}", x) for k, x in enumerate(ref_xs)] + list(ref.named_parameters())
+    runs = run_modes(model, args, n_stages, build, modes, ctx)
+    for mode, out, grads in runs:
+        try:
+            assert_outputs(out, expected, tol)
+            assert_grads([(name, p, q) for (name, p), (_, q) in zip(grads, eager)], tol, scaled=autocast)
+        except AssertionError as e:
+            raise AssertionError(f"checkpoint={mode!r}: {e}") from None
+    assert_modes_agree(runs, BF16_TOL if autocast else GRAD_TOL)
+
+
+def typed_case(data, features: str, **options: Any):
+    specs = rm.specs(features, **options)
+    if options.get("dropout"):
+        specs = specs.filter(lambda spec: any(node.op in ("linear", "cat") for node in spec.nodes))
+    spec = data.draw(specs, label="spec")
+    batch = data.draw(st.sampled_from([4, 5, 6]), label="batch")
+    model, args = rm.make(spec, batch, seed=len(spec.nodes))
+    cap, graph = prepared(model, args)
+    m = n_compute(cap.graph_module)
+    n_stages = min(data.draw(st.integers(2, 5), label="n_stages"), m)
+    chunks = data.draw(st.integers(1, 3), label="chunks")
+    return spec, model, args, graph, n_stages, chunks
+
+
+SWEEP = settings(max_examples=25, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.parametrize("features", ["inplace", "containers", "discrete", "all"])
+@SWEEP
+@given(data=st.data())
+def test_typed_random_dag_every_mode_matches_eager(features, data):
+    spec, model, args, graph, n_stages, chunks = typed_case(data, features)
+    plan, separated = draw_plan(data, graph, n_stages)
+    sweep_cut(model, args, graph, n_stages, chunks, plan, separated)
+
+
+@SWEEP
+@given(data=st.data())
+def test_typed_random_dag_under_autocast_every_mode(data):
+    """Forward under torch.autocast('cpu', bfloat16), backward outside it (the AMP pattern):
+    the recomputation of checkpointed stages must run in the forward's dtypes."""
+    spec, model, args, graph, n_stages, chunks = typed_case(data, "all", exact_discrete=True, exclude=AUTOCAST_EXCLUDE)
+    plan, separated = draw_plan(data, graph, n_stages)
+    cache = data.draw(st.booleans(), label="cache_enabled")
+    sweep_cut(model, args, graph, n_stages, chunks, plan, separated, autocast=True, cache=cache)
+
+
+@settings(SWEEP, max_examples=15)
+@given(data=st.data())
+def test_typed_random_dag_with_dropout_same_in_every_mode(data):
+    """Dropout cannot match eager (micro-batches draw other masks), but it must not depend on
+    the checkpoint mode: recomputation replays the forward's random numbers exactly."""
+    spec, model, args, graph, n_stages, chunks = typed_case(data, "fx", dropout=0.3)
+    plan, separated = draw_plan(data, graph, n_stages)
+    if separated:
+        return  # tested above
+    build = dict(chunks=chunks, devices=["cpu"] * n_stages, balance_by="params", plan=plan, leaf_modules=LEAVES)
+    assert_modes_agree(run_modes(model, args, n_stages, build, MODES, contextlib.nullcontext, seed=1234))
+
+
+class _InplaceReluModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h * 2.0  # h is read before the in-place op, which therefore runs on a copy
+        return self.b(self.act(h)) + y
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_split_point_at_an_inplace_module_takes_its_copy_along(checkpoint):
+    """split_points=['act'] cuts before the copy made for act's in-place op, not between them."""
+    torch.manual_seed(0)
+    pipe = assert_exact(_InplaceReluModule(), (torch.randn(4, 6),), 2, chunks=2, checkpoint=checkpoint,
+                        split_points=["act"], balance_by="params")
+    assert pipe.plan.stages[1].nodes[:2] == ["a_copy", "act"]
+
+
+# -- known bugs found by the typed sweeps: focused reproductions ---------------------------
+# Each is strict: once fixed it passes, the xfail turns into a failure, and the marker goes
+# away together with the matching exclusion in the sweeps (see the module docstring).
+class _ViewMutationSkips(nn.Module):
+    """``h`` is changed through a view, then skips a stage: a portal from stage 0 to 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)
+        h[:, :3].mul_(2.0)  # in place through a view; the base h is read below
+        return self.c(self.b(x)) + h
+
+
+class _SetitemSkips(nn.Module):
+    """setitem on a fresh tensor (captured by torch.export), which then skips a stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        z = torch.zeros_like(x)
+        z[:, :3] = self.a(x)[:, 3:]
+        return self.c(self.b(x)) + z
+
+
+@pytest.mark.parametrize("model_cls", [_ViewMutationSkips, _SetitemSkips])
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_portal_of_a_value_mutated_through_a_view(model_cls, checkpoint):
+    torch.manual_seed(0)
+    pipe = assert_exact(model_cls(), (torch.randn(4, 6),), 3, chunks=2, checkpoint=checkpoint,
+                        split_points=["b", "c"], balance_by="params")
+    assert pipe.plan.portals
+
+
+class _ViewThenBase(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)
+        h[:, :3].add_(x[:, 3:])  # in place through a view of h
+        h.add_(x)  # then in place on h itself
+        return self.b(h)
+
+
+def test_inplace_through_a_view_then_on_the_base():
+    torch.manual_seed(0)
+    assert_exact(_ViewThenBase(), (torch.randn(4, 6),), 2, chunks=2, checkpoint="always", balance_by="params")
+
+
+class _AliasIadd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = h  # another name for the same tensor
+        g += x  # in place: h changes too
+        return self.b(h)
+
+
+@pytest.mark.parametrize("n_stages", [1, 2])
+def test_iadd_through_another_name_is_refused(n_stages):
+    """torch.fx traces `g += x` as `g = g + x` (its Proxy has no __iadd__), so `h`, another name
+    for the same tensor, would be read unchanged. The build compares the captured graph with
+    the model on the sample and refuses."""
+    from fxpipe.errors import TraceError
+
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match=r"(?s)does not reproduce the model.*g \+= x"):
+        fxpipe.pipeline(_AliasIadd(), torch.randn(4, 6), n_stages, chunks=2, devices=["cpu"] * n_stages,
+                        balance_by="params")
+
+
+class _IaddOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)  # bfloat16 under autocast
+        h += x  # in place: h stays bfloat16
+        return self.b(x), h
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "torch.fx records `h += x` as `h = h + x`: under autocast h (bfloat16, from a Linear) plus x "
+    "(float32) comes out float32, where the in-place op keeps bfloat16; the output's dtype differs"))
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_iadd_under_autocast_keeps_the_dtype(checkpoint):
+    torch.manual_seed(0)
+    assert_exact(_IaddOutput(), (torch.randn(4, 6),), 2, chunks=2, checkpoint=checkpoint, balance_by="params",
+                 context=lambda: torch.autocast("cpu", dtype=torch.bfloat16), tol=BF16_TOL)
+
+
+class _SliceIadd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)
+        h[:, 1:4] += x[:, :3]  # getitem, in-place add on the view, setitem back
+        return self.b(h)
+
+
+@pytest.mark.xfail(strict=True, raises=MutationError, reason=(
+    "refused, wrongly: torch.export records `h[:, 1:4] += y` as slice, add_ on the slice, then copy_ "
+    "into a second slice; the copy_ bumps the version of the add_ result (a view of h too), which "
+    "fxpipe.mutation reads as an in-place change of it while h is read later"))
+def test_iadd_into_a_slice_of_a_value_read_later():
+    torch.manual_seed(0)
+    assert_exact(_SliceIadd(), (torch.randn(4, 6),), 2, chunks=2, balance_by="params")
+
+
+class _ReturnsLeafContainer(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(rm.D, rm.D)
+        self.p = rm.Producer(kind)
+
+    def forward(self, x):
+        return self.p(self.a(x)), x * 2.0
+
+
+@pytest.mark.xfail(strict=True, raises=MicroBatchError, reason=(
+    "refused, wrongly: the graph returns an opaque leaf's container as one output leaf, while the "
+    "build-time micro-batch check names the output leaves of the flattened container; it compares "
+    "whole containers with == and refuses ('output ... is Plain(...) for the whole batch but "
+    "Plain(...) merged'), even with chunks=1"))
+@pytest.mark.parametrize("kind", rm.KINDS)
+def test_leaf_container_returned_as_model_output(kind):
+    torch.manual_seed(0)
+    assert_exact(_ReturnsLeafContainer(kind), (torch.randn(4, rm.D),), 1, chunks=1, leaf_modules=LEAVES)
+
+
+class _OnlyArgmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.b(h)  # only read by argmax: no gradient reaches b in eager
+        i = g.argmax(-1)
+        return self.c(h) + i.unsqueeze(1)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "b.weight and b.bias get zero gradients where eager gives None: b is alone in stage 1 and its "
+    "output, the only value that stage sends, is read in stage 2 by argmax only (every checkpoint "
+    "mode, 'never' included)"))
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_grad_reaching_only_argmax_is_none_not_zero(checkpoint):
+    torch.manual_seed(0)
+    model, x = _OnlyArgmax(), torch.randn(4, 6)
+    _, graph = prepared(model, (x,))
+    # stage 0: a; stage 1: b; stage 2: argmax, c, add (h reaches it by portal)
+    plan = Plan.from_assignment(graph, assignment_for(graph, [1, 2]), balance_by="params", cost_attr="params")
+    assert_exact(model, (x,), 3, chunks=2, checkpoint=checkpoint, plan=plan)
+
+
+def test_grad_reaching_only_argmax_stays_none_when_its_stage_sends_more():
+    """The same model cut after argmax: b's stage also sends h, and b keeps grad None."""
+    torch.manual_seed(0)
+    model, x = _OnlyArgmax(), torch.randn(4, 6)
+    _, graph = prepared(model, (x,))
+    plan = Plan.from_assignment(graph, assignment_for(graph, [2, 3]), balance_by="params", cost_attr="params")
+    for checkpoint in MODES:
+        assert_exact(model, (x,), 3, chunks=2, checkpoint=checkpoint, plan=plan)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_typed_random_dag_long_sweep(data):
+    """The sweeps above, longer and on bigger models (more stages skipped by portals)."""
+    features = data.draw(st.sampled_from(sorted(rm.FEATURES)), label="features")
+    autocast = data.draw(st.booleans(), label="autocast")
+    spec, model, args, graph, n_stages, chunks = typed_case(data, features, max_nodes=14, exact_discrete=autocast,
+                                                            exclude=AUTOCAST_EXCLUDE if autocast else ())
+    plan, separated = draw_plan(data, graph, n_stages)
+    cache = data.draw(st.booleans(), label="cache_enabled") if autocast else True
+    sweep_cut(model, args, graph, n_stages, chunks, plan, separated, autocast=autocast, cache=cache)
