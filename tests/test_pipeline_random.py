@@ -739,9 +739,10 @@ def test_split_point_at_an_inplace_module_takes_its_copy_along(checkpoint):
     assert pipe.plan.stages[1].nodes[:2] == ["a_copy", "act"]
 
 
-# -- known bugs found by the typed sweeps: focused reproductions ---------------------------
-# Each is strict: once fixed it passes, the xfail turns into a failure, and the marker goes
-# away together with the matching exclusion in the sweeps (see the module docstring).
+# -- bugs found by the typed sweeps: focused reproductions ---------------------------------
+# Fixed ones stay as regression tests. Open ones are strict xfails: once fixed the xfail turns
+# into a failure, and the marker goes away together with the matching exclusion in the sweeps
+# (see the module docstring).
 class _ViewMutationSkips(nn.Module):
     """``h`` is changed through a view, then skips a stage: a portal from stage 0 to 2."""
 
