@@ -78,6 +78,9 @@ class Pipeline:
         if len(partitions) != len(devices):
             raise ValueError(f"{len(partitions)} partitions but {len(devices)} devices")
         self.partitions = list(partitions)
+        # Buffers each partition updates in forward (generated stages declare them), read
+        # once here rather than per task: the recomputation runs on their snapshot.
+        self._states = [getattr(p, "mutable_state", ()) for p in self.partitions]
         self.devices = list(devices)
         self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(partitions), {})
         self.spread = spread
@@ -181,7 +184,7 @@ class Pipeline:
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
                 chk = Checkpointing(function, batch, self.devices[j], fused=self._cpu_only,
-                                    state=getattr(self.partitions[j], "mutable_state", ()),
+                                    state=self._states[j],
                                     anchor_carries=not self.spread)
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute, result_queue=results, key=(i, j))
                 del chk
