@@ -111,6 +111,17 @@ class Spec:
         return roots
 
 
+def pack_outputs(outs: list[Any], kind: str) -> Any:
+    """The model's output structure: 'tensor', 'tuple', 'dict' or 'nested' (a dict holding a list)."""
+    if kind == "tensor":
+        return outs[0]
+    if kind == "tuple":
+        return tuple(outs)
+    if kind == "dict":
+        return {f"o{k}": v for k, v in enumerate(outs)}
+    return {"first": outs[0], "rest": outs[1:]}
+
+
 # -- leaf modules returning containers ------------------------------------------------------
 @dataclasses.dataclass
 class Plain:  # deliberately not registered with pytree
@@ -192,13 +203,7 @@ class DagModel(nn.Module):
         for i, node in enumerate(spec.nodes):
             vals.append(self._node(i, node, [vals[j] for j in node.inputs], vals))
         outs = [vals[j] for j in spec.outputs]
-        if spec.out_kind == "tensor":
-            return outs[0]
-        if spec.out_kind == "tuple":
-            return tuple(outs)
-        if spec.out_kind == "dict":
-            return {f"o{k}": v for k, v in enumerate(outs)}
-        return {"first": outs[0], "rest": outs[1:]}  # nested: dict holding a list
+        return pack_outputs(outs, spec.out_kind)
 
     def _rebind(self, vals: list[Any], target: int, value: Any) -> Any:
         """Every name of the mutated tensor now reads the in-place op's result."""

@@ -131,13 +131,7 @@ class DagModel(nn.Module):
                 y = xs[0] - xs[0].mean(-1, keepdim=True)
             vals.append(y)
         outs = [vals[j] for j in spec.outputs]
-        if spec.out_kind == "tensor":
-            return outs[0]
-        if spec.out_kind == "tuple":
-            return tuple(outs)
-        if spec.out_kind == "dict":
-            return {f"o{k}": v for k, v in enumerate(outs)}
-        return {"first": outs[0], "rest": outs[1:]}  # nested: dict holding a list
+        return rm.pack_outputs(outs, spec.out_kind)
 
 
 @st.composite
