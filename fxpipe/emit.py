@@ -28,7 +28,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 
-from fxpipe.emit_errors import EmitError, StageModule, annotate_stage_exception, source_comment
+from fxpipe.errors import EmitError
+from fxpipe.stage_module import StageModule, annotate_stage_exception, source_comment
 from fxpipe.plan import portal_name
 from fxpipe.skip.functional import pop, stash
 

@@ -34,7 +34,7 @@ import torch
 from torch import fx, nn
 
 from .errors import MutationError
-from .emit_errors import source_location
+from .stage_module import source_location
 from .tree import flatten
 
 __all__ = ["StateMutation", "Mutations", "find_and_fix_mutations", "KEEP_WITH"]

@@ -19,10 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fxpipe.errors import EmitError
-
-
-__all__ = ["EmitError", "StageModule", "annotate_stage_exception", "source_location", "source_comment"]
+__all__ = ["StageModule", "annotate_stage_exception", "source_location", "source_comment"]
 
 _NOTE_PREFIX = "in fxpipe stage "
 _FRAME_RE = re.compile(r'^File "(.+)", line (\d+), in (.+)$')
