@@ -1,7 +1,7 @@
 """``fxpipe.pipeline``: trace any ``nn.Module``, balance it, portal its long edges, run it.
 
-The data path is the one in ARCHITECTURE.md: capture -> profile -> OpGraph -> partition ->
-Plan -> emit -> runtime. Each step is a plain value kept on the returned :class:`Pipeline`
+The data path (README, "How it works"): capture -> profile -> OpGraph -> partition -> Plan
+-> emit -> runtime. Each step is a plain value kept on the returned :class:`Pipeline`
 (``capture``, ``plan``, ``stages``) so it can be printed, saved and tested on its own.
 """
 
@@ -62,7 +62,9 @@ class Pipeline(PlacedModule):
 
     Attributes:
         module: the model.
-        stages: one ``torch.fx.GraphModule`` per stage (readable ``.code``).
+        stages: the emitted :class:`~fxpipe.emit.Stages`: ``stages[k]`` is stage ``k``'s
+            ``torch.fx.GraphModule`` (readable ``.code``); ``print(stages)`` shows them all
+            with their inputs, outputs, stashes and pops.
         plan: the :class:`~fxpipe.plan.Plan` (print it; ``plan.save(path)`` to reuse it).
         devices, chunks, checkpoint: as given.
     """
@@ -78,7 +80,7 @@ class Pipeline(PlacedModule):
         #: how inputs are split into micro-batches and outputs merged (checked when built)
         self.batching = batching if batching is not None else _default_batching(model, captured)
         self.plan = plan
-        self.emitted = stages
+        self.stages = stages
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
@@ -86,21 +88,18 @@ class Pipeline(PlacedModule):
         self.captured_training = model.training
         self.mode_sensitive = mode_sensitive
         self.training = model.training  # the pipeline starts in the model's mode
-        layout = SkipLayout.from_names(len(stages), stages.skip_routes)
+        # The plan's portals, which are also the stash/pop pairs in the stage code.
+        layout = SkipLayout.from_names(len(stages), {p.name: (p.src, p.dst) for p in plan.portals})
         runtime = Runtime(list(stages.modules), devices, skip_layout=layout, spread=True)
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
     @property
-    def stages(self) -> List[torch.fx.GraphModule]:
-        return list(self.emitted.modules)
-
-    @property
     def n_stages(self) -> int:
-        return len(self.emitted)
+        return len(self.stages)
 
     def stage_code(self, k: int) -> str:
         """Readable code of stage ``k``, with the original source lines as comments."""
-        return self.emitted.stage_code(k)
+        return self.stages.stage_code(k)
 
     # The model's keys, not prefixed by "module.".
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -237,7 +236,7 @@ def pipeline(
             chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by,
                                split_points=split_points, devices=device_list)
         check_kept_together(captured.graph_module, chosen.assignment)
-    stages = emit_stages(captured.graph_module, chosen.assignment, n_stages)
+    stages = emit_stages(captured.graph_module, chosen)
     for stage in stages:
         stage.mutable_state = mutable_state(model, stage)
     place_stages(stages, device_list, exported=captured.method == "export")

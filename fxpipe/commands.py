@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from .cli import UsageError, load_model
 
 __all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_env", "cmd_demo",
-           "progress", "stage_text", "training_loss"]
+           "progress", "training_loss"]
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -120,16 +120,6 @@ def _pipeline(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, *,
     return pipe
 
 
-def stage_text(emitted: Any, k: int) -> str:
-    """Stage ``k``'s code with a header naming its inputs, outputs, stashes and pops."""
-    header = [f"# ---- stage {k} ----",
-              f"# inputs : {', '.join(emitted.input_names[k]) or '-'}",
-              f"# outputs: {', '.join(emitted.output_names[k]) or '-'}"]
-    header += [f"# stash  : {n} -> stage {emitted.skip_routes[n][1]}" for n in emitted.stashes(k)]
-    header += [f"# pop    : {n} <- stage {emitted.skip_routes[n][0]}" for n in emitted.pops(k)]
-    return "\n".join(header) + "\n" + emitted.stage_code(k)
-
-
 def training_loss(out: Any) -> Any:
     """A scalar to call ``backward`` on: the sum of every floating-point output leaf."""
     import torch
@@ -203,9 +193,9 @@ def cmd_code(ns: argparse.Namespace) -> int:
     if ns.stage is not None:
         if not 0 <= ns.stage < n:
             raise UsageError(f"--stage {ns.stage} is out of range: the pipeline has stages 0..{n - 1}")
-        print(stage_text(pipe.emitted, ns.stage), end="")
+        print(pipe.stages.describe(ns.stage), end="")
     else:
-        print("\n".join(stage_text(pipe.emitted, k) for k in range(n)), end="")
+        print(str(pipe.stages), end="")
     return 0
 
 

@@ -85,7 +85,7 @@ def run_demo(stages: int = 4, chunks: int = 4, balance_by: str = "time",
     """Runs the demo; returns the exit code (0: PASS, 1: FAIL)."""
     import fxpipe
 
-    from .commands import progress, set_threads, stage_text
+    from .commands import progress, set_threads
 
     out = out or sys.stdout
     say = lambda *a: print(*a, file=out)  # noqa: E731
@@ -135,12 +135,12 @@ def run_demo(stages: int = 4, chunks: int = 4, balance_by: str = "time",
     out_ok = torch.allclose(y.to(ref_dev), y_ref, rtol=1e-4, atol=1e-5)
     grad_ok = not missing and grad_diff <= 1e-5 + 1e-4 * grad_scale
 
-    pops = [k for k in range(pipe.n_stages) if pipe.emitted.pops(k)]
-    stashes = [k for k in range(pipe.n_stages) if pipe.emitted.stashes(k)]
+    pops = [k for k in range(pipe.n_stages) if pipe.stages.pops(k)]
+    stashes = [k for k in range(pipe.n_stages) if pipe.stages.stashes(k)]
     shown = ([stashes[0]] if stashes else []) + ([pops[-1]] if pops else [])
     for k in dict.fromkeys(shown):
         say("")
-        say(stage_text(pipe.emitted, k).rstrip())
+        say(pipe.stages.describe(k).rstrip())
     if not pops:
         say("\n(no portals: no value skips a stage in this plan)")
 

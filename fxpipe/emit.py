@@ -1,15 +1,14 @@
-"""Emit one ``torch.fx.GraphModule`` per pipeline stage from a captured graph.
+"""Emit one ``torch.fx.GraphModule`` per pipeline stage from a captured graph and its Plan.
 
-Input: the captured ``GraphModule`` (flat placeholders, flat output tuple) and an
-``assignment`` node name -> stage index. Output: :class:`Stages`.
+Input: the captured ``GraphModule`` (flat placeholders, flat output tuple) and the
+:class:`~fxpipe.plan.Plan` made for it. Output: :class:`Stages`. The plan's routes
+(:mod:`fxpipe.routes`) say what each stage receives, returns, stashes and pops; emission only
+writes them down, so the printed plan is what runs:
 
-Rules:
-
-* a value produced in stage ``i`` and consumed in stage ``i + 1`` is a *boundary* value:
-  stage ``i`` returns it, stage ``i + 1`` receives it as a placeholder;
-* a value consumed in stage ``j > i + 1`` travels by *portal* ``portal_name(value, j)``:
-  stage ``i`` calls ``stash(name, value)`` right after producing it and stage ``j`` calls
-  ``value = pop(name)`` right after its placeholders;
+* a boundary edge ``k -> k + 1``: stage ``k`` returns the value, stage ``k + 1`` receives it
+  as a placeholder of the same name;
+* a portal ``i -> j``: stage ``i`` calls ``stash(name, value)`` right after producing it and
+  stage ``j`` calls ``value = pop(name)`` right after its placeholders;
 * ``get_attr`` nodes are never transferred: each stage that uses a parameter/buffer
   re-materialises it, so the stage reads the model's own object (tied weights stay tied
   and their gradients sum, exactly like eager);
@@ -29,30 +28,28 @@ import torch
 import torch.fx
 
 from fxpipe.errors import EmitError
-from fxpipe.stage_module import StageModule, annotate_stage_exception, source_comment
-from fxpipe.plan import portal_name
+from fxpipe.graph import build_opgraph
+from fxpipe.plan import Plan
+from fxpipe.routes import Route, routes
 from fxpipe.skip.functional import pop, stash
+from fxpipe.stage_module import StageModule, annotate_stage_exception, source_comment
 
-__all__ = ["EmitError", "StageModule", "Stages", "annotate_stage_exception", "emit_stages", "portal_name"]
-
-# Dead-code elimination (ours or anyone's) must never drop a stash or a pop.
-torch.fx.node.has_side_effect(stash)
-torch.fx.node.has_side_effect(pop)
+__all__ = ["EmitError", "StageModule", "Stages", "annotate_stage_exception", "emit_stages"]
 
 
 @dataclass
 class Stages:
-    """The emitted stages of a pipeline.
+    """The emitted stages of a pipeline; indexing and iterating give the stage modules.
 
     ``modules[k]`` is stage ``k`` (a :class:`StageModule`, i.e. a ``GraphModule`` sharing the
     model's parameters and submodules). ``input_names[k]`` are its placeholders,
     ``output_names[k]`` the values it returns (for the last stage: the model's flat
-    output leaves, a constant leaf written as its ``repr``). ``skip_routes`` maps each
-    portal name to ``(src stage, dst stage)``.
+    output leaves, a constant leaf written as its ``repr``). ``portals`` are the plan's
+    portal routes, one stash/pop pair each.
     """
 
     modules: list[torch.fx.GraphModule]
-    skip_routes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    portals: list[Route] = field(default_factory=list)
     input_names: list[list[str]] = field(default_factory=list)
     output_names: list[list[str]] = field(default_factory=list)
 
@@ -65,13 +62,13 @@ class Stages:
     def __getitem__(self, k: int) -> torch.fx.GraphModule:
         return self.modules[k]
 
-    def stashes(self, k: int) -> list[str]:
-        """Portal names stage ``k`` stashes, in route order."""
-        return [name for name, (src, _) in self.skip_routes.items() if src == k]
+    def stashes(self, k: int) -> list[Route]:
+        """The portals stage ``k`` stashes, in route order."""
+        return [p for p in self.portals if p.src == k]
 
-    def pops(self, k: int) -> list[str]:
-        """Portal names stage ``k`` pops, in route order."""
-        return [name for name, (_, dst) in self.skip_routes.items() if dst == k]
+    def pops(self, k: int) -> list[Route]:
+        """The portals stage ``k`` pops, in route order."""
+        return [p for p in self.portals if p.dst == k]
 
     def stage_code(self, k: int, source: bool = True) -> str:
         """Readable Python of stage ``k`` (its ``.code``); with ``source`` each block of
@@ -81,18 +78,21 @@ class Stages:
         code = source_comment(mod) if source else mod.code
         return code.strip("\n") + "\n"
 
+    def header(self, k: int) -> str:
+        """Comment lines naming stage ``k``'s inputs, outputs, stashes and pops."""
+        lines = [f"# ---- stage {k} ----",
+                 f"# inputs : {', '.join(self.input_names[k]) or '-'}",
+                 f"# outputs: {', '.join(self.output_names[k]) or '-'}"]
+        lines += [f"# stash  : {p.name} -> stage {p.dst}" for p in self.stashes(k)]
+        lines += [f"# pop    : {p.name} <- stage {p.src}" for p in self.pops(k)]
+        return "\n".join(lines)
+
+    def describe(self, k: int) -> str:
+        """Stage ``k`` as printed by ``fxpipe code``: its header, then its code."""
+        return self.header(k) + "\n" + self.stage_code(k)
+
     def __str__(self) -> str:
-        parts = []
-        for k in range(len(self.modules)):
-            header = [f"# ---- stage {k} ({type(self.modules[k]).__name__}) ----"]
-            header.append(f"# inputs : {', '.join(self.input_names[k]) or '-'}")
-            header.append(f"# outputs: {', '.join(self.output_names[k]) or '-'}")
-            for name in self.stashes(k):
-                header.append(f"# stash  : {name} -> stage {self.skip_routes[name][1]}")
-            for name in self.pops(k):
-                header.append(f"# pop    : {name} <- stage {self.skip_routes[name][0]}")
-            parts.append("\n".join(header) + "\n" + self.stage_code(k))
-        return "\n".join(parts)
+        return "\n".join(self.describe(k) for k in range(len(self.modules)))
 
 
 def _leaves(arg: Any) -> list[Any]:
@@ -133,129 +133,111 @@ def _meta_without_source(node: torch.fx.Node) -> dict[str, Any]:
     return meta
 
 
-def emit_stages(gm: torch.fx.GraphModule, assignment: dict[str, int], n_stages: int) -> Stages:
-    """Cut ``gm`` into ``n_stages`` stage ``GraphModule`` s following ``assignment``.
 
-    ``assignment`` maps node names to stage indices (placeholders and the output node may
-    be omitted; ``get_attr`` nodes are ignored since every stage re-materialises the
-    parameters it uses). Every producer must be in the same or an earlier stage than its
-    consumers; violations raise :class:`EmitError`.
+def emit_stages(gm: torch.fx.GraphModule, plan: Plan) -> Stages:
+    """Cut ``gm`` into the stages of ``plan``, one ``GraphModule`` each.
+
+    The plan must have been made for this graph (``Plan.from_assignment`` on its OpGraph, or a
+    saved plan of the same model): :class:`EmitError` says what does not match.
     """
-    if n_stages < 1:
-        raise EmitError(f"n_stages must be >= 1, got {n_stages}")
-    last = n_stages - 1
+    stage = _checked_stages(gm, plan)
+    return Stages(
+        modules=[_emit_stage(gm, plan, stage, k) for k in range(plan.n_stages)],
+        portals=plan.portals,
+        input_names=[_inputs(gm, plan, k) for k in range(plan.n_stages)],
+        output_names=[_output_names(gm, plan, k) for k in range(plan.n_stages)],
+    )
+
+
+def _checked_stages(gm: torch.fx.GraphModule, plan: Plan) -> dict[str, int]:
+    """The stage of every node but ``get_attr`` (re-materialised where used), after checking
+    that the plan fits ``gm``: every node placed, inputs in stage 0, the output in the last
+    stage, and the plan's routes the ones its assignment implies."""
+    if plan.n_stages < 1:
+        raise EmitError(f"n_stages must be >= 1, got {plan.n_stages}")
+    last = plan.n_stages - 1
     nodes = list(gm.graph.nodes)
-    order = {node: i for i, node in enumerate(nodes)}
-    output_node = next(n for n in reversed(nodes) if n.op == "output")
-    known = {n.name for n in nodes}
-    unknown = sorted(set(assignment) - known)
+    unknown = sorted(set(plan.assignment) - {n.name for n in nodes})
     if unknown:
         raise EmitError(f"assignment names nodes that are not in the graph: {unknown[:5]}")
+    stage = {n.name: _stage_of(n, plan.assignment, last) for n in nodes if n.op != "get_attr"}
+    try:
+        implied = routes(build_opgraph(gm), stage)
+    except ValueError as e:
+        raise EmitError(f"{e}; producers must be in the same or an earlier stage") from None
+    key = [(r.value, r.src, r.dst) for r in implied]
+    if key != [(r.value, r.src, r.dst) for r in plan.routes]:
+        given = {(r.value, r.src, r.dst) for r in plan.routes}
+        lost = [f"{v} {s}->{d}" for v, s, d in key if (v, s, d) not in given]
+        odd = [f"{v} {s}->{d}" for v, s, d in sorted(given - set(key), key=str)]
+        raise EmitError(
+            "the plan's routes are not the ones its assignment implies for this graph "
+            f"(missing: {lost[:5] or '-'}; not implied: {odd[:5] or '-'}); make the plan again with "
+            "Plan.from_assignment, or rebuild the pipeline without plan= to re-plan"
+        )
+    return stage
 
-    # Stage of every value-producing node (get_attr excluded: re-materialised per use).
-    stage: dict[torch.fx.Node, int] = {}
-    for node in nodes:
-        if node.op != "get_attr":
-            stage[node] = _stage_of(node, assignment, last)
 
-    # Consumer stages of each value, and the stages that use each get_attr.
-    consumers: dict[torch.fx.Node, set[int]] = {n: set() for n in stage}
-    attr_stages: dict[torch.fx.Node, set[int]] = {}
-    for node in nodes:
-        if node.op == "get_attr":
-            continue
-        s = stage[node]
-        for inp in node.all_input_nodes:
-            if inp.op == "get_attr":
-                attr_stages.setdefault(inp, set()).add(s)
-                continue
-            if stage[inp] > s:
-                raise EmitError(
-                    f"node {node.name!r} (stage {s}) uses {inp.name!r} from a later stage {stage[inp]}; "
-                    "producers must be in the same or an earlier stage"
-                )
-            if stage[inp] < s:
-                consumers[inp].add(s)
+def _inputs(gm: torch.fx.GraphModule, plan: Plan, k: int) -> list[str]:
+    """Stage ``k``'s placeholders: the model's inputs for stage 0, else its boundary edges."""
+    if k == 0:
+        return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return [r.value for r in plan.edges if r.dst == k]
 
-    # Boundary values (k -> k+1) and portal routes (i -> j > i+1), producer order.
-    boundary: list[list[torch.fx.Node]] = [[] for _ in range(n_stages)]  # boundary[k]: k -> k+1
-    routes: dict[str, tuple[int, int]] = {}
-    stash_after: dict[torch.fx.Node, list[str]] = {}
-    pops_at: list[list[tuple[str, torch.fx.Node]]] = [[] for _ in range(n_stages)]
-    for node in sorted(consumers, key=order.__getitem__):
-        src = stage[node]
-        for dst in sorted(consumers[node]):
-            if dst == src + 1:
-                boundary[src].append(node)
-            else:
-                name = portal_name(node.name, dst)
-                routes[name] = (src, dst)
-                stash_after.setdefault(node, []).append(name)
-                pops_at[dst].append((name, node))
 
-    modules: list[torch.fx.GraphModule] = []
-    input_names: list[list[str]] = []
-    output_names: list[list[str]] = []
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    for k in range(n_stages):
-        graph = torch.fx.Graph()
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
+def _output_names(gm: torch.fx.GraphModule, plan: Plan, k: int) -> list[str]:
+    if k < plan.n_stages - 1:
+        return [r.value for r in plan.edges if r.src == k]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return [leaf.name if isinstance(leaf, torch.fx.Node) else repr(leaf) for leaf in _leaves(output.args[0])]
 
-        def arg(n: torch.fx.Node) -> torch.fx.Node:
-            return env[n]
 
-        # 1. placeholders: all model inputs for stage 0, boundary values otherwise.
+def _emit_stage(gm: torch.fx.GraphModule, plan: Plan, stage: dict[str, int], k: int) -> StageModule:
+    """Stage ``k``: placeholders, pops, its nodes in graph order (each followed by its stashes,
+    and the ``get_attr`` s it uses), then its outputs."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    stashes: dict[str, list[str]] = {}
+    for p in plan.portals:
+        if p.src == k:
+            stashes.setdefault(p.value, []).append(p.name)
+
+    def stash_after(node: torch.fx.Node) -> None:
+        for name in stashes.get(node.name, ()):
+            st = graph.create_node("call_function", stash, (name, env[node]), name=f"stash_{name}")
+            st.meta["fxpipe_portal"] = name
+
+    # 1. placeholders: the model's inputs for stage 0, boundary values otherwise.
+    inputs = [by_name[name] for name in _inputs(gm, plan, k)]
+    for value in inputs:
         if k == 0:
-            for ph in placeholders:
-                env[ph] = graph.node_copy(ph, arg)
-            inputs = placeholders
+            env[value] = graph.node_copy(value, env.__getitem__)
         else:
-            for value in boundary[k - 1]:
-                new = graph.placeholder(value.name, type_expr=value.type)
-                new.meta = _meta_without_source(value)
-                env[value] = new
-            inputs = boundary[k - 1]
-        input_names.append([n.name for n in inputs])
-
-        # 2. pops of the portals that end here.
-        for name, value in pops_at[k]:
-            new = graph.create_node("call_function", pop, (name,), name=value.name, type_expr=value.type)
-            new.meta = _meta_without_source(value)
-            new.meta["fxpipe_portal"] = name
-            env[value] = new
-
-        # 3. stashes of inputs (stage 0 only: later placeholders were produced earlier).
-        def emit_stashes(value: torch.fx.Node) -> None:
-            for name in stash_after.get(value, ()):
-                st = graph.create_node("call_function", stash, (name, env[value]), name=f"stash_{name}")
-                st.meta["fxpipe_portal"] = name
-
-        if k == 0:
-            for ph in placeholders:
-                emit_stashes(ph)
-
-        # 4. this stage's nodes in graph order; get_attr where this stage uses it.
-        for node in nodes:
-            if node.op == "get_attr":
-                if k in attr_stages.get(node, ()):
-                    env[node] = graph.node_copy(node, arg)
-            elif node.op in ("placeholder", "output") or stage[node] != k:
-                continue
-            else:
-                env[node] = graph.node_copy(node, arg)
-                emit_stashes(node)
-
-        # 5. output: the next stage's boundary values, or the model's outputs.
-        if k == last:
-            graph.node_copy(output_node, arg)
-            output_names.append(
-                [leaf.name if isinstance(leaf, torch.fx.Node) else repr(leaf) for leaf in _leaves(output_node.args[0])]
-            )
-        else:
-            graph.output(tuple(env[v] for v in boundary[k]))
-            output_names.append([v.name for v in boundary[k]])
-
-        graph.lint()
-        modules.append(StageModule(gm, graph, class_name=f"Stage{k}", stage_index=k))
-
-    return Stages(modules=modules, skip_routes=routes, input_names=input_names, output_names=output_names)
+            env[value] = graph.placeholder(value.name, type_expr=value.type)
+            env[value].meta = _meta_without_source(value)
+    # 2. pops of the portals that end here, and (stage 0) stashes of model inputs.
+    for p in plan.portals:
+        if p.dst == k:
+            value = by_name[p.value]
+            env[value] = graph.create_node("call_function", pop, (p.name,), name=value.name, type_expr=value.type)
+            env[value].meta = {**_meta_without_source(value), "fxpipe_portal": p.name}
+    for value in inputs if k == 0 else ():
+        stash_after(value)
+    # 3. this stage's nodes in graph order, each followed by its stashes; a get_attr
+    #    wherever this stage uses it.
+    used_attrs = {inp for n in gm.graph.nodes if stage.get(n.name) == k
+                  for inp in n.all_input_nodes if inp.op == "get_attr"}
+    for node in gm.graph.nodes:
+        if node in used_attrs:
+            env[node] = graph.node_copy(node, env.__getitem__)
+        elif node.op not in ("get_attr", "placeholder", "output") and stage[node.name] == k:
+            env[node] = graph.node_copy(node, env.__getitem__)
+            stash_after(node)
+    # 4. output: the next stage's boundary values, or the model's outputs.
+    if k == plan.n_stages - 1:
+        graph.node_copy(next(n for n in reversed(gm.graph.nodes) if n.op == "output"), env.__getitem__)
+    else:
+        graph.output(tuple(env[by_name[r.value]] for r in plan.edges if r.src == k))
+    graph.lint()
+    return StageModule(gm, graph, class_name=f"Stage{k}", stage_index=k)

@@ -37,6 +37,7 @@ __all__ = [
     "partition",
     "stage_costs",
     "value_bytes",
+    "is_value",
 ]
 
 #: fx ops that do work and may be cut between stages.
@@ -49,7 +50,7 @@ def _num(data: Mapping[str, Any], key: str) -> float:
     return 0.0 if value is None else float(value)
 
 
-def _is_value(op: str | None) -> bool:
+def is_value(op: str | None) -> bool:
     """Whether a node's output can travel between stages (get_attr parameters never do)."""
     return op == "placeholder" or op in COMPUTE_OPS
 
@@ -358,7 +359,7 @@ class _Problem:
         rects: list[tuple[int, int, int, int]] = []
         for u in order:
             op = ops[u]
-            if not _is_value(op):
+            if not is_value(op):
                 continue
             p = glue[u]
             qs = set()
@@ -491,7 +492,7 @@ def stage_costs(
     for node, s in assignment.items():
         compute[s] += _num(nodes[node], cost_attr)
     for u, v in graph.edges:
-        if _is_value(nodes[u].get("op")) and assignment[u] < assignment[v]:
+        if is_value(nodes[u].get("op")) and assignment[u] < assignment[v]:
             received[assignment[v]].add(u)
     return [
         c + seconds_per_byte * sum(value_bytes(graph, u) for u in r) for c, r in zip(compute, received)

@@ -1,9 +1,9 @@
 """The Plan: what goes where, as a plain value you can print, save, load and diff (no torch).
 
 A Plan is derived from an OpGraph and a node -> stage assignment. Besides the stages it
-lists every activation that crosses a stage boundary: to the next stage (``BoundaryEdge``)
-or past one or more stages (``Portal``, sent straight to the consumer, named by
-``portal_name``, which the code emitter relies on).
+holds every route a value takes between stages (:mod:`fxpipe.routes`): to the next stage
+(``edges``) or past one or more stages (``portals``). Emission and the runtime read the
+routes from the plan, so a saved plan is by construction what runs.
 """
 
 from __future__ import annotations
@@ -16,17 +16,13 @@ from typing import Any, Mapping
 import networkx as nx
 
 from fxpipe.errors import PlanError, PlanFileError, PlanNotFoundError, PlanPathError
-from fxpipe.partition import _is_value, stage_costs, value_bytes
+from fxpipe.partition import stage_costs
+from fxpipe.routes import Route, portal_name, routes
 
-__all__ = ["FORMAT", "StageInfo", "BoundaryEdge", "Portal", "Plan", "portal_name", "human_bytes"]
+__all__ = ["FORMAT", "StageInfo", "Route", "Plan", "portal_name", "human_bytes"]
 
 #: JSON format tag; bump on incompatible changes so old files fail loudly, not subtly.
 FORMAT = "fxpipe.plan/1"
-
-
-def portal_name(value: str, dst: int) -> str:
-    """Name of the portal carrying ``value`` to stage ``dst`` (one per consuming stage)."""
-    return f"{value}__to{dst}"
 
 
 @dataclass
@@ -37,27 +33,6 @@ class StageInfo:
     param_bytes: int
     act_in_bytes: int
     act_out_bytes: int
-
-
-@dataclass
-class BoundaryEdge:
-    """A value sent from stage ``src`` to the next stage ``dst == src + 1``."""
-
-    value: str
-    src: int
-    dst: int
-    bytes: int
-
-
-@dataclass
-class Portal:
-    """A value sent from stage ``src`` directly to a later stage ``dst > src + 1``."""
-
-    name: str
-    value: str
-    src: int
-    dst: int
-    bytes: int
 
 
 def human_bytes(n: float) -> str:
@@ -85,9 +60,19 @@ class Plan:
     balance_by: str
     assignment: dict[str, int]
     stages: list[StageInfo]
-    edges: list[BoundaryEdge]
-    portals: list[Portal]
+    #: every value sent between stages, ordered by (src, dst, position in the graph)
+    routes: list[Route]
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def edges(self) -> list[Route]:
+        """The routes to the next stage: stage ``src`` returns the value, ``dst`` receives it."""
+        return [r for r in self.routes if not r.is_portal]
+
+    @property
+    def portals(self) -> list[Route]:
+        """The routes that skip stages: one stash/pop pair each in the stage code."""
+        return [r for r in self.routes if r.is_portal]
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -101,7 +86,7 @@ class Plan:
         seconds_per_byte: float = 0.0,
         meta: dict[str, Any] | None = None,
     ) -> "Plan":
-        """Derive stages, boundary edges and portals from ``{node: stage}``.
+        """Derive stages and routes from ``{node: stage}``.
 
         Raises ValueError if a node is unassigned or a value would have to flow backwards.
         """
@@ -116,40 +101,12 @@ class Plan:
         if any(s < 0 for s in assign.values()):
             raise ValueError("stage indices must be >= 0")
         n_stages = max(assign.values(), default=-1) + 1
-
-        def key(n: str) -> tuple[int, str]:
-            return (nodes[n].get("index", 0), str(n))
-
-        edges: list[BoundaryEdge] = []
-        portals: list[Portal] = []
-        for u in sorted(graph.nodes, key=key):
-            if not _is_value(nodes[u].get("op")):
-                continue  # parameters (get_attr) are shared, never sent
-            src = assign[u]
-            dsts = set()
-            for v in graph.successors(u):
-                dst = assign[v]
-                if dst < src:
-                    raise ValueError(
-                        f"{v!r} (stage {dst}) consumes {u!r} from a later stage ({src}); "
-                        "values can only flow to the same or a later stage"
-                    )
-                if dst > src:
-                    dsts.add(dst)
-            size = value_bytes(graph, u) if dsts else 0
-            for dst in sorted(dsts):
-                if dst == src + 1:
-                    edges.append(BoundaryEdge(str(u), src, dst, size))
-                else:
-                    portals.append(Portal(portal_name(str(u), dst), str(u), src, dst, size))
-        rank = {n: i for i, n in enumerate(sorted(graph.nodes, key=key))}
-        edges.sort(key=lambda e: (e.src, e.dst, rank[e.value]))
-        portals.sort(key=lambda p: (p.src, p.dst, rank[p.value]))
+        sent = routes(graph, assign)
 
         costs = stage_costs(graph, assign, cost_attr=cost_attr, seconds_per_byte=seconds_per_byte)
         costs += [0.0] * (n_stages - len(costs))
         members: list[list[str]] = [[] for _ in range(n_stages)]
-        for n in sorted(assign, key=key):
+        for n in sorted(assign, key=lambda n: (nodes[n].get("index", 0), str(n))):
             members[assign[n]].append(str(n))
         stages = []
         for s in range(n_stages):
@@ -164,10 +121,10 @@ class Plan:
                         continue
                     seen.add(tkey)
                 params += int(data.get("param_bytes") or 0)
-            act_in = sum(x.bytes for x in (*edges, *portals) if x.dst == s)
-            act_out = sum(x.bytes for x in (*edges, *portals) if x.src == s)
+            act_in = sum(r.bytes for r in sent if r.dst == s)
+            act_out = sum(r.bytes for r in sent if r.src == s)
             stages.append(StageInfo(s, members[s], float(costs[s]), params, act_in, act_out))
-        return cls(n_stages, balance_by, assign, stages, edges, portals, dict(meta or {}))
+        return cls(n_stages, balance_by, assign, stages, sent, dict(meta or {}))
 
     def stage_of(self, node: str) -> int:
         try:
@@ -211,7 +168,13 @@ class Plan:
 
     # -- persistence -----------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
+        """The plan as JSON text. Routes are written as ``edges`` and ``portals`` (a portal
+        with its ``name``), the layout of every plan file so far."""
+        body = asdict(self)
+        del body["routes"]
+        body["edges"] = [_route_json(r) for r in self.edges]
+        body["portals"] = [{"name": r.name, **_route_json(r)} for r in self.portals]
+        return json.dumps({"format": FORMAT, **body}, indent=1)
 
     @classmethod
     def from_json(cls, s: str) -> "Plan":
@@ -289,6 +252,13 @@ _FIELDS: list[tuple[str, type, str]] = [
 ]
 
 
+_EDGE_KEYS = ["value", "src", "dst", "bytes"]
+
+
+def _route_json(r: Route) -> dict[str, Any]:
+    return {"value": r.value, "src": r.src, "dst": r.dst, "bytes": r.bytes}
+
+
 def _plan_from_text(cls: type, text: str, where: str | None) -> "Plan":
     src = f"plan file {where!r}" if where is not None else "plan JSON"
     todo = _REMAKE if where is not None else "pass the text written by plan.to_json()"
@@ -320,8 +290,7 @@ def _plan_from_text(cls: type, text: str, where: str | None) -> "Plan":
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise PlanError(f"{src}: {key!r} must be {desc}, got {type(value).__name__}; {todo}", path=where)
 
-    def entries(key: str, kind: type) -> list[Any]:
-        names = [f.name for f in fields(kind)]
+    def entries(key: str, names: list[str], kind: str) -> list[dict[str, Any]]:
         out = []
         for i, x in enumerate(d[key]):
             if not isinstance(x, dict):
@@ -331,9 +300,19 @@ def _plan_from_text(cls: type, text: str, where: str | None) -> "Plan":
             if lacks or extra:
                 what = "; ".join(([f"it has no {', '.join(map(repr, lacks))}"] if lacks else [])
                                  + ([f"unknown {', '.join(map(repr, extra))}"] if extra else []))
-                raise PlanError(f"{src}: {key}[{i}] is not a {kind.__name__} ({what}); {todo}", path=where)
-            out.append(kind(**x))
+                raise PlanError(f"{src}: {key}[{i}] is not a {kind} ({what}); {todo}", path=where)
+            out.append(x)
         return out
+
+    def route(key: str, i: int, x: dict[str, Any]) -> Route:
+        r = Route(str(x["value"]), x["src"], x["dst"], x["bytes"])
+        portal = key == "portals"
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (r.src, r.dst, r.bytes))
+        if not ok or not 0 <= r.src < r.dst < n or r.is_portal != portal or (portal and x["name"] != r.name):
+            want = "dst > src + 1 and name == f'{value}__to{dst}'" if portal else "dst == src + 1"
+            raise PlanError(f"{src}: {key}[{i}] ({x}) is not a valid route: a {key[:-1]} needs integer "
+                            f"stages 0 <= src < dst < {n} with {want}; {todo}", path=where)
+        return r
 
     n = d["n_stages"]
     bad = [(k, v) for k, v in d["assignment"].items()
@@ -341,17 +320,18 @@ def _plan_from_text(cls: type, text: str, where: str | None) -> "Plan":
     if n < 1 or bad:
         what = f"n_stages is {n}" if n < 1 else f"node {bad[0][0]!r} has stage {bad[0][1]!r}, not in 0..{n - 1}"
         raise PlanError(f"{src} is inconsistent: {what}; {todo}", path=where)
-    stages = entries("stages", StageInfo)
+    stages = [StageInfo(**x) for x in entries("stages", [f.name for f in fields(StageInfo)], "StageInfo")]
     if len(stages) != n:
         raise PlanError(f"{src} is inconsistent: n_stages is {n} but it lists {len(stages)} stages; {todo}",
                         path=where)
+    sent = [route("edges", i, x) for i, x in enumerate(entries("edges", _EDGE_KEYS, "edge"))]
+    sent += [route("portals", i, x) for i, x in enumerate(entries("portals", ["name", *_EDGE_KEYS], "portal"))]
     meta = d.get("meta", {})
     return cls(
         n_stages=n,
         balance_by=d["balance_by"],
         assignment=dict(d["assignment"]),
         stages=stages,
-        edges=entries("edges", BoundaryEdge),
-        portals=entries("portals", Portal),
+        routes=sorted(sent, key=lambda r: (r.src, r.dst)),  # stable: each list is in graph order
         meta=meta if isinstance(meta, dict) else {},
     )

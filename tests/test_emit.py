@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import traceback
 import inspect
@@ -17,7 +18,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxpipe.emit import EmitError, StageModule, Stages, emit_stages, portal_name
+from fxpipe.emit import EmitError, StageModule, Stages, emit_stages
+from fxpipe.graph import build_opgraph
+from fxpipe.plan import Plan
+from fxpipe.routes import portal_name
 
 THIS_FILE = __file__
 
@@ -149,6 +153,30 @@ def split_assignment(gm, cuts, n_stages):
     return assignment
 
 
+def plan_for(gm, assignment, n_stages):
+    """The Plan of a hand-made assignment: model inputs default to stage 0, the output to the
+    last stage and each get_attr to its first user's stage (as fxpipe.partition does)."""
+    full = dict(assignment)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            full.setdefault(node.name, 0 if node.op == "placeholder" else n_stages - 1)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.name not in full:
+            full[node.name] = min(full[u.name] for u in node.users)
+    return Plan.from_assignment(build_opgraph(gm), full)
+
+
+def emit(gm, assignment, n_stages):
+    plan = plan_for(gm, assignment, n_stages)
+    assert plan.n_stages == n_stages
+    return emit_stages(gm, plan)
+
+
+def portal_routes(stages: Stages):
+    """``{portal name: (src, dst)}`` of the emitted stages."""
+    return {p.name: (p.src, p.dst) for p in stages.portals}
+
+
 def run_stages(stages: Stages, *inputs):
     values = inputs
     for k, mod in enumerate(stages.modules):
@@ -231,11 +259,11 @@ def test_even_split_matches_eager(name, n_stages):
     n = len(compute_nodes(gm))
     cuts = [round(n * k / n_stages) for k in range(1, n_stages)]
     assignment = split_assignment(gm, cuts, n_stages)
-    stages = emit_stages(gm, assignment, n_stages)
+    stages = emit(gm, assignment, n_stages)
     assert len(stages.modules) == n_stages
     check_equivalence(model, make_inputs(), stages)
     boundary, routes = expected_routes(gm, assignment, n_stages)
-    assert stages.skip_routes == routes
+    assert portal_routes(stages) == routes
     for k in range(n_stages - 1):
         assert set(stages.output_names[k]) == boundary[k]
         assert stages.input_names[k + 1] == stages.output_names[k]
@@ -254,10 +282,10 @@ def test_random_contiguous_splits_match_eager(data):
     # cuts may coincide (empty stages) and may sit at either end
     cuts = sorted(data.draw(st.lists(st.integers(0, n), min_size=n_stages - 1, max_size=n_stages - 1)))
     assignment = split_assignment(gm, cuts, n_stages)
-    stages = emit_stages(gm, assignment, n_stages)
+    stages = emit(gm, assignment, n_stages)
     check_equivalence(model, make_inputs(), stages)
     _, routes = expected_routes(gm, assignment, n_stages)
-    assert stages.skip_routes == routes
+    assert portal_routes(stages) == routes
 
 
 # --------------------------------------------------------------------------- signatures and portals
@@ -281,12 +309,12 @@ def placeholder_names(gm):
 def test_signatures_carry_only_what_next_stage_needs():
     model = ResidualMLP()
     gm = trace(model)
-    stages = emit_stages(gm, residual_hand_assignment(gm), 4)
+    stages = emit(gm, residual_hand_assignment(gm), 4)
     assert stages.input_names == [["x"], ["fc_in"], ["add"], ["add_1"]]
     assert stages.output_names == [["fc_in"], ["add"], ["add_1"], ["fc_out"]]
     for k, mod in enumerate(stages.modules):
         assert placeholder_names(mod) == stages.input_names[k]
-    assert stages.skip_routes == {}
+    assert portal_routes(stages) == {}
     check_equivalence(model, (torch.randn(2, 6, requires_grad=True),), stages)
 
 
@@ -306,16 +334,19 @@ def test_unet_long_skips_become_portals():
             k = 3
         stage_of[name] = k
     stage_of.update(x=0, output=3)
-    stages = emit_stages(gm, stage_of, 4)
-    assert stages.skip_routes == {
+    stages = emit(gm, stage_of, 4)
+    assert portal_routes(stages) == {
         "x__to3": (0, 3),
         "relu__to3": (0, 3),
         "relu_1__to2": (0, 2),
     }
     assert stages.input_names == [["x"], ["relu_2"], ["tanh"], ["relu_3"]]
     assert stages.output_names[:3] == [["relu_2"], ["tanh"], ["relu_3"]]
-    assert stages.stashes(0) == ["x__to3", "relu__to3", "relu_1__to2"]
-    assert stages.pops(3) == ["x__to3", "relu__to3"]
+    # route order: by destination stage, then position in the graph
+    assert [p.name for p in stages.stashes(0)] == ["relu_1__to2", "x__to3", "relu__to3"]
+    assert [p.name for p in stages.pops(3)] == ["x__to3", "relu__to3"]
+    # the stash calls follow the values they stash, in graph order
+    assert re.findall(r"stash\('(\w+)'", stages.modules[0].code) == ["x__to3", "relu__to3", "relu_1__to2"]
     # pops come right after the placeholders and are named after the value
     code3 = stages.modules[3].code
     assert re.search(r"x = fxpipe_skip_functional_pop\('x__to3'\)", code3)
@@ -338,17 +369,17 @@ def test_late_input_travels_by_portal_from_stage_0():
     names = [n.name for n in compute_nodes(gm)]
     assignment = dict(zip(names, [0, 0, 1, 1, 2, 2]))
     assignment.update(x=0, unused=0, y=0, output=2)
-    stages = emit_stages(gm, assignment, 3)
+    stages = emit(gm, assignment, 3)
     # stage 0 takes every model input, even those it does not use itself
     assert placeholder_names(stages.modules[0]) == ["x", "unused", "y"]
-    assert stages.skip_routes == {"y__to2": (0, 2)}
+    assert portal_routes(stages) == {"y__to2": (0, 2)}
     assert stages.input_names[1:] == [["layers_1"], ["layers_3"]]
     check_equivalence(model, (torch.randn(4, 5), torch.randn(4, 5), torch.randn(4, 5, requires_grad=True)), stages)
 
     # with two stages y is an ordinary boundary value
     assignment2 = {k: min(v, 1) for k, v in assignment.items()}
-    stages2 = emit_stages(gm, assignment2, 2)
-    assert stages2.skip_routes == {}
+    stages2 = emit(gm, assignment2, 2)
+    assert portal_routes(stages2) == {}
     assert stages2.output_names[0] == ["y", "layers_1"]
     assert placeholder_names(stages2.modules[1]) == ["y", "layers_1"]
 
@@ -358,7 +389,7 @@ def test_tied_weights_are_rematerialised_not_transferred():
     gm = trace(model)
     n = len(compute_nodes(gm))
     assignment = split_assignment(gm, [2, 4, n - 3], 4)
-    stages = emit_stages(gm, assignment, 4)
+    stages = emit(gm, assignment, 4)
     first, last = stages.modules[0], stages.modules[-1]
     # the same Parameter objects, reached by the model's qualified names
     assert first.emb is model.emb
@@ -367,7 +398,7 @@ def test_tied_weights_are_rematerialised_not_transferred():
     # parameters never cross a stage boundary
     for names in stages.input_names + stages.output_names:
         assert not any(name.startswith(("proj", "emb_weight")) for name in names)
-    assert all(not name.startswith(("proj", "emb_weight")) for name in stages.skip_routes)
+    assert all(not name.startswith(("proj", "emb_weight")) for name in portal_routes(stages))
     # stages that do not use a parameter do not hold it
     middle_attrs = {n.target for m in stages.modules[1:3] for n in m.graph.nodes if n.op == "get_attr"}
     assert middle_attrs == set()
@@ -382,8 +413,8 @@ def test_outputs_produced_early_constants_and_passthrough_inputs():
     assert names == ["a", "sigmoid", "b", "relu", "c", "relu_1", "d", "mul"]
     assignment = dict(zip(names, [0, 0, 1, 1, 2, 2, 3, 3]))
     assignment.update(x=0, scale=0, output=3)
-    stages = emit_stages(gm, assignment, 4)
-    assert stages.skip_routes == {"x__to3": (0, 3), "scale__to3": (0, 3), "sigmoid__to3": (0, 3)}
+    stages = emit(gm, assignment, 4)
+    assert portal_routes(stages) == {"x__to3": (0, 3), "scale__to3": (0, 3), "sigmoid__to3": (0, 3)}
     assert stages.output_names[-1] == ["sigmoid", "None", "mul", "x", "7"]
     x, scale = torch.randn(3, 4, requires_grad=True), torch.randn(3, 2)
     out = run_stages(stages, x, scale)
@@ -393,17 +424,17 @@ def test_outputs_produced_early_constants_and_passthrough_inputs():
     # produced in stage last-1: an ordinary boundary value
     assignment3 = {k: min(v, 2) for k, v in assignment.items()}
     assignment3.update({"a": 0, "sigmoid": 1, "b": 1, "relu": 1})
-    stages3 = emit_stages(gm, assignment3, 3)
+    stages3 = emit(gm, assignment3, 3)
     assert stages3.output_names[1] == ["sigmoid", "relu"]
-    assert stages3.skip_routes == {"x__to2": (0, 2), "scale__to2": (0, 2)}
+    assert portal_routes(stages3) == {"x__to2": (0, 2), "scale__to2": (0, 2)}
     check_equivalence(model, (x, scale), stages3)
 
 
 def test_single_stage_is_the_whole_model():
     model = UNetish()
     gm = trace(model)
-    stages = emit_stages(gm, split_assignment(gm, [], 1), 1)
-    assert stages.skip_routes == {}
+    stages = emit(gm, split_assignment(gm, [], 1), 1)
+    assert portal_routes(stages) == {}
     assert stages.input_names == [["x"]]
     assert stages.output_names == [["head"]]
     check_equivalence(model, (torch.randn(1, 2, 8, requires_grad=True),), stages)
@@ -416,7 +447,7 @@ def test_parameters_and_submodules_are_the_models_own():
     model = UNetish()
     gm = trace(model)
     n = len(compute_nodes(gm))
-    stages = emit_stages(gm, split_assignment(gm, [n // 3, 2 * n // 3], 3), 3)
+    stages = emit(gm, split_assignment(gm, [n // 3, 2 * n // 3], 3), 3)
     seen = set()
     for mod in stages.modules:
         assert isinstance(mod, fx.GraphModule)
@@ -435,7 +466,7 @@ def test_code_is_readable_and_keeps_source_links():
     model = UNetish()
     gm = trace(model)
     n = len(compute_nodes(gm))
-    stages = emit_stages(gm, split_assignment(gm, [n // 2], 2), 2)
+    stages = emit(gm, split_assignment(gm, [n // 2], 2), 2)
     code0 = stages.modules[0].code
     assert "self.encoder.conv1(x)" in code0
     assert "submod" not in code0 and "submod" not in stages.modules[1].code
@@ -449,11 +480,11 @@ def test_code_is_readable_and_keeps_source_links():
     assert f'# File "{THIS_FILE}", line {line}, in forward: e1 = torch.relu(self.encoder.conv1(x))' in text
     assert stages.stage_code(0, source=False).strip() == code0.strip()
     whole = str(stages)
-    assert "stage 0 (Stage0)" in whole and "stage 1 (Stage1)" in whole
+    assert "# ---- stage 0 ----" in whole and "# ---- stage 1 ----" in whole
 
     model2 = ResidualMLP()
     gm2 = trace(model2)
-    code = emit_stages(gm2, residual_hand_assignment(gm2), 4).modules[2].code
+    code = emit(gm2, residual_hand_assignment(gm2), 4).modules[2].code
     assert 'getattr(self.blocks, "1")(add)' in code
 
 
@@ -461,8 +492,8 @@ def test_dead_code_elimination_keeps_stashes():
     model = UNetish()
     gm = trace(model)
     n = len(compute_nodes(gm))
-    stages = emit_stages(gm, split_assignment(gm, [n // 4, n // 2, 3 * n // 4], 4), 4)
-    assert stages.skip_routes
+    stages = emit(gm, split_assignment(gm, [n // 4, n // 2, 3 * n // 4], 4), 4)
+    assert portal_routes(stages)
     for mod in stages.modules:
         before = [n.name for n in mod.graph.nodes]
         mod.graph.eliminate_dead_code()
@@ -474,7 +505,7 @@ def test_dead_code_elimination_keeps_stashes():
 def test_deepcopy_keeps_stage_identity():
     model = ResidualMLP()
     gm = trace(model)
-    stages = emit_stages(gm, residual_hand_assignment(gm), 4)
+    stages = emit(gm, residual_hand_assignment(gm), 4)
     clone = copy.deepcopy(stages.modules[2])
     assert type(clone).__name__ == "Stage2"
     assert clone.stage_index == 2
@@ -489,7 +520,7 @@ def test_deepcopy_keeps_stage_identity():
 def test_pickle_keeps_stage_identity():
     model = ResidualMLP()
     gm = trace(model)
-    stages = emit_stages(gm, residual_hand_assignment(gm), 4)
+    stages = emit(gm, residual_hand_assignment(gm), 4)
     clone = pickle.loads(pickle.dumps(stages.modules[1]))
     assert isinstance(clone, StageModule)
     assert type(clone).__name__ == "Stage1" and clone.stage_index == 1
@@ -514,11 +545,25 @@ def bad_assignment_cases(gm):
 
 
 def test_bad_assignments_raise_emit_error():
+    """A plan whose assignment does not fit the graph (edited by hand, or made for another
+    model) is refused before any stage is emitted."""
     gm = trace(ResidualMLP())
+    good = plan_for(gm, residual_hand_assignment(gm), 4)
     for assignment, message in bad_assignment_cases(gm):
         with pytest.raises(EmitError, match=message):
-            emit_stages(gm, assignment, 4)
+            emit_stages(gm, dataclasses.replace(good, assignment=assignment))
     assert issubclass(EmitError, ValueError)
+
+
+def test_plan_routes_that_disagree_with_its_assignment_are_refused():
+    gm = trace(UNetish())
+    n = len(compute_nodes(gm))
+    good = plan_for(gm, split_assignment(gm, [2, n // 2, n - 3], 4), 4)
+    assert good.portals
+    for routes, missing in ((good.routes[1:], True), (good.routes + [dataclasses.replace(good.routes[0], dst=3)], False)):
+        with pytest.raises(EmitError, match="routes are not the ones its assignment implies") as info:
+            emit_stages(gm, dataclasses.replace(good, routes=routes))
+        assert ("missing: -" in str(info.value)) is not missing
 
 
 def note_of(exc):
@@ -541,7 +586,7 @@ def test_shape_error_points_at_stage_generated_line_and_source():
     gm = trace(model)
     names = [n.name for n in compute_nodes(gm)]
     cut = names.index("mid")
-    stages = emit_stages(gm, split_assignment(gm, [cut], 2), 2)
+    stages = emit(gm, split_assignment(gm, [cut], 2), 2)
     run_stages(stages, torch.randn(1, 2, 8))  # a good call first
     values = list(stages.modules[0](torch.randn(1, 2, 8)))
     values[stages.input_names[1].index("relu_2")] = torch.randn(1, 5, 2)  # wrong channels for self.mid
@@ -566,7 +611,7 @@ def test_error_raised_by_the_generated_line_itself_keeps_traceback():
     names = [n.name for n in compute_nodes(gm)]
     cut = names.index("interpolate")
     assignment = split_assignment(gm, [cut], 2)
-    stages = emit_stages(gm, assignment, 2)
+    stages = emit(gm, assignment, 2)
     with pytest.raises(RuntimeError, match="Sizes of tensors must match") as info:
         run_stages(stages, torch.randn(1, 2, 7))  # odd length: skip and upsampled path differ
     note = note_of(info.value)
@@ -610,7 +655,7 @@ class LeafTracer(fx.Tracer):
 def test_custom_exception_type_is_preserved():
     model = WithPicky()
     gm = fx.GraphModule(model, LeafTracer().trace(model))
-    stages = emit_stages(gm, {"x": 0, "lin": 0, "picky": 1, "output": 1}, 2)
+    stages = emit(gm, {"x": 0, "lin": 0, "picky": 1, "output": 1}, 2)
     with pytest.raises(Boom) as info:
         run_stages(stages, torch.randn(2, 3))
     assert type(info.value) is Boom
@@ -627,7 +672,7 @@ def test_missing_portal_value_is_annotated_as_portal():
     names = [n.name for n in compute_nodes(gm)]
     assignment = dict(zip(names, [0, 0, 1, 1, 2, 2]))
     assignment.update(x=0, unused=0, y=0, output=2)
-    stages = emit_stages(gm, assignment, 3)
+    stages = emit(gm, assignment, 3)
     with pytest.raises(RuntimeError, match="y__to2") as info:  # stage 0 never ran: nothing stashed
         stages.modules[2](torch.randn(4, 5))
     note = note_of(info.value)
@@ -640,10 +685,10 @@ def test_stage_names_and_emit_are_deterministic():
     gm = trace(model)
     n = len(compute_nodes(gm))
     assignment = split_assignment(gm, [2, n // 2, n - 3], 4)
-    a = emit_stages(gm, assignment, 4)
-    b = emit_stages(gm, dict(reversed(list(assignment.items()))), 4)
+    a = emit(gm, assignment, 4)
+    b = emit(gm, dict(reversed(list(assignment.items()))), 4)
     assert [m.code for m in a.modules] == [m.code for m in b.modules]
-    assert list(a.skip_routes.items()) == list(b.skip_routes.items())
+    assert a.portals == b.portals
     # every original node name survives somewhere, unchanged
     emitted = {n.name for m in a.modules for n in m.graph.nodes}
     assert {n.name for n in gm.graph.nodes if n.op != "output"} <= emitted
@@ -655,7 +700,7 @@ def test_every_node_in_exactly_one_stage_for_all_small_splits():
     n = len(compute_nodes(gm))
     for n_stages in (2, 3):
         for cuts in itertools.combinations(range(n + 1), n_stages - 1):
-            stages = emit_stages(gm, split_assignment(gm, list(cuts), n_stages), n_stages)
+            stages = emit(gm, split_assignment(gm, list(cuts), n_stages), n_stages)
             computed = [n.name for m in stages.modules for n in m.graph.nodes
                         if n.op == "call_module" or (n.op == "call_function" and "fxpipe_portal" not in n.meta)]
             assert sorted(computed) == sorted(c.name for c in compute_nodes(gm))

@@ -261,11 +261,15 @@ def check_plan_routes(pipe) -> None:
     # Nothing sent that nobody reads.
     assert needed_edges == edges
     assert needed_portals == portals
-    emitted = pipe.emitted
-    routes = {name: (s, d) for name, (s, d) in emitted.skip_routes.items()}
-    assert routes == {p.name: (p.src, p.dst) for p in plan.portals}
+    emitted = pipe.stages
+    assert emitted.portals == plan.portals
     for k in range(1, plan.n_stages):
         assert set(emitted.input_names[k]) == {e.value for e in plan.edges if e.dst == k}, k
+    # The stage code stashes and pops exactly the plan's portals, and nothing else.
+    calls = [(n.target.__name__, n.args[0], k) for k, stage in enumerate(emitted)
+             for n in stage.graph.nodes if n.op == "call_function" and "fxpipe_portal" in n.meta]
+    assert sorted(calls) == sorted([("stash", p.name, p.src) for p in plan.portals]
+                                   + [("pop", p.name, p.dst) for p in plan.portals])
 
 
 def empty_boundary(plan: Plan) -> bool:

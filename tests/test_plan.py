@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.partition import partition, stage_costs
-from fxpipe.plan import BoundaryEdge, Plan, Portal, StageInfo, portal_name
+from fxpipe.plan import Plan, Route, StageInfo, portal_name
 
 SPB = 1e-6
 
@@ -49,15 +49,54 @@ def test_edges_and_portals_exact() -> None:
     plan = _plan()
     assert plan.n_stages == 3 and plan.balance_by == "time"
     assert plan.edges == [
-        BoundaryEdge("a", 0, 1, 16),
-        BoundaryEdge("b", 1, 2, 32),
-        BoundaryEdge("c", 1, 2, 64),
+        Route("a", 0, 1, 16),
+        Route("b", 1, 2, 32),
+        Route("c", 1, 2, 64),
     ]
     assert plan.portals == [
-        Portal("x__to2", "x", 0, 2, 8),
-        Portal("a__to2", "a", 0, 2, 16),
+        Route("x", 0, 2, 8),
+        Route("a", 0, 2, 16),
     ]
     assert portal_name("a", 2) == "a__to2"
+    assert [r.name for r in plan.portals] == ["x__to2", "a__to2"]
+    assert [r.name for r in plan.edges] == ["a", "b", "c"]  # the receiving stage's argument
+    assert plan.routes == [*plan.edges[:1], *plan.portals, *plan.edges[1:]]  # by (src, dst)
+
+
+# A plan file as written before the Plan stored routes (edges and portals as two lists):
+# it must keep loading.
+OLD_FILE = {
+    "format": "fxpipe.plan/1", "n_stages": 3, "balance_by": "time",
+    "assignment": ASSIGN,
+    "stages": [{"index": k, "nodes": [], "cost": 0.0, "param_bytes": 0, "act_in_bytes": 0, "act_out_bytes": 0}
+               for k in range(3)],
+    "edges": [{"value": "a", "src": 0, "dst": 1, "bytes": 16}, {"value": "b", "src": 1, "dst": 2, "bytes": 32},
+              {"value": "c", "src": 1, "dst": 2, "bytes": 64}],
+    "portals": [{"name": "x__to2", "value": "x", "src": 0, "dst": 2, "bytes": 8},
+                {"name": "a__to2", "value": "a", "src": 0, "dst": 2, "bytes": 16}],
+    "meta": {},
+}
+
+
+def test_plan_files_written_before_routes_still_load() -> None:
+    plan = Plan.from_json(json.dumps(OLD_FILE))
+    assert plan.routes == _plan().routes
+    written = json.loads(plan.to_json())
+    assert written["edges"] == OLD_FILE["edges"] and written["portals"] == OLD_FILE["portals"]
+
+
+@pytest.mark.parametrize("key, index, change, expect", [
+    ("edges", 0, {"dst": 2}, "edges\\[0\\].*dst == src \\+ 1"),
+    ("portals", 1, {"name": "a__to3"}, "portals\\[1\\].*name == "),
+    ("portals", 0, {"dst": 1}, "portals\\[0\\].*dst > src \\+ 1"),
+    ("portals", 0, {"dst": 7}, "0 <= src < dst < 3"),
+    ("edges", 2, {"src": "1"}, "integer stages"),
+])
+def test_inconsistent_routes_are_refused(key, index, change, expect) -> None:
+    d = json.loads(json.dumps(OLD_FILE))
+    d[key][index].update(change)
+    with pytest.raises(ValueError, match=expect):
+        Plan.from_json(json.dumps(d))
 
 
 def test_stage_info() -> None:
