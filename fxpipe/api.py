@@ -25,8 +25,8 @@ from .plan import Plan
 from .prepare import check_capture, preserved, prepare
 from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
-from .runtime.pipeline import Pipeline as Runtime
-from .skip.layout import SkipLayout
+from .runtime.pipeline import PipelineRunner
+from .runtime.skip_layout import SkipLayout
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -90,7 +90,7 @@ class Pipeline(PlacedModule):
         self.training = model.training  # the pipeline starts in the model's mode
         # The plan's portals, which are also the stash/pop pairs in the stage code.
         layout = SkipLayout.from_names(len(stages), {p.name: (p.src, p.dst) for p in plan.portals})
-        runtime = Runtime(list(stages.modules), devices, skip_layout=layout, spread=True)
+        runtime = PipelineRunner(list(stages.modules), devices, skip_layout=layout, stage_portals=True, spread=True)
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
     @property

@@ -8,7 +8,7 @@ fails inside the skip tracker, or would have to graph-break on every step), so
 function that calls a pipeline -- raise :class:`CompileError` at its first call.
 
 What works is compiling each stage: ``for stage in pipe.stages: stage.compile()``. A stage
-is a plain ``GraphModule``; its portal calls (``fxpipe.skip.functional.stash`` / ``pop``)
+is a plain ``GraphModule``; its portal calls (``fxpipe.portals.stash`` / ``pop``)
 are ``torch.compiler.disable``-d, so the compiled stage breaks its graph around them and
 the portals stay exact.
 """

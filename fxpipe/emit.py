@@ -30,8 +30,8 @@ import torch.fx
 from fxpipe.errors import EmitError
 from fxpipe.graph import build_opgraph
 from fxpipe.plan import Plan
+from fxpipe.portals import pop, stash
 from fxpipe.routes import Route, routes
-from fxpipe.skip.functional import pop, stash
 from fxpipe.stage_module import StageModule, annotate_stage_exception, source_comment
 
 __all__ = ["EmitError", "StageModule", "Stages", "annotate_stage_exception", "emit_stages"]

@@ -23,9 +23,8 @@ from .runtime.batchnorm import (
     DeferredBatchNorm, commit_deferred_batch_norm, convert_deferred_batch_norm, defer_batch_norms,
     release_deferred_batch_norm,
 )
-from .runtime.pipeline import Pipeline, PipelineClosedError
-from .skip.layout import inspect_skip_layout
-from .skip.skippable import verify_skippables
+from .runtime.pipeline import PipelineClosedError, PipelineRunner
+from .skip.skippable import inspect_skip_layout, verify_skippables
 
 __all__ = [
     "GPipe", "BalanceError", "PlacedModule", "checkpoint_stop", "check_chunks", "ChunksError",
@@ -131,7 +130,7 @@ def _public_name(obj: object) -> str:
     return f"fxpipe.{cls.__name__}" if cls.__module__.startswith("fxpipe.") else cls.__name__
 
 
-def _release(runtime: Pipeline, deferred: List[DeferredBatchNorm]) -> None:
+def _release(runtime: PipelineRunner, deferred: List[DeferredBatchNorm]) -> None:
     """What closing or collecting a pipeline undoes; references no front end, so a
     ``weakref.finalize`` holding it does not keep the pipeline alive."""
     runtime.close(wait=False)
@@ -148,10 +147,10 @@ class PlacedModule(nn.Module):
     end allows it) leave the threads, streams and finalizer behind and make their own.
     """
 
-    _runtime: Pipeline
+    _runtime: PipelineRunner
     _deferred: List[DeferredBatchNorm]
 
-    def _open(self, runtime: Pipeline, model: nn.Module, deferred_batch_norm: bool) -> None:
+    def _open(self, runtime: PipelineRunner, model: nn.Module, deferred_batch_norm: bool) -> None:
         """Takes ownership of ``runtime``; with ``deferred_batch_norm``, defers the BatchNorms
         of ``model`` until the pipeline is closed.
 
@@ -306,7 +305,7 @@ class GPipe(PlacedModule):
             raise ValueError(recommend_auto_balance(str(exc))) from None
         self.partitions = cast(nn.ModuleList, nn.ModuleList(partitions))
         self._skip_layout = inspect_skip_layout(partitions)
-        runtime = Pipeline(list(self.partitions), self.devices, skip_layout=self._skip_layout)
+        runtime = PipelineRunner(list(self.partitions), self.devices, skip_layout=self._skip_layout)
         self._open(runtime, self.partitions, deferred_batch_norm)
 
     def __len__(self) -> int:

@@ -1,7 +1,7 @@
 """torch.compile and fxpipe pipelines (issue #8, item 7).
 
 * Compiling each stage (``for s in pipe.stages: s.compile()``) is exact: the portal calls
-  ``fxpipe.skip.functional.stash/pop`` are ``torch.compiler.disable``-d, so dynamo breaks
+  ``fxpipe.portals.stash/pop`` are ``torch.compiler.disable``-d, so dynamo breaks
   the stage's graph around them instead of tracing the skip trackers and the portals'
   autograd Functions (which lost 33-78% of the gradients of values skipping stages).
   Outputs and every gradient are compared with the eager model for every checkpoint mode,
@@ -25,7 +25,7 @@ from torch import nn
 import fxpipe
 from fxpipe.compiling import CompileError
 from fxpipe.errors import FxpipeError
-from fxpipe.skip.functional import pop, stash
+from fxpipe.portals import pop, stash
 
 # Compiled kernels (inductor) reassociate float sums; micro-batching sums gradients in
 # another order than the whole batch does.
@@ -135,8 +135,8 @@ def test_portal_calls_are_opaque_to_dynamo():
     model, x = long_skip()
     pipe = make_pipe(model, x, 3, 2, "never")
     codes = [s.code for s in pipe.stages]
-    assert any("fxpipe_skip_functional_stash(" in c for c in codes)
-    assert any("fxpipe_skip_functional_pop(" in c for c in codes)
+    assert any("fxpipe_portals_stash(" in c for c in codes)
+    assert any("fxpipe_portals_pop(" in c for c in codes)
 
 
 @pytest.mark.parametrize("checkpoint", MODES)

@@ -349,8 +349,8 @@ def test_unet_long_skips_become_portals():
     assert re.findall(r"stash\('(\w+)'", stages.modules[0].code) == ["x__to3", "relu__to3", "relu_1__to2"]
     # pops come right after the placeholders and are named after the value
     code3 = stages.modules[3].code
-    assert re.search(r"x = fxpipe_skip_functional_pop\('x__to3'\)", code3)
-    assert re.search(r"relu = fxpipe_skip_functional_pop\('relu__to3'\)", code3)
+    assert re.search(r"x = fxpipe_portals_pop\('x__to3'\)", code3)
+    assert re.search(r"relu = fxpipe_portals_pop\('relu__to3'\)", code3)
     first_ops = [n.op for n in stages.modules[3].graph.nodes][:3]
     assert first_ops == ["placeholder", "call_function", "call_function"]
     # the stash of a placeholder comes right after the placeholders
@@ -677,7 +677,7 @@ def test_missing_portal_value_is_annotated_as_portal():
         stages.modules[2](torch.randn(4, 5))
     note = note_of(info.value)
     assert note.startswith("in fxpipe stage 2 (Stage2), generated line")
-    assert "`y = fxpipe_skip_functional_pop('y__to2')`; portal 'y__to2' (pop)" in note
+    assert "`y = fxpipe_portals_pop('y__to2')`; portal 'y__to2' (pop)" in note
 
 
 def test_stage_names_and_emit_are_deterministic():

@@ -1,5 +1,5 @@
 """fxpipe.skip: @skippable inside and outside GPipe, verify_skippables, namespaces, the
-function-call form driven through the runtime Pipeline, and is_checkpointing/is_recomputing.
+function-call form driven through the PipelineRunner, and is_checkpointing/is_recomputing.
 
 Everything runs on CPU with ``devices=['cpu'] * n``; the reference is always the same
 skippable modules run as a plain ``nn.Sequential`` (no pipeline).
@@ -17,11 +17,12 @@ from torch.testing import assert_close
 
 from fxpipe import GPipe
 from fxpipe.runtime import microbatch
-from fxpipe.runtime.pipeline import Pipeline
+from fxpipe.runtime.pipeline import PipelineRunner
 from fxpipe.skip import Namespace, pop, skippable, stash, verify_skippables
-from fxpipe.skip import functional as F_skip
-from fxpipe.skip.layout import SkipLayout
-from fxpipe.skip.tracker import current_skip_tracker
+from fxpipe import portals as F_skip
+from fxpipe.runtime.skip_layout import SkipLayout
+from fxpipe.runtime.skip_tracker import current_skip_tracker
+from fxpipe.runtime.stage_portals import current_portals
 
 from skip_models import DTYPE, IN_WIDTH, crossing_skips, partition_of, skippables, unet
 
@@ -487,12 +488,12 @@ def test_functional_outside_pipeline():
     model = functional_unet()
     x = _input()
     y = model(x)
-    assert current_skip_tracker().tensors == {}
+    assert current_portals().values == {}
     # Same as the @skippable U-Net with the same weights.
     reference = unet()
     reference.load_state_dict({_skippable_key(k): v for k, v in model.state_dict().items()})
     assert_close(y, reference(x))
-    with pytest.raises(RuntimeError, match="skip 'zzz' has not been stashed"):
+    with pytest.raises(RuntimeError, match="portal 'zzz' has not been stashed"):
         F_skip.pop("zzz")
 
 
@@ -513,7 +514,8 @@ def _split(model, balance):
     return out
 
 
-FUNCTIONAL_BALANCES = [[4, 4], [1, 5, 2], [1, 1, 1, 2, 3]]
+# Every route crosses partitions, as every portal of generated code does.
+FUNCTIONAL_BALANCES = [[4, 4], [3, 1, 4], [1, 1, 1, 2, 3]]
 
 
 def _functional_routes(balance):
@@ -537,7 +539,7 @@ def test_functional_in_pipeline(balance, chunks, checkpoint):
 
     n = len(balance)
     layout = SkipLayout.from_names(n, _functional_routes(balance))
-    pipeline = Pipeline(_split(model, balance), [torch.device("cpu")] * n, skip_layout=layout, spread=False)
+    pipeline = PipelineRunner(_split(model, balance), [torch.device("cpu")] * n, skip_layout=layout, stage_portals=True, spread=False)
     x_pipe = x.clone().requires_grad_()
     batches = microbatch.scatter(x_pipe, chunks)
     m = len(batches)
@@ -550,7 +552,7 @@ def test_functional_in_pipeline(balance, chunks, checkpoint):
     assert_close(x_pipe.grad, x_ref.grad)
     for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
         assert_close(p.grad, p_ref.grad, msg=lambda msg, name=name: f"grad of {name}: {msg}")
-    assert current_skip_tracker().tensors == {}
+    assert current_portals().values == {}
     pipeline.close()
 
 
@@ -576,8 +578,9 @@ def test_functional_in_pipeline_spread_and_no_grad():
         return lin_b(a) + F_skip.pop("s") + b
 
     x = _input(width=4)
-    pipeline = Pipeline([p0, p1, p2], [torch.device("cpu")] * 3,
-                        skip_layout=SkipLayout.from_names(3, {"s": (0, 2)}), spread=True)
+    pipeline = PipelineRunner([p0, p1, p2], [torch.device("cpu")] * 3,
+                        skip_layout=SkipLayout.from_names(3, {"s": (0, 2)}), stage_portals=True,
+                              spread=True)
     with torch.no_grad():
         batches = microbatch.scatter(x, 3)
         pipeline.run(batches, 0)
@@ -593,9 +596,9 @@ def test_functional_in_pipeline_spread_and_no_grad():
 
 
 def test_functional_pop_without_stash_in_pipeline_raises():
-    pipeline = Pipeline([nn.Identity(), FPop("a", 4, 4, 4).to(DTYPE)], [torch.device("cpu")] * 2,
-                        skip_layout=SkipLayout.from_names(2, {"a": (0, 1)}))
-    with pytest.raises(RuntimeError, match="skip 'a' has not been stashed"):
+    pipeline = PipelineRunner([nn.Identity(), FPop("a", 4, 4, 4).to(DTYPE)], [torch.device("cpu")] * 2,
+                        skip_layout=SkipLayout.from_names(2, {"a": (0, 1)}), stage_portals=True)
+    with pytest.raises(RuntimeError, match="portal 'a' has not been stashed"):
         pipeline.run(microbatch.scatter(_input(width=4), 2), 0)
     pipeline.close()
 

@@ -1,7 +1,7 @@
 """Portals under the microscope: how often a skip tensor is copied, where it travels, how long
 the portal keeps it, and that nothing keeps it alive afterwards.
 
-Instrumentation (all CPU, ``devices=['cpu'] * n``): ``fxpipe.skip.portal.move`` is the only
+Instrumentation (all CPU, ``devices=['cpu'] * n``): ``fxpipe.runtime.portal.move`` is the only
 way a portal moves a tensor, ``PortalCopy.forward``/``backward`` are wrapped to count copies
 per (skip, micro-batch), and forward (pre-)hooks on each partition record what crosses
 partition boundaries.
@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import fxpipe.skip.portal as portal_mod
+import fxpipe.runtime.portal as portal_mod
 from fxpipe import GPipe, is_recomputing
-from fxpipe.skip.portal import Portal, PortalCopy
+from fxpipe.runtime.portal import Portal, PortalCopy
 
 from skip_models import (
     DTYPE, IN_WIDTH, SKIP_WIDTHS, Decoder, Encoder, WeakRecorder, crossing_skips, skippables, unet,

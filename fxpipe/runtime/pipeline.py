@@ -13,24 +13,27 @@ copies and pickles of a pipeline leave them out (the copy makes its own on first
 from __future__ import annotations
 
 import queue
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..errors import PipelineClosedError
-from ..skip.layout import SkipLayout
-from ..skip.tracker import SkipTrackerThroughPortals, merge_phony, swap_skip_tracker
 from .checkpoint import Checkpointing
 from .copy import copy, wait
 from .dependency import depend_tensors
 from .microbatch import Batch
+from .skip_layout import SkipLayout
+from .skip_tracker import SkipTrackerThroughPortals, merge_phony
+from .stage_portals import StagePortals
 from .stream import AbstractStream, current_stream, new_stream, use_device
 from .worker import Task, WorkerPool
 from . import timeline
 
-__all__ = ["Pipeline", "PipelineClosedError", "clock_cycles", "depend"]
+__all__ = ["PipelineRunner", "PipelineClosedError", "clock_cycles", "depend"]
 
 Schedule = List[Tuple[int, int]]
+#: one micro-batch's skips: torchgpipe's tracker for @skippable layers, or generated code's portals
+Tracker = Union[SkipTrackerThroughPortals, StagePortals]
 
 
 def clock_cycles(m: int, n: int) -> Iterable[Schedule]:
@@ -56,14 +59,17 @@ def depend(fork_from: Batch, join_to: Batch) -> None:
     fork_from[a], join_to[b] = depend_tensors(fork_from[a], join_to[b])
 
 
-class Pipeline:
-    """Runs micro-batches through partitions placed on devices.
+class PipelineRunner:
+    """Runs micro-batches through partitions placed on devices (the engine behind both front
+    ends, ``fxpipe.GPipe`` and ``fxpipe.pipeline``).
 
     ``spread`` says how a partition is called: ``False`` passes one argument (a tensor or a
     tuple of tensors, as ``nn.Sequential`` layers expect), ``True`` passes each value as a
-    positional argument (generated stage code). Worker threads (one per device) and copy
-    streams are created once and reused by every call; with only CPU devices the tasks run
-    on the caller's thread unless ``threads=True``.
+    positional argument (generated stage code). ``skip_layout`` routes the skips:
+    ``@skippable`` layers' (``stage_portals=False``) or the portals of generated stage code
+    (``stage_portals=True``). Worker threads (one per device) and copy streams are created
+    once and reused by every call; with only CPU devices the tasks run on the caller's
+    thread unless ``threads=True``.
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class Pipeline:
         devices: Sequence[torch.device],
         *,
         skip_layout: Optional[SkipLayout] = None,
+        stage_portals: bool = False,
         spread: bool = False,
         threads: Optional[bool] = None,
     ) -> None:
@@ -83,6 +90,7 @@ class Pipeline:
         self._states = [getattr(p, "mutable_state", ()) for p in self.partitions]
         self.devices = list(devices)
         self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(partitions), {})
+        self._tracker = StagePortals if stage_portals else SkipTrackerThroughPortals
         self.spread = spread
         # None: worker threads when a partition is on an accelerator; inline on CPU.
         self.threads = threads
@@ -142,7 +150,7 @@ class Pipeline:
         """
         self.check_open()
         m = len(batches)
-        skip_trackers = [SkipTrackerThroughPortals(self.skip_layout) for _ in range(m)]
+        skip_trackers: List[Tracker] = [self._tracker(self.skip_layout) for _ in range(m)]
         copy_streams = self.copy_streams(m)
         results: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         for schedule in clock_cycles(m, len(self.partitions)):
@@ -151,25 +159,45 @@ class Pipeline:
 
     def _fence(
         self, batches: List[Batch], schedule: Schedule,
-        skip_trackers: List[SkipTrackerThroughPortals], copy_streams: List[List[AbstractStream]],
+        skip_trackers: List[Tracker], copy_streams: List[List[AbstractStream]],
     ) -> None:
         """Adds this tick's backward-order dependencies and issues its copies."""
         for i, j in schedule:
             if i != 0:
-                # Backward of micro-batch i-1 on partition j waits for micro-batch i's.
+                # [1] Backward of micro-batch i-1 on partition j waits for micro-batch i's.
                 depend(batches[i - 1], batches[i])
             next_stream = copy_streams[j][i]
             for prev_j, ns, name in self.skip_layout.copy_policy(j):
                 prev_stream = copy_streams[prev_j][i]
-                with timeline.span("copy", j, i, self.devices[j]):
+                with timeline.span("copy", j, i, self.devices[j]):  # [1] PortalCopy
                     skip_trackers[i].copy(batches[i], prev_stream, next_stream, ns, name)
             if j != 0:
-                with timeline.span("copy", j, i, self.devices[j]):
+                with timeline.span("copy", j, i, self.devices[j]):  # [1] Copy
                     copy(batches[i], copy_streams[j - 1][i], next_stream)
 
+    # One task (i, j), micro-batch i on partition j, as autograd sees it. Forward runs down;
+    # backward runs up, in the order the phony edges of Fork/Join impose:
+    #
+    #   output of task (i, j-1)                           input of task (i-1, j)
+    #        |                                                      .
+    #   [1] Copy: copy stream of j-1 -> copy stream of j            .  [1] depend(): Fork/Join, so
+    #        |    and PortalCopy of each portal ending at j,        .      the backward of (i-1, j)
+    #        |    forked off this input and joined back  . . . . . .      waits for (i, j)'s
+    #   [2] Wait: copy stream -> compute stream
+    #        |
+    #   [3] the partition, or Checkpoint (keeps no activations); stash/pop in it add
+    #        |    PortalBlue/PortalOrange, whose phonies ride on the batch (its carry)
+    #   [4] Wait: compute stream -> copy stream, for the Copy of task (i, j+1)
+    #        |
+    #   [5] Recompute, forked off the output and joined back: in backward the recomputation
+    #        |    starts as soon as the output's gradient is being made, overlapping the
+    #        v    gradient copy from partition j+1 (paper, section 3.2.1)
+    #   input of task (i, j+1)
+    #
+    # [1] is _fence; [2] and [3] run per task below; [4] and [5] once the whole tick ran.
     def _compute(
         self, batches: List[Batch], schedule: Schedule,
-        skip_trackers: List[SkipTrackerThroughPortals], copy_streams: List[List[AbstractStream]],
+        skip_trackers: List[Tracker], copy_streams: List[List[AbstractStream]],
         checkpoint_stop: int, results: "queue.SimpleQueue[Any]",
     ) -> None:
         n = len(self.partitions)
@@ -179,7 +207,7 @@ class Pipeline:
         for i, j in schedule:
             batch = batches[i]
             if j != 0:
-                wait(batch, copy_streams[j][i], streams[j])
+                wait(batch, copy_streams[j][i], streams[j])  # [2]
             marks[i] = timeline.mark_backward(batch, j, i, self.devices[j])
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
@@ -190,7 +218,7 @@ class Pipeline:
                 del chk
             else:
                 task = Task(streams[j], compute=_bind(function, batch), finalize=None, result_queue=results, key=(i, j))
-            workers.submit(j, task)
+            workers.submit(j, task)  # [3], on the device's worker
             del task, function
 
         outcomes = {}
@@ -205,9 +233,9 @@ class Pipeline:
         for i, j in schedule:
             task, batch = outcomes[(i, j)][1]
             if j != n - 1:
-                wait(batch, streams[j], copy_streams[j][i])
+                wait(batch, streams[j], copy_streams[j][i])  # [4]
             with use_device(self.devices[j]):
-                task.finalize(batch)
+                task.finalize(batch)  # [5]
             timeline.close_backward(batch, marks[i])
             batches[i] = batch
 
@@ -217,7 +245,7 @@ def _bind(function: Callable[[Batch], Batch], batch: Batch) -> Callable[[], Batc
 
 
 def _partition_function(
-    partition: Callable[..., Any], skip_tracker: SkipTrackerThroughPortals, spread: bool,
+    partition: Callable[..., Any], skip_tracker: Tracker, spread: bool,
     i: int, j: int, device: torch.device,
 ) -> Callable[[Batch], Batch]:
     """The computation of task (i, j), also replayed as is by the recomputation."""
@@ -225,8 +253,8 @@ def _partition_function(
     def function(batch: Batch) -> Batch:
         # Plain attribute swaps, not context managers: this runs once per task (and per
         # recomputation), where every microsecond of Python shows in the overhead.
-        previous = swap_skip_tracker(skip_tracker)
-        skip_tracker.input_batch = batch
+        previous = skip_tracker.activate(batch)
+        output: Optional[Batch] = None
         try:
             if timeline.active() is None:
                 output = batch.call(partition, spread=spread)
@@ -234,11 +262,9 @@ def _partition_function(
                 with timeline.compute_span(j, i, device):
                     output = batch.call(partition, spread=spread)
         finally:
-            skip_tracker.input_batch = None
-            swap_skip_tracker(previous)
-        # The carry passes on, with this stage's stashes added.
+            skip_tracker.deactivate(previous, output)
+        # The carry passes on (generated stages' stashes were added to it above).
         output.carry = merge_phony(output.carry, batch.carry)
-        skip_tracker.join_pending(output)
         return output
 
     return function

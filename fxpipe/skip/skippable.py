@@ -9,16 +9,17 @@ pipeline, where crossing skips travel through portals.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Set, Type, TypeVar
+from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Sequence, Set,
+                    Tuple, Type, TypeVar)
 
 from torch import Tensor, nn
 
 from ..runtime.microbatch import Batch
-from .layout import SkipKey
+from ..runtime.skip_layout import SkipKey, SkipLayout
+from ..runtime.skip_tracker import current_skip_tracker
 from .namespace import Namespace
-from .tracker import current_skip_tracker
 
-__all__ = ["skippable", "stash", "pop", "verify_skippables", "Skippable"]
+__all__ = ["skippable", "stash", "pop", "verify_skippables", "Skippable", "inspect_skip_layout"]
 
 T = TypeVar("T", bound="Skippable")
 
@@ -190,3 +191,19 @@ def verify_skippables(module: nn.Sequential) -> None:
         msgs.append(f"no module declared '{name}' as poppable but stashed")
     if msgs:
         raise TypeError("one or more pairs of stash and pop do not match:\n\n" + "\n".join(f"* {m}" for m in msgs))
+
+
+def inspect_skip_layout(partitions: Sequence[nn.Module]) -> SkipLayout:
+    """Finds the skip routes of ``@skippable`` layers inside ``partitions``."""
+    routes: Dict[SkipKey, Tuple[int, int]] = {}
+    stashed_at: Dict[SkipKey, int] = {}
+    for j, partition in enumerate(partitions):
+        for layer in partition.modules():
+            if not isinstance(layer, Skippable):
+                continue
+            for key in layer.stashable():
+                stashed_at[key] = j
+            for key in layer.poppable():
+                if key in stashed_at:
+                    routes[key] = (stashed_at.pop(key), j)
+    return SkipLayout(len(partitions), routes)

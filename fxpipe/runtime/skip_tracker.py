@@ -1,32 +1,34 @@
-"""Skip trackers: where stashed tensors wait until they are popped.
+"""Skip trackers of ``@skippable`` modules (torchgpipe's): where stashed tensors wait.
 
 Outside a pipeline a thread-local :class:`SkipTracker` keeps stashed tensors in a dict, so
-skippable modules (and generated stage code) also run as plain modules. Inside the pipeline
-each micro-batch gets a :class:`SkipTrackerThroughPortals`, which routes skips that cross
-partitions through :class:`~fxpipe.skip.portal.Portal` objects.
+skippable modules also run as plain modules. Inside the pipeline each micro-batch gets a
+:class:`SkipTrackerThroughPortals`, which routes skips that cross partitions through
+:class:`~fxpipe.runtime.portal.Portal` objects. Generated stage code has its own, simpler
+tracker: :mod:`fxpipe.runtime.stage_portals`.
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Dict, Generator, List, Optional
+from typing import Dict, Generator, Hashable, Optional
 
 import torch
 from torch import Tensor
 
-from ..runtime.checkpoint import is_checkpointing
-from ..runtime.dependency import fork, join
-from ..runtime.microbatch import Batch
-from ..runtime.phony import get_phony
-from ..runtime.stream import AbstractStream
 from ..tree import flatten
-from .layout import SkipKey, SkipLayout
-from .namespace import Namespace
+from .checkpoint import is_checkpointing
+from .dependency import fork, join
+from .microbatch import Batch
+from .phony import get_phony
 from .portal import Portal
+from .skip_layout import SkipKey, SkipLayout
+from .stream import AbstractStream
 
 __all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker", "swap_skip_tracker",
-           "merge_phony"]
+           "merge_phony", "holds_tensor", "copy_portal"]
+
+Namespace = Hashable  # a fxpipe.skip.Namespace; the runtime only needs it as a key
 
 
 class SkipTracker:
@@ -35,10 +37,10 @@ class SkipTracker:
     def __init__(self) -> None:
         self.tensors: Dict[SkipKey, Optional[Tensor]] = {}
 
-    def save(self, batch: Optional[Batch], ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
+    def save(self, batch: Batch, ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
         self.tensors[(ns, name)] = tensor
 
-    def load(self, batch: Optional[Batch], ns: Optional[Namespace], name: str) -> Optional[Tensor]:
+    def load(self, batch: Batch, ns: Optional[Namespace], name: str) -> Optional[Tensor]:
         try:
             return self.tensors.pop((ns, name))
         except KeyError:
@@ -50,8 +52,14 @@ class SkipTracker:
     ) -> None:
         raise TypeError("copy is only meaningful for skips carried by portals")
 
-    def join_pending(self, batch: Batch) -> None:
-        """Nothing to join outside a pipeline."""
+    def activate(self, batch: Batch) -> Optional["SkipTracker"]:
+        """Makes this tracker current for the task computing ``batch``; returns the one
+        to put back with :meth:`deactivate`."""
+        return swap_skip_tracker(self)
+
+    def deactivate(self, previous: Optional["SkipTracker"], output: Optional[Batch]) -> None:
+        """Puts ``previous`` back once the task made ``output`` (``None``: it failed)."""
+        swap_skip_tracker(previous)
 
 
 class SkipTrackerThroughPortals(SkipTracker):
@@ -61,14 +69,9 @@ class SkipTrackerThroughPortals(SkipTracker):
         super().__init__()
         self.skip_layout = skip_layout
         self.portals: Dict[SkipKey, Portal] = {}
-        # Phonies from stashes made without a batch at hand (generated code's
-        # ``stash(name, value)`` calls); the runtime joins them to the partition output.
-        self.pending: List[Tensor] = []
-        # The input of the partition running now, for pops made without a batch at hand.
-        self.input_batch: Optional[Batch] = None
 
-    def save(self, batch: Optional[Batch], ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
-        if not self.skip_layout.requires_copy(ns, name) or not _holds_tensor(tensor):
+    def save(self, batch: Batch, ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
+        if not self.skip_layout.requires_copy(ns, name) or not holds_tensor(tensor):
             # Same partition, or a plain value (an int, a torch.Size): nothing to copy or
             # differentiate, so it waits in the dict. Structures holding tensors (a split
             # result, a ModelOutput) go through a portal like a tensor.
@@ -84,13 +87,9 @@ class SkipTrackerThroughPortals(SkipTracker):
         else:
             # The stash partition is being recomputed: PortalBlue needs the new tensor once.
             portal.put_tensor(tensor, 1)
-        phony = portal.blue()
-        if batch is None:
-            self.pending.append(phony)
-            return
-        _join_into(batch, phony)
+        _join_into(batch, portal.blue())
 
-    def load(self, batch: Optional[Batch], ns: Optional[Namespace], name: str) -> Optional[Tensor]:
+    def load(self, batch: Batch, ns: Optional[Namespace], name: str) -> Optional[Tensor]:
         if not self.skip_layout.requires_copy(ns, name):
             return super().load(batch, ns, name)
         if (ns, name) in self.tensors:
@@ -100,18 +99,8 @@ class SkipTrackerThroughPortals(SkipTracker):
         portal = self.portals.get((ns, name))
         if portal is None:
             raise KeyError(f"skip '{name}' has not been stashed")
-        if batch is not None:  # @skippable: the module's input, as torchgpipe does
-            anchor = batch.anchor()
-            return portal.orange(batch[anchor] if anchor is not None else None)
-        # Generated code's pop: depend on the stage's input anchor (PortalCopy's backward
-        # must wait for this pop's) and on its carry, where the stashes' phonies ride
-        # (PortalBlue's backward must wait for it too).
-        source = self.input_batch
-        after = None
-        if source is not None:
-            anchor = source.anchor()
-            after = merge_phony(source[anchor] if anchor is not None else None, source.carry)
-        return portal.orange(after)
+        anchor = batch.anchor()  # the module's input, as torchgpipe does
+        return portal.orange(batch[anchor] if anchor is not None else None)
 
     def copy(
         self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
@@ -120,33 +109,29 @@ class SkipTrackerThroughPortals(SkipTracker):
         """Moves a portal's tensor towards its pop partition, ordered by ``batch``."""
         if (ns, name) in self.tensors:
             return  # a plain value, not a tensor: nothing to move
-        anchor = batch.anchor()
         portal = self.portals.get((ns, name))
         if portal is None:
             raise RuntimeError(
                 f"skip '{name}' has not been stashed: the partition that stashes it did not run "
                 "stash for this micro-batch"
             )
-        if anchor is None:
-            _join_into(batch, portal.copy(prev_stream, next_stream, get_phony(torch.device("cpu"), requires_grad=False)))
-            return
-        batch[anchor], phony = fork(batch[anchor])
-        phony = portal.copy(prev_stream, next_stream, phony)
-        batch[anchor] = join(batch[anchor], phony)
-
-    def join_pending(self, batch: Batch) -> None:
-        """Puts the phonies of stashes made by generated code on the output's carry.
-
-        Not on an output tensor: the next stage may use that tensor only for its shape,
-        or not at all, and the stash's gradient path would die with it. The carry goes
-        from stage to stage, and the pop of each portal depends on it.
-        """
-        pending, self.pending = self.pending, []
-        for phony in pending:
-            batch.carry = merge_phony(batch.carry, phony)
+        copy_portal(portal, batch, prev_stream, next_stream)
 
 
-def _holds_tensor(value: object) -> bool:
+def copy_portal(portal: Portal, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Moves ``portal``'s value on the copy streams, after ``batch`` (the pop partition's
+    input) in forward; its backward, moving the gradient back, before ``batch``'s."""
+    anchor = batch.anchor()
+    if anchor is None:
+        _join_into(batch, portal.copy(prev_stream, next_stream, get_phony(torch.device("cpu"), requires_grad=False)))
+        return
+    batch[anchor], phony = fork(batch[anchor])
+    phony = portal.copy(prev_stream, next_stream, phony)
+    batch[anchor] = join(batch[anchor], phony)
+
+
+def holds_tensor(value: object) -> bool:
+    """Whether a stashed value needs a portal: a tensor, or a structure holding one."""
     if isinstance(value, Tensor):
         return True
     if value is None or isinstance(value, (int, float, str, torch.Size)):
@@ -166,10 +151,11 @@ def merge_phony(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
 def _join_into(batch: Batch, phony: Tensor) -> None:
     """Makes backward through ``batch`` reach ``phony`` (a stash's gradient path).
 
-    Without a floating-point output to join to, the phony rides along as the batch's
-    ``carry`` until an output that has one. It does so even when it needs no grad yet: in
-    the activation-free pass of checkpointing nothing does, and the recomputation must
-    find the same outputs.
+    Without a floating-point tensor to join to, the phony goes on the batch's ``carry``,
+    which the runtime passes from partition to partition with the batch; its backward runs
+    only if something later depends on the carry. It goes there even when it needs no grad
+    yet: in the activation-free pass of checkpointing nothing does, and the recomputation
+    must find the same outputs.
     """
     anchor = batch.anchor()
     if anchor is None:

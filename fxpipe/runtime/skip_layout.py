@@ -1,16 +1,18 @@
-"""Where each skip connection starts and ends, by partition."""
+"""Where each skip starts and ends, by partition: the runtime's map of its portals.
+
+A skip is keyed by ``(namespace, name)``: ``@skippable`` modules may put their names in a
+:class:`~fxpipe.skip.Namespace`; generated stage code names each portal by its plan route and
+uses no namespace (``None``).
+"""
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
-from torch import nn
+__all__ = ["SkipLayout", "SkipKey"]
 
-from .namespace import Namespace
-
-__all__ = ["SkipLayout", "inspect_skip_layout", "SkipKey"]
-
-SkipKey = Tuple[Optional[Namespace], str]
+#: (namespace or None, name); the namespace is a ``fxpipe.skip.Namespace``
+SkipKey = Tuple[Optional[Hashable], str]
 
 
 class SkipLayout:
@@ -23,7 +25,7 @@ class SkipLayout:
     def __init__(self, num_partitions: int, skip_routes: Dict[SkipKey, Tuple[int, int]]) -> None:
         self.num_partitions = num_partitions
         self.by_ns_name: Dict[SkipKey, Tuple[int, int]] = dict(skip_routes)
-        self.by_partition: List[List[Tuple[int, Optional[Namespace], str]]] = [[] for _ in range(num_partitions)]
+        self.by_partition: List[List[Tuple[int, Optional[Hashable], str]]] = [[] for _ in range(num_partitions)]
         for (ns, name), (prev_j, next_j) in self.by_ns_name.items():
             if not (0 <= prev_j <= next_j < num_partitions):
                 raise ValueError(
@@ -37,34 +39,16 @@ class SkipLayout:
         """A layout of un-namespaced skips, as generated stage code uses."""
         return cls(num_partitions, {(None, name): route for name, route in routes.items()})
 
-    def copy_policy(self, next_j: int) -> Iterable[Tuple[int, Optional[Namespace], str]]:
+    def copy_policy(self, next_j: int) -> Iterable[Tuple[int, Optional[Hashable], str]]:
         """The skips to carry into partition ``next_j`` from an earlier partition."""
         for prev_j, ns, name in self.by_partition[next_j]:
             if prev_j != next_j:
                 yield prev_j, ns, name
 
-    def requires_copy(self, ns: Optional[Namespace], name: str) -> bool:
+    def requires_copy(self, ns: Optional[Hashable], name: str) -> bool:
         """Whether a skip crosses partitions (and so travels through a portal)."""
         prev_j, next_j = self.by_ns_name.get((ns, name), (-1, -1))
         return prev_j != next_j
 
     def __len__(self) -> int:
         return len(self.by_ns_name)
-
-
-def inspect_skip_layout(partitions: Sequence[nn.Module]) -> SkipLayout:
-    """Finds the skip routes of ``@skippable`` layers inside ``partitions``."""
-    from .skippable import Skippable
-
-    routes: Dict[SkipKey, Tuple[int, int]] = {}
-    stashed_at: Dict[SkipKey, int] = {}
-    for j, partition in enumerate(partitions):
-        for layer in partition.modules():
-            if not isinstance(layer, Skippable):
-                continue
-            for key in layer.stashable():
-                stashed_at[key] = j
-            for key in layer.poppable():
-                if key in stashed_at:
-                    routes[key] = (stashed_at.pop(key), j)
-    return SkipLayout(len(partitions), routes)

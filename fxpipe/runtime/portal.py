@@ -23,10 +23,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..runtime.copy import move
 from ..tree import TreeSpec, flatten, unflatten
-from ..runtime.phony import get_phony
-from ..runtime.stream import AbstractStream, get_device
+from .copy import move
+from .phony import get_phony
+from .stream import AbstractStream, get_device
 
 __all__ = ["Portal"]
 
