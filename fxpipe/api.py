@@ -17,7 +17,8 @@ from .batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from .capture import Capture
 from .compiling import refuse_whole_pipeline_compile
 from .emit import Stages, emit_stages
-from .gpipe import CHECKPOINT_MODES, PipelinePicklingError, PlacedModule, check_chunks, checkpoint_stop
+from .errors import PipelinePicklingError
+from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .mutation import check_kept_together, mutable_state
