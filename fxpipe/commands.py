@@ -39,7 +39,10 @@ def _clear_progress() -> None:
 
 
 def _devices(ns: argparse.Namespace) -> list:
+    """The stages' devices for ``--device`` (cpu by default, unlike the library)."""
     import torch
+
+    from .devices import default_devices
 
     name = (ns.device or "cpu").lower()
     if name == "cpu":
@@ -49,8 +52,7 @@ def _devices(ns: argparse.Namespace) -> list:
             raise UsageError("--device cuda: no CUDA device is available (use --device cpu)")
         if ":" in name:
             return [torch.device(name)] * ns.stages
-        count = torch.cuda.device_count()
-        return [torch.device("cuda", k % count) for k in range(ns.stages)]
+        return default_devices(ns.stages)
     raise UsageError(f"--device must be cpu or cuda, got {ns.device!r}")
 
 

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator, List, Optional, Tuple, cast
 import torch
 from torch import nn
 
+from .devices import default_devices
 from .errors import ChunksError, PipelinePicklingError, PlacementError
 from .frontend import CHECKPOINT_MODES, Device, PlacedModule, checkpoint_stop
 from .runtime import microbatch
@@ -92,13 +93,6 @@ def split_module(
     return partitions, balance, devices[: len(balance)]
 
 
-def default_devices() -> List[torch.device]:
-    if torch.cuda.is_available():
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    # fxpipe's one change to torchgpipe: without CUDA, run on the CPU instead of failing.
-    return [torch.device("cpu")] * 64
-
-
 class GPipe(PlacedModule):
     """Wraps an ``nn.Sequential`` to train it with GPipe pipeline parallelism.
 
@@ -140,7 +134,9 @@ class GPipe(PlacedModule):
 
         self.checkpoint = checkpoint
 
-        device_list = default_devices() if devices is None else [torch.device(d) for d in devices]
+        balance = list(balance)
+        device_list = (default_devices(len(balance), one_stage_per_gpu=True) if devices is None
+                       else [torch.device(d) for d in devices])
         try:
             partitions, self.balance, self.devices = split_module(module, balance, device_list)
         except BalanceError as exc:
