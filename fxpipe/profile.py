@@ -198,7 +198,7 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
 
 def profile_graph(gm: fx.GraphModule, flat_inputs: Sequence[Any], *, repeat: int = 3,
                   device: torch.device | str | None = None) -> dict[str, NodeCost]:
-    """Time every compute node of ``gm`` (forward + backward, median of ``repeat``).
+    """Time every compute node of ``gm`` (forward + backward, the fastest of up to ``repeat`` runs).
 
     ``flat_inputs`` are the graph's placeholders' values (``Capture.flatten_inputs``). With
     ``device`` the inputs are moved there and CUDA is synchronised around each timing; the
