@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .devices import default_devices
 from .partition import split_chain
 from .runtime.microbatch import Batch, TensorOrTensors
+from .runtime.stream import synchronize
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_cost", "profile_times", "profile_sizes"]
 
@@ -64,15 +65,13 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
         batch = first
         for i, layer in enumerate(layers):
             batch = _detached(batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             tick = time.perf_counter()
             batch = batch.call(layer)
             outputs = [y for y in batch if isinstance(y, Tensor) and y.requires_grad]
             if outputs:
                 torch.autograd.backward(outputs, outputs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             times[i].append(time.perf_counter() - tick)
     return [min(t) for t in times]
 

@@ -18,9 +18,11 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from .partition import COMPUTE_OPS
+from .runtime.stream import synchronize
+
 __all__ = ["NodeCost", "profile_graph", "count_params_only", "tensor_bytes", "shape_str"]
 
-_COMPUTE_OPS = ("call_module", "call_function", "call_method")
 # a node is re-run only while its runs so far took less than this (a single slow, e.g.
 # pre-empted, run still gets company; an expensive node runs once)
 _NODE_BUDGET_S = 0.1
@@ -89,11 +91,6 @@ def _param_count(gm: fx.GraphModule, node: fx.Node) -> float:
     return 0.0
 
 
-def _sync(device: torch.device | None) -> None:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Sequence[torch.Tensor],
                   repeat: int, device: torch.device | None) -> float:
     """Seconds of forward + backward of one node (forward only if it cannot backward).
@@ -114,14 +111,14 @@ def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Se
 
         a, k = pytree.tree_map(prep, (args, kwargs))
         wrt = leaves + [p for p in params if p.requires_grad]
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         with torch.enable_grad():
             out = run(*a, **k)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         if outs and wrt:
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
         if sum(times) > _NODE_BUDGET_S:
             break
@@ -140,7 +137,7 @@ class _Profiler(fx.Interpreter):
         if not self.timed:
             cost = _param_count(self.module, n)
         else:
-            cost = self._time(n) if n.op in _COMPUTE_OPS else 0.0
+            cost = self._time(n) if n.op in COMPUTE_OPS else 0.0
         self.costs[n.name] = NodeCost(cost, tensor_bytes(out), _param_bytes(self.module, n), shape_str(out))
         return out
 
