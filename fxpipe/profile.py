@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 import torch
@@ -64,20 +65,13 @@ def shape_str(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _param_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
     """Bytes of a call_module's parameters and buffers, or of a get_attr's tensor."""
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         return tensor_bytes(list(mod.parameters()) + list(mod.buffers()))
     if node.op == "get_attr":
-        return tensor_bytes(_attr(gm, node.target))
+        return tensor_bytes(attrgetter(node.target)(gm))
     return 0
 
 
@@ -86,7 +80,7 @@ def _param_count(gm: fx.GraphModule, node: fx.Node) -> float:
     if node.op == "call_module":
         return float(sum(p.numel() for p in gm.get_submodule(node.target).parameters()))
     if node.op == "get_attr":
-        obj = _attr(gm, node.target)
+        obj = attrgetter(node.target)(gm)
         return float(obj.numel()) if isinstance(obj, torch.nn.Parameter) else 0.0
     return 0.0
 
