@@ -7,17 +7,21 @@
 * ``fxpipe.balance`` -- ``balance_by_time``, ``balance_by_size``;
 * ``fxpipe.errors`` -- every error fxpipe raises on purpose (all subclass ``FxpipeError`` and
   the builtin a caller would catch).
+
+Everything that needs torch is imported on first use (module ``__getattr__``), so the pure
+planning modules (``import fxpipe.partition``) load on a machine without torch.
 """
 
-from . import balance, errors, skip
-from .api import Pipeline, pipeline
+from __future__ import annotations
+
+import importlib
+from typing import Any, List
+
+from . import errors
 from .errors import (
     CompileError, FxpipeError, InputMismatchError, MicroBatchError, MutationError, PipelineClosedError,
     PlanError, TraceError,
 )
-from .gpipe import GPipe
-from .plan import Plan
-from .runtime.checkpoint import is_checkpointing, is_recomputing
 
 __version__ = "0.1.0"
 
@@ -26,3 +30,28 @@ __all__ = [
     "errors", "FxpipeError", "TraceError", "MicroBatchError", "MutationError", "InputMismatchError",
     "PlanError", "PipelineClosedError", "CompileError", "__version__",
 ]
+
+# name -> the module defining it; a name mapped to None is a submodule of its own.
+_LAZY = {
+    "pipeline": ".api", "Pipeline": ".api",
+    "Plan": ".plan",
+    "GPipe": ".gpipe",
+    "is_checkpointing": ".runtime.checkpoint", "is_recomputing": ".runtime.checkpoint",
+    "balance": None, "skip": None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    where = _LAZY[name]
+    if where is None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,8 +16,10 @@ from torch import nn
 from .batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from .capture import Capture
 from .compiling import refuse_whole_pipeline_compile
+from .devices import default_devices
 from .emit import Stages, emit_stages
-from .gpipe import CHECKPOINT_MODES, PipelinePicklingError, PlacedModule, check_chunks, checkpoint_stop
+from .errors import PipelinePicklingError
+from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .mutation import check_kept_together, mutable_state
@@ -31,13 +33,6 @@ from .runtime.skip_layout import SkipLayout
 __all__ = ["pipeline", "Pipeline"]
 
 Device = Union[torch.device, int, str]
-
-
-def _default_devices(n_stages: int) -> List[torch.device]:
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        return [torch.device("cuda", i % count) for i in range(n_stages)]
-    return [torch.device("cpu")] * n_stages
 
 
 def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, balance_by: str) -> None:
@@ -208,7 +203,7 @@ def pipeline(
         IndexError: fewer devices than stages.
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by)
-    device_list = _default_devices(n_stages) if devices is None else [torch.device(d) for d in devices]
+    device_list = default_devices(n_stages) if devices is None else [torch.device(d) for d in devices]
     if len(device_list) < n_stages:
         raise IndexError(f"too few devices for the stages (devices: {len(device_list)}, n_stages: {n_stages})")
     device_list = device_list[:n_stages]

@@ -14,16 +14,14 @@ from typing import List, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from .devices import default_devices
 from .partition import split_chain
 from .runtime.microbatch import Batch, TensorOrTensors
+from .runtime.stream import synchronize
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_cost", "profile_times", "profile_sizes"]
 
 Device = Union[torch.device, int, str]
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _prepare(sample: TensorOrTensors, device: torch.device) -> Batch:
@@ -67,15 +65,13 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
         batch = first
         for i, layer in enumerate(layers):
             batch = _detached(batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             tick = time.perf_counter()
             batch = batch.call(layer)
             outputs = [y for y in batch if isinstance(y, Tensor) and y.requires_grad]
             if outputs:
                 torch.autograd.backward(outputs, outputs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             times[i].append(time.perf_counter() - tick)
     return [min(t) for t in times]
 
@@ -85,7 +81,7 @@ def balance_by_time(
     timeout: float = 1.0, device: Optional[Device] = None,
 ) -> List[int]:
     """Balance by the elapsed forward+backward time of each layer on ``sample``."""
-    dev = torch.device(device) if device is not None else _default_device()
+    dev = torch.device(device) if device is not None else default_devices(1)[0]
     return balance_cost(profile_times(module, sample, timeout, dev), partitions)
 
 
@@ -139,5 +135,5 @@ def balance_by_size(
     ``param_scale`` counts the copies an optimizer keeps per parameter (2 for SGD with
     gradients, 4-5 for Adam).
     """
-    dev = torch.device(device) if device is not None else _default_device()
+    dev = torch.device(device) if device is not None else default_devices(1)[0]
     return balance_cost(profile_sizes(module, input, chunks, param_scale, dev), partitions)

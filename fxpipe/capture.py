@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import keyword
-import os
 import re
 import traceback
 import warnings
@@ -34,6 +33,7 @@ from .call_check import call_signature, mismatch_error, same_value
 from .capture_export import _Failure, compose_out_spec, export_graph
 from .errors import TraceError
 from .tree import flatten
+from .user_code import is_user_file
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -199,7 +199,7 @@ class _Tracer(fx.Tracer):
 
     def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
         # keep only the model's frames: drop torch, fxpipe and the generated flat forward
-        kept = [f for f in super()._filter_traceback_frames(summary) if not _internal_file(f.filename)]
+        kept = [f for f in super()._filter_traceback_frames(summary) if is_user_file(f.filename)]
         return traceback.StackSummary.from_list(kept)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
@@ -225,30 +225,13 @@ def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
 
 
 # -- errors --------------------------------------------------------------------------------
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-_STDLIB_DIR = os.path.dirname(os.__file__)
-
-
-# Models shipped with fxpipe (the demo) are user code for source locations.
-_PKG_MODEL_FILES = (os.path.join(_PKG_DIR, "demo.py"),)
-
-
-def _internal_file(filename: str) -> bool:
-    fn = os.path.abspath(filename)
-    if fn in _PKG_MODEL_FILES:
-        return False
-    return (filename.startswith("<") or fn.startswith(_TORCH_DIR) or fn.startswith(_PKG_DIR)
-            or (fn.startswith(_STDLIB_DIR) and "site-packages" not in fn))
-
-
 def _user_frame(exc: BaseException) -> str:
     """'file:line: code' of the innermost frame outside torch, fxpipe and the stdlib."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         for fr in reversed(traceback.extract_tb(exc.__traceback__)):
-            if _internal_file(fr.filename):
+            if not is_user_file(fr.filename):
                 continue
             return f"{fr.filename}:{fr.lineno}: {(fr.line or '').strip()}"
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]

@@ -1,8 +1,8 @@
 """The ``fxpipe`` subcommands (the parser and error policy are in :mod:`fxpipe.cli`).
 
 Each ``cmd_<name>(ns)`` takes the parsed arguments and returns an exit code; mistakes are
-raised (:class:`~fxpipe.cli.UsageError` or the library's own exceptions) and turned into one
-line on stderr by :func:`fxpipe.cli.main`.
+raised (:class:`~fxpipe.model_loader.UsageError` or the library's own exceptions) and turned
+into one line on stderr by :func:`fxpipe.cli.main`.
 """
 
 from __future__ import annotations
@@ -14,32 +14,21 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Tuple
 
-from .cli import UsageError, load_model
+from .console import clear_progress, progress
+from .model_loader import UsageError, load_model
 
 __all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_env", "cmd_demo",
-           "progress", "training_loss"]
+           "training_loss"]
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def progress(message: str, *, done: bool = False) -> None:
-    """A status line on a terminal's stderr; nothing when stderr is piped or redirected."""
-    stream = sys.stderr
-    if not stream.isatty():
-        return
-    stream.write("\r\033[K" + message + ("\n" if done else ""))
-    stream.flush()
-
-
-def _clear_progress() -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K")
-        sys.stderr.flush()
-
-
 def _devices(ns: argparse.Namespace) -> list:
+    """The stages' devices for ``--device`` (cpu by default, unlike the library)."""
     import torch
+
+    from .devices import default_devices
 
     name = (ns.device or "cpu").lower()
     if name == "cpu":
@@ -49,25 +38,8 @@ def _devices(ns: argparse.Namespace) -> list:
             raise UsageError("--device cuda: no CUDA device is available (use --device cpu)")
         if ":" in name:
             return [torch.device(name)] * ns.stages
-        count = torch.cuda.device_count()
-        return [torch.device("cuda", k % count) for k in range(ns.stages)]
+        return default_devices(ns.stages)
     raise UsageError(f"--device must be cpu or cuda, got {ns.device!r}")
-
-
-def set_threads(threads: Optional[int], devices: Sequence[Any]) -> int:
-    """Intra-op threads for a run: ``threads``, or 1 when all stages share the CPU.
-
-    Stage workers run concurrently; with every stage on the CPU each would start its own
-    parallel regions on the same cores, and the oversubscribed OpenMP pools can slow a
-    step down by orders of magnitude on a loaded machine.
-    """
-    import torch
-
-    if threads is None and all(str(d).startswith("cpu") for d in devices):
-        threads = 1
-    if threads is not None:
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
 
 
 def _load(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
@@ -104,7 +76,7 @@ def _make_plan(ns: argparse.Namespace, captured: Any, args: tuple, kwargs: dict,
     progress("profiling ..." if ns.balance_by == "time" else "sizing ...")
     plan = make_plan(captured, args, kwargs, ns.stages, balance_by=ns.balance_by,
                      split_points=ns.split_at or None, devices=devices)
-    _clear_progress()
+    clear_progress()
     return plan
 
 
@@ -116,7 +88,7 @@ def _pipeline(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, *,
     pipe = fxpipe.pipeline(model, args, ns.stages, sample_kwargs=kwargs, chunks=ns.chunks,
                            devices=_devices(ns), checkpoint=checkpoint, balance_by=ns.balance_by,
                            leaf_modules=tuple(ns.leaf), split_points=ns.split_at or None)
-    _clear_progress()
+    clear_progress()
     return pipe
 
 
@@ -201,6 +173,7 @@ def cmd_code(ns: argparse.Namespace) -> int:
 
 # -- timeline --------------------------------------------------------------------------------
 def cmd_timeline(ns: argparse.Namespace) -> int:
+    from .devices import set_threads
     from .runtime.timeline import Recorder
     from .viz.trace import plot_timeline, save_chrome_trace
 
@@ -224,7 +197,7 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
             t = time.perf_counter()
             step()
             steps.append((t, time.perf_counter()))
-    _clear_progress()
+    clear_progress()
     base = os.path.splitext(ns.output)[0]
     png = base + ".png"
     title = (f"{type(model).__name__}: {pipe.n_stages} stages, {ns.chunks} micro-batches, "

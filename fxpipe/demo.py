@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .console import progress
+from .devices import default_devices, set_threads
+
 __all__ = ["UNet", "make_unet", "run_demo"]
 
 
@@ -85,18 +88,13 @@ def run_demo(stages: int = 4, chunks: int = 4, balance_by: str = "time",
     """Runs the demo; returns the exit code (0: PASS, 1: FAIL)."""
     import fxpipe
 
-    from .commands import progress, set_threads
 
     out = out or sys.stdout
     say = lambda *a: print(*a, file=out)  # noqa: E731
     model, x = make_unet()
     reference = copy.deepcopy(model)
     if devices is None:
-        if torch.cuda.is_available():
-            n = torch.cuda.device_count()
-            devices = [torch.device("cuda", k % n) for k in range(stages)]
-        else:
-            devices = [torch.device("cpu")] * stages
+        devices = default_devices(stages)
     say(f"fxpipe {fxpipe.__version__} demo: U-Net ({sum(p.numel() for p in model.parameters()) / 1e3:.1f}k params), "
         f"input {'x'.join(map(str, x.shape))}, {stages} stages x {chunks} micro-batches, balance_by={balance_by!r}")
     threads = set_threads(threads, devices)

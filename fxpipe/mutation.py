@@ -34,6 +34,7 @@ import torch
 from torch import fx, nn
 
 from .errors import MutationError
+from .partition import COMPUTE_OPS
 from .stage_module import source_location
 from .tree import flatten
 
@@ -122,7 +123,7 @@ class _Watcher(fx.Interpreter):
         self.placeholders: Set[Optional[int]] = set()
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op not in ("call_module", "call_function", "call_method"):
+        if n.op not in COMPUTE_OPS:
             out = super().run_node(n)
             if n.op == "placeholder":
                 self.placeholders.update(_storage(t) for t in _tensors(out))

@@ -11,6 +11,7 @@ devices cannot be split that way and is refused with a message saying how to fix
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Dict, List, Tuple
 
 import torch
@@ -54,7 +55,7 @@ def place_stages(stages: Stages, devices: List[torch.device], *, exported: bool 
                     owner.setdefault(id(t), (k, node.target))
                     _move(t, devices[owner[id(t)][0]])
             elif node.op == "get_attr":
-                value = _fetch(stage, node.target)
+                value = attrgetter(node.target)(stage)  # a dotted name, as fx's fetch_attr walks it
                 if not isinstance(value, torch.Tensor):
                     continue
                 first_stage, _ = owner.setdefault(id(value), (k, node.target))
@@ -64,13 +65,6 @@ def place_stages(stages: Stages, devices: List[torch.device], *, exported: bool 
         if exported:
             retarget_devices(stage, device)
         stage.recompile()
-
-
-def _fetch(module: nn.Module, target: str) -> object:
-    obj: object = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _read_on(stage: torch.fx.GraphModule, node: torch.fx.Node, device: torch.device) -> None:

@@ -34,11 +34,9 @@ from .batching import same_value
 from .errors import MutationError, TraceError
 from .mutation import Mutations, find_and_fix_mutations
 from .tree import flatten
+from .user_code import is_user_file
 
 __all__ = ["Prepared", "prepare", "preserved", "mode_sensitivity", "check_capture"]
-
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 @contextmanager
@@ -100,11 +98,11 @@ class _BufferWriters(TorchFunctionMode):
 
 
 def _user_frame() -> Tuple[str, Optional[nn.Module]]:
-    """'file:line: code' of the innermost frame outside torch and fxpipe, and its ``self``."""
+    """'file:line: code' of the innermost user frame (:mod:`fxpipe.user_code`), and its ``self``."""
     frame = inspect.currentframe()
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith((_PKG_DIR, _TORCH_DIR)) and not filename.startswith("<"):
+        if is_user_file(frame.f_code.co_filename):
+            filename = os.path.abspath(frame.f_code.co_filename)
             info = inspect.getframeinfo(frame)
             line = (info.code_context or [""])[0].strip()
             code = frame.f_code

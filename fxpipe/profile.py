@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from .partition import COMPUTE_OPS
+from .runtime.stream import synchronize
+
 __all__ = ["NodeCost", "profile_graph", "count_params_only", "tensor_bytes", "shape_str"]
 
-_COMPUTE_OPS = ("call_module", "call_function", "call_method")
 # a node is re-run only while its runs so far took less than this (a single slow, e.g.
 # pre-empted, run still gets company; an expensive node runs once)
 _NODE_BUDGET_S = 0.1
@@ -62,20 +65,13 @@ def shape_str(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _param_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
     """Bytes of a call_module's parameters and buffers, or of a get_attr's tensor."""
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         return tensor_bytes(list(mod.parameters()) + list(mod.buffers()))
     if node.op == "get_attr":
-        return tensor_bytes(_attr(gm, node.target))
+        return tensor_bytes(attrgetter(node.target)(gm))
     return 0
 
 
@@ -84,14 +80,9 @@ def _param_count(gm: fx.GraphModule, node: fx.Node) -> float:
     if node.op == "call_module":
         return float(sum(p.numel() for p in gm.get_submodule(node.target).parameters()))
     if node.op == "get_attr":
-        obj = _attr(gm, node.target)
+        obj = attrgetter(node.target)(gm)
         return float(obj.numel()) if isinstance(obj, torch.nn.Parameter) else 0.0
     return 0.0
-
-
-def _sync(device: torch.device | None) -> None:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Sequence[torch.Tensor],
@@ -114,14 +105,14 @@ def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Se
 
         a, k = pytree.tree_map(prep, (args, kwargs))
         wrt = leaves + [p for p in params if p.requires_grad]
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         with torch.enable_grad():
             out = run(*a, **k)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         if outs and wrt:
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
         if sum(times) > _NODE_BUDGET_S:
             break
@@ -140,7 +131,7 @@ class _Profiler(fx.Interpreter):
         if not self.timed:
             cost = _param_count(self.module, n)
         else:
-            cost = self._time(n) if n.op in _COMPUTE_OPS else 0.0
+            cost = self._time(n) if n.op in COMPUTE_OPS else 0.0
         self.costs[n.name] = NodeCost(cost, tensor_bytes(out), _param_bytes(self.module, n), shape_str(out))
         return out
 
@@ -198,7 +189,7 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
 
 def profile_graph(gm: fx.GraphModule, flat_inputs: Sequence[Any], *, repeat: int = 3,
                   device: torch.device | str | None = None) -> dict[str, NodeCost]:
-    """Time every compute node of ``gm`` (forward + backward, median of ``repeat``).
+    """Time every compute node of ``gm`` (forward + backward, the fastest of up to ``repeat`` runs).
 
     ``flat_inputs`` are the graph's placeholders' values (``Capture.flatten_inputs``). With
     ``device`` the inputs are moved there and CUDA is synchronised around each timing; the

@@ -12,27 +12,24 @@ traceback, maps it to its fx node and that node's recorded ``stack_trace``, and 
 from __future__ import annotations
 
 import linecache
-import os
 import re
 from typing import Any
 
 import torch
 import torch.fx
 
+from .user_code import is_user_file
+
 __all__ = ["StageModule", "annotate_stage_exception", "source_location", "source_comment"]
 
 _NOTE_PREFIX = "in fxpipe stage "
 _FRAME_RE = re.compile(r'^File "(.+)", line (\d+), in (.+)$')
 _DELETE_RE = re.compile(r";\s+(?:[A-Za-z_]\w*\s*=\s*)+None\s*$")
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-# The demo model ships inside the package but is user code for source locations.
-_DEMO_FILE = os.path.join(_FXPIPE_DIR, "demo.py")
 
 
 def source_location(node: torch.fx.Node) -> str | None:
     """``File "...", line N, in fn: code`` of the innermost *user* frame in the node's
-    recorded ``stack_trace`` (frames inside torch and fxpipe are skipped), or ``None``."""
+    recorded ``stack_trace`` (see :mod:`fxpipe.user_code`), or ``None``."""
     stack_trace = node.meta.get("stack_trace")
     if not stack_trace:
         return None
@@ -45,8 +42,7 @@ def source_location(node: torch.fx.Node) -> str | None:
             frames.append((m.group(1), m.group(2), m.group(3), code))
     if not frames:
         return None
-    user = [f for f in frames
-            if os.path.abspath(f[0]) == _DEMO_FILE or not os.path.abspath(f[0]).startswith((_TORCH_DIR, _FXPIPE_DIR))]
+    user = [f for f in frames if is_user_file(f[0])]
     file, lineno, fn, code = (user or frames)[-1]
     return f'File "{file}", line {lineno}, in {fn}: {code}'
 

@@ -40,9 +40,12 @@ class Batch:
             atomic = not isinstance(value, tuple)
         self.atomic = atomic
         self.values: List[Any] = [value] if atomic else list(value)
-        # A phony that keeps autograd paths (portal gradients) alive through partitions
-        # whose outputs hold no floating-point tensor to join them to. Never passed to a
-        # partition; the runtime joins it into the next output that has an anchor.
+        # A phony carrying the autograd dependencies of portals (stash and copy phonies)
+        # from stage to stage, beside the values rather than joined to one: the next stage
+        # may use a value only for its shape, or not at all, and the dependency would die
+        # with it. Never passed to a partition: each stage's output takes over its input's
+        # carry (runtime/pipeline.py), checkpointing keeps it, and the pops of generated
+        # code depend on it (skip/tracker.py).
         self.carry: Optional[Tensor] = None
 
     @property

@@ -8,13 +8,13 @@ CPU every stream operation is a no-op. These helpers let the rest of the runtime
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Generator, Union
+from typing import Generator, Optional, Union
 
 import torch
 
 __all__ = [
     "CPUStream", "AbstractStream", "new_stream", "current_stream", "default_stream",
-    "use_device", "use_stream", "get_device", "wait_stream", "record_stream", "is_cuda",
+    "use_device", "use_stream", "get_device", "wait_stream", "record_stream", "is_cuda", "synchronize",
 ]
 
 
@@ -106,3 +106,10 @@ def record_stream(tensor: torch.Tensor, stream: AbstractStream) -> None:
     # record_stream needs the storage's own stream type.
     tensor = tensor.new_empty([0]).set_(tensor.untyped_storage())
     tensor.record_stream(stream)  # type: ignore[arg-type]
+
+
+def synchronize(device: Optional[torch.device]) -> None:
+    """Waits until the device has run all work queued on it (CUDA); nothing on the CPU,
+    where work is synchronous, or for no device. What a timing needs around it."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)

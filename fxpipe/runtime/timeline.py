@@ -18,6 +18,7 @@ import torch
 
 from .checkpoint import is_recomputing
 from .phony import get_phony
+from .stream import synchronize
 
 if TYPE_CHECKING:
     from .microbatch import Batch
@@ -65,11 +66,6 @@ def active() -> Optional[Recorder]:
     return _active
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextmanager
 def span(kind: str, partition: int, microbatch: int, device: torch.device) -> Generator[None, None, None]:
     recorder = _active
@@ -80,7 +76,7 @@ def span(kind: str, partition: int, microbatch: int, device: torch.device) -> Ge
     try:
         yield
     finally:
-        _sync(device)
+        synchronize(device)
         recorder.add(Span(kind, partition, microbatch, str(device), start, time.perf_counter(),
                           threading.current_thread().name))
 
@@ -120,7 +116,7 @@ class _BackwardExit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         partition, microbatch, device = ctx.key
-        _sync(torch.device(device))
+        synchronize(torch.device(device))
         end = time.perf_counter()
         start = ctx.marks.get("start", end)
         ctx.recorder.add(Span("backward", partition, microbatch, device, start, end, threading.current_thread().name))

@@ -1,0 +1,47 @@
+"""runtime/batchnorm.py: deferred BatchNorm tracks the running statistics of the mini-batch."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe import GPipe
+
+
+def bn_models():
+    # Each BatchNorm sees the same input in the pipeline and in the full-batch model
+    # (normalisation itself uses micro-batch statistics, so a BN after a BN would not).
+    yield nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+    yield nn.Sequential(nn.Flatten(), nn.Linear(48, 5), nn.BatchNorm1d(5, momentum=None), nn.Linear(5, 5))
+    yield nn.Sequential(nn.Conv3d(3, 2, 1), nn.BatchNorm3d(2, momentum=0.3), nn.Flatten())
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 3, 4])
+def test_deferred_batch_norm_matches_full_batch(chunks, checkpoint):
+    for model in bn_models():
+        ref = copy.deepcopy(model)
+        pipe = GPipe(model, [2, len(model) - 2], devices=["cpu"] * 2, chunks=chunks,
+                     checkpoint=checkpoint, deferred_batch_norm=True)
+        for step in range(3):
+            x = torch.randn(12, 3, 4, 4) + step
+            if isinstance(model[0], nn.Conv3d):
+                x = x.unsqueeze(-1)
+            pipe(x).sum().backward()
+            ref(x)
+        for (name, a), b in zip(ref.named_buffers(), model.buffers()):
+            torch.testing.assert_close(b, a, msg=lambda m: f"{name}: {m}")
+        assert list(model.state_dict()) == list(ref.state_dict())  # keys unchanged
+
+
+def test_deferred_batch_norm_eval_uses_running_stats():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    ref = copy.deepcopy(model)
+    pipe = GPipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, deferred_batch_norm=True)
+    x = torch.randn(6, 3)
+    pipe(x)
+    ref(x)
+    pipe.eval()
+    ref.eval()
+    torch.testing.assert_close(pipe(x), ref(x))
