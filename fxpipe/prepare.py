@@ -216,9 +216,9 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
 
     ``eager`` is the model's own output and ``graph_leaves`` the graph's flat outputs, both
     from :meth:`fxpipe.batching.Batching.sample_run`. A capture can be silently unfaithful:
-    torch.fx records ``g += x`` as ``g = g + x`` (its proxies have no in-place add), so
-    another name for the same tensor keeps the old value. Values are compared only when
-    the graph is deterministic (``deterministic``).
+    a forward that changes Python state (``self.calls += 1`` on an int attribute) runs that
+    code once, while torch.fx traces, and the graph keeps the value it had then as a
+    constant. Values are compared only when the graph is deterministic (``deterministic``).
     """
     leaves, _ = flatten(eager)
     if len(leaves) != len(graph_leaves):
@@ -228,7 +228,7 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
             label = f"output {name!r}" if name else "the output"
             raise TraceError(
                 f"the captured graph does not reproduce the model on the sample: {label} differs from "
-                "model(*sample). A known cause: an in-place update written on another name of a tensor "
-                "(`g = h; g += x`), which torch.fx records as `g = g + x`, so `h` keeps its old value. What "
-                "to do: write the update out of place (h = h + x), or keep the module doing it opaque with "
-                "leaf_modules=[...].")
+                "model(*sample). A known cause: a forward that changes Python state (`self.calls += 1` on "
+                "an int attribute): torch.fx runs it once while tracing and the graph keeps the value it "
+                "had then as a constant. What to do: move that update out of forward (the pipeline runs "
+                "forward once per micro-batch, not once per call).")

@@ -46,7 +46,7 @@ OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "scale": (("f",), "f"),
     "sub_mean": (("f",), "f"),
     # in place
-    "iadd": (("f", "f"), "*"),        # x += o, every name of x rebound to the result
+    "iadd": (("f", "f"), "*"),        # x += o, on a local name (every name of x sees it) or rebinding them
     "add_": (("f", "f"), "*"),        # x.add_(o)
     "mul_": (("f",), "*"),            # x.mul_(c)
     "relu_": (("f",), "*"),           # torch.relu_ / .relu_() / F.relu(inplace) / nn.ReLU(inplace)
@@ -244,8 +244,8 @@ class DagModel(nn.Module):
         target = node.inputs[0]
         if op == "iadd":
             x = xs[0]
-            x += xs[1]  # fx records `+=` out of place: only the rebound name sees the result
-            return self._rebind(vals, target, x)
+            x += xs[1]  # in place: xs[0], and every other name of it, sees the change
+            return self._rebind(vals, target, x) if arg == "rebind" else xs[0]
         if op == "add_":
             out = xs[0].add_(xs[1])
             return self._rebind(vals, target, out) if arg == "rebind" else xs[0]
@@ -384,7 +384,7 @@ def specs(draw, features: str = "all", max_nodes: int = 9, dropout: float = 0.0,
             first = pick(paired if len(ins) == 2 else targets, "target")
             rest = [pick([v for v in avail["f"] if roots[v] != roots[first]], "other")] if len(ins) == 2 else []
             inputs = (first, *rest)
-            if op == "add_":
+            if op in ("add_", "iadd"):
                 arg = draw(st.sampled_from(["keep", "rebind"]))
             elif op == "mul_":
                 arg = (draw(st.sampled_from([0.5, -2.0])), draw(st.sampled_from(["keep", "rebind"])))

@@ -16,12 +16,13 @@ points anywhere in the graph fxpipe plans, and runs all three checkpoint modes o
 each against eager, and against each other. Cuts that separate an in-place op from the copy
 it fills must be refused (MutationError); half the examples draw only cuts that do not.
 
+``+=`` (and every augmented assignment) is recorded in place, as eager runs it
+(fxpipe.augmented): the generator uses it on a tensor with other names, under autocast too.
+
 Known bugs, each with a strict-xfail reproduction at the end of this file, are kept out of
-the sweeps (and only those): ``+=`` under autocast (``AUTOCAST_EXCLUDE``), ``x[a:b] += y``
-(refused; not generated), a leaf's container returned as the model's output (refused;
-``container_outputs``), and zero gradients where eager has None (``ZERO_FOR_NONE_KNOWN``:
-zeros accepted, nothing else). ``+=`` on another name of a tensor is refused at build (its
-own test); the generator rebinds every name.
+the sweeps (and only those): ``x[a:b] += y`` (refused; not generated), a leaf's container
+returned as the model's output (refused; ``container_outputs``), and zero gradients where
+eager has None (``ZERO_FOR_NONE_KNOWN``: zeros accepted, nothing else).
 """
 
 from __future__ import annotations
@@ -493,9 +494,6 @@ LEAVES = [rm.Producer]
 #: known bug, reproduced by test_grad_reaching_only_argmax_is_none_not_zero. Zeros are
 #: accepted there (anything else still fails) until it is fixed.
 ZERO_FOR_NONE_KNOWN = True
-#: `x += y` under autocast: fx records it out of place, so a bfloat16 x becomes float32
-#: (test_iadd_under_autocast_keeps_the_dtype).
-AUTOCAST_EXCLUDE = ("iadd",)
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
@@ -694,7 +692,7 @@ def test_typed_random_dag_every_mode_matches_eager(features, data):
 def test_typed_random_dag_under_autocast_every_mode(data):
     """Forward under torch.autocast('cpu', bfloat16), backward outside it (the AMP pattern):
     the recomputation of checkpointed stages must run in the forward's dtypes."""
-    spec, model, args, graph, n_stages, chunks = typed_case(data, "all", exact_discrete=True, exclude=AUTOCAST_EXCLUDE)
+    spec, model, args, graph, n_stages, chunks = typed_case(data, "all", exact_discrete=True)
     plan, separated = draw_plan(data, graph, n_stages)
     cache = data.draw(st.booleans(), label="cache_enabled")
     sweep_cut(model, args, graph, n_stages, chunks, plan, separated, autocast=True, cache=cache)
@@ -802,16 +800,42 @@ class _AliasIadd(nn.Module):
 
 
 @pytest.mark.parametrize("n_stages", [1, 2])
-def test_iadd_through_another_name_is_refused(n_stages):
-    """torch.fx traces `g += x` as `g = g + x` (its Proxy has no __iadd__), so `h`, another name
-    for the same tensor, would be read unchanged. The build compares the captured graph with
-    the model on the sample and refuses."""
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_iadd_through_another_name_changes_that_name_too(n_stages, checkpoint):
+    """torch.fx alone traces `g += x` as `g = g + x` (its Proxy has no __iadd__), and `h`, another
+    name for the same tensor, would keep its old value. fxpipe's tracer records `+=` in place
+    (fxpipe.augmented), and the op runs on a copy like any other in-place op."""
+    torch.manual_seed(0)
+    assert_exact(_AliasIadd(), (torch.randn(4, 6),), n_stages, chunks=2, checkpoint=checkpoint, balance_by="params")
+
+
+class _CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0  # a Python int: torch.fx runs `+=` on it once, while tracing
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.calls
+
+
+class _WithCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.count, self.b = nn.Linear(6, 6), _CountsCalls(), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.b(self.count(self.a(x)))
+
+
+def test_graph_that_does_not_reproduce_the_model_is_refused():
+    """A forward that changes Python state bakes the traced value into the graph as a constant;
+    the build compares the captured graph with the model on the sample and refuses."""
     from fxpipe.errors import TraceError
 
     torch.manual_seed(0)
-    with pytest.raises(TraceError, match=r"(?s)does not reproduce the model.*g \+= x"):
-        fxpipe.pipeline(_AliasIadd(), torch.randn(4, 6), n_stages, chunks=2, devices=["cpu"] * n_stages,
-                        balance_by="params")
+    with pytest.raises(TraceError, match=r"(?s)does not reproduce the model.*Python state"):
+        fxpipe.pipeline(_WithCounter(), torch.randn(4, 6), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
 
 
 class _IaddOutput(nn.Module):
@@ -825,14 +849,46 @@ class _IaddOutput(nn.Module):
         return self.b(x), h
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.fx records `h += x` as `h = h + x`: under autocast h (bfloat16, from a Linear) plus x "
-    "(float32) comes out float32, where the in-place op keeps bfloat16; the output's dtype differs"))
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_iadd_under_autocast_keeps_the_dtype(checkpoint):
+def test_iadd_under_autocast_keeps_the_dtype(checkpoint, autocast):
+    """`h += x` is in place in the graph too (fxpipe.augmented): a bfloat16 h stays bfloat16."""
     torch.manual_seed(0)
-    assert_exact(_IaddOutput(), (torch.randn(4, 6),), 2, chunks=2, checkpoint=checkpoint, balance_by="params",
-                 context=lambda: torch.autocast("cpu", dtype=torch.bfloat16), tol=BF16_TOL)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
+    pipe = assert_exact(_IaddOutput(), (torch.randn(4, 6),), 2, chunks=2, checkpoint=checkpoint,
+                        balance_by="params", context=context, tol=BF16_TOL if autocast else None)
+    with context():
+        assert pipe(torch.randn(4, 6))[1].dtype == (torch.bfloat16 if autocast else torch.float32)
+
+
+class _AugmentedMix(nn.Module):
+    """Every augmented assignment on tensors (in place) and on Python ints (a new int)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        n = x.size(1)
+        m = n
+        m += 2  # an int: n keeps its value
+        h = self.a(x)
+        h -= x
+        h *= 0.5
+        h /= 2.0
+        g = self.b(h)
+        k = g
+        k **= 2
+        return self.c(g), h.reshape(-1, n), x.reshape(-1, m - 2) + 1.0, n, m
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_augmented_assignments_on_tensors_and_ints(checkpoint, autocast):
+    torch.manual_seed(0)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
+    assert_exact(_AugmentedMix(), (torch.randn(4, 6),), 3, chunks=2, checkpoint=checkpoint, balance_by="params",
+                 context=context, tol=BF16_TOL if autocast else None)
 
 
 class _SliceIadd(nn.Module):
@@ -920,8 +976,7 @@ def test_typed_random_dag_long_sweep(data):
     """The sweeps above, longer and on bigger models (more stages skipped by portals)."""
     features = data.draw(st.sampled_from(sorted(rm.FEATURES)), label="features")
     autocast = data.draw(st.booleans(), label="autocast")
-    spec, model, args, graph, n_stages, chunks = typed_case(data, features, max_nodes=14, exact_discrete=autocast,
-                                                            exclude=AUTOCAST_EXCLUDE if autocast else ())
+    spec, model, args, graph, n_stages, chunks = typed_case(data, features, max_nodes=14, exact_discrete=autocast)
     plan, separated = draw_plan(data, graph, n_stages)
     cache = data.draw(st.booleans(), label="cache_enabled") if autocast else True
     sweep_cut(model, args, graph, n_stages, chunks, plan, separated, autocast=autocast, cache=cache)
