@@ -18,11 +18,12 @@ it fills must be refused (MutationError); half the examples draw only cuts that 
 
 ``+=`` (and every augmented assignment) is recorded in place, as eager runs it
 (fxpipe.augmented): the generator uses it on a tensor with other names, under autocast too.
+A parameter or input no gradient reaches keeps grad None in every checkpoint mode, as in
+eager: zeros fail the sweeps.
 
 Known bugs, each with a strict-xfail reproduction at the end of this file, are kept out of
-the sweeps (and only those): ``x[a:b] += y`` (refused; not generated), a leaf's container
-returned as the model's output (refused; ``container_outputs``), and zero gradients where
-eager has None (``ZERO_FOR_NONE_KNOWN``: zeros accepted, nothing else).
+the sweeps (and only those): ``x[a:b] += y`` (refused; not generated), and a leaf's
+container returned as the model's output (refused; ``container_outputs``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import contextlib
 import copy
 import dataclasses
 import itertools
-import os
 from typing import Any
 
 import pytest
@@ -56,8 +56,7 @@ MODES = ["always", "except_last", "never"]
 # Gradients sum over micro-batches in another order than over the batch: float32 rounding.
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
 # Parameters and inputs that get no gradient in eager must get none here either, also under
-# checkpointing. FXPIPE_TOLERATE_ZERO_GRADS=1 accepts zeros instead (to triage a failure).
-TOLERATE_ZERO_FOR_NONE = os.environ.get("FXPIPE_TOLERATE_ZERO_GRADS") == "1"
+# checkpointing: None, not zeros.
 
 # op -> (min inputs, max inputs)
 OPS = {
@@ -321,11 +320,6 @@ def test_random_dag_matches_eager(spec, n_stages, chunks, checkpoint, batch, for
     named = [(f"input {k}", x, rx) for k, (x, rx) in enumerate(zip(xs, ref_xs))]
     named += [(name, p, q) for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]
     for name, p, q in named:
-        if q.grad is None and p.grad is not None and checkpoint != "never" and TOLERATE_ZERO_FOR_NONE:
-            # Known runtime bug (test_*_grad_none_under_checkpoint below): checkpointed
-            # stages and Fork/Join turn "no gradient" into zeros. Tolerated until fixed.
-            assert not p.grad.any(), name
-            continue
         assert (p.grad is None) == (q.grad is None), f"grad of {name}: {p.grad} vs eager {q.grad}"
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"grad of {name}: {s}", **GRAD_TOL)
@@ -489,11 +483,6 @@ def test_partition_matches_brute_force_on_captured_graphs(spec, batch, cost):
 # in-place rewrite, which adds the copies); every checkpoint mode runs on the same cut.
 
 LEAVES = [rm.Producer]
-#: A parameter or input whose every path to the loss goes through a non-differentiable op
-#: (argmax, argsort, a mask, a shape) in another stage gets zeros where eager gets None: a
-#: known bug, reproduced by test_grad_reaching_only_argmax_is_none_not_zero. Zeros are
-#: accepted there (anything else still fails) until it is fixed.
-ZERO_FOR_NONE_KNOWN = True
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
@@ -570,14 +559,10 @@ def assert_outputs(got: Any, expected: Any, tol: dict) -> None:
             assert a == b, f"output leaf {k}: {a!r} vs {b!r}"
 
 
-def assert_grads(named: list, tol: dict, scaled: bool = False, symmetric: bool = False) -> None:
-    """``(name, tensor, reference tensor)``: the same gradient, or None on both sides."""
+def assert_grads(named: list, tol: dict, scaled: bool = False) -> None:
+    """``(name, tensor, reference tensor)``: the same gradient, or None on both sides (a
+    parameter no gradient reaches keeps grad None: zeros are a different result)."""
     for name, p, q in named:
-        if ZERO_FOR_NONE_KNOWN and (p.grad is None) != (q.grad is None) and (symmetric or q.grad is None):
-            # Known bug (test_grad_reaching_only_argmax_is_none_not_zero): zeros, not None.
-            g = p.grad if p.grad is not None else q.grad
-            assert not g.any(), f"grad of {name}: {p.grad} vs {q.grad} (a gradient where the other has none)"
-            continue
         assert (p.grad is None) == (q.grad is None), \
             f"grad of {name}: {'None' if p.grad is None else 'a tensor'} vs {'None' if q.grad is None else 'a tensor'}"
         if q.grad is not None:
@@ -615,7 +600,7 @@ def assert_modes_agree(runs: list, tol: dict = GRAD_TOL) -> None:
         try:
             assert_outputs(out, first, GRAD_TOL)
             assert_grads([(name, p, q) for (name, p), (_, q) in zip(grads, first_grads)], tol,
-                         scaled=tol is BF16_TOL, symmetric=True)
+                         scaled=tol is BF16_TOL)
         except AssertionError as e:
             raise AssertionError(f"checkpoint={mode!r} vs {first_mode!r}: {e}") from None
 
@@ -944,12 +929,12 @@ class _OnlyArgmax(nn.Module):
         return self.c(h) + i.unsqueeze(1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "b.weight and b.bias get zero gradients where eager gives None: b is alone in stage 1 and its "
-    "output, the only value that stage sends, is read in stage 2 by argmax only (every checkpoint "
-    "mode, 'never' included)"))
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_grad_reaching_only_argmax_is_none_not_zero(checkpoint):
+    """b is alone in stage 1 and its output, the only value that stage sends, is read in stage
+    2 by argmax only: b.weight and b.bias keep grad None, as in eager. Backward still visits
+    the runtime's Fork/Join/Copy/Checkpoint nodes on that path (they order it); they used to
+    turn the absent gradient into zeros."""
     torch.manual_seed(0)
     model, x = _OnlyArgmax(), torch.randn(4, 6)
     _, graph = prepared(model, (x,))
