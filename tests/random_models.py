@@ -11,15 +11,17 @@ op. Values are typed, so a node reads only what it can use:
 
 Besides out-of-place float ops, nodes mutate activations in place: ``+=``, ``add_``,
 ``mul_``, ``relu_`` chains (``torch.relu_``, ``.relu_()``, ``F.relu(inplace=True)``,
-``nn.ReLU(inplace=True)``), setitem on a fresh tensor, and in-place ops through a view whose
-base is read later. The generator only mutates what eager autograd allows (a value no
-backward node has saved, never a model input, never a tensor held inside a container), so
-eager runs and the pipeline must agree with it. Every value nobody reads is an output (no
-dead code), so every op matters for the result; integers, masks and containers are often
-read once more by a last node, so that they travel far (through portals).
+``nn.ReLU(inplace=True)``), setitem on a fresh tensor, in-place ops through a view whose
+base is read later, and ``x[:, 1:4] += y``. The generator only mutates what eager autograd
+allows (a value no backward node has saved, never a model input, never a tensor held inside
+a container), so eager runs and the pipeline must agree with it. Every value nobody reads is
+an output (no dead code), so every op matters for the result; integers, masks and
+containers are often read once more by a last node, so that they travel far (through
+portals).
 
-fx cannot trace setitem: models using it are captured by torch.export (aten graphs, where
-``x[...] = y`` is a slice and ``copy_``), so both capture paths are swept.
+fx cannot trace setitem (``x[:, 1:4] += y`` ends in one): models using it are captured by
+torch.export (aten graphs, where ``x[...] = y`` is a slice and ``copy_``), so both capture
+paths are swept.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "mul_": (("f",), "*"),            # x.mul_(c)
     "relu_": (("f",), "*"),           # torch.relu_ / .relu_() / F.relu(inplace) / nn.ReLU(inplace)
     "view_": (("f", "f"), "*"),       # through a view of x; x (the base) is what later nodes read
+    "slice_iadd": (("f", "f"), "*"),  # x[:, 1:4] += o[:, :3] (torch.export captures it: slice, add_, copy_)
     "setitem": (("f", "f"), "f"),     # z = zeros_like(a); z[:, :3] = b[:, 3:] * 2 (torch.export captures it)
     # integers, masks, Python ints
     "argsort": (("f",), "i"),
@@ -84,7 +87,7 @@ FEATURES = {
     "discrete": BASIC | DISCRETE,
     "containers": BASIC | {"leaf", "unpack"},
     "all": set(OPS),
-    "fx": set(OPS) - {"setitem"},  # fx cannot trace setitem: those models go through torch.export
+    "fx": set(OPS) - {"setitem", "slice_iadd"},  # fx cannot trace setitem: those go through torch.export
 }
 
 
@@ -273,6 +276,10 @@ class DagModel(nn.Module):
             else:  # view
                 x.view(-1, 2, 3)[:, 1].add_(o[:, 3:])
             return x  # the base, read by later nodes
+        if op == "slice_iadd":
+            x, o = xs
+            x[:, 1:4] += o[:, :3]  # getitem, in-place add on the view, setitem back
+            return x
         if op == "setitem":
             z = torch.zeros_like(xs[0])
             z[:, :3] = xs[1][:, 3:] * 2.0
