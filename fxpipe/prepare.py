@@ -10,7 +10,8 @@ the plan a user prints is the plan that runs. It
   (it then runs eagerly, once per micro-batch) and the capture is repeated; an update in
   the root forward, which cannot be opaque, is refused naming the buffer and the line;
 * rewrites in-place ops on activations out of place and finds the buffers the forward
-  updates (:mod:`fxpipe.mutation`).
+  updates (:mod:`fxpipe.mutation`);
+* opens containers the graph returns whole into output leaves (:mod:`fxpipe.open_outputs`).
 
 :func:`preserved` wraps a whole build: tracing twice, profiling and the checks all run the
 model, and none of that may show in the user's buffers, parameters, RNG or modes.
@@ -33,6 +34,7 @@ from .capture import Capture, capture
 from .batching import same_value
 from .errors import MutationError, TraceError
 from .mutation import Mutations, find_and_fix_mutations
+from .open_outputs import open_output_containers
 from .tree import flatten
 
 __all__ = ["Prepared", "prepare", "preserved", "mode_sensitivity", "check_capture"]
@@ -181,6 +183,7 @@ def prepare(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[
     sensitive = mode_sensitivity(model, captured, args, kwargs, leaves, split_dims)
     flat = captured.flatten_inputs(args, kwargs)
     mutations = find_and_fix_mutations(model, captured.graph_module, flat)
+    open_output_containers(captured, flat)
     return Prepared(captured, mutations, leaves, sensitive)
 
 

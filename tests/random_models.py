@@ -15,9 +15,9 @@ Besides out-of-place float ops, nodes mutate activations in place: ``+=``, ``add
 base is read later, and ``x[:, 1:4] += y``. The generator only mutates what eager autograd
 allows (a value no backward node has saved, never a model input, never a tensor held inside
 a container), so eager runs and the pipeline must agree with it. Every value nobody reads is
-an output (no dead code), so every op matters for the result; integers, masks and
-containers are often read once more by a last node, so that they travel far (through
-portals).
+an output (no dead code; a leaf's container too, returned whole), so every op matters for
+the result; integers, masks and containers are often read once more by a last node, so
+that they travel far (through portals).
 
 fx cannot trace setitem (``x[:, 1:4] += y`` ends in one): models using it are captured by
 torch.export (aten graphs, where ``x[...] = y`` is a slice and ``copy_``), so both capture
@@ -341,17 +341,12 @@ def _saves_output(node: Node) -> bool:
 
 @st.composite
 def specs(draw, features: str = "all", max_nodes: int = 9, dropout: float = 0.0,
-          exact_discrete: bool = False, exclude: tuple[str, ...] = (),
-          container_outputs: bool = False) -> Spec:
+          exact_discrete: bool = False, exclude: tuple[str, ...] = ()) -> Spec:
     """Random typed specs using the ops of ``FEATURES[features]`` but those in ``exclude``.
 
     ``exact_discrete``: indices and masks are computed from the model inputs only. Under
     autocast, values computed in bfloat16 differ by rounding between a micro-batch and the
     whole batch, which flips argmax and comparisons; the inputs stay float32 and exact.
-
-    ``container_outputs``: whether a leaf module's container may be returned by the model
-    as it is. Off by default: fxpipe refuses such models (see
-    test_leaf_container_returned_as_model_output in test_pipeline_random.py).
     """
     allowed = FEATURES[features] - set(exclude)
     n_inputs = draw(st.integers(1, 2))
@@ -458,12 +453,6 @@ def specs(draw, features: str = "all", max_nodes: int = 9, dropout: float = 0.0,
         nodes.append(Node("tanh", (n_inputs - 1,)))
         types.append("f")
         sinks = [len(types) - 1]
-    if not container_outputs:  # a container nobody reads is read by one more node
-        for k, v in enumerate(sinks):
-            if types[v] == "c":
-                nodes.append(Node("unpack", (v,), 1))
-                types.append("f")
-                sinks[k] = len(types) - 1
     outputs = tuple(draw(st.permutations(sinks)))
     kinds = ["tuple", "dict", "nested"] + (["tensor"] if len(outputs) == 1 and types[outputs[0]] == "f" else [])
     out_kind = draw(st.sampled_from(kinds))
