@@ -29,6 +29,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from .augmented import AugmentedProxy
 from .call_check import call_signature, mismatch_error, same_value
 from .capture_export import _Failure, compose_out_spec, export_graph
 from .errors import TraceError
@@ -206,6 +207,10 @@ class _Tracer(fx.Tracer):
         node = super().create_node(*args, **kwargs)
         node.meta["fxpipe_module"] = self.stack[-1]
         return node
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        # `h += x` recorded in place, as eager runs it (see fxpipe.augmented)
+        return AugmentedProxy(node, self)
 
 
 def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],

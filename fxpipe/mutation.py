@@ -146,12 +146,11 @@ class _Watcher(fx.Interpreter):
         # counter: compare the values of the buffers a node can reach, too.
         values = [t.clone() if _storage(t) in self.buffers else None for _, _, t in watched]
         out = super().run_node(n)
-        mutated = False
-        for (slot, a, t), version, value in zip(watched, before, values):
-            if t._version == version and (value is None or torch.equal(value, t)):
-                continue
-            mutated = True
+        changed = [(slot, a, t) for (slot, a, t), version, value in zip(watched, before, values)
+                   if t._version != version or (value is not None and not torch.equal(value, t))]
+        for slot, a, t in _written(n, changed, out):
             self._mutated(n, slot, a, t, out)
+        mutated = bool(changed)
         if not mutated and isinstance(out, torch.Tensor):
             storage = _storage(out)
             bases = [slot for slot, a, t in watched if slot is not None and storage is not None
@@ -196,6 +195,27 @@ class _Watcher(fx.Interpreter):
                     f"module opaque with leaf_modules=['{n.meta.get('fxpipe_module', '') or '<module>'}'].",
                     node=n.name)
         self.found.values.append((n, slot, out is t, base is not a))
+
+
+def _written(n: fx.Node, changed: List[Tuple[Any, Any, torch.Tensor]], out: Any) -> List[Tuple[Any, Any, torch.Tensor]]:
+    """The changed arguments node ``n`` wrote, given those whose version or value changed.
+
+    Views share their base's version counter, so an op writing one argument bumps every
+    other argument that aliases it. torch.export records ``h[:, 1:4] += y`` as
+    ``s = slice(h); s.add_(y); copy_(slice(h), s)``: the ``copy_`` bumps ``s`` too, although
+    it only reads it. Its source is then the very elements it writes (the same view), so
+    the copy changes nothing there and reading ``s`` before it is the same: ``s`` does not
+    count as changed by the ``copy_``. Every other aliasing change counts (an op may read an
+    overlapping alias after writing, and the pipeline could not reproduce that order).
+    """
+    if n.target is not torch.ops.aten.copy_.default:
+        return changed
+    return [(slot, a, t) for slot, a, t in changed if t is out or not _same_view(t, out)]
+
+
+def _same_view(a: torch.Tensor, b: Any) -> bool:
+    return (isinstance(b, torch.Tensor) and _storage(a) is not None and _storage(a) == _storage(b)
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _state_tensors(model: nn.Module) -> Dict[int, str]:

@@ -10,7 +10,8 @@ the plan a user prints is the plan that runs. It
   (it then runs eagerly, once per micro-batch) and the capture is repeated; an update in
   the root forward, which cannot be opaque, is refused naming the buffer and the line;
 * rewrites in-place ops on activations out of place and finds the buffers the forward
-  updates (:mod:`fxpipe.mutation`).
+  updates (:mod:`fxpipe.mutation`);
+* opens containers the graph returns whole into output leaves (:mod:`fxpipe.open_outputs`).
 
 :func:`preserved` wraps a whole build: tracing twice, profiling and the checks all run the
 model, and none of that may show in the user's buffers, parameters, RNG or modes.
@@ -33,6 +34,7 @@ from .capture import Capture, capture
 from .batching import same_value
 from .errors import MutationError, TraceError
 from .mutation import Mutations, find_and_fix_mutations
+from .open_outputs import open_output_containers
 from .tree import flatten
 from .user_code import is_user_file
 
@@ -179,6 +181,7 @@ def prepare(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[
     sensitive = mode_sensitivity(model, captured, args, kwargs, leaves, split_dims)
     flat = captured.flatten_inputs(args, kwargs)
     mutations = find_and_fix_mutations(model, captured.graph_module, flat)
+    open_output_containers(captured, flat)
     return Prepared(captured, mutations, leaves, sensitive)
 
 
@@ -214,9 +217,9 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
 
     ``eager`` is the model's own output and ``graph_leaves`` the graph's flat outputs, both
     from :meth:`fxpipe.batching.Batching.sample_run`. A capture can be silently unfaithful:
-    torch.fx records ``g += x`` as ``g = g + x`` (its proxies have no in-place add), so
-    another name for the same tensor keeps the old value. Values are compared only when
-    the graph is deterministic (``deterministic``).
+    a forward that changes Python state (``self.calls += 1`` on an int attribute) runs that
+    code once, while torch.fx traces, and the graph keeps the value it had then as a
+    constant. Values are compared only when the graph is deterministic (``deterministic``).
     """
     leaves, _ = flatten(eager)
     if len(leaves) != len(graph_leaves):
@@ -226,7 +229,7 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
             label = f"output {name!r}" if name else "the output"
             raise TraceError(
                 f"the captured graph does not reproduce the model on the sample: {label} differs from "
-                "model(*sample). A known cause: an in-place update written on another name of a tensor "
-                "(`g = h; g += x`), which torch.fx records as `g = g + x`, so `h` keeps its old value. What "
-                "to do: write the update out of place (h = h + x), or keep the module doing it opaque with "
-                "leaf_modules=[...].")
+                "model(*sample). A known cause: a forward that changes Python state (`self.calls += 1` on "
+                "an int attribute): torch.fx runs it once while tracing and the graph keeps the value it "
+                "had then as a constant. What to do: move that update out of forward (the pipeline runs "
+                "forward once per micro-batch, not once per call).")

@@ -11,15 +11,17 @@ op. Values are typed, so a node reads only what it can use:
 
 Besides out-of-place float ops, nodes mutate activations in place: ``+=``, ``add_``,
 ``mul_``, ``relu_`` chains (``torch.relu_``, ``.relu_()``, ``F.relu(inplace=True)``,
-``nn.ReLU(inplace=True)``), setitem on a fresh tensor, and in-place ops through a view whose
-base is read later. The generator only mutates what eager autograd allows (a value no
-backward node has saved, never a model input, never a tensor held inside a container), so
-eager runs and the pipeline must agree with it. Every value nobody reads is an output (no
-dead code), so every op matters for the result; integers, masks and containers are often
-read once more by a last node, so that they travel far (through portals).
+``nn.ReLU(inplace=True)``), setitem on a fresh tensor, in-place ops through a view whose
+base is read later, and ``x[:, 1:4] += y``. The generator only mutates what eager autograd
+allows (a value no backward node has saved, never a model input, never a tensor held inside
+a container), so eager runs and the pipeline must agree with it. Every value nobody reads is
+an output (no dead code; a leaf's container too, returned whole), so every op matters for
+the result; integers, masks and containers are often read once more by a last node, so
+that they travel far (through portals).
 
-fx cannot trace setitem: models using it are captured by torch.export (aten graphs, where
-``x[...] = y`` is a slice and ``copy_``), so both capture paths are swept.
+fx cannot trace setitem (``x[:, 1:4] += y`` ends in one): models using it are captured by
+torch.export (aten graphs, where ``x[...] = y`` is a slice and ``copy_``), so both capture
+paths are swept.
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "scale": (("f",), "f"),
     "sub_mean": (("f",), "f"),
     # in place
-    "iadd": (("f", "f"), "*"),        # x += o, every name of x rebound to the result
+    "iadd": (("f", "f"), "*"),        # x += o, on a local name (every name of x sees it) or rebinding them
     "add_": (("f", "f"), "*"),        # x.add_(o)
     "mul_": (("f",), "*"),            # x.mul_(c)
     "relu_": (("f",), "*"),           # torch.relu_ / .relu_() / F.relu(inplace) / nn.ReLU(inplace)
     "view_": (("f", "f"), "*"),       # through a view of x; x (the base) is what later nodes read
+    "slice_iadd": (("f", "f"), "*"),  # x[:, 1:4] += o[:, :3] (torch.export captures it: slice, add_, copy_)
     "setitem": (("f", "f"), "f"),     # z = zeros_like(a); z[:, :3] = b[:, 3:] * 2 (torch.export captures it)
     # integers, masks, Python ints
     "argsort": (("f",), "i"),
@@ -84,7 +87,7 @@ FEATURES = {
     "discrete": BASIC | DISCRETE,
     "containers": BASIC | {"leaf", "unpack"},
     "all": set(OPS),
-    "fx": set(OPS) - {"setitem"},  # fx cannot trace setitem: those models go through torch.export
+    "fx": set(OPS) - {"setitem", "slice_iadd"},  # fx cannot trace setitem: those go through torch.export
 }
 
 
@@ -244,8 +247,8 @@ class DagModel(nn.Module):
         target = node.inputs[0]
         if op == "iadd":
             x = xs[0]
-            x += xs[1]  # fx records `+=` out of place: only the rebound name sees the result
-            return self._rebind(vals, target, x)
+            x += xs[1]  # in place: xs[0], and every other name of it, sees the change
+            return self._rebind(vals, target, x) if arg == "rebind" else xs[0]
         if op == "add_":
             out = xs[0].add_(xs[1])
             return self._rebind(vals, target, out) if arg == "rebind" else xs[0]
@@ -273,6 +276,10 @@ class DagModel(nn.Module):
             else:  # view
                 x.view(-1, 2, 3)[:, 1].add_(o[:, 3:])
             return x  # the base, read by later nodes
+        if op == "slice_iadd":
+            x, o = xs
+            x[:, 1:4] += o[:, :3]  # getitem, in-place add on the view, setitem back
+            return x
         if op == "setitem":
             z = torch.zeros_like(xs[0])
             z[:, :3] = xs[1][:, 3:] * 2.0
@@ -334,17 +341,12 @@ def _saves_output(node: Node) -> bool:
 
 @st.composite
 def specs(draw, features: str = "all", max_nodes: int = 9, dropout: float = 0.0,
-          exact_discrete: bool = False, exclude: tuple[str, ...] = (),
-          container_outputs: bool = False) -> Spec:
+          exact_discrete: bool = False, exclude: tuple[str, ...] = ()) -> Spec:
     """Random typed specs using the ops of ``FEATURES[features]`` but those in ``exclude``.
 
     ``exact_discrete``: indices and masks are computed from the model inputs only. Under
     autocast, values computed in bfloat16 differ by rounding between a micro-batch and the
     whole batch, which flips argmax and comparisons; the inputs stay float32 and exact.
-
-    ``container_outputs``: whether a leaf module's container may be returned by the model
-    as it is. Off by default: fxpipe refuses such models (see
-    test_leaf_container_returned_as_model_output in test_pipeline_random.py).
     """
     allowed = FEATURES[features] - set(exclude)
     n_inputs = draw(st.integers(1, 2))
@@ -384,7 +386,7 @@ def specs(draw, features: str = "all", max_nodes: int = 9, dropout: float = 0.0,
             first = pick(paired if len(ins) == 2 else targets, "target")
             rest = [pick([v for v in avail["f"] if roots[v] != roots[first]], "other")] if len(ins) == 2 else []
             inputs = (first, *rest)
-            if op == "add_":
+            if op in ("add_", "iadd"):
                 arg = draw(st.sampled_from(["keep", "rebind"]))
             elif op == "mul_":
                 arg = (draw(st.sampled_from([0.5, -2.0])), draw(st.sampled_from(["keep", "rebind"])))
@@ -451,12 +453,6 @@ def specs(draw, features: str = "all", max_nodes: int = 9, dropout: float = 0.0,
         nodes.append(Node("tanh", (n_inputs - 1,)))
         types.append("f")
         sinks = [len(types) - 1]
-    if not container_outputs:  # a container nobody reads is read by one more node
-        for k, v in enumerate(sinks):
-            if types[v] == "c":
-                nodes.append(Node("unpack", (v,), 1))
-                types.append("f")
-                sinks[k] = len(types) - 1
     outputs = tuple(draw(st.permutations(sinks)))
     kinds = ["tuple", "dict", "nested"] + (["tensor"] if len(outputs) == 1 and types[outputs[0]] == "f" else [])
     out_kind = draw(st.sampled_from(kinds))

@@ -16,12 +16,15 @@ points anywhere in the graph fxpipe plans, and runs all three checkpoint modes o
 each against eager, and against each other. Cuts that separate an in-place op from the copy
 it fills must be refused (MutationError); half the examples draw only cuts that do not.
 
-Known bugs, each with a strict-xfail reproduction at the end of this file, are kept out of
-the sweeps (and only those): ``+=`` under autocast (``AUTOCAST_EXCLUDE``), ``x[a:b] += y``
-(refused; not generated), a leaf's container returned as the model's output (refused;
-``container_outputs``), and zero gradients where eager has None (``ZERO_FOR_NONE_KNOWN``:
-zeros accepted, nothing else). ``+=`` on another name of a tensor is refused at build (its
-own test); the generator rebinds every name.
+``+=`` (and every augmented assignment) is recorded in place, as eager runs it
+(fxpipe.augmented): the generator uses it on a tensor with other names, under autocast too,
+and ``x[:, 1:4] += y`` (torch.export). A parameter or input no gradient reaches keeps grad
+None in every checkpoint mode, as in eager: zeros fail the sweeps. A leaf's container may
+be returned by the model whole (fxpipe.open_outputs).
+
+Bugs the sweeps found have focused reproductions at the end of this file: fixed ones stay as
+regression tests; an open one would be a strict xfail, kept out of the sweeps (and only it).
+None is open.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import contextlib
 import copy
 import dataclasses
 import itertools
-import os
 from typing import Any
 
 import pytest
@@ -43,7 +45,7 @@ import fxpipe
 import random_models as rm
 from exact import assert_exact, weighted_loss
 from fxpipe.capture import capture
-from fxpipe.errors import MicroBatchError, MutationError
+from fxpipe.errors import MutationError
 from fxpipe.partition import COMPUTE_OPS, partition, stage_costs, topological_order
 from fxpipe.plan import Plan
 from fxpipe.planning import opgraph_for
@@ -55,8 +57,7 @@ MODES = ["always", "except_last", "never"]
 # Gradients sum over micro-batches in another order than over the batch: float32 rounding.
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
 # Parameters and inputs that get no gradient in eager must get none here either, also under
-# checkpointing. FXPIPE_TOLERATE_ZERO_GRADS=1 accepts zeros instead (to triage a failure).
-TOLERATE_ZERO_FOR_NONE = os.environ.get("FXPIPE_TOLERATE_ZERO_GRADS") == "1"
+# checkpointing: None, not zeros.
 
 # op -> (min inputs, max inputs)
 OPS = {
@@ -324,11 +325,6 @@ def test_random_dag_matches_eager(spec, n_stages, chunks, checkpoint, batch, for
     named = [(f"input {k}", x, rx) for k, (x, rx) in enumerate(zip(xs, ref_xs))]
     named += [(name, p, q) for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]
     for name, p, q in named:
-        if q.grad is None and p.grad is not None and checkpoint != "never" and TOLERATE_ZERO_FOR_NONE:
-            # Known runtime bug (test_*_grad_none_under_checkpoint below): checkpointed
-            # stages and Fork/Join turn "no gradient" into zeros. Tolerated until fixed.
-            assert not p.grad.any(), name
-            continue
         assert (p.grad is None) == (q.grad is None), f"grad of {name}: {p.grad} vs eager {q.grad}"
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"grad of {name}: {s}", **GRAD_TOL)
@@ -492,14 +488,6 @@ def test_partition_matches_brute_force_on_captured_graphs(spec, batch, cost):
 # in-place rewrite, which adds the copies); every checkpoint mode runs on the same cut.
 
 LEAVES = [rm.Producer]
-#: A parameter or input whose every path to the loss goes through a non-differentiable op
-#: (argmax, argsort, a mask, a shape) in another stage gets zeros where eager gets None: a
-#: known bug, reproduced by test_grad_reaching_only_argmax_is_none_not_zero. Zeros are
-#: accepted there (anything else still fails) until it is fixed.
-ZERO_FOR_NONE_KNOWN = True
-#: `x += y` under autocast: fx records it out of place, so a bfloat16 x becomes float32
-#: (test_iadd_under_autocast_keeps_the_dtype).
-AUTOCAST_EXCLUDE = ("iadd",)
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
@@ -576,14 +564,10 @@ def assert_outputs(got: Any, expected: Any, tol: dict) -> None:
             assert a == b, f"output leaf {k}: {a!r} vs {b!r}"
 
 
-def assert_grads(named: list, tol: dict, scaled: bool = False, symmetric: bool = False) -> None:
-    """``(name, tensor, reference tensor)``: the same gradient, or None on both sides."""
+def assert_grads(named: list, tol: dict, scaled: bool = False) -> None:
+    """``(name, tensor, reference tensor)``: the same gradient, or None on both sides (a
+    parameter no gradient reaches keeps grad None: zeros are a different result)."""
     for name, p, q in named:
-        if ZERO_FOR_NONE_KNOWN and (p.grad is None) != (q.grad is None) and (symmetric or q.grad is None):
-            # Known bug (test_grad_reaching_only_argmax_is_none_not_zero): zeros, not None.
-            g = p.grad if p.grad is not None else q.grad
-            assert not g.any(), f"grad of {name}: {p.grad} vs {q.grad} (a gradient where the other has none)"
-            continue
         assert (p.grad is None) == (q.grad is None), \
             f"grad of {name}: {'None' if p.grad is None else 'a tensor'} vs {'None' if q.grad is None else 'a tensor'}"
         if q.grad is not None:
@@ -621,7 +605,7 @@ def assert_modes_agree(runs: list, tol: dict = GRAD_TOL) -> None:
         try:
             assert_outputs(out, first, GRAD_TOL)
             assert_grads([(name, p, q) for (name, p), (_, q) in zip(grads, first_grads)], tol,
-                         scaled=tol is BF16_TOL, symmetric=True)
+                         scaled=tol is BF16_TOL)
         except AssertionError as e:
             raise AssertionError(f"checkpoint={mode!r} vs {first_mode!r}: {e}") from None
 
@@ -698,7 +682,7 @@ def test_typed_random_dag_every_mode_matches_eager(features, data):
 def test_typed_random_dag_under_autocast_every_mode(data):
     """Forward under torch.autocast('cpu', bfloat16), backward outside it (the AMP pattern):
     the recomputation of checkpointed stages must run in the forward's dtypes."""
-    spec, model, args, graph, n_stages, chunks = typed_case(data, "all", exact_discrete=True, exclude=AUTOCAST_EXCLUDE)
+    spec, model, args, graph, n_stages, chunks = typed_case(data, "all", exact_discrete=True)
     plan, separated = draw_plan(data, graph, n_stages)
     cache = data.draw(st.booleans(), label="cache_enabled")
     sweep_cut(model, args, graph, n_stages, chunks, plan, separated, autocast=True, cache=cache)
@@ -806,16 +790,42 @@ class _AliasIadd(nn.Module):
 
 
 @pytest.mark.parametrize("n_stages", [1, 2])
-def test_iadd_through_another_name_is_refused(n_stages):
-    """torch.fx traces `g += x` as `g = g + x` (its Proxy has no __iadd__), so `h`, another name
-    for the same tensor, would be read unchanged. The build compares the captured graph with
-    the model on the sample and refuses."""
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_iadd_through_another_name_changes_that_name_too(n_stages, checkpoint):
+    """torch.fx alone traces `g += x` as `g = g + x` (its Proxy has no __iadd__), and `h`, another
+    name for the same tensor, would keep its old value. fxpipe's tracer records `+=` in place
+    (fxpipe.augmented), and the op runs on a copy like any other in-place op."""
+    torch.manual_seed(0)
+    assert_exact(_AliasIadd(), (torch.randn(4, 6),), n_stages, chunks=2, checkpoint=checkpoint, balance_by="params")
+
+
+class _CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0  # a Python int: torch.fx runs `+=` on it once, while tracing
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.calls
+
+
+class _WithCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.count, self.b = nn.Linear(6, 6), _CountsCalls(), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.b(self.count(self.a(x)))
+
+
+def test_graph_that_does_not_reproduce_the_model_is_refused():
+    """A forward that changes Python state bakes the traced value into the graph as a constant;
+    the build compares the captured graph with the model on the sample and refuses."""
     from fxpipe.errors import TraceError
 
     torch.manual_seed(0)
-    with pytest.raises(TraceError, match=r"(?s)does not reproduce the model.*g \+= x"):
-        fxpipe.pipeline(_AliasIadd(), torch.randn(4, 6), n_stages, chunks=2, devices=["cpu"] * n_stages,
-                        balance_by="params")
+    with pytest.raises(TraceError, match=r"(?s)does not reproduce the model.*Python state"):
+        fxpipe.pipeline(_WithCounter(), torch.randn(4, 6), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
 
 
 class _IaddOutput(nn.Module):
@@ -829,14 +839,46 @@ class _IaddOutput(nn.Module):
         return self.b(x), h
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.fx records `h += x` as `h = h + x`: under autocast h (bfloat16, from a Linear) plus x "
-    "(float32) comes out float32, where the in-place op keeps bfloat16; the output's dtype differs"))
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_iadd_under_autocast_keeps_the_dtype(checkpoint):
+def test_iadd_under_autocast_keeps_the_dtype(checkpoint, autocast):
+    """`h += x` is in place in the graph too (fxpipe.augmented): a bfloat16 h stays bfloat16."""
     torch.manual_seed(0)
-    assert_exact(_IaddOutput(), (torch.randn(4, 6),), 2, chunks=2, checkpoint=checkpoint, balance_by="params",
-                 context=lambda: torch.autocast("cpu", dtype=torch.bfloat16), tol=BF16_TOL)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
+    pipe = assert_exact(_IaddOutput(), (torch.randn(4, 6),), 2, chunks=2, checkpoint=checkpoint,
+                        balance_by="params", context=context, tol=BF16_TOL if autocast else None)
+    with context():
+        assert pipe(torch.randn(4, 6))[1].dtype == (torch.bfloat16 if autocast else torch.float32)
+
+
+class _AugmentedMix(nn.Module):
+    """Every augmented assignment on tensors (in place) and on Python ints (a new int)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        n = x.size(1)
+        m = n
+        m += 2  # an int: n keeps its value
+        h = self.a(x)
+        h -= x
+        h *= 0.5
+        h /= 2.0
+        g = self.b(h)
+        k = g
+        k **= 2
+        return self.c(g), h.reshape(-1, n), x.reshape(-1, m - 2) + 1.0, n, m
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_augmented_assignments_on_tensors_and_ints(checkpoint, autocast):
+    torch.manual_seed(0)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
+    assert_exact(_AugmentedMix(), (torch.randn(4, 6),), 3, chunks=2, checkpoint=checkpoint, balance_by="params",
+                 context=context, tol=BF16_TOL if autocast else None)
 
 
 class _SliceIadd(nn.Module):
@@ -850,13 +892,14 @@ class _SliceIadd(nn.Module):
         return self.b(h)
 
 
-@pytest.mark.xfail(strict=True, raises=MutationError, reason=(
-    "refused, wrongly: torch.export records `h[:, 1:4] += y` as slice, add_ on the slice, then copy_ "
-    "into a second slice; the copy_ bumps the version of the add_ result (a view of h too), which "
-    "fxpipe.mutation reads as an in-place change of it while h is read later"))
-def test_iadd_into_a_slice_of_a_value_read_later():
+@pytest.mark.parametrize("n_stages", [1, 2])
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_iadd_into_a_slice_of_a_value_read_later(n_stages, checkpoint):
+    """torch.export records `h[:, 1:4] += y` as slice, add_ on the slice, then copy_ into a second
+    slice. The copy_ also bumps the version of the add_ result (a view of h too, read by the
+    copy_): fxpipe.mutation used to read that as an in-place change of it and refused."""
     torch.manual_seed(0)
-    assert_exact(_SliceIadd(), (torch.randn(4, 6),), 2, chunks=2, balance_by="params")
+    assert_exact(_SliceIadd(), (torch.randn(4, 6),), n_stages, chunks=2, checkpoint=checkpoint, balance_by="params")
 
 
 class _ReturnsLeafContainer(nn.Module):
@@ -869,15 +912,15 @@ class _ReturnsLeafContainer(nn.Module):
         return self.p(self.a(x)), x * 2.0
 
 
-@pytest.mark.xfail(strict=True, raises=MicroBatchError, reason=(
-    "refused, wrongly: the graph returns an opaque leaf's container as one output leaf, while the "
-    "build-time micro-batch check names the output leaves of the flattened container; it compares "
-    "whole containers with == and refuses ('output ... is Plain(...) for the whole batch but "
-    "Plain(...) merged'), even with chunks=1"))
 @pytest.mark.parametrize("kind", rm.KINDS)
-def test_leaf_container_returned_as_model_output(kind):
+@pytest.mark.parametrize("n_stages, chunks", [(1, 1), (2, 2)])
+def test_leaf_container_returned_as_model_output(kind, n_stages, chunks):
+    """torch.fx sees an opaque leaf's container as one value; returned by the model, it used to
+    be one output leaf, which the micro-batch merge (and its build-time check) cannot concatenate.
+    fxpipe.open_outputs opens it into its leaves in the graph."""
     torch.manual_seed(0)
-    assert_exact(_ReturnsLeafContainer(kind), (torch.randn(4, rm.D),), 1, chunks=1, leaf_modules=LEAVES)
+    assert_exact(_ReturnsLeafContainer(kind), (torch.randn(4, rm.D),), n_stages, chunks=chunks,
+                 leaf_modules=LEAVES, balance_by="params")
 
 
 class _OnlyArgmax(nn.Module):
@@ -892,12 +935,12 @@ class _OnlyArgmax(nn.Module):
         return self.c(h) + i.unsqueeze(1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "b.weight and b.bias get zero gradients where eager gives None: b is alone in stage 1 and its "
-    "output, the only value that stage sends, is read in stage 2 by argmax only (every checkpoint "
-    "mode, 'never' included)"))
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_grad_reaching_only_argmax_is_none_not_zero(checkpoint):
+    """b is alone in stage 1 and its output, the only value that stage sends, is read in stage
+    2 by argmax only: b.weight and b.bias keep grad None, as in eager. Backward still visits
+    the runtime's Fork/Join/Copy/Checkpoint nodes on that path (they order it); they used to
+    turn the absent gradient into zeros."""
     torch.manual_seed(0)
     model, x = _OnlyArgmax(), torch.randn(4, 6)
     _, graph = prepared(model, (x,))
@@ -924,8 +967,7 @@ def test_typed_random_dag_long_sweep(data):
     """The sweeps above, longer and on bigger models (more stages skipped by portals)."""
     features = data.draw(st.sampled_from(sorted(rm.FEATURES)), label="features")
     autocast = data.draw(st.booleans(), label="autocast")
-    spec, model, args, graph, n_stages, chunks = typed_case(data, features, max_nodes=14, exact_discrete=autocast,
-                                                            exclude=AUTOCAST_EXCLUDE if autocast else ())
+    spec, model, args, graph, n_stages, chunks = typed_case(data, features, max_nodes=14, exact_discrete=autocast)
     plan, separated = draw_plan(data, graph, n_stages)
     cache = data.draw(st.booleans(), label="cache_enabled") if autocast else True
     sweep_cut(model, args, graph, n_stages, chunks, plan, separated, autocast=autocast, cache=cache)

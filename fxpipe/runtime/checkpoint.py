@@ -257,8 +257,9 @@ class Checkpoint(torch.autograd.Function):
         chk.out_template.append(out_template)
         ctx.mark_non_differentiable(*[y for y in out_tensors if not _differentiable(y)])
         # Outputs that get no gradient stay without one (as in eager, a parameter feeding
-        # only an unused output keeps grad None) -- except the two that carry the
-        # pipeline's phony joins (the anchor and the carry), whose backward must run.
+        # only an unused output keeps grad None). The two that carry the pipeline's phony
+        # joins (the anchor and the carry) are visited in backward all the same, without a
+        # gradient (see _visit): their joins deliver portal gradients.
         ctx.set_materialize_grads(False)
         ctx.always = _phony_carriers(output, out_tensors, chk.anchor_carries)
         return tuple(out_tensors)
@@ -268,15 +269,40 @@ class Checkpoint(torch.autograd.Function):
         if not ctx.chk.recomputed:  # fused: no Recompute ran ahead of us
             _recompute(ctx.chk, ctx.template, ctx.saved_tensors)
         outputs, input_leaves = ctx.chk.recomputed.pop()
-        grad_output = tuple(
-            torch.zeros_like(y) if g is None and i in ctx.always else g
-            for i, (y, g) in enumerate(zip(outputs, grad_output))
-        )
         pairs = [(y, g) for y, g in zip(outputs, grad_output) if y.requires_grad and g is not None]
+        pairs += [_visit(y) for i, (y, g) in enumerate(zip(outputs, grad_output))
+                  if g is None and i in ctx.always and y.requires_grad]
         if pairs:
             _run_backward([y for y, _ in pairs], [g for _, g in pairs])
         grads = tuple(x.grad if x.requires_grad else None for x in input_leaves)
         return (None, None, None) + grads
+
+
+class _NoGradient(torch.autograd.Function):
+    """A phony computed from ``x`` whose backward sends ``x`` no gradient (``None``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        return get_phony(x.device, requires_grad=False).detach()
+
+    @staticmethod
+    def backward(ctx, grad: Optional[Tensor]) -> None:  # type: ignore[override]
+        return None
+
+
+def _visit(y: Tensor) -> Tuple[Tensor, Tensor]:
+    """A backward root, with its gradient, that visits ``y``'s graph without a gradient.
+
+    Backward runs every node reachable from its roots, also those no gradient reaches; the
+    phony joins on a stage's anchor and carry (portals' PortalBlue) must run so, to hand
+    the stashed values their gradients. A zero gradient for ``y`` would visit them too,
+    but would also reach the parameters behind ``y`` as zeros where eager leaves their
+    grads None.
+    """
+    with torch.enable_grad():  # Checkpoint.backward runs without grad mode
+        root = _NoGradient.apply(y)
+    return root, torch.empty_like(root)
 
 
 class Recompute(torch.autograd.Function):
@@ -284,6 +310,7 @@ class Recompute(torch.autograd.Function):
     def forward(ctx, phony: Tensor, chk: Checkpointing, template: Any, *tensors: Tensor) -> Tensor:  # type: ignore[override]
         ctx.chk = chk
         ctx.template = template
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors)
         return phony.detach()
 

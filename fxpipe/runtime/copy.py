@@ -5,6 +5,9 @@ computation of other micro-batches; ``Wait`` makes the consuming stream wait for
 forward and, mirrored, in backward. ``record_stream`` keeps the caching allocator from
 reusing memory a copy still reads or writes. Between CPU "devices" there is nothing to
 copy, and ``copy``/``wait`` return the batch untouched without autograd overhead.
+
+Absent gradients (a tensor read only by ``argmax``) stay ``None`` through both, as they do
+in eager: ``set_materialize_grads(False)``, see :mod:`fxpipe.runtime.dependency`.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Copy(torch.autograd.Function):
     def forward(ctx, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor):  # type: ignore[override]
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
+        ctx.set_materialize_grads(False)
         output = move(input, prev_stream, next_stream)
         ctx.mark_non_differentiable(*[y for y in output if not (y.is_floating_point() or y.is_complex())])
         return tuple(output)
@@ -70,6 +74,7 @@ class Wait(torch.autograd.Function):
     def forward(ctx, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor):  # type: ignore[override]
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
+        ctx.set_materialize_grads(False)
         wait_stream(next_stream, prev_stream)
         output = tuple(x.detach() for x in input)
         ctx.mark_non_differentiable(*[y for y in output if not (y.is_floating_point() or y.is_complex())])

@@ -5,11 +5,17 @@ device, micro-batch i-1's backward must run after micro-batch i's (the reverse o
 forward order), or recomputation and copies would interleave badly and memory would peak.
 ``fork`` taps a tensor for an empty "phony" and ``join`` attaches that phony to another
 tensor, which creates the edge without moving data.
+
+Backward visits every node these functions add, also where no gradient flows (a tensor read
+only by ``argmax``): that is what orders it. Such a visit must pass the absent gradient on
+as ``None``, never as zeros (autograd Functions materialize zeros by default), or a
+parameter eager leaves at ``grad None`` would get a zero gradient, which optimizers treat
+differently (weight decay, moments). Every function here does ``set_materialize_grads(False)``.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -31,11 +37,12 @@ def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
 class Fork(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
         phony = get_phony(input.device, requires_grad=False)
         return input.detach(), phony.detach()
 
     @staticmethod
-    def backward(ctx, grad_input: Tensor, grad_grad: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx, grad_input: Optional[Tensor], grad_grad: Optional[Tensor]) -> Optional[Tensor]:  # type: ignore[override]
         return grad_input
 
 
@@ -49,10 +56,11 @@ def join(input: Tensor, phony: Tensor) -> Tensor:
 class Join(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
         return input.detach()
 
     @staticmethod
-    def backward(ctx, grad_input: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_input: Optional[Tensor]) -> Tuple[Optional[Tensor], None]:  # type: ignore[override]
         return grad_input, None
 
 
@@ -77,5 +85,5 @@ class Depend(torch.autograd.Function):
         return before.detach(), after.detach()
 
     @staticmethod
-    def backward(ctx, grad_before: Tensor, grad_after: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+    def backward(ctx, grad_before: Optional[Tensor], grad_after: Optional[Tensor]):  # type: ignore[override]
         return grad_before, grad_after

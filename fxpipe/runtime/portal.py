@@ -123,10 +123,11 @@ class PortalBlue(torch.autograd.Function):
     def forward(ctx, portal: Portal, *tensors: Tensor) -> Tensor:  # type: ignore[override]
         ctx.portal = portal
         ctx.count = len(tensors)
+        ctx.set_materialize_grads(False)  # the phony's gradient is never read: no zeros to make
         return get_phony(tensors[0].device, requires_grad=False).detach()
 
     @staticmethod
-    def backward(ctx, grad_phony: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx, grad_phony: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         grads = tuple(ctx.portal.use_grad())
         grads += (None,) * (ctx.count - len(grads))
         return (None, *grads)
@@ -157,13 +158,14 @@ class PortalCopy(torch.autograd.Function):
         ctx.portal = portal
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
+        ctx.set_materialize_grads(False)
         tensors, leaves, spec = _split(portal.tensor)
         assert tensors
         portal.tensor = _join(move(tensors, prev_stream, next_stream), leaves, spec)  # type: ignore[arg-type]
         return get_phony(get_device(next_stream), requires_grad=False).detach()
 
     @staticmethod
-    def backward(ctx, grad_phony: Tensor) -> Tuple[None, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad_phony: Optional[Tensor]) -> Tuple[None, None, None, None]:  # type: ignore[override]
         portal = ctx.portal
         portal.grad = tuple(move(list(portal.grad or ()), ctx.next_stream, ctx.prev_stream))
         return None, None, None, None

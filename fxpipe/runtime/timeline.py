@@ -97,10 +97,11 @@ class _BackwardEnter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, marks: dict, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.marks = marks
+        ctx.set_materialize_grads(False)  # an absent gradient stays None (fxpipe.runtime.dependency)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Optional[torch.Tensor]):  # type: ignore[override]
         ctx.marks.setdefault("start", time.perf_counter())
         return None, grad
 
@@ -111,10 +112,11 @@ class _BackwardExit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, marks: dict, recorder: Recorder, key: tuple, x: torch.Tensor, phony: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.marks, ctx.recorder, ctx.key = marks, recorder, key
+        ctx.set_materialize_grads(False)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Optional[torch.Tensor]):  # type: ignore[override]
         partition, microbatch, device = ctx.key
         synchronize(torch.device(device))
         end = time.perf_counter()
