@@ -11,6 +11,10 @@ Their key/value tensors are taken out as ordinary outputs (concatenated over mic
 like any output) and the cache object is rebuilt around them by the output spec, so the
 pipeline returns the same cache as eager. Caches holding other tensors (static caches,
 sliding-window tensors, quantized caches) are refused: see :func:`unsupported_output`.
+
+Regions export wraps in higher-order ops (no_grad, autocast) keep their bodies, other such
+ops are refused (:mod:`fxpipe.export_hops`); ``leaf_modules`` calls become one node each
+(:mod:`fxpipe.export_leaves`).
 """
 
 from __future__ import annotations
@@ -30,8 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import TraceError
 from .export_leaves import collapse_leaf_calls
-from .export_hops import SUPPORTED_HOPS, hop_name, keep_body, unsupported_hop
-from .stage_module import source_location
+from .export_hops import hop_error, keep_body, unsupported_hop
 
 __all__ = ["export_graph", "Exported", "compose_out_spec"]
 
@@ -383,21 +386,12 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
         return _Failure(e.module, e, refusal=e)
     hop = unsupported_hop(g, bodies)  # after the collapse: a leaf module may hold it
     if hop is not None:
-        refusal = _hop_error(model, hop)
+        stack = hop.meta.get("nn_module_stack") or {}
+        refusal = hop_error(type(model).__qualname__, hop, _clean_path(list(stack.values())[-1][0], None) if stack else "")
         return _Failure(refusal.module, refusal, refusal=refusal)
     table = {**_attr_table(model, g, ep.constants, bodies), **bodies}
     table.update({n.target: model.get_submodule(n.target) for n in g.nodes if n.op == "call_module"})
     return Exported(g, table, list(record.get("specs") or []), used)
-
-
-def _user_location(node: fx.Node) -> str | None:
-    """The node's innermost user source line, skipping generated code (``<eval_with_key>``)."""
-    trace = str(node.meta.get("stack_trace") or "")
-    blocks = re.split(r'(?m)^(?=\s*File ")', trace)
-    kept = "".join(b for b in blocks if not re.match(r'\s*File "<', b))
-    probe = fx.Graph().placeholder("x")
-    probe.meta["stack_trace"] = kept
-    return source_location(probe)
 
 
 def _body_name(model: nn.Module, name: str, taken: dict[str, Any]) -> str:
@@ -406,27 +400,6 @@ def _body_name(model: nn.Module, name: str, taken: dict[str, Any]) -> str:
     while hasattr(model, new) or new in taken:
         new = f"_{new}"
     return new
-
-
-def _hop_error(model: nn.Module, node: fx.Node) -> TraceError:
-    """The refusal of a higher-order op fxpipe does not run, naming it, its module and its line."""
-    name = hop_name(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    module = _clean_path(list(stack.values())[-1][0], None) if stack else ""
-    where = _user_location(node) or "unknown"
-    reason = (f"torch.export captured a call of the higher-order op torch.ops.higher_order.{name}, which "
-              f"fxpipe does not run in pipeline stages (it runs {' and '.join(SUPPORTED_HOPS)})")
-    if module:
-        todo = (f"pass leaf_modules=['{module}'] to keep that module opaque (one node, run eagerly inside "
-                "one stage)")
-    else:
-        todo = ("the op is called in the root forward, which cannot be opaque: move it into a submodule "
-                "and pass leaf_modules=['<that submodule>']")
-    return TraceError(
-        f"fxpipe cannot pipeline {type(model).__qualname__}: {reason}.\n"
-        f"  module:   {repr(module) if module else 'the root module'}\n"
-        f"  location: {where}\n"
-        f"What to do: {todo}.", module=module, location=where, reason=reason)
 
 
 def _clean_path(path: str, attr: Any) -> str:

@@ -22,10 +22,15 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import re
+
 import torch
 from torch import fx, nn
 
-__all__ = ["SUPPORTED_HOPS", "hop_name", "unsupported_hop", "keep_body", "subgraphs"]
+from .errors import TraceError
+from .stage_module import source_location
+
+__all__ = ["SUPPORTED_HOPS", "hop_name", "hop_error", "unsupported_hop", "keep_body", "subgraphs"]
 
 #: higher-order ops whose call fxpipe keeps in stage code (name -> what the region means)
 SUPPORTED_HOPS = {
@@ -80,6 +85,34 @@ def keep_body(body: fx.GraphModule) -> fx.GraphModule:
                 graph_module.graph.erase_node(node)
         graph_module.recompile()
     return body
+
+
+def hop_error(model_name: str, node: fx.Node, module: str) -> TraceError:
+    """The refusal of a higher-order op fxpipe does not run, naming it, its module and its line."""
+    name = hop_name(node.target)
+    where = _user_location(node) or "unknown"
+    reason = (f"torch.export captured a call of the higher-order op torch.ops.higher_order.{name}, which "
+              f"fxpipe does not run in pipeline stages (it runs {' and '.join(SUPPORTED_HOPS)})")
+    if module:
+        todo = (f"pass leaf_modules=['{module}'] to keep that module opaque (one node, run eagerly inside "
+                "one stage)")
+    else:
+        todo = ("the op is called in the root forward, which cannot be opaque: move it into a submodule "
+                "and pass leaf_modules=['<that submodule>']")
+    return TraceError(
+        f"fxpipe cannot pipeline {model_name}: {reason}.\n"
+        f"  module:   {repr(module) if module else 'the root module'}\n"
+        f"  location: {where}\n"
+        f"What to do: {todo}.", module=module, location=where, reason=reason)
+
+
+def _user_location(node: fx.Node) -> str | None:
+    """The node's innermost user source line, skipping generated code (``<eval_with_key>``)."""
+    trace = str(node.meta.get("stack_trace") or "")
+    blocks = re.split(r'(?m)^(?=\s*File ")', trace)
+    probe = fx.Graph().placeholder("x")
+    probe.meta["stack_trace"] = "".join(b for b in blocks if not re.match(r'\s*File "<', b))
+    return source_location(probe)
 
 
 def _fetch(module: nn.Module, target: str) -> Any:

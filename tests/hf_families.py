@@ -10,7 +10,7 @@ and ``labels`` so that the model computes its own loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -57,9 +57,8 @@ class Family:
     name: str
     build: Callable[[], torch.nn.Module]
     inputs: Callable[[], dict[str, torch.Tensor]]
+    #: labels for ``labels=`` (the model then returns its own 0-dim loss); None: no labels
     labels: Callable[[], torch.Tensor] | None = None
-    #: what a pipeline of it is refused with, and why ('' when exact)
-    marks: list[Any] = field(default_factory=list)
 
     def model(self) -> torch.nn.Module:
         torch.manual_seed(0)
