@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import positional_names
 from .errors import MicroBatchError
+from .loss_check import gradient_mismatch
 from .runtime.microbatch import split_sizes as _split_sizes
 from .tree import leaf_names
 
@@ -46,6 +47,15 @@ _MERGE_CHOICES = "(or 'sum', 'first', a dim to concatenate along, or a callable 
 def _merge_hint(name: str) -> str:
     option = f"output_merge={{{name!r}: 'mean'}}" if name else "output_merge='mean'"
     return f"{option} {_MERGE_CHOICES}"
+
+
+# When a merged loss is the full batch's: said in every refusal that concerns a 0-dim output.
+_LOSS_NOTE = (
+    "'mean' gives exactly the full batch's value when each micro-batch's value is a mean over as many "
+    "items as the others' (a mean over samples of equal-sized micro-batches; uneven sizes are weighted), "
+    "which labels= losses of transformers models are when no label is ignored. A token mean with "
+    "ignore_index (-100 labels) or padding counts other numbers of tokens per micro-batch, and its merge "
+    "is not the full batch's: compute that loss outside the pipeline from the logits.")
 
 
 def _output_label(name: str) -> str:
@@ -172,8 +182,7 @@ class Batching:
             if first.dim() == 0:
                 raise MicroBatchError(
                     f"{_output_label(name)} is a 0-dim tensor (a loss, a mean): per micro-batch values cannot "
-                    f"be concatenated. Declare how they combine: {_merge_hint(name)}. A mean of per-sample "
-                    "values merges exactly with 'mean'; a token mean with ignore_index, or padding, does not.")
+                    f"be concatenated. Declare how they combine: {_merge_hint(name)}. {_LOSS_NOTE}")
             merge = 0
         if len(parts) == 1:
             return first
@@ -226,6 +235,20 @@ class Batching:
                 b = self._merge_leaf(i, list(column), sizes)
                 if not same_value(a, b, values=deterministic):
                     self._refuse(i, a, b, k)
+        reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
+                   and a.is_floating_point() and self.merges[i] is not None]
+        if deterministic and reduced:  # a merged loss: its gradient must be the batch's too
+            with _evaluating(model):
+                torch.manual_seed(1)
+                bad = gradient_mismatch(gm, flat, micro, reduced,
+                                        lambda i, parts: self._merge_leaf(i, parts, sizes))
+            if bad is not None:
+                i, param, diff, scale = bad
+                raise MicroBatchError(
+                    f"{_output_label(self.out_names[i])} merged over {k} micro-batches is close to the full "
+                    f"batch's value but its gradient is not the full batch's: the gradient of parameter '{param}' differs by up to "
+                    f"{diff:.3g} (largest |gradient| {scale:.3g}). Training the pipeline would silently "
+                    f"differ from the model. {_LOSS_NOTE}")
         return deterministic
 
     @staticmethod
@@ -255,7 +278,8 @@ class Batching:
             f"{_output_label(name)} {what} when the sample is split into {k} micro-batches along "
             f"{self._dims_text()} and the outputs are merged. A pipeline would silently differ from the "
             "model. What to do: if the batch is not in those dims, give it with chunk_dims={'<argument>': "
-            f"dim}}; if this output is not per sample, declare its merge with {_merge_hint(name)}.")
+            f"dim}}; if this output is not per sample, declare its merge with {_merge_hint(name)}."
+            + (f" {_LOSS_NOTE}" if isinstance(whole, Tensor) and whole.dim() == 0 else ""))
 
 
 @contextmanager

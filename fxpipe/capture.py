@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from .augmented import AugmentedProxy
 from .call_check import call_signature, mismatch_error, same_value
 from .capture_export import _Failure, compose_out_spec, export_graph
+from .export_leaves import leaf_paths
 from .errors import TraceError
 from .tree import flatten
 from .user_code import is_user_file
@@ -60,7 +61,7 @@ class Capture:
     - ``specialized``: flat input index -> the non-tensor sample value baked into the graph
       (its placeholder is unused); :meth:`flatten_inputs` checks later calls against it.
     - ``leaves``: qualified names kept opaque besides standard torch.nn layers (user
-      ``leaf_modules`` and automatic fallbacks); always empty for ``'export'``.
+      ``leaf_modules`` and automatic fallbacks; for ``'export'`` the user's leaves called).
     - ``signature``: the model's forward signature, to name arguments in call errors.
     """
 
@@ -326,19 +327,21 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         fx_out_spec = out_specs[-1]
         if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
             return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
-    ex_res = export_graph(model, root, flat, names, split_dims)
+    ex_res = export_graph(model, root, flat, names, split_dims, leaf_paths(model, [*leaf_types, *leaf_names]))
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
         gm.training = model.training
         # caches in the output (past_key_values) come out as their tensors; the spec rebuilds them
         out_spec = compose_out_spec(out_specs[-1], ex_res.leaf_specs)
-        return Capture(gm, in_spec, out_spec, "export", specialized, [], call_signature(model))
+        return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model))
     if ex_res.bad_output:
         # The fx graph returns the same object, from an opaque node: each micro-batch would
         # make one and only the first could be returned. Refuse rather than mislead.
         raise _output_error(model, ex_res.bad_output) from ex_res.error
     if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
         return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
+    if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
+        raise ex_res.refusal from fx_res.error
     raise _trace_error(model, fx_res, ex_res) from fx_res.error
 
 
@@ -384,10 +387,20 @@ def _opaque_share(model: nn.Module, names: list[str]) -> float:
 def retarget_devices(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphModule:
     """Rewrite literal ``device=`` kwargs (factory ops in export graphs) to ``device``.
 
-    fx graphs compute devices from their inputs; export graphs bake in the sample's device.
+    fx graphs compute devices from their inputs; export graphs bake in the sample's device,
+    also positionally (``aten.to.device``) and inside the bodies of higher-order ops
+    (:mod:`fxpipe.export_hops`), which belong to the stage calling them.
     """
+    dev = torch.device(device)
     for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device):
-            n.kwargs = {**n.kwargs, "device": torch.device(device)}
+        if n.op == "call_function":
+            if isinstance(n.kwargs.get("device"), torch.device):
+                n.kwargs = {**n.kwargs, "device": dev}
+            if any(isinstance(a, torch.device) for a in n.args):
+                n.args = tuple(dev if isinstance(a, torch.device) else a for a in n.args)
+        elif n.op == "get_attr":
+            body = gm.get_submodule(n.target) if isinstance(getattr(gm, n.target, None), fx.GraphModule) else None
+            if body is not None:
+                retarget_devices(body, device)
     gm.recompile()
     return gm

@@ -11,6 +11,10 @@ Their key/value tensors are taken out as ordinary outputs (concatenated over mic
 like any output) and the cache object is rebuilt around them by the output spec, so the
 pipeline returns the same cache as eager. Caches holding other tensors (static caches,
 sliding-window tensors, quantized caches) are refused: see :func:`unsupported_output`.
+
+Regions export wraps in higher-order ops (no_grad, autocast) keep their bodies, other such
+ops are refused (:mod:`fxpipe.export_hops`); ``leaf_modules`` calls become one node each
+(:mod:`fxpipe.export_leaves`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from .errors import TraceError
+from .export_leaves import collapse_leaf_calls
+from .export_hops import hop_error, keep_body, unsupported_hop
+
 __all__ = ["export_graph", "Exported", "compose_out_spec"]
 
 
@@ -40,6 +48,8 @@ class _Failure:
     auto: list[str] = field(default_factory=list)  # submodules made opaque before failing
     #: an output object fxpipe cannot return faithfully ("transformers DynamicCache with ...")
     bad_output: str = ""
+    #: export succeeded but its graph holds something fxpipe refuses (a higher-order op)
+    refusal: TraceError | None = None
 
 
 @dataclass
@@ -53,6 +63,8 @@ class Exported:
     graph: fx.Graph
     table: dict[str, Any]
     leaf_specs: list[pytree.TreeSpec | None]
+    #: modules kept opaque (``leaf_modules`` honoured: one call_module node per call)
+    leaves: list[str] = field(default_factory=list)
 
     def __iter__(self) -> Any:  # ``graph, table = export_graph(...)``, as before leaf_specs
         return iter((self.graph, self.table))
@@ -277,7 +289,7 @@ def compose_out_spec(spec: pytree.TreeSpec, leaf_specs: Sequence[pytree.TreeSpec
 
 # -- export -------------------------------------------------------------------------------
 def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list[str],
-                 split_dims: list[int | None] | None = None) -> Exported | _Failure:
+                 split_dims: list[int | None] | None = None, leaves: Sequence[str] = ()) -> Exported | _Failure:
     """Export the flat root and rebuild a contract-conforming graph.
 
     Why not ``ep.module()`` or ``torch.export.unflatten``: both return modules with their
@@ -285,6 +297,9 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
     ``ep.graph_signature`` gives flat placeholders, a flat output, get_attr nodes that
     resolve to the model's own Parameters (so training the pipeline trains the model), and
     explicit ``copy_`` nodes for buffer mutations (BatchNorm running stats).
+
+    ``leaves``: qualified names of modules to keep opaque; each of their calls becomes one
+    ``call_module`` node (:mod:`fxpipe.export_leaves`).
     """
     from torch.export.graph_signature import InputKind, OutputKind
 
@@ -302,7 +317,8 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
         with contextlib.redirect_stderr(io.StringIO()):
             for shapes in (dyn, None):  # dynamic batch first: micro-batches are smaller than the sample
                 try:
-                    ep = torch.export.export(target, tuple(flat), dynamic_shapes=shapes, strict=False)
+                    ep = torch.export.export(target, tuple(flat), dynamic_shapes=shapes, strict=False,
+                                            preserve_module_call_signature=tuple(leaves))
                     break
                 except Exception as e:  # noqa: BLE001
                     err = err or e
@@ -322,6 +338,7 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
     user_ph = phs if len(user) == len(phs) else tensor_ph
     env: dict[fx.Node, Any] = {}
     attrs: dict[str, fx.Node] = {}
+    bodies: dict[str, fx.GraphModule] = {}  # bodies of higher-order op calls (see export_hops)
     src_ph = [n for n in src.nodes if n.op == "placeholder"]
     for spec, node in zip(sig.input_specs, src_ph):
         if spec.kind == InputKind.USER_INPUT:
@@ -339,7 +356,8 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
             for spec, val in zip(sig.output_specs, node.args[0]):
                 val = env.get(val, val) if isinstance(val, fx.Node) else val
                 if spec.kind == OutputKind.BUFFER_MUTATION:
-                    g.call_function(torch.ops.aten.copy_.default, (attrs[spec.target], val))
+                    update = g.call_function(torch.ops.aten.copy_.default, (attrs[spec.target], val))
+                    update.meta["fxpipe_buffer_update"] = True
                 elif spec.kind == OutputKind.USER_INPUT_MUTATION:
                     tgt = next(env[p] for s, p in zip(sig.input_specs, src_ph) if s.arg.name == spec.target)
                     g.call_function(torch.ops.aten.copy_.default, (tgt, val))
@@ -349,12 +367,39 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
             continue
         if node.target is torch.ops.aten._assert_tensor_metadata.default:
             continue  # pins dtype/device of the sample; stages may run elsewhere
+        body = getattr(ep.graph_module, str(node.target), None) if node.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):  # a higher-order op's region: the stage calling it holds it
+            name = _body_name(model, str(node.target), bodies)
+            bodies[name] = keep_body(body)
+            env[node] = g.get_attr(name)
+            env[node].meta.update(node.meta)
+            continue
         env[node] = g.node_copy(node, lambda n: env[n])
     for n in g.nodes:
         stack = n.meta.get("nn_module_stack") or {}
         path = list(stack.values())[-1][0] if stack else ""
-        n.meta["fxpipe_module"] = _clean_path(path, n.target if n.op == "get_attr" else None)
-    return Exported(g, _attr_table(model, g, ep.constants), list(record.get("specs") or []))
+        n.meta["fxpipe_module"] = _clean_path(path, n.target if n.op == "get_attr" and n.target not in bodies else None)
+    try:
+        by_name = {n.name: env[n] for n in src.nodes if n in env}
+        used = collapse_leaf_calls(g, ep.module_call_graph, list(leaves), lambda p: _clean_path(p, None), by_name)
+    except TraceError as e:
+        return _Failure(e.module, e, refusal=e)
+    hop = unsupported_hop(g, bodies)  # after the collapse: a leaf module may hold it
+    if hop is not None:
+        stack = hop.meta.get("nn_module_stack") or {}
+        refusal = hop_error(type(model).__qualname__, hop, _clean_path(list(stack.values())[-1][0], None) if stack else "")
+        return _Failure(refusal.module, refusal, refusal=refusal)
+    table = {**_attr_table(model, g, ep.constants, bodies), **bodies}
+    table.update({n.target: model.get_submodule(n.target) for n in g.nodes if n.op == "call_module"})
+    return Exported(g, table, list(record.get("specs") or []), used)
+
+
+def _body_name(model: nn.Module, name: str, taken: dict[str, Any]) -> str:
+    """``submod_1``, unless the model itself has a top-level attribute of that name."""
+    new = name
+    while hasattr(model, new) or new in taken:
+        new = f"_{new}"
+    return new
 
 
 def _clean_path(path: str, attr: Any) -> str:
@@ -366,10 +411,11 @@ def _clean_path(path: str, attr: Any) -> str:
     return re.sub(r"\.?_modules\['([^']*)'\]", r".\1", path).strip(".")
 
 
-def _attr_table(model: nn.Module, graph: fx.Graph, ep_consts: dict[str, Any]) -> dict[str, Any]:
+def _attr_table(model: nn.Module, graph: fx.Graph, ep_consts: dict[str, Any],
+                bodies: dict[str, Any]) -> dict[str, Any]:
     table: dict[str, Any] = {}
     for n in graph.nodes:
-        if n.op == "get_attr":
+        if n.op == "get_attr" and n.target not in bodies:
             try:
                 table[n.target] = model.get_parameter(n.target)
             except AttributeError:

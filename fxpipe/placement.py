@@ -56,6 +56,10 @@ def place_stages(stages: Stages, devices: List[torch.device], *, exported: bool 
                     _move(t, devices[owner[id(t)][0]])
             elif node.op == "get_attr":
                 value = attrgetter(node.target)(stage)  # a dotted name, as fx's fetch_attr walks it
+                if isinstance(value, nn.Module):  # a higher-order op's body: only this stage calls it
+                    for t in _module_tensors(value):
+                        _move(t, device)
+                    continue
                 if not isinstance(value, torch.Tensor):
                     continue
                 first_stage, _ = owner.setdefault(id(value), (k, node.target))

@@ -1,0 +1,150 @@
+"""Every transformers family, trained the way people train them (issue #10).
+
+For each family of :mod:`tests.hf_families` (tiny configs, no downloads), in train mode with
+dropout 0: ``fxpipe.pipeline(model, ..., 3 stages, chunks=2)`` against the eager model,
+outputs and every parameter gradient (None vs tensor included):
+
+* called as people call it: ``input_ids`` plus ``attention_mask`` with padding (and
+  ``token_type_ids``, ``decoder_input_ids`` where the model takes them) as keywords, the
+  causal mask built inside the model;
+* with ``labels=``: the model computes its loss, a 0-dim ``loss`` output merged with
+  ``output_merge={'loss': 'mean'}``, exact because both micro-batches hold the same number
+  of samples and of labelled tokens.
+
+A token mean that counts other numbers of tokens per micro-batch (``-100`` labels) is
+refused at build time, with the reason in the message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fxpipe  # noqa: E402
+from fxpipe.errors import MicroBatchError  # noqa: E402
+
+from exact import assert_exact  # noqa: E402
+from hf_families import BY_NAME, FAMILIES, ids  # noqa: E402
+
+STAGES, CHUNKS = 3, 2
+# Larger families (encoder-decoders, rotary decoders with more ops): slow on 2 CPU cores.
+SLOW = {"t5", "bart", "gptj", "falcon", "bloom", "gemma", "qwen2", "mistral", "phi", "gpt_neox"}
+
+
+def _params(names, with_labels: bool = False):
+    out = []
+    for name in names:
+        fam = BY_NAME[name]
+        if with_labels and fam.labels is None:
+            continue
+        marks = [pytest.mark.slow] if name in SLOW else []
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+ALL = [f.name for f in FAMILIES]
+
+
+@pytest.mark.parametrize("name", _params(ALL))
+def test_family_matches_eager_in_train_mode(name):
+    fam = BY_NAME[name]
+    model = fam.model()
+    pipe = assert_exact(model, (), STAGES, kwargs=fam.inputs(), chunks=CHUNKS, balance_by="params")
+    assert len(pipe.stages) == STAGES
+    assert pipe.training and pipe.capture.method == "export"
+
+
+@pytest.mark.parametrize("name", _params(ALL, with_labels=True))
+def test_family_with_labels_matches_eager(name):
+    fam = BY_NAME[name]
+    model = fam.model()
+    kwargs = {**fam.inputs(), "labels": fam.labels()}
+    pipe = assert_exact(model, (), STAGES, kwargs=kwargs, chunks=CHUNKS, balance_by="params",
+                        output_merge={"loss": "mean"})
+    out = pipe(**kwargs)
+    assert out.loss.dim() == 0 and out.loss.requires_grad
+
+
+def test_loss_needs_a_declared_merge_and_says_so():
+    fam = BY_NAME["llama"]
+    kwargs = {**fam.inputs(), "labels": fam.labels()}
+    with pytest.raises(MicroBatchError) as info:
+        fxpipe.pipeline(fam.model(), (), STAGES, sample_kwargs=kwargs, chunks=CHUNKS, balance_by="params")
+    msg = str(info.value)
+    assert "'loss'" in msg and "output_merge={'loss': 'mean'}" in msg
+    assert "samples of equal-sized micro-batches" in msg and "ignore_index (-100 labels)" in msg
+
+
+@pytest.mark.parametrize("merge", ["callable", "sum"])
+def test_loss_merge_declared_otherwise(merge):
+    """A callable merge is the user's own reduction; 'sum' of two micro-batch means is not
+    the batch mean, and the build-time check refuses it instead of training on it."""
+    fam = BY_NAME["gpt2"]
+    kwargs = {**fam.inputs(), "labels": fam.labels()}
+    if merge == "callable":
+        pipe = assert_exact(fam.model(), (), STAGES, kwargs=kwargs, chunks=CHUNKS, balance_by="params",
+                            output_merge={"loss": lambda parts: torch.stack(parts).mean()})
+        assert pipe(**kwargs).loss.dim() == 0
+        return
+    with pytest.raises(MicroBatchError) as info:
+        fxpipe.pipeline(fam.model(), (), STAGES, sample_kwargs=kwargs, chunks=CHUNKS, balance_by="params",
+                        output_merge={"loss": "sum"})
+    assert "output 'loss' differs" in str(info.value)
+
+
+def test_token_mean_with_ignored_labels_is_refused():
+    """-100 labels in one micro-batch only: the mean of the two micro-batch token means is
+    not the batch's token mean, and the build says so rather than train on another loss."""
+    fam = BY_NAME["gpt2"]
+    labels = ids()
+    labels[0, 2:] = -100
+    kwargs = {**fam.inputs(), "labels": labels}
+    with pytest.raises(MicroBatchError) as info:
+        fxpipe.pipeline(fam.model(), (), STAGES, sample_kwargs=kwargs, chunks=CHUNKS, balance_by="params",
+                        output_merge={"loss": "mean"})
+    msg = str(info.value)
+    assert "output 'loss'" in msg and "ignore_index (-100 labels)" in msg
+    assert "gradient" in msg or "differs" in msg
+
+
+def test_rotary_decoder_profiled_by_time_matches_eager():
+    """The default balance_by='time': the profiler times the no_grad rotary region's call."""
+    fam = BY_NAME["llama"]
+    pipe = assert_exact(fam.model(), (), STAGES, kwargs=fam.inputs(), chunks=CHUNKS)
+    code = "\n".join(pipe.stage_code(k) for k in range(STAGES))
+    assert "torch.ops.higher_order.wrap_with_set_grad_enabled(False, submod_" in code
+    calls = [n for n in pipe.plan.assignment if n.startswith("wrap_with_set_grad_enabled")]
+    assert calls and all(pipe.plan.stages[pipe.plan.stage_of(n)].cost >= 0 for n in calls)
+
+
+@pytest.mark.parametrize("leaf", ["by_type", "by_name"])
+def test_rotary_decoder_with_opaque_layers(leaf):
+    """leaf_modules on the torch.export path: each decoder layer is one call_module node."""
+    fam = BY_NAME["llama"]
+    model = fam.model()
+    layer_cls = type(model.model.layers[0])
+    leaves = [layer_cls] if leaf == "by_type" else ["model.layers.1"]
+    pipe = assert_exact(model, (), STAGES, kwargs=fam.inputs(), chunks=CHUNKS, balance_by="params",
+                        leaf_modules=leaves)
+    expected = ["model.layers.0", "model.layers.1", "model.layers.2"] if leaf == "by_type" else ["model.layers.1"]
+    assert pipe.capture.method == "export" and pipe.capture.leaves == expected
+    calls = [n for s in pipe.stages for n in s.graph.nodes if n.op == "call_module"]
+    assert sorted(n.target for n in calls) == expected
+    assert not any(str(n.meta.get("fxpipe_module", "")).startswith("model.layers.1.")
+                   for s in pipe.stages for n in s.graph.nodes)
+
+
+def test_clip_contrastive_logits_are_refused():
+    """CLIPModel's logits compare every image with every text of the batch: a micro-batch
+    sees only its own pairs. The two towers pipeline exactly (clip_text, clip_vision)."""
+    config = transformers.CLIPConfig(
+        text_config=dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64),
+        vision_config=dict(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=64), projection_dim=16)
+    model = transformers.CLIPModel(config)
+    kwargs = {"input_ids": ids(), "pixel_values": torch.randn(4, 3, 16, 16)}
+    with pytest.raises(MicroBatchError, match="logits_per_image"):
+        fxpipe.pipeline(model, (), 2, sample_kwargs=kwargs, chunks=2, balance_by="params")
