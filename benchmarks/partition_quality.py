@@ -6,7 +6,7 @@ better; 1.0 is a perfect split (the pipeline's steady-state step is set by its s
 Every split is scored on the SAME per-node costs: each model is captured once and profiled
 ``--profiles`` times with ``fxpipe.planning.opgraph_for(captured, args, kwargs, 'time')``
 (forward + backward seconds per fx node); the per-node median over those profiles is the
-shared cost table, and ``fxpipe.partition.stage_costs(graph, assignment)`` turns any
+shared cost table, and ``fxpipe.partition.stage_costs(graph, assignment, cost_attr="seconds")`` turns any
 assignment into stage times. So the comparison measures the split, not the timing noise.
 
 Contenders (all cut the same topological order into contiguous stages):
@@ -134,7 +134,7 @@ def shared_costs(captured: Any, args: tuple, kwargs: dict, profiles: int) -> nx.
     graphs = [opgraph_for(captured, args, kwargs, "time") for _ in range(profiles)]
     g = graphs[0]
     for node in g.nodes:
-        g.nodes[node]["cost"] = statistics.median(float(h.nodes[node]["cost"]) for h in graphs)
+        g.nodes[node]["seconds"] = statistics.median(float(h.nodes[node]["seconds"]) for h in graphs)
     return g
 
 
@@ -160,7 +160,7 @@ def greedy_params_cuts(graph: nx.DiGraph, n: int) -> List[str]:
 
 def assignment_from_cuts(graph: nx.DiGraph, cuts: Sequence[str]) -> Dict[str, int]:
     """Full node -> stage assignment for stages starting at ``cuts`` (same glue as partition)."""
-    return partition(graph, len(cuts) + 1, split_before=list(cuts))
+    return partition(graph, len(cuts) + 1, cost_attr="seconds", split_before=list(cuts))
 
 
 def cuts_from_balance(captured: Any, graph: nx.DiGraph, prefix: str, balance: Sequence[int]) -> List[str]:
@@ -173,8 +173,8 @@ def cuts_from_balance(captured: Any, graph: nx.DiGraph, prefix: str, balance: Se
 
 
 def score(graph: nx.DiGraph, assignment: Dict[str, int], n: int) -> Dict[str, Any]:
-    costs = stage_costs(graph, assignment)
-    total = sum(float(d.get("cost") or 0.0) for _, d in graph.nodes(data=True))
+    costs = stage_costs(graph, assignment, cost_attr="seconds")
+    total = sum(float(d.get("seconds") or 0.0) for _, d in graph.nodes(data=True))
     bottleneck = max(costs)
     return {
         "ratio": bottleneck / (total / n),
@@ -209,8 +209,8 @@ def run_model(name: str, factory: Callable[..., tuple], profiles: int, tg_timeou
         t0 = time.perf_counter()
         found["fxpipe"] = make_plan(captured, args, kwargs, n, balance_by="time", devices=[CPU] * n).assignment
         t_fx = time.perf_counter() - t0
-        found["opt"] = partition(graph, n)
-        found["opt-holdout"] = partition(holdout, n)
+        found["opt"] = partition(graph, n, cost_attr="seconds")
+        found["opt-holdout"] = partition(holdout, n, cost_attr="seconds")
         found["params-opt"] = make_plan(captured, args, kwargs, n, balance_by="params", devices=[CPU] * n).assignment
         found["params-greedy"] = assignment_from_cuts(graph, greedy_params_cuts(graph, n))
         balances: Dict[str, List[int]] = {}

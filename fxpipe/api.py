@@ -16,7 +16,7 @@ from torch import nn
 from .batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from .capture import Capture
 from .compiling import refuse_whole_pipeline_compile
-from .devices import default_devices
+from .devices import Device, default_devices
 from .emit import Stages, emit_stages
 from .errors import PipelinePicklingError
 from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
@@ -32,7 +32,6 @@ from .runtime.skip_layout import SkipLayout
 
 __all__ = ["pipeline", "Pipeline"]
 
-Device = Union[torch.device, int, str]
 
 
 def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, balance_by: str) -> None:

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 from torch import Tensor, nn
 
-from .devices import default_devices
+from .devices import Device, default_devices
 from .partition import split_chain
 from .runtime.microbatch import Batch, TensorOrTensors
 from .runtime.stream import synchronize
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_cost", "profile_times", "profile_sizes"]
 
-Device = Union[torch.device, int, str]
 
 
 def _prepare(sample: TensorOrTensors, device: torch.device) -> Batch:

@@ -7,11 +7,14 @@ the CPU for every stage; one intra-op thread when every stage shares the CPU.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["default_devices", "set_threads"]
+__all__ = ["Device", "default_devices", "set_threads"]
+
+#: what a ``devices=`` argument may name a device by
+Device = Union[torch.device, int, str]
 
 
 def default_devices(n: int, *, one_stage_per_gpu: bool = False) -> List[torch.device]:

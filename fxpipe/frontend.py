@@ -13,11 +13,12 @@ import copy
 import numbers
 import weakref
 from types import TracebackType
-from typing import Any, List, Optional, Type, Union
+from typing import Any, List, Optional, Type
 
 import torch
 from torch import nn
 
+from .devices import Device
 from .errors import ChunksError, PlacementError
 from .runtime.batchnorm import (
     DeferredBatchNorm, convert_deferred_batch_norm, defer_batch_norms, release_deferred_batch_norm,
@@ -26,7 +27,6 @@ from .runtime.pipeline import PipelineRunner
 
 __all__ = ["PlacedModule", "CHECKPOINT_MODES", "checkpoint_stop", "check_chunks"]
 
-Device = Union[torch.device, int, str]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 

@@ -28,7 +28,8 @@ def target_str(node: fx.Node) -> str:
 
 
 def build_opgraph(gm: fx.GraphModule, costs: Mapping[str, NodeCost] | None = None) -> nx.DiGraph:
-    """Nodes = fx nodes (attrs index, op, target, module, cost, param_bytes, out_bytes, shape);
+    """Nodes = fx nodes (attrs index, op, target, module, seconds, param_count, param_bytes,
+    out_bytes, shape);
     an edge u -> v for every use of u by v, with ``bytes`` = u's out_bytes.
 
     Without ``costs`` every number is 0 and shapes are ''.
@@ -39,7 +40,8 @@ def build_opgraph(gm: fx.GraphModule, costs: Mapping[str, NodeCost] | None = Non
     for i, n in enumerate(gm.graph.nodes):
         c = costs.get(n.name)
         g.add_node(n.name, index=i, op=n.op, target=target_str(n), module=n.meta.get("fxpipe_module", ""),
-                   cost=c.cost if c else 0.0, param_bytes=c.param_bytes if c else 0,
+                   seconds=c.seconds if c else 0.0, param_count=c.param_count if c else 0,
+                   param_bytes=c.param_bytes if c else 0,
                    out_bytes=c.out_bytes if c else 0, shape=c.shape if c else "",
                    keep_with=list(n.meta.get("fxpipe_keep_with", ())))
     for n in gm.graph.nodes:
@@ -56,7 +58,7 @@ def collapse_by_depth(opgraph: nx.DiGraph, depth: int) -> nx.DiGraph:
     """Merge nodes whose ``module`` shares its first ``depth`` name components.
 
     For drawing large graphs: ``depth=1`` gives one node per top-level submodule. Nodes at
-    the root (``module == ''``) stay individual. Merged nodes sum ``cost``, ``param_bytes``
+    the root (``module == ''``) stay individual. Merged nodes sum ``seconds``, ``param_count``, ``param_bytes``
     and ``out_bytes``, keep the smallest ``index`` and list their ``members``; an edge
     between groups sums the bytes of the distinct source nodes crossing it. The result may
     contain cycles when the model goes in and out of a submodule.
@@ -77,13 +79,13 @@ def collapse_by_depth(opgraph: nx.DiGraph, depth: int) -> nx.DiGraph:
             merged = key != name or attrs.get("module", "") == key
             out.add_node(key, **dict(attrs), members=[], size=0)
             if merged:
-                out.nodes[key].update(op="group", target=key, module=key.rstrip("/"), cost=0.0,
-                                      param_bytes=0, out_bytes=0, shape="")
+                out.nodes[key].update(op="group", target=key, module=key.rstrip("/"), seconds=0.0,
+                                      param_count=0, param_bytes=0, out_bytes=0, shape="")
         node = out.nodes[key]
         node["members"].append(name)
         node["size"] += 1
         if node["op"] == "group":
-            for field in ("cost", "param_bytes", "out_bytes"):
+            for field in ("seconds", "param_count", "param_bytes", "out_bytes"):
                 node[field] += attrs.get(field, 0)
     crossing: dict[tuple[str, str], dict[str, Any]] = {}
     for u, v, data in opgraph.edges(data=True):

@@ -22,7 +22,8 @@ __all__ = ["BALANCE_BY", "BalanceWarning", "IMBALANCE_RATIO", "make_plan", "opgr
            "imbalance_warning"]
 
 BALANCE_BY = ("time", "memory", "params")
-_COST_ATTR = {"time": "cost", "memory": "memory", "params": "params"}
+#: the OpGraph attribute each balance mode minimises the largest stage sum of
+_COST_ATTR = {"time": "seconds", "memory": "memory", "params": "params"}
 
 #: A plan whose slowest stage costs more than this many times the mean stage, because of one
 #: node that alone costs more than the mean, gets a :class:`BalanceWarning`.

@@ -33,10 +33,12 @@ _TOTAL_BUDGET_S = 10.0
 
 @dataclass(frozen=True)
 class NodeCost:
-    """What one graph node costs. ``cost`` is seconds (fwd + bwd) from :func:`profile_graph`
-    or a parameter count from :func:`count_params_only`."""
+    """What one graph node costs: ``seconds`` of forward + backward, measured by
+    :func:`profile_graph` (0.0 from :func:`count_params_only`, which times nothing), and the
+    number and bytes of the parameters it owns, the bytes of its output and its shape."""
 
-    cost: float
+    seconds: float
+    param_count: int
     out_bytes: int
     param_bytes: int
     shape: str
@@ -128,11 +130,9 @@ class _Profiler(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        if not self.timed:
-            cost = _param_count(self.module, n)
-        else:
-            cost = self._time(n) if n.op in COMPUTE_OPS else 0.0
-        self.costs[n.name] = NodeCost(cost, tensor_bytes(out), _param_bytes(self.module, n), shape_str(out))
+        seconds = self._time(n) if self.timed and n.op in COMPUTE_OPS else 0.0
+        self.costs[n.name] = NodeCost(seconds, _param_count(self.module, n), tensor_bytes(out),
+                                      _param_bytes(self.module, n), shape_str(out))
         return out
 
     def _time(self, n: fx.Node) -> float:
@@ -199,7 +199,7 @@ def profile_graph(gm: fx.GraphModule, flat_inputs: Sequence[Any], *, repeat: int
 
 
 def count_params_only(gm: fx.GraphModule, flat_inputs: Sequence[Any] | None = None) -> dict[str, NodeCost]:
-    """Deterministic costs for ``balance_by='params'``: cost = number of parameters a node owns.
+    """Deterministic costs for ``balance_by='params'``: parameter counts and bytes, no timing.
 
     call_module nodes own their module's parameters, get_attr nodes the Parameter they
     fetch. With ``flat_inputs`` the graph runs once (untimed) to fill ``out_bytes`` and
@@ -210,6 +210,6 @@ def count_params_only(gm: fx.GraphModule, flat_inputs: Sequence[Any] | None = No
     costs: dict[str, NodeCost] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
-        costs[n.name] = NodeCost(_param_count(gm, n), tensor_bytes(val) if val is not None else 0,
+        costs[n.name] = NodeCost(0.0, _param_count(gm, n), tensor_bytes(val) if val is not None else 0,
                                  _param_bytes(gm, n), shape_str(val) if val is not None else "")
     return costs
