@@ -34,6 +34,8 @@ from .call_check import call_signature, mismatch_error, same_value
 from .capture_export import _Failure, compose_out_spec, export_graph
 from .export_leaves import leaf_paths
 from .errors import TraceError
+from .grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_values
+from .mutation import KEEP_REASON, KEEP_WITH
 from .tree import flatten
 from .user_code import is_user_file
 
@@ -180,6 +182,11 @@ class _Tracer(fx.Tracer):
         self.stack: list[str] = [""]
         self.failure_stack: list[str] | None = None
         self.opaque: list[str] = []  # non-standard leaves actually used
+        self.regions = RegionRecorder()  # grad-mode / autocast `with` blocks (fxpipe.grad_regions)
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        with self.regions:
+            return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or isinstance(m, self.leaf_types):
@@ -205,8 +212,11 @@ class _Tracer(fx.Tracer):
         return traceback.StackSummary.from_list(kept)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        region = self.regions.region()  # raises RegionError where a mode changed untraceably
         node = super().create_node(*args, **kwargs)
         node.meta["fxpipe_module"] = self.stack[-1]
+        if region is not None:
+            node.meta[REGION] = region
         return node
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -366,8 +376,13 @@ def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytr
     for node in graph.nodes:
         if node.op == "call_module" and node.target in why:
             node.meta["fxpipe_auto_leaf"] = why[node.target]
+    for node, users in inference_values(graph):  # an inference tensor cannot cross stages
+        node.meta.setdefault(KEEP_WITH, []).extend(u.name for u in users)
+        node.meta[KEEP_REASON] = ("it computes in torch.inference_mode() and its result, an inference tensor, "
+                                  "cannot cross stages (use torch.no_grad() for a region that may be cut)")
     # root, not model: fx stores untracked tensor constants (_tensor_constant0) on the root
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    # running it enters the grad-mode/autocast regions recorded on its nodes
+    gm = RegionGraphModule(root, graph, class_name=type(model).__name__)
     gm.training = model.training
     return Capture(gm, in_spec, out_spec, "fx", specialized, list(opaque), call_signature(model))
 

@@ -38,10 +38,12 @@ from .partition import COMPUTE_OPS
 from .stage_module import source_location
 from .tree import flatten
 
-__all__ = ["StateMutation", "Mutations", "find_and_fix_mutations", "KEEP_WITH"]
+__all__ = ["StateMutation", "Mutations", "find_and_fix_mutations", "KEEP_WITH", "KEEP_REASON"]
 
 #: ``node.meta`` key: names of nodes this node must share a stage with.
 KEEP_WITH = "fxpipe_keep_with"
+#: ``node.meta`` key: why a node has ``KEEP_WITH`` partners, when not for a mutation (for errors).
+KEEP_REASON = "fxpipe_keep_reason"
 #: ``node.meta`` key on nodes that mutate model state: qualified buffer names.
 MUTATES_STATE = "fxpipe_mutates_state"
 
@@ -379,9 +381,10 @@ def check_kept_together(gm: fx.GraphModule, assignment: Dict[str, int]) -> None:
         for other in node.meta.get(KEEP_WITH, ()):
             if node.name in assignment and other in assignment and assignment[node.name] != assignment[other]:
                 what = node.meta.get(MUTATES_STATE) or ["a copy made for an in-place op"]
+                why = node.meta.get(KEEP_REASON) or f"they touch {what}"
                 raise MutationError(
                     f"the plan puts {node.name!r} in stage {assignment[node.name]} and {other!r} in stage "
-                    f"{assignment[other]}, but they must share a stage: they touch {what} ({_where(node)}). "
+                    f"{assignment[other]}, but they must share a stage: {why} ({_where(node)}). "
                     "What to do: make a new plan (omit plan=), or choose split points outside that group.",
                     node=node.name)
 

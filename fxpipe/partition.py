@@ -432,7 +432,8 @@ def _starts_from_split_before(prob: _Problem, split_before: Sequence[str], n_sta
         if prob.compute[p] != name:
             raise ValueError(
                 f"split_before: {name!r} is inside a group of nodes that must share one stage (from "
-                f"{prob.compute[p]!r}: an in-place update of a buffer, or an op filling a copy); "
+                f"{prob.compute[p]!r}: an in-place update of a buffer, an op filling a copy, or a value "
+                "computed in torch.inference_mode() and its uses); "
                 "split before or after the group"
             )
         if p <= starts[-1]:

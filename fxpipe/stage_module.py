@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .grad_regions import recompile_in_regions
 from .user_code import is_user_file
 
 __all__ = ["StageModule", "annotate_stage_exception", "source_location", "source_comment"]
@@ -171,7 +172,8 @@ class StageModule(torch.fx.GraphModule):
         return self.meta.get("fxpipe_stage")
 
     def recompile(self) -> Any:
-        python_code = super().recompile()
+        # nodes traced inside `with torch.no_grad()` etc. run inside it again (fxpipe.grad_regions)
+        python_code = recompile_in_regions(self, super().recompile)
         type(self).__call__ = _stage_call  # replaces fx's call_wrapped
         return python_code
 
