@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .devices import Device, default_devices
-from .partition import split_chain
+from .chain_cut import split_chain
 from .runtime.microbatch import Batch, TensorOrTensors
 from .runtime.stream import synchronize
 
