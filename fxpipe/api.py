@@ -20,6 +20,7 @@ from .devices import Device, default_devices
 from .emit import Stages, emit_stages
 from .errors import PipelinePicklingError
 from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
+from .meta import is_meta_model, refuse_running, refuse_timing, to_meta
 from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .mutation import check_kept_together, mutable_state
@@ -61,15 +62,18 @@ class Pipeline(PlacedModule):
             with their inputs, outputs, stashes and pops.
         plan: the :class:`~fxpipe.plan.Plan` (print it; ``plan.save(path)`` to reuse it).
         devices, chunks, checkpoint: as given.
+        meta: built from a model on the meta device: planned and emitted, but calling it
+            raises :class:`~fxpipe.errors.MetaDeviceError` (there are no values to run on).
     """
 
     def __init__(
         self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages,
         devices: List[torch.device], chunks: int, checkpoint: str, deferred_batch_norm: bool,
-        mode_sensitive: str = "", batching: Optional[Batching] = None,
+        mode_sensitive: str = "", batching: Optional[Batching] = None, meta: bool = False,
     ) -> None:
         super().__init__()
         self.module = model
+        self.meta = meta
         self.capture = captured
         #: how inputs are split into micro-batches and outputs merged (checked when built)
         self.batching = batching if batching is not None else _default_batching(model, captured)
@@ -125,6 +129,8 @@ class Pipeline(PlacedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         refuse_whole_pipeline_compile()  # torch.compile(pipe): a typed error naming stage.compile()
+        if self.meta:
+            raise refuse_running(self.n_stages)
         if self.mode_sensitive and self.training != self.captured_training:
             captured = "training" if self.captured_training else "eval"
             now = "training" if self.training else "eval"
@@ -182,6 +188,8 @@ def pipeline(
         deferred_batch_norm: BatchNorm running statistics per mini-batch.
         balance_by: ``'time'`` (profiled forward+backward), ``'memory'`` (activation and
             parameter bytes) or ``'params'`` (parameter bytes; deterministic, no profiling).
+            A model built on the meta device is planned by ``'params'`` or ``'memory'``
+            (sizes from shapes, nothing allocated); the pipeline returned cannot run.
         leaf_modules: module classes or qualified names kept opaque.
         split_points: qualified module names to cut before (``n_stages - 1`` of them);
             overrides balancing.
@@ -198,6 +206,7 @@ def pipeline(
         fxpipe.errors.MicroBatchError: splitting the sample and merging the outputs does not
             give the model's result (set ``chunk_dims`` / ``output_merge``).
         fxpipe.errors.MutationError: an in-place update that cannot be made exact.
+        fxpipe.errors.MetaDeviceError: ``balance_by='time'`` on a model on the meta device.
         ValueError: bad arguments, or a plan that does not match the model.
         IndexError: fewer devices than stages.
     """
@@ -209,6 +218,11 @@ def pipeline(
 
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
+    meta = is_meta_model(model)
+    if meta:  # shapes only: size it, never time it; the sample meets meta weights on meta
+        if plan is None and balance_by == "time":
+            refuse_timing()
+        args, kwargs = to_meta(args, kwargs)
     with preserved(model):  # building runs the model; none of it may show afterwards
         _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
         prepared = prepare(model, args, kwargs, leaf_modules, split_dims)
@@ -220,9 +234,10 @@ def pipeline(
         batching = Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
         with preserved(model):
             deterministic = batching.check(gm, model, flat, whole)
-        with preserved(model):
-            eager = Batching.sample_run(lambda: model(*args, **kwargs), model)
-        check_capture(eager, whole, batching.out_names, deterministic)
+        if not meta:  # on meta, eager code may branch on values (.item()), and none are there to compare
+            with preserved(model):
+                eager = Batching.sample_run(lambda: model(*args, **kwargs), model)
+            check_capture(eager, whole, batching.out_names, deterministic)
         if plan is not None:
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
             _check_plan(chosen, captured, n_stages)
@@ -235,7 +250,7 @@ def pipeline(
         stage.mutable_state = mutable_state(model, stage)
     place_stages(stages, device_list, exported=captured.method == "export")
     return Pipeline(model, captured, chosen, stages, device_list, chunks, checkpoint, deferred_batch_norm,
-                    prepared.mode_sensitive, batching)
+                    prepared.mode_sensitive, batching, meta=meta)
 
 
 def _default_batching(model: nn.Module, captured: Capture) -> Batching:

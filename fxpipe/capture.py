@@ -36,6 +36,7 @@ from .export_leaves import leaf_paths
 from .errors import TraceError
 from .grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_values
 from .mutation import KEEP_REASON, KEEP_WITH
+from .meta import has_meta_tensors
 from .tree import flatten
 from .user_code import is_user_file
 
@@ -341,6 +342,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
         gm.training = model.training
+        if has_meta_tensors(model):  # exported as on the CPU (fxpipe.meta); it runs on meta
+            retarget_devices(gm, "meta")
         # caches in the output (past_key_values) come out as their tensors; the spec rebuilds them
         out_spec = compose_out_spec(out_specs[-1], ex_res.leaf_specs)
         return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model))

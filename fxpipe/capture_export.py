@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .export_leaves import collapse_leaf_calls
 from .export_hops import hop_error, keep_body, unsupported_hop
+from .meta import exported_as_cpu
 
 __all__ = ["export_graph", "Exported", "compose_out_spec"]
 
@@ -317,8 +318,9 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
         with contextlib.redirect_stderr(io.StringIO()):
             for shapes in (dyn, None):  # dynamic batch first: micro-batches are smaller than the sample
                 try:
-                    ep = torch.export.export(target, tuple(flat), dynamic_shapes=shapes, strict=False,
-                                            preserve_module_call_signature=tuple(leaves))
+                    with exported_as_cpu(model, flat) as inputs:  # a meta model: the CPU graph
+                        ep = torch.export.export(target, tuple(inputs), dynamic_shapes=shapes, strict=False,
+                                                preserve_module_call_signature=tuple(leaves))
                     break
                 except Exception as e:  # noqa: BLE001
                     err = err or e

@@ -49,16 +49,21 @@ def _positive_int(what: str) -> Callable[[str], int]:
 
 def _model_args(p: argparse.ArgumentParser, *, chunks: bool = False, balance: bool = True) -> None:
     p.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory; "
-                   "the factory returns a module or (module, args)")
+                   "the factory returns a module or (module, args). Or hf:<model_type> (hf:llama): a "
+                   "transformers architecture from its default config, built on the meta device (no download)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="hf: models: override a config value (repeatable), e.g. --set num_hidden_layers=32")
     p.add_argument("--stages", "-n", type=_positive_int("--stages"), required=True, metavar="N",
                    help="number of pipeline stages")
     p.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:dtype]",
                    help="one per positional input: 8x3x32x32 or 8,3,32,32, optional :dtype "
                         "(float32 default; :int64 gives token ids in [0, --vocab))")
-    p.add_argument("--vocab", type=_positive_int("--vocab"), default=100, help="range of integer inputs (default 100)")
+    p.add_argument("--vocab", type=_positive_int("--vocab"), default=None,
+                   help="range of integer inputs (default 100; an hf: model's vocab_size)")
     if balance:
-        p.add_argument("--balance-by", choices=("time", "memory", "params"), default="time",
-                       help="what to balance: profiled time (default), memory, or parameters (fast, deterministic)")
+        p.add_argument("--balance-by", choices=("time", "memory", "params"), default=None,
+                       help="what to balance: profiled time (default), memory, or parameters (fast, deterministic; "
+                            "the default for models on the meta device, which cannot be timed)")
     p.add_argument("--leaf", action="append", default=[], metavar="NAME",
                    help="qualified submodule name to keep opaque (repeatable)")
     p.add_argument("--split-at", action="append", default=[], metavar="NAME",

@@ -43,8 +43,25 @@ def _devices(ns: argparse.Namespace) -> list:
 
 
 def _load(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
+    """The model and sample; ``--balance-by`` resolved: ``params`` for a model on the meta
+    device (``hf:`` models are built there; nothing to time), else ``time``."""
+    from .hf_models import PREFIX, load_hf
+    from .meta import is_meta_model, to_meta
+
     progress(f"loading {ns.model} ...")
-    model, args, kwargs = load_model(ns.model, ns.input, getattr(ns, "vocab", 100))
+    overrides = getattr(ns, "set", [])
+    if ns.model.startswith(PREFIX):
+        model, args, kwargs = load_hf(ns.model, ns.input, overrides, getattr(ns, "vocab", None))
+    else:
+        if overrides:
+            raise UsageError(f"--set configures hf:<model_type> models (e.g. hf:llama --set num_hidden_layers=32); "
+                             f"{ns.model} is built by its factory")
+        model, args, kwargs = load_model(ns.model, ns.input, getattr(ns, "vocab", None) or 100)
+    meta = is_meta_model(model)
+    if meta:  # weights are shapes only: the sample joins them on meta (fxpipe.meta)
+        args, kwargs = to_meta(args, kwargs)
+    if getattr(ns, "balance_by", "time") is None:
+        ns.balance_by = "params" if meta else "time"
     return model, args, kwargs
 
 

@@ -118,3 +118,9 @@ class BatchNormConversionError(FxpipeError, ValueError):
 class EmitError(FxpipeError, ValueError):
     """The graph and the stage assignment cannot be turned into stages (for example a
     node uses a value from a later stage)."""
+
+
+class MetaDeviceError(FxpipeError, RuntimeError):
+    """A model built on the meta device (shapes, no values) was asked for something that
+    needs values: timing it (``balance_by='time'``) or running its pipeline. Planning it with
+    ``balance_by='params'`` or ``'memory'`` works. The message says how to proceed."""

@@ -71,9 +71,11 @@ class Mutations:
 
 def _storage(t: torch.Tensor) -> Optional[int]:
     try:
-        if t.untyped_storage().nbytes() == 0:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
             return None
-        return t.untyped_storage().data_ptr()
+        # Meta storages all have address 0; their StorageImpl identifies them (views share it).
+        return storage._cdata if t.is_meta else storage.data_ptr()
     except Exception:  # noqa: BLE001 - sparse, meta or other storage-less tensors
         return None
 
@@ -146,7 +148,8 @@ class _Watcher(fx.Interpreter):
             self.found.touch.setdefault(self.state_by_storage[s], set()).add(n.name)
         # Kernels such as batch_norm update running statistics without bumping the version
         # counter: compare the values of the buffers a node can reach, too.
-        values = [t.clone() if _storage(t) in self.buffers else None for _, _, t in watched]
+        # (A meta tensor has no values: version counters alone, see fxpipe.meta.)
+        values = [t.clone() if _storage(t) in self.buffers and not t.is_meta else None for _, _, t in watched]
         out = super().run_node(n)
         changed = [(slot, a, t) for (slot, a, t), version, value in zip(watched, before, values)
                    if t._version != version or (value is not None and not torch.equal(value, t))]

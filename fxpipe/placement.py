@@ -25,6 +25,8 @@ __all__ = ["place_stages"]
 
 
 def _move(tensor: torch.Tensor, device: torch.device) -> None:
+    if tensor.is_meta:
+        return
     if tensor.device != device:
         tensor.data = tensor.data.to(device)
         if tensor.grad is not None:

@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 
 from .capture import Capture
 from .graph import build_opgraph
+from .meta import refuse_timing
 from .partition import COMPUTE_OPS, partition
 from .plan import Plan, format_cost
 from .profile import count_params_only, profile_graph
@@ -51,6 +52,8 @@ def seconds_per_byte(devices: Sequence[torch.device]) -> float:
 def opgraph_for(captured: Capture, args: tuple, kwargs: dict, balance_by: str) -> nx.DiGraph:
     """The OpGraph with the cost attributes every balance mode reads."""
     gm = captured.graph_module
+    if balance_by == "time" and any(t.is_meta for t in (*gm.parameters(), *gm.buffers())):
+        refuse_timing()  # a model built on the meta device: nothing to time
     flat = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
     # 'memory' and 'params' need sizes only: one untimed run, deterministic.
     costs = profile_graph(gm, flat) if balance_by == "time" else count_params_only(gm, flat)
