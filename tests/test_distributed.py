@@ -212,3 +212,48 @@ def test_ranks_with_different_code_all_raise(three_ranks: list[dict]) -> None:
 @pytest.mark.slow
 def test_several_stages_per_rank_and_1f1b_portals(tmp_path: Path) -> None:
     _check(_spawn(2, SLOW_CASES, tmp_path), SLOW_CASES)
+
+
+def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The last rank's loss_fn raises in the first step; its peers wait on it mid-schedule."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, _, _ = _case("mlp")
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in loss_fn")
+
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
+    try:
+        pipe.step(x, target=y)
+    except BaseException as e:
+        Path(out, f"rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
+        raise
+
+
+def test_a_rank_that_raises_ends_every_rank(tmp_path: Path) -> None:
+    """No rank is left waiting: each exits with an error, within the bounded wait."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent),
+         os.environ.get("PYTHONPATH", "")])
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_failing_worker, args=(r, 3, port, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + SPAWN_SECONDS
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} still waiting after {SPAWN_SECONDS} s"
+    assert all(p.exitcode != 0 for p in procs)
+    assert "boom in loss_fn" in (tmp_path / "rank2.txt").read_text()
+    assert all((tmp_path / f"rank{r}.txt").exists() for r in (0, 1))  # they raised too, not killed
