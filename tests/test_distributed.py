@@ -125,6 +125,10 @@ def _worker(rank: int, world: int, port: int, cases: dict, out: str) -> None:
         results[name] = {"losses": losses, "grads": grads, "eval": out_eval, "refused": refused,
                          "local": pipe.local, "names": [n for n, _ in pipe.named_parameters()]}
         pipe.close()
+    bn, (xb,), _ = zoo.bn_model()
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    fpd.pipeline(bn, xb, chunks=2, loss_fn=F.mse_loss, timeout=60).close()
+    results["build_keeps_state"] = all(torch.equal(before[k], v) for k, v in bn.state_dict().items())
     try:  # ranks building different models get a typed error on every rank, not a hang
         fpd.pipeline(Scaled(2.0 if rank == 0 else 3.0), torch.randn(4, 4), chunks=2, loss_fn=F.mse_loss,
                      timeout=60)
@@ -203,6 +207,11 @@ def test_exact_against_eager_on_three_ranks(three_ranks: list[dict], name: str) 
 def test_tied_embedding_gradient_is_summed_over_its_ranks(three_ranks: list[dict]) -> None:
     holders = [r for r, res in enumerate(three_ranks) if "tok.weight" in res["gpt-1f1b"]["names"]]
     assert holders == [0, 2]  # the embedding on the first stage, the LM head on the last
+
+
+def test_building_leaves_buffers_as_they_were(three_ranks: list[dict]) -> None:
+    """The fake run finding the stage metadata must not bump BatchNorm's num_batches_tracked."""
+    assert [res["build_keeps_state"] for res in three_ranks] == [True] * 3
 
 
 def test_ranks_with_different_code_all_raise(three_ranks: list[dict]) -> None:

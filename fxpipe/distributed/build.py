@@ -12,8 +12,8 @@ torch.distributed.pipelining ``PipelineStage``s under a torch schedule.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Union
 import os
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -165,7 +165,8 @@ def pipeline(
     stages = built[0]
     for t in [*model.parameters(), *model.buffers()]:  # as DDP: rank 0's values everywhere
         dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)
-    metas = stage_metas(stages.modules, micro, stages.input_names)
+    with preserved(model):  # fake tensors still bump real counters (num_batches_tracked += 1)
+        metas = stage_metas(stages.modules, micro, stages.input_names)
 
     rank = dist.get_rank(group)
     rank_of_stage = [k % world for k in range(n_stages)]

@@ -14,7 +14,7 @@ sending and the scheduling; this class adds what makes a step exact against eage
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
