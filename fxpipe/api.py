@@ -25,7 +25,7 @@ from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .mutation import check_kept_together, mutable_state
 from .plan import Plan
-from .prepare import check_capture, preserved, prepare
+from .prepare import Prepared, check_capture, preserved, prepare
 from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
 from .runtime.pipeline import PipelineRunner
@@ -224,23 +224,11 @@ def pipeline(
             refuse_timing()
         args, kwargs = to_meta(args, kwargs)
     with preserved(model):  # building runs the model; none of it may show afterwards
-        _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
-        prepared = prepare(model, args, kwargs, leaf_modules, split_dims)
+        prepared, batching = checked_capture(model, args, kwargs, leaf_modules, chunk_dims, output_merge)
         captured = prepared.capture
-        flat = captured.flatten_inputs(args, kwargs)
-        gm = captured.graph_module
-        with preserved(model):
-            whole = list(Batching.sample_run(lambda: gm(*flat), model))
-        batching = Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
-        with preserved(model):
-            deterministic = batching.check(gm, model, flat, whole)
-        if not meta:  # on meta, eager code may branch on values (.item()), and none are there to compare
-            with preserved(model):
-                eager = Batching.sample_run(lambda: model(*args, **kwargs), model)
-            check_capture(eager, whole, batching.out_names, deterministic)
         if plan is not None:
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
-            _check_plan(chosen, captured, n_stages)
+            check_plan(chosen, captured, n_stages)
         else:
             chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by,
                                split_points=split_points, devices=device_list)
@@ -253,13 +241,38 @@ def pipeline(
                     prepared.mode_sensitive, batching, meta=meta)
 
 
+def checked_capture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict,
+                    leaf_modules: Sequence[Union[type, str]], chunk_dims: ChunkDims,
+                    output_merge: Optional[OutputMerge]) -> Tuple[Prepared, Batching]:
+    """The model captured exactly, and its split/merge verified on the sample (whole run vs
+    split into micro-batches and merged; graph vs eager). Shared by :func:`pipeline` and
+    :func:`fxpipe.distributed.pipeline` so both build on the same checked graph. Call it
+    inside ``preserved(model)``: it runs the model."""
+    _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
+    prepared = prepare(model, args, kwargs, leaf_modules, split_dims)
+    captured = prepared.capture
+    flat = captured.flatten_inputs(args, kwargs)
+    gm = captured.graph_module
+    with preserved(model):
+        whole = list(Batching.sample_run(lambda: gm(*flat), model))
+    batching = Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
+    with preserved(model):
+        deterministic = batching.check(gm, model, flat, whole)
+    if not is_meta_model(model):  # on meta, eager code may branch on values (.item()), and none are there
+        with preserved(model):
+            eager = Batching.sample_run(lambda: model(*args, **kwargs), model)
+        check_capture(eager, whole, batching.out_names, deterministic)
+    return prepared, batching
+
+
 def _default_batching(model: nn.Module, captured: Capture) -> Batching:
     n_in = captured.in_spec.num_leaves
     return Batching(["input"] * n_in, [0] * n_in, [""] * captured.out_spec.num_leaves,
                     [None] * captured.out_spec.num_leaves)
 
 
-def _check_plan(plan: Plan, captured: Capture, n_stages: int) -> None:
+def check_plan(plan: Plan, captured: Capture, n_stages: int) -> None:
+    """A given plan fits this capture: its stage count and exactly this graph's nodes."""
     if plan.n_stages != n_stages:
         raise ValueError(f"the plan has {plan.n_stages} stages but n_stages={n_stages}; pass n_stages={plan.n_stages}")
     nodes = {n.name for n in captured.graph_module.graph.nodes}

@@ -124,3 +124,18 @@ class MetaDeviceError(FxpipeError, RuntimeError):
     """A model built on the meta device (shapes, no values) was asked for something that
     needs values: timing it (``balance_by='time'``) or running its pipeline. Planning it with
     ``balance_by='params'`` or ``'memory'`` works. The message says how to proceed."""
+
+
+class DistributedError(FxpipeError, RuntimeError):
+    """A multi-process pipeline (:mod:`fxpipe.distributed`) cannot be built or run as asked:
+    the message names the rank, the stage or the value, and what to do."""
+
+
+class PlanMismatchError(DistributedError):
+    """The ranks of a distributed pipeline do not run the same stage code: their models or
+    fxpipe/torch versions differ. The message lists each rank's stage code hashes."""
+
+
+class BatchShapeError(FxpipeError, ValueError):
+    """A batch given to a distributed pipeline does not have the sample's shapes (its stages
+    exchange fixed-size buffers), or its batch size is not a multiple of ``chunks``."""

@@ -1,0 +1,125 @@
+"""Values crossing ranks as tensors: codecs, and the stage module torch's PipelineStage runs.
+
+A ``PipelineStage`` boundary accepts tensors only ("All stage args must be tensors"), but an
+fxpipe stage may hand the next one an ``int`` (``b, t, d = x.shape``), a ``torch.Size``, a
+``bool``, ``None`` or a tuple of such values. Each crossing value gets a :data:`Kind` from
+the fake run of the stages (:mod:`fxpipe.distributed.meta`), and travels as that kind's small
+tensors (no grad): ``int`` -> int64 scalar, ``float`` -> float64 scalar (exact), ``bool`` ->
+bool scalar, ``torch.Size`` -> int64 vector, ``None`` -> nothing, a tuple/list -> its items'
+tensors in order. :class:`StageRunner` decodes its arguments, runs the generated stage and
+encodes its results, so the generated code itself stays the one ``fxpipe.pipeline`` runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe.errors import DistributedError
+
+__all__ = ["Kind", "kind_of", "encode", "decode", "meta_of", "StageRunner"]
+
+#: "tensor" | "int" | "float" | "bool" | "none" | "size" | ("tuple" | "list", [Kind, ...])
+Kind = Union[str, tuple]
+
+_SCALARS = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+
+
+def kind_of(value: Any, name: str) -> Kind:
+    """The kind of a value crossing stages; :class:`DistributedError` for one that cannot cross."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, torch.Size):
+        return "size"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if value is None:
+        return "none"
+    if type(value) in (tuple, list):
+        return (type(value).__name__, [kind_of(v, f"{name}[{i}]") for i, v in enumerate(value)])
+    raise DistributedError(
+        f"value {name!r} ({type(value).__name__}) crosses ranks between stages, and only tensors, ints, floats, "
+        "bools, None, torch.Size and tuples/lists of them can (encoded as tensors). Return tensors from that "
+        "part of the model, or move the cut: pass a plan= whose stages keep it inside one stage.")
+
+
+def encode(value: Any, kind: Kind) -> list[torch.Tensor]:
+    """``value`` as the tensors that carry it."""
+    if kind == "tensor":
+        return [value]
+    if kind == "none":
+        return []
+    if kind == "size":
+        return [torch.tensor(list(value), dtype=torch.int64)]
+    if isinstance(kind, str):
+        return [torch.tensor(value, dtype=_SCALARS[kind])]
+    return [t for v, k in zip(value, kind[1]) for t in encode(v, k)]
+
+
+def decode(tensors: list[torch.Tensor], kind: Kind) -> Any:
+    """The value ``encode`` made ``tensors`` from; consumes them from the front of the list."""
+    if kind == "tensor":
+        return tensors.pop(0)
+    if kind == "none":
+        return None
+    if kind == "size":
+        return torch.Size(tensors.pop(0).tolist())
+    if isinstance(kind, str):
+        return tensors.pop(0).item()
+    items = [decode(tensors, k) for k in kind[1]]
+    return tuple(items) if kind[0] == "tuple" else items
+
+
+def meta_of(value: Any, kind: Kind) -> list[torch.Tensor]:
+    """Meta tensors shaped like ``encode(value, kind)``, with the value's ``requires_grad``:
+    the static ``input_args`` / ``output_args`` of a ``PipelineStage``."""
+    if kind == "tensor":
+        t = value
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return [meta.requires_grad_(t.requires_grad)]
+    if kind == "none":
+        return []
+    if kind == "size":
+        return [torch.empty((len(value),), dtype=torch.int64, device="meta")]
+    if isinstance(kind, str):
+        return [torch.empty((), dtype=_SCALARS[kind], device="meta")]
+    return [t for v, k in zip(value, kind[1]) for t in meta_of(v, k)]
+
+
+class StageRunner(nn.Module):
+    """One generated stage as torch's ``PipelineStage`` runs it: tensors in, tensors out.
+
+    ``inputs``: for the first stage, per flat model input either ``None`` (a tensor given to
+    ``step``) or ``("const", value)`` (a non-tensor the graph specialised on); otherwise the
+    kind of each boundary value received. ``outputs``: the kinds of the values sent, or
+    ``None`` for the last stage, which returns the model's own output structure
+    (``out_spec``) for ``loss_fn``.
+    """
+
+    def __init__(self, stage: torch.fx.GraphModule, inputs: Sequence[Any], outputs: Sequence[Kind] | None,
+                 first: bool, out_spec: pytree.TreeSpec | None = None) -> None:
+        super().__init__()
+        self.stage = stage
+        self.inputs = list(inputs)
+        self.outputs = None if outputs is None else list(outputs)
+        self.first = first
+        self.out_spec = out_spec
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        pending = list(tensors)
+        if self.first:
+            args = [pending.pop(0) if slot is None else slot[1] for slot in self.inputs]
+        else:
+            args = [decode(pending, kind) for kind in self.inputs]
+        out = self.stage(*args)
+        if self.outputs is None:
+            return pytree.tree_unflatten(list(out), self.out_spec)
+        return tuple(t for v, k in zip(out, self.outputs) for t in encode(v, k))
