@@ -103,6 +103,13 @@ class PipelinePicklingError(FxpipeError, TypeError):
     """A pipeline that cannot be pickled exactly was pickled (the message says what to save)."""
 
 
+class CheckpointBackwardError(FxpipeError, RuntimeError):
+    """A backward that a checkpointed stage cannot serve exactly: ``torch.autograd.grad``,
+    ``backward(inputs=...)`` or ``create_graph=True`` (double backward). The recomputation
+    runs its own backward into ``.grad``, which those calls would silently miss; the
+    message says to build the pipeline with ``checkpoint='never'``."""
+
+
 class PipelineClosedError(FxpipeError, RuntimeError):
     """A closed pipeline was called (the message names it and says what to do)."""
 

@@ -39,6 +39,7 @@ try:  # private but long-standing: what torch.autograd.backward itself calls
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # pragma: no cover - other torch versions
     _engine_run_backward = None
+from ..errors import CheckpointBackwardError
 from ..tree import flatten_values, unflatten_values
 from .microbatch import Batch
 from .phony import get_phony
@@ -94,8 +95,11 @@ def save_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> None:
 
 @contextmanager
 def restore_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> Generator[None, None, None]:
-    """Runs the block with the saved RNG states, leaving the callers' RNG states unchanged."""
-    cpu_state, gpu_state = rng_states.pop()
+    """Runs the block with the saved RNG states, leaving the callers' RNG states unchanged.
+
+    The states stay saved (read, not popped): a second backward through the same graph
+    (``retain_graph=True``) recomputes again, with the same dropout masks."""
+    cpu_state, gpu_state = rng_states[-1]
     if gpu_state is None:
         # CPU only: a plain save/set/restore (fork_rng's generality costs ~10 us a task).
         outer = torch.get_rng_state()
@@ -254,6 +258,12 @@ class Checkpoint(torch.autograd.Function):
         with torch.no_grad(), enable_checkpointing():
             output = chk.function(_rebuild(template, tensors))
         out_template, out_tensors = _split(output)
+        # A parameter the stage returns as is (``return ..., self.a.weight``) must not
+        # become this Function's output: autograd would give the Parameter itself this
+        # node as its grad_fn. A detached alias is returned instead; backward reaches the
+        # parameter through the recomputed output, which is the parameter again.
+        inputs = {id(t) for t in tensors}
+        out_tensors = [y.detach() if y.requires_grad and id(y) not in inputs else y for y in out_tensors]
         chk.out_template.append(out_template)
         ctx.mark_non_differentiable(*[y for y in out_tensors if not _differentiable(y)])
         # Outputs that get no gradient stay without one (as in eager, a parameter feeding
@@ -266,6 +276,7 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_output: Optional[Tensor]):  # type: ignore[override]
+        _check_backward()
         if not ctx.chk.recomputed:  # fused: no Recompute ran ahead of us
             _recompute(ctx.chk, ctx.template, ctx.saved_tensors)
         outputs, input_leaves = ctx.chk.recomputed.pop()
@@ -276,6 +287,61 @@ class Checkpoint(torch.autograd.Function):
             _run_backward([y for y, _ in pairs], [g for _, g in pairs])
         grads = tuple(x.grad if x.requires_grad else None for x in input_leaves)
         return (None, None, None) + grads
+
+
+def _check_backward() -> None:
+    """Refuses the backwards a checkpointed stage would silently get wrong.
+
+    The recomputed stage is differentiated by a nested backward that accumulates into
+    ``.grad`` and records no graph. ``torch.autograd.grad`` and ``backward(inputs=...)``
+    would not see those gradients (torch's own reentrant checkpoint refuses them the same
+    way), and a double backward (``create_graph=True``: grad mode is on in backward) would
+    miss every second-order term.
+    """
+    if not torch.autograd._is_checkpoint_valid():
+        what = "torch.autograd.grad(...) or .backward(inputs=...)"
+    elif torch.is_grad_enabled():
+        what = "a backward with create_graph=True (double backward, e.g. a gradient penalty)"
+    else:
+        return
+    raise CheckpointBackwardError(
+        f"{what} through a checkpointed pipeline stage: the recomputation accumulates its "
+        "gradients into .grad with a backward of its own, which this call cannot see, so the "
+        "result would be wrong. Build the pipeline with checkpoint='never' for this, or call "
+        "loss.backward() and read .grad."
+    )
+
+
+class _BackwardGuard(torch.autograd.Function):
+    """A phony with an edge to each parameter, whose backward runs ``_check_backward``.
+
+    Joined to the pipeline's outputs, it lies on every path from a loss to a parameter.
+    ``torch.autograd.grad(loss, params)`` would otherwise skip the checkpointed stages
+    altogether (no edge leads from them to the parameters: their gradients come from the
+    nested backward) and answer without them. Its own gradients are None, and it runs at
+    the start of backward, so it does not delay (or reorder) any accumulation.
+    """
+
+    @staticmethod
+    def forward(ctx, device: torch.device, *params: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.n = len(params)
+        ctx.set_materialize_grads(False)
+        return get_phony(device, requires_grad=False).detach()
+
+    @staticmethod
+    def backward(ctx, grad: Optional[Tensor]) -> Tuple[None, ...]:  # type: ignore[override]
+        _check_backward()
+        return (None,) * (ctx.n + 1)
+
+
+def guard_backward(values: Sequence[Any], params: Sequence[Tensor]) -> List[Any]:
+    """``values`` (a pipeline's output leaves), joined to a :class:`_BackwardGuard` over
+    ``params`` where they need grad: call it when some micro-batch was checkpointed."""
+    params = [p for p in params if p.requires_grad]
+    if not params or not torch.is_grad_enabled():
+        return list(values)
+    guard = _BackwardGuard.apply(params[0].device, *params)  # one, shared by every output
+    return [join(v, guard) if isinstance(v, Tensor) and v.requires_grad else v for v in values]
 
 
 class _NoGradient(torch.autograd.Function):
@@ -324,9 +390,11 @@ class Recompute(torch.autograd.Function):
 def _recompute(chk: Checkpointing, template: Any, tensors: Sequence[Tensor]) -> None:
     """Runs the partition again, with the saved RNG states, recording its graph this time."""
     leaves = tuple(x.detach().requires_grad_(x.requires_grad) for x in tensors)
-    with restore_rng_states(chk.device, chk.rng_states), _state_swapped(chk.state, chk.snapshot):
+    # A fresh copy of the snapshot each time: a second backward (retain_graph=True)
+    # recomputes again and must see the buffers as the first pass saw them.
+    snapshot = [s.clone() for s in chk.snapshot]
+    with restore_rng_states(chk.device, chk.rng_states), _state_swapped(chk.state, snapshot):
         with torch.enable_grad(), enable_recomputing(), entered_autocast(chk.autocast):
             output = chk.function(_rebuild(template, leaves))
-    chk.snapshot = []
     _, out_tensors = _split(output)
     chk.recomputed.append((out_tensors, leaves))

@@ -45,7 +45,7 @@ class Batch:
         # may use a value only for its shape, or not at all, and the dependency would die
         # with it. Never passed to a partition: each stage's output takes over its input's
         # carry (runtime/pipeline.py), checkpointing keeps it, and the pops of generated
-        # code depend on it (skip/tracker.py).
+        # code depend on it (runtime/stage_portals.py).
         self.carry: Optional[Tensor] = None
 
     @property
