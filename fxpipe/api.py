@@ -11,6 +11,7 @@ import os
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .batching import Batching, ChunkDims, OutputMerge, input_split_dims
@@ -18,7 +19,8 @@ from .capture import Capture
 from .compiling import refuse_whole_pipeline_compile
 from .devices import Device, default_devices
 from .emit import Stages, emit_stages
-from .errors import PipelinePicklingError
+from .errors import (ArgumentError, DevicesError, PipelinePicklingError, PlanModelError, SplitPointsError,
+                     StagesError)
 from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .meta import is_meta_model, refuse_running, refuse_timing, to_meta
 from .placement import place_stages
@@ -36,16 +38,75 @@ __all__ = ["pipeline", "Pipeline"]
 
 
 
-def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, balance_by: str) -> None:
+def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, balance_by: str,
+                split_points: Optional[Sequence[str]] = None, plan: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(n_stages, int) or isinstance(n_stages, bool) or n_stages < 1:
-        raise ValueError(f"n_stages must be a positive integer, got n_stages={n_stages!r}")
+        raise StagesError(f"n_stages must be a positive integer (the number of pipeline stages), got "
+                          f"n_stages={n_stages!r}; pass n_stages=1 or more", argument="n_stages")
     check_chunks(chunks)
     if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
+        raise ArgumentError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got "
+                            f"checkpoint={checkpoint!r}; pass one of them (the default is 'except_last')",
+                            argument="checkpoint")
     if balance_by not in BALANCE_BY:
-        raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
+        raise ArgumentError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got "
+                            f"balance_by={balance_by!r}; pass one of them (the default is 'time')",
+                            argument="balance_by")
+    check_split_points(split_points, plan)
+
+
+def check_split_points(split_points: Optional[Sequence[str]], plan: Any) -> None:
+    """``split_points`` is a list of module names, and not given together with ``plan``
+    (a plan fixes every cut already: one of them would be ignored)."""
+    if split_points is None:
+        return
+    if plan is not None:
+        raise SplitPointsError(
+            "plan= and split_points= were both given, but a plan already fixes where the stages are cut, "
+            "so split_points would be ignored; pass one of them: plan= to reuse a saved plan, or "
+            "split_points= (without plan=) to cut before those modules", argument="split_points")
+    if isinstance(split_points, (str, bytes)) or not all(isinstance(n, str) for n in split_points):
+        raise SplitPointsError(
+            f"split_points must be a list of qualified module names (n_stages - 1 of them, e.g. "
+            f"['layers.4', 'layers.8']), got {split_points!r}", argument="split_points")
+
+
+def _devices(devices: Optional[Iterable[Device]], n_stages: int) -> List[torch.device]:
+    device_list = default_devices(n_stages) if devices is None else [torch.device(d) for d in devices]
+    if len(device_list) < n_stages:
+        found = "found" if devices is None else "given"
+        raise DevicesError(
+            f"too few devices for the stages (devices: {len(device_list)} {found}, n_stages: {n_stages}); "
+            f"pass devices= with one device per stage (a device may repeat: ['cuda:0', 'cuda:0', 'cuda:1']), "
+            f"or use n_stages={len(device_list)} or fewer")
+    return device_list[:n_stages]
+
+
+def _normal_tensors(args: Tuple[Any, ...], kwargs: dict) -> Tuple[Tuple[Any, ...], dict]:
+    """The sample with its inference tensors cloned into normal ones (same values).
+
+    A sample made under ``torch.inference_mode()`` is an inference tensor: the build, which
+    runs outside inference mode, could not save it for the profiled backward nor track its
+    versions (fxpipe.mutation). The caller's tensors are left as they are.
+    """
+    def normal(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
+    return pytree.tree_map(normal, (args, kwargs))
+
+
+def _refuse_inference_state(model: nn.Module) -> None:
+    """Parameters or buffers created under ``torch.inference_mode()`` cannot be built on (their
+    versions are not tracked, they cannot be saved for backward)."""
+    bad = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()]
+    if bad:
+        raise ArgumentError(
+            f"{type(model).__name__}'s {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
+            f"{'are inference tensors' if len(bad) > 1 else 'is an inference tensor'} (created under "
+            "torch.inference_mode()), which a pipeline cannot be built on: create the model (or load its "
+            "weights) outside torch.inference_mode(); the built pipeline may then be called inside it",
+            argument="model")
 
 
 class Pipeline(PlacedModule):
@@ -210,17 +271,30 @@ def pipeline(
             give the model's result (set ``chunk_dims`` / ``output_merge``).
         fxpipe.errors.MutationError: an in-place update that cannot be made exact.
         fxpipe.errors.MetaDeviceError: ``balance_by='time'`` on a model on the meta device.
-        ValueError: bad arguments, or a plan that does not match the model.
-        IndexError: fewer devices than stages.
+        fxpipe.errors.ArgumentError: a bad argument (``StagesError``: ``n_stages``;
+            ``SplitPointsError``: ``split_points``, or ``split_points`` with ``plan``); a ``ValueError``.
+        fxpipe.errors.PlanModelError: a plan that does not match the model (a ``ValueError``).
+        fxpipe.errors.DevicesError: fewer devices than stages (an ``IndexError``).
     """
-    _check_args(model, n_stages, chunks, checkpoint, balance_by)
-    device_list = default_devices(n_stages) if devices is None else [torch.device(d) for d in devices]
-    if len(device_list) < n_stages:
-        raise IndexError(f"too few devices for the stages (devices: {len(device_list)}, n_stages: {n_stages})")
-    device_list = device_list[:n_stages]
-
+    _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, plan)
+    device_list = _devices(devices, n_stages)
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
+    # Built outside inference_mode, whatever the caller's mode: the build runs backward
+    # (profiling) and tracks in-place updates by version counters, which inference mode has not.
+    with torch.inference_mode(False):
+        return _build(model, args, kwargs, n_stages, device_list, chunks, checkpoint, deferred_batch_norm,
+                      balance_by, leaf_modules, split_points, plan, chunk_dims, output_merge)
+
+
+def _build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, n_stages: int, device_list: List[torch.device],
+           chunks: int, checkpoint: str, deferred_batch_norm: bool, balance_by: str,
+           leaf_modules: Sequence[Union[type, str]], split_points: Optional[Sequence[str]],
+           plan: Optional[Union[Plan, str, os.PathLike]], chunk_dims: ChunkDims,
+           output_merge: Optional[OutputMerge]) -> Pipeline:
+    """:func:`pipeline` once its arguments are checked, outside inference mode."""
+    _refuse_inference_state(model)
+    args, kwargs = _normal_tensors(args, kwargs)
     meta = is_meta_model(model)
     if meta:  # shapes only: size it, never time it; the sample meets meta weights on meta
         if plan is None and balance_by == "time":
@@ -231,7 +305,7 @@ def pipeline(
         captured = prepared.capture
         if plan is not None:
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
-            check_plan(chosen, captured, n_stages)
+            check_plan(chosen, captured, n_stages, None if isinstance(plan, Plan) else str(os.fspath(plan)))
         else:
             chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by,
                                split_points=split_points, devices=device_list)
@@ -274,16 +348,24 @@ def _default_batching(model: nn.Module, captured: Capture) -> Batching:
                     [None] * captured.out_spec.num_leaves)
 
 
-def check_plan(plan: Plan, captured: Capture, n_stages: int) -> None:
-    """A given plan fits this capture: its stage count and exactly this graph's nodes."""
+def check_plan(plan: Plan, captured: Capture, n_stages: int, path: Optional[str] = None) -> None:
+    """A given plan fits this capture: its stage count and exactly this graph's nodes.
+
+    Raises :class:`~fxpipe.errors.PlanModelError` (a ``ValueError``) naming ``path``, the
+    file the plan came from (``None``: a Plan object).
+    """
+    where = f"the plan in {path!r}" if path else "the plan"
     if plan.n_stages != n_stages:
-        raise ValueError(f"the plan has {plan.n_stages} stages but n_stages={n_stages}; pass n_stages={plan.n_stages}")
+        raise PlanModelError(f"{where} has {plan.n_stages} stages but n_stages={n_stages}; pass "
+                             f"n_stages={plan.n_stages}, or make a new plan for {n_stages} stages (omit plan=...)",
+                             path=path)
     nodes = {n.name for n in captured.graph_module.graph.nodes}
     missing = sorted(nodes - set(plan.assignment))
     extra = sorted(set(plan.assignment) - nodes)
     if missing or extra:
-        raise ValueError(
-            "the plan does not match this model's graph "
-            f"(nodes without a stage: {missing[:5]}, unknown nodes: {extra[:5]}); "
-            "make a new plan for this model (omit plan=...)"
+        raise PlanModelError(
+            f"{where} does not match this model's graph "
+            f"(nodes without a stage: {missing[:5]}, unknown nodes: {extra[:5]}); it was made for another "
+            "model, another configuration or another fxpipe/torch version: "
+            "make a new plan for this model (omit plan=...)", path=path
         )

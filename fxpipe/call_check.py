@@ -22,7 +22,7 @@ from .errors import InputMismatchError
 if TYPE_CHECKING:
     from .capture import Capture
 
-__all__ = ["call_signature", "mismatch_error", "same_value"]
+__all__ = ["call_signature", "fixed_dims", "flatten_call", "in_sample_order", "mismatch_error", "same_value"]
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -118,6 +118,111 @@ def _child_label(spec: pytree.TreeSpec, j: int) -> str:
     return f"[{j}]"
 
 
+def _var_keyword(c: Capture, name: str) -> bool:
+    """Whether keyword ``name`` lands in forward's ``**kwargs`` (or forward is unknown), where
+    forward sees the keywords in call order: there, and only there, their order can matter."""
+    if c.signature is None:
+        return True
+    params = c.signature.parameters
+    P = inspect.Parameter
+    named = name in params and params[name].kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+    return not named and any(p.kind is P.VAR_KEYWORD for p in params.values())
+
+
+def in_sample_order(c: Capture, kwargs: dict) -> dict:
+    """The call's keywords in the sample's order (the graph's inputs follow it), extra ones last.
+
+    Python binds named parameters by name, so their order means nothing and a call may give
+    them in any order. Keywords that land in ``**kwargs`` reach forward in call order, which
+    its code may depend on: when their relative order differs from the sample's the call is
+    left as it is, and :func:`mismatch_error` names them.
+    """
+    sample = list(_spec_children(c.in_spec)[1].context)
+    if list(kwargs) == sample:
+        return kwargs
+    free_c = [k for k in kwargs if k in sample and _var_keyword(c, k)]
+    if free_c != [k for k in sample if k in kwargs and _var_keyword(c, k)]:
+        return kwargs
+    rank = {k: i for i, k in enumerate(sample)}
+    return {k: kwargs[k] for k in sorted(kwargs, key=lambda k: rank.get(k, len(sample)))}
+
+
+# -- tensor shapes a torch.export capture specialised ------------------------------------------
+def fixed_dims(gm: torch.fx.GraphModule, flat: Sequence[Any],
+               split_dims: Sequence[int | None] | None) -> dict[int, tuple[int | None, ...]]:
+    """Per flat tensor input: its size in each dim the graph was specialised on, ``None`` where
+    the graph takes any size (the split dim, which micro-batches change).
+
+    Read from the placeholders' ``meta['val']``, which torch.export leaves on them: a plain int
+    is a size export specialised (every dim not declared dynamic: fxpipe declares only the
+    split dim), a SymInt one it kept symbolic. An fx graph records no sizes: its ops take
+    their shapes from their inputs, so it has nothing fixed (an empty dict).
+    """
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: dict[int, tuple[int | None, ...]] = {}
+    for i, (node, v) in enumerate(zip(phs, flat)):
+        val = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim():
+            continue
+        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+        split = split % v.dim() if split is not None and v.dim() else None
+        sizes = tuple(None if d == split or not isinstance(s, int) else int(s) for d, s in enumerate(val.shape))
+        if any(s is not None for s in sizes):
+            out[i] = sizes
+    return out
+
+
+def _shape_problems(v: torch.Tensor, want: tuple[int | None, ...], name: str) -> list[tuple[str, str]]:
+    free = [str(d) for d, s in enumerate(want) if s is None]
+    may = f"only dim {' and '.join(free)} of it may vary" if free else "none of its dims may vary"
+    why = f"(torch.export captured the model with the sample's sizes: {may})"
+    if v.dim() != len(want):
+        return [(f"{name} has {v.dim()} dims but the sample's had {len(want)} {why}",
+                 f"pass {name} with {len(want)} dims, as in the sample, or build another pipeline from a sample "
+                 "shaped like this call")]
+    return [(f"dim {d} of {name} is {v.shape[d]}, but it was fixed at {s} when the pipeline was built {why}",
+             f"build one pipeline per size, from a sample whose {name} has {v.shape[d]} in dim {d} (pipelines "
+             f"of one model share its parameters), or pad or trim {name} to {s} along dim {d}")
+            for d, s in enumerate(want) if s is not None and v.shape[d] != s]
+
+
+def _leaf_names(c: Capture, args: tuple, kwargs: dict) -> list[str]:
+    """``x``, ``mask``, ``batch['ids']``, ``inputs[1]``: each flat input as a message names it."""
+    pos, var = [], None
+    if c.signature is not None:
+        P = inspect.Parameter
+        pos = [p.name for p in c.signature.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        var = next((p.name for p in c.signature.parameters.values() if p.kind is P.VAR_POSITIONAL), None)
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        top, first, rest = path[0], path[1], path[2:]
+        if getattr(top, "idx", 1) == 0:
+            i = first.idx
+            base = pos[i] if i < len(pos) else f"{var}[{i - len(pos)}]" if var else f"args[{i}]"
+        else:
+            base = str(first.key)
+        names.append(base + pytree.keystr(rest))
+    return names
+
+
+def flatten_call(c: Capture, args: tuple, kwargs: dict) -> list[Any]:
+    """:meth:`Capture.flatten_inputs`: the call's flat inputs, in the graph's order, or
+    :class:`InputMismatchError` naming every argument that does not fit the capture."""
+    kwargs = in_sample_order(c, kwargs)
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if spec == c.in_spec and all(
+            (same_value(v, c.specialized[i]) if i in c.specialized else isinstance(v, torch.Tensor))
+            for i, v in enumerate(flat)):
+        if not c.fixed:  # an fx capture: every size may vary
+            return flat
+        names = _leaf_names(c, args, kwargs)
+        problems = [p for i, want in c.fixed.items() for p in _shape_problems(flat[i], want, names[i])]
+        if not problems:
+            return flat
+        raise InputMismatchError(_mismatch_message(_model_name(c), problems))
+    raise mismatch_error(c, args, kwargs, flat, spec)
+
+
 class _CallCheck:
     """Walks a call's ``(args, kwargs)`` pytree against the sample's and lists what differs.
 
@@ -210,12 +315,13 @@ class _CallCheck:
                 continue
             self.add(f"{k}= is missing: the sample passed {k} ({self._sample_kw_desc(k)})",
                      f"pass {k}=..., as in the sample, or build the pipeline without {k} in sample_kwargs")
-        common_c = [k for k in ck if k in sk]
-        common_s = [k for k in sk if k in ck]
-        if common_c != common_s:
-            self.add(f"the keyword arguments come in the order {_names(common_c)}, the sample's in the order "
-                     f"{_names(common_s)}",
-                     "pass them in the sample's order (the graph's inputs follow it)")
+        common_c = [k for k in ck if k in sk and _var_keyword(self.c, k)]
+        common_s = [k for k in sk if k in ck and _var_keyword(self.c, k)]
+        if common_c != common_s:  # named parameters may come in any order (in_sample_order)
+            self.add(f"the keyword arguments {_names(common_c)} reach {self.forward}'s **kwargs in this order, "
+                     f"the sample's in the order {_names(common_s)}",
+                     "pass them in the sample's order (forward sees **kwargs in call order; the graph was "
+                     "captured with the sample's)")
         # the arguments both pass: walk their containers and leaves
         c_off, s_off = self._offsets(self.call_args), self._offsets(self.sample_args)
         for i in range(min(n_s, n_c)):
@@ -261,6 +367,8 @@ class _CallCheck:
                              "(non-tensor arguments are fixed when the model is captured)",
                              f"pass {_short(want)} for {path}, as in the sample, or build another pipeline whose "
                              f"sample has {_short(v)} there")
+            elif isinstance(v, torch.Tensor) and si in self.c.fixed:
+                self.problems_ += _shape_problems(v, self.c.fixed[si], path)
             elif not isinstance(v, torch.Tensor):
                 self.add(f"{path} is {_describe_value(v)} but the sample passed a tensor there",
                          f"pass a tensor for {path}, as in the sample, or build another pipeline whose sample "

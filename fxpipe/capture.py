@@ -30,7 +30,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from .augmented import AugmentedProxy
-from .call_check import call_signature, mismatch_error, same_value
+from .call_check import call_signature, fixed_dims, flatten_call
 from .capture_export import _Failure, compose_out_spec, export_graph
 from .export_leaves import leaf_paths
 from .errors import TraceError
@@ -66,6 +66,8 @@ class Capture:
     - ``leaves``: qualified names kept opaque besides standard torch.nn layers (user
       ``leaf_modules`` and automatic fallbacks; for ``'export'`` the user's leaves called).
     - ``signature``: the model's forward signature, to name arguments in call errors.
+    - ``fixed``: flat input index -> its size per dim where the graph is specialised on it
+      (``None``: any size). torch.export fixes every dim but the split dim; fx none (empty).
     """
 
     graph_module: fx.GraphModule
@@ -75,22 +77,18 @@ class Capture:
     specialized: dict[int, object] = field(default_factory=dict)
     leaves: list[str] = field(default_factory=list)
     signature: inspect.Signature | None = field(default=None, repr=False, compare=False)
+    fixed: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
 
     def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
         """Flatten a call's inputs, checking them against the captured sample.
 
-        The call must pass the same arguments positionally / by keyword as the sample, the
-        same containers, tensors where the sample had tensors and the specialised values
-        where it had other values; otherwise :class:`~fxpipe.errors.InputMismatchError`
-        names the argument and says what to do.
+        The call must pass the same arguments positionally / by keyword as the sample (named
+        keywords in any order), the same containers, tensors where the sample had tensors,
+        the specialised values where it had other values, and tensors of the sizes in
+        :attr:`fixed`; otherwise :class:`~fxpipe.errors.InputMismatchError` names the
+        argument and says what to do (:func:`fxpipe.call_check.flatten_call`).
         """
-        args, kwargs = tuple(args), dict(kwargs or {})
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec == self.in_spec and all(
-                (same_value(v, self.specialized[i]) if i in self.specialized else isinstance(v, torch.Tensor))
-                for i, v in enumerate(flat)):
-            return flat
-        raise mismatch_error(self, args, kwargs, flat, spec)
+        return flatten_call(self, tuple(args), dict(kwargs or {}))
 
     def unflatten_output(self, leaves: Sequence[Any]) -> Any:
         return pytree.tree_unflatten(list(leaves), self.out_spec)
@@ -346,7 +344,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             retarget_devices(gm, "meta")
         # caches in the output (past_key_values) come out as their tensors; the spec rebuilds them
         out_spec = compose_out_spec(out_specs[-1], ex_res.leaf_specs)
-        return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model))
+        return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model),
+                       fixed_dims(gm, flat, split_dims))
     if ex_res.bad_output:
         # The fx graph returns the same object, from an opaque node: each micro-batch would
         # make one and only the first could be returned. Refuse rather than mislead.

@@ -69,6 +69,12 @@ class PlanNotFoundError(PlanFileError, FileNotFoundError):
     """There is no file at the plan path."""
 
 
+class PlanModelError(PlanError):
+    """A readable plan that does not fit this model: another stage count than ``n_stages``, or
+    another graph (nodes without a stage, or stages for nodes the graph does not have). The
+    message names the file (when the plan came from one) and says to make a new plan."""
+
+
 class MutationError(FxpipeError, ValueError):
     """An in-place update in the model's forward that a pipeline cannot make exact.
 
@@ -91,8 +97,38 @@ class MicroBatchError(FxpipeError, ValueError):
     ``output_merge=``)."""
 
 
-class ChunksError(FxpipeError, ValueError):
+class ArgumentError(FxpipeError, ValueError):
+    """An argument of :func:`fxpipe.pipeline` (or of the other front ends) has a value fxpipe
+    cannot use, or two arguments contradict each other. The message names the argument, the
+    values it takes and what to do; ``argument`` holds its name.
+
+    A ``ValueError``, as these were before they had a type of their own, so existing
+    ``except ValueError`` code keeps working.
+    """
+
+    def __init__(self, message: str, *, argument: str = "") -> None:
+        super().__init__(message)
+        #: the argument the message is about (``'n_stages'``, ``'split_points'``, ...)
+        self.argument = argument
+
+
+class ChunksError(ArgumentError):
     """``chunks`` is not a positive integer."""
+
+
+class StagesError(ArgumentError):
+    """``n_stages`` is not a positive integer, or larger than the number of nodes the captured
+    graph can be cut into (the message gives the largest count that works)."""
+
+
+class SplitPointsError(ArgumentError):
+    """``split_points`` cannot cut the graph into ``n_stages`` stages: a name that is no module
+    of the traced graph, the wrong number of names, names out of order, a cut inside a group
+    of nodes that must share a stage, or ``split_points`` given together with ``plan``."""
+
+
+class DevicesError(FxpipeError, IndexError):
+    """Fewer ``devices`` than stages. An ``IndexError``, as before it had a type of its own."""
 
 
 class PlacementError(FxpipeError, TypeError):

@@ -17,6 +17,7 @@ import networkx as nx
 import numpy as np
 
 from fxpipe.chain_cut import Chain, split_chain
+from fxpipe.errors import SplitPointsError, StagesError
 
 __all__ = [
     "COMPUTE_OPS",
@@ -159,36 +160,35 @@ def _units(graph: nx.DiGraph, compute: Sequence[str]) -> dict[str, int]:
 
 def _check_n_stages(n_stages: int, m: int) -> None:
     if not isinstance(n_stages, (int, np.integer)) or n_stages < 1 or n_stages > m:
-        raise ValueError(
+        raise StagesError(
             f"n_stages={n_stages} but the graph has only {m} partitionable nodes "
-            f"(call_module/call_function/call_method); use 1 <= n_stages <= {m}"
+            f"(call_module/call_function/call_method); use 1 <= n_stages <= {m}", argument="n_stages"
         )
 
 
 def _starts_from_split_before(prob: _Problem, split_before: Sequence[str], n_stages: int) -> list[int]:
     names = list(split_before)
     if len(names) != n_stages - 1:
-        raise ValueError(
-            f"split_before has {len(names)} names but n_stages={n_stages} needs exactly {n_stages - 1}"
-        )
+        raise SplitPointsError(
+            f"split_before has {len(names)} names but n_stages={n_stages} needs exactly {n_stages - 1}",
+            argument="split_before")
     starts = [0]
     for name in names:
         if name not in prob.pos:
-            raise ValueError(f"split_before: {name!r} is not a partitionable (compute) node of the graph")
+            raise SplitPointsError(f"split_before: {name!r} is not a partitionable (compute) node of the graph",
+                                   argument="split_before")
         p = prob.pos[name]
         if prob.compute[p] != name:
-            raise ValueError(
+            raise SplitPointsError(
                 f"split_before: {name!r} is inside a group of nodes that must share one stage (from "
                 f"{prob.compute[p]!r}: an in-place update of a buffer, an op filling a copy, or a value "
                 "computed in torch.inference_mode() and its uses); "
-                "split before or after the group"
-            )
+                "split before or after the group", argument="split_before")
         if p <= starts[-1]:
             what = "the first compute node" if p == 0 else f"at or before {prob.compute[starts[-1]]!r}"
-            raise ValueError(
+            raise SplitPointsError(
                 f"split_before: {name!r} is {what}; names must be strictly increasing in the order "
-                "and must not start at the first compute node (every stage needs a node)"
-            )
+                "and must not start at the first compute node (every stage needs a node)", argument="split_before")
         starts.append(p)
     return starts
 

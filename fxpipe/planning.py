@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .capture import Capture
+from .errors import SplitPointsError
 from .graph import build_opgraph
 from .meta import refuse_timing
 from .partition import COMPUTE_OPS, partition
@@ -99,9 +100,9 @@ def split_nodes(captured: Capture, graph: nx.DiGraph, split_points: Sequence[str
                 break
         if match is None:
             known = sorted({str(graph.nodes[n].get("module") or "") for n in order} - {""})
-            raise ValueError(
-                f"split point {name!r} names no module of the traced graph; "
-                f"qualified names available include: {', '.join(known[:12])}"
+            raise SplitPointsError(
+                f"split point {name!r} (in split_points) names no module of the traced graph; pass qualified module names "
+                f"(model.named_modules()) such as: {', '.join(known[:12])}", argument="split_points"
             )
         found.append(match)
     return found
@@ -118,10 +119,15 @@ def make_plan(
     spb = seconds_per_byte(devices) if balance_by == "time" else 0.0
     split_before = split_nodes(captured, graph, split_points) if split_points else None
     if split_before is not None and len(split_before) != n_stages - 1:
-        raise ValueError(
-            f"split_points has {len(split_before)} names but n_stages={n_stages} needs {n_stages - 1}"
-        )
-    assignment = partition(graph, n_stages, cost_attr=cost_attr, seconds_per_byte=spb, split_before=split_before)
+        raise SplitPointsError(
+            f"split_points has {len(split_before)} names but n_stages={n_stages} needs {n_stages - 1}; pass "
+            f"{n_stages - 1} module names (a stage starts at each), or n_stages={len(split_before) + 1}",
+            argument="split_points")
+    try:
+        assignment = partition(graph, n_stages, cost_attr=cost_attr, seconds_per_byte=spb, split_before=split_before)
+    except SplitPointsError as e:  # partition speaks of nodes; the user gave module names
+        where = ", ".join(f"{m!r} at node {n!r}" for m, n in zip(split_points or (), split_before or ()))
+        raise SplitPointsError(f"split_points ({where}) cannot cut the graph: {e}", argument="split_points") from e
     meta: Dict[str, Any] = {
         "model": type(captured.graph_module).__name__,
         "capture": captured.method,

@@ -322,3 +322,28 @@ def test_nested_inputs_get_one_named_placeholder_per_leaf() -> None:
     assert names == ["pair_0", "pair_1", "extra_w", "extra_n", "flag"]
     assert c.specialized == {3: 3, 4: True}
     check_matches_eager(model, args, {"flag": True}, c)
+
+
+def test_fx_capture_fixes_no_size():
+    """torch.fx records no sizes (ops take their shapes from their inputs): a pipeline of an fx
+    capture runs at other sequence lengths, where a torch.export capture's does not."""
+    import fxpipe
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+            self.mix = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 50)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            h = h + self.mix(h).cumsum(dim=1) / h.shape[1]
+            return self.out(h)
+
+    model = Tokens()
+    pipe = fxpipe.pipeline(model, torch.randint(0, 50, (4, 10)), 2, chunks=2, balance_by="params")
+    assert pipe.capture.method == "fx" and pipe.capture.fixed == {}
+    for shape in [(4, 12), (6, 3)]:
+        ids = torch.randint(0, 50, shape)
+        torch.testing.assert_close(pipe(ids), model(ids))

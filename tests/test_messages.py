@@ -20,8 +20,9 @@ from torch import nn
 import fxpipe
 from fxpipe.capture import capture
 from fxpipe.cli import main
-from fxpipe.errors import (FxpipeError, InputMismatchError, PlanError, PlanFileError, PlanNotFoundError,
-                           PlanPathError)
+from fxpipe.errors import (ArgumentError, ChunksError, DevicesError, FxpipeError, InputMismatchError, PlanError,
+                           PlanFileError, PlanModelError, PlanNotFoundError, PlanPathError, SplitPointsError,
+                           StagesError)
 from fxpipe.plan import Plan
 
 
@@ -71,6 +72,40 @@ def test_matching_calls_run(pipes):
     torch.testing.assert_close(pipes["bare"](X), model(X))
 
 
+def test_keywords_in_any_order(pipes):
+    """Named parameters bind by name: a call may give them in another order than the sample."""
+    model = pipes["model"]
+    torch.testing.assert_close(pipes["kw"](mask=M, x=X), model(x=X, mask=M))
+    swapped = {"scale": 0.5, "extras": {"bias": Y}, "pair": (X, Y)}
+    torch.testing.assert_close(pipes["pos"](X, Y, **swapped), model(X, Y, **KW))
+    # missing and extra names are still named, whatever the order
+    with pytest.raises(InputMismatchError, match="mask= is missing"):
+        pipes["kw"](x=X)
+    with pytest.raises(InputMismatchError) as info:
+        pipes["pos"](X, Y, scale=0.5, mask=M, pair=(X, Y), extras={"bias": Y})
+    assert "mask= is passed" in str(info.value) and "order" not in str(info.value)
+
+
+def test_var_keyword_order_is_kept():
+    """Keywords that land in **kwargs reach forward in call order (which its code may read):
+    another order than the sample's is refused, naming them, not silently reordered."""
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x, **parts):
+            return self.l(x) + torch.cat(list(parts.values()), dim=1)[:, :4]
+
+    model = Stack()
+    pipe = fxpipe.pipeline(model, X, 2, sample_kwargs={"a": X, "b": Y}, balance_by="params", chunks=2)
+    torch.testing.assert_close(pipe(X, a=X, b=Y), model(X, a=X, b=Y))
+    with pytest.raises(InputMismatchError) as info:
+        pipe(X, b=Y, a=X)
+    msg = str(info.value)
+    assert "a, b" in msg and "b, a" in msg and "**kwargs" in msg and "sample's order" in msg, msg
+
+
 CASES = [
     # (pipeline, args, kwargs, words the message must contain)
     ("pos", (X,), KW, ["positional argument y is missing", "pass y"]),
@@ -93,7 +128,6 @@ CASES = [
                                     "sample_kwargs={'mask': None, ...}"]),
     ("kw", (), {"x": X, "mask": None}, ["mask is None", "sample passed a tensor", "pass a tensor for mask"]),
     ("kw", (), {"x": X}, ["mask= is missing", "sample passed mask (a tensor)", "pass mask=..."]),
-    ("kw", (), {"mask": M, "x": X}, ["order mask, x", "order x, mask", "sample's order"]),
 ]
 
 
@@ -242,6 +276,62 @@ def test_from_json_text_errors():
         Plan.from_json('{"format": ')
     with pytest.raises(PlanPathError, match="Plan.load"):
         Plan.from_json({"format": "fxpipe.plan/1"})
+
+
+def test_plan_that_does_not_fit_the_model(tmp_path, plan_model):
+    model, plan = plan_model
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    with pytest.raises(PlanModelError) as info:
+        fxpipe.pipeline(model, torch.randn(4, 4), 3, plan=path)
+    e = info.value
+    assert isinstance(e, PlanError) and isinstance(e, ValueError) and e.path == path
+    assert repr(path) in str(e) and "has 2 stages but n_stages=3" in str(e) and "pass n_stages=2" in str(e)
+    other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with pytest.raises(PlanModelError, match="does not match this model's graph.*make a new plan") as info:
+        fxpipe.pipeline(other, torch.randn(4, 4), 2, plan=plan)
+    assert info.value.path is None and "the plan does not match" in str(info.value)
+
+
+# -- bad arguments: typed, still the builtin raised before, naming the argument ---------------
+SEQ = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+ARG_CASES = [
+    # (keyword arguments, error, builtin, argument, words)
+    ({"n_stages": 0}, StagesError, ValueError, "n_stages", ["n_stages must be a positive integer", "n_stages=0"]),
+    ({"n_stages": 2.5}, StagesError, ValueError, "n_stages", ["n_stages=2.5"]),
+    ({"n_stages": 99, "devices": ["cpu"] * 99}, StagesError, ValueError, "n_stages",
+     ["n_stages=99", "5 partitionable nodes", "use 1 <= n_stages <= 5"]),
+    ({"checkpoint": "sometimes"}, ArgumentError, ValueError, "checkpoint",
+     ["checkpoint must be one of 'always', 'except_last', 'never'", "checkpoint='sometimes'"]),
+    ({"balance_by": "flops"}, ArgumentError, ValueError, "balance_by",
+     ["balance_by must be one of", "balance_by='flops'"]),
+    ({"chunks": 0}, ChunksError, ValueError, "", ["chunks=0"]),
+    ({"devices": ["cpu"]}, DevicesError, IndexError, "",
+     ["too few devices", "devices: 1 given, n_stages: 2", "one device per stage", "n_stages=1 or fewer"]),
+    ({"split_points": ["nope"]}, SplitPointsError, ValueError, "split_points",
+     ["split point 'nope' (in split_points) names no module", "such as: 0, 1"]),
+    ({"split_points": "2"}, SplitPointsError, ValueError, "split_points", ["list of qualified module names"]),
+    ({"split_points": ["2", "4"]}, SplitPointsError, ValueError, "split_points",
+     ["split_points has 2 names but n_stages=2 needs 1", "n_stages=3"]),
+    ({"n_stages": 3, "devices": ["cpu"] * 3, "split_points": ["4", "2"]}, SplitPointsError, ValueError,
+     "split_points", ["split_points ('4' at node", "strictly increasing"]),
+    ({"split_points": ["2"], "plan": "plan.json"}, SplitPointsError, ValueError, "split_points",
+     ["plan= and split_points= were both given", "pass one of them"]),
+]
+
+
+@pytest.mark.parametrize("kw, err, builtin, argument, words", ARG_CASES,
+                         ids=[" ".join(f"{k}={v!r}"[:24] for k, v in c[0].items()) for c in ARG_CASES])
+def test_bad_arguments_are_typed(kw, err, builtin, argument, words):
+    build = {"n_stages": 2, "balance_by": "params", **kw}
+    with pytest.raises(err) as info:
+        fxpipe.pipeline(SEQ, torch.randn(4, 4), **build)
+    e = info.value
+    assert isinstance(e, FxpipeError) and isinstance(e, builtin), type(e).__mro__
+    if argument:
+        assert e.argument == argument
+    for word in words:
+        assert word in str(e), str(e)
 
 
 def test_plan_and_errors_import_no_torch():

@@ -394,3 +394,36 @@ def test_moving_a_placed_pipeline_is_refused():
             move()
     assert pipe.to(torch.float64) is pipe
     assert pipe(*(a.double() for a in args)).dtype == torch.float64
+
+
+def test_build_inside_inference_mode():
+    """The build runs outside inference mode (it profiles backward and tracks in-place updates
+    by version counters): a pipeline built inside torch.inference_mode(), from a sample made
+    there, is the one built outside it, and trains; the caller's sample is left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    with torch.inference_mode():
+        x = torch.randn(6, 8)
+        pipe = fxpipe.pipeline(model, x, 3, chunks=2, devices=["cpu"] * 3)  # balance_by='time': profiles backward
+        assert not any(t.is_inference() for t in (*model.parameters(), *model.buffers()))
+        torch.testing.assert_close(model.state_dict(), ref.state_dict())  # the build changed nothing
+        out = pipe(x)  # calling inside inference mode works too
+        assert out.is_inference() and x.is_inference()
+    x = x.clone()
+    pipe(x).sum().backward()
+    ref(x[:3]).sum().backward()
+    ref(x[3:]).sum().backward()  # BatchNorm normalises each micro-batch on its own
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_model_made_inside_inference_mode_is_refused():
+    from fxpipe.errors import ArgumentError
+
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with pytest.raises(ArgumentError, match=r"0.weight, 0.bias, 2.weight ... are inference tensors.*outside "
+                                            r"torch.inference_mode\(\)") as info:
+        fxpipe.pipeline(model, torch.randn(2, 4), 2, devices=["cpu"] * 2)
+    assert isinstance(info.value, ValueError) and info.value.argument == "model"

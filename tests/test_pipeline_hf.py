@@ -153,3 +153,35 @@ def test_bert_masked_lm_tied_decoder_matches_eager():
     assert_grads_equal(model, ref)
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
     assert list(pipe.state_dict()) == list(ref.state_dict())
+
+
+def test_export_capture_refuses_another_sequence_length_before_running():
+    """torch.export fixes every dim but the split one: a call with another sequence length is
+    refused up front, naming the argument and the dim, instead of failing inside a stage; the
+    batch may vary, and keywords may come in any order (they bind by name)."""
+    from fxpipe.errors import InputMismatchError
+
+    model = gpt2()
+    ref = copy.deepcopy(model)
+    ids, mask = inputs()
+    pipe = fxpipe.pipeline(model, (), 2, sample_kwargs={"input_ids": ids, "attention_mask": mask, "labels": ids},
+                           chunks=2, balance_by="params", output_merge={"loss": "mean"})
+    assert pipe.capture.method == "export"
+    assert pipe.capture.fixed == {0: (None, SEQ), 1: (None, SEQ), 2: (None, SEQ)}
+    longer = torch.randint(0, VOCAB, (BATCH, SEQ + 2))
+    with pytest.raises(InputMismatchError) as info:
+        pipe(input_ids=longer, attention_mask=torch.ones_like(longer), labels=longer)
+    msg = str(info.value)
+    assert msg.startswith("GPT2LMHeadModel: this call does not match the sample")
+    for word in (f"dim 1 of input_ids is {SEQ + 2}, but it was fixed at {SEQ}", "dim 1 of attention_mask",
+                 "dim 1 of labels", "only dim 0 of it may vary", "build one pipeline per size",
+                 f"pad or trim input_ids to {SEQ} along dim 1"):
+        assert word in msg, msg
+    with pytest.raises(InputMismatchError, match="input_ids has 3 dims but the sample's had 2"):
+        pipe(input_ids=ids[None], attention_mask=mask, labels=ids)
+    # another batch size, keywords in another order: runs, and equals eager
+    ids6, mask6 = torch.randint(0, VOCAB, (2 * BATCH, SEQ)), torch.ones(2 * BATCH, SEQ, dtype=torch.long)
+    out = pipe(labels=ids6, attention_mask=mask6, input_ids=ids6)
+    want = ref(input_ids=ids6, attention_mask=mask6, labels=ids6)
+    torch.testing.assert_close(out.logits, want.logits)
+    torch.testing.assert_close(out.loss, want.loss)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleLoopedBFS)
 
-from fxpipe.api import check_plan, checked_capture
+from fxpipe.api import check_plan, check_split_points, checked_capture
 from fxpipe.emit import Stages, emit_stages
 from fxpipe.errors import BatchShapeError, DistributedError
 from fxpipe.frontend import check_chunks
@@ -131,6 +131,7 @@ def pipeline(
         and every error :func:`fxpipe.pipeline` raises for the model.
     """
     _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout)
+    check_split_points(split_points, plan)
     wait = timedelta(seconds=float(timeout))
     world = dist.get_world_size()
     group = dist.new_group(list(range(world)), timeout=wait)
@@ -148,7 +149,7 @@ def pipeline(
             if plan is None:
                 return make_plan(captured, args, kwargs, n_stages, balance_by=balance_by, split_points=split_points)
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
-            check_plan(chosen, captured, n_stages)
+            check_plan(chosen, captured, n_stages, None if isinstance(plan, Plan) else str(plan))
             return chosen
 
         agreed = broadcast_plan(make, group)
