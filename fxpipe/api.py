@@ -27,7 +27,8 @@ from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .mutation import check_kept_together, mutable_state
 from .plan import Plan
-from .prepare import Prepared, check_capture, preserved, prepare
+from .mode_checks import check_modes
+from .prepare import Prepared, preserved, prepare
 from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.checkpoint import guard_backward
 from .runtime.microbatch import Batch
@@ -202,6 +203,7 @@ class Pipeline(PlacedModule):
                 f"mode: fxpipe.pipeline(model.{'train' if self.training else 'eval'}(), ...) -- it shares "
                 "the same parameters."
             )
+        self.batching.refuse_mode(self.training)  # the build's training-mode check failed: eval only
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
         micro, sizes = self.batching.split(flat, self.chunks)
         first = self.devices[0]
@@ -322,24 +324,13 @@ def checked_capture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict,
                     leaf_modules: Sequence[Union[type, str]], chunk_dims: ChunkDims,
                     output_merge: Optional[OutputMerge]) -> Tuple[Prepared, Batching]:
     """The model captured exactly, and its split/merge verified on the sample (whole run vs
-    split into micro-batches and merged; graph vs eager). Shared by :func:`pipeline` and
+    split into micro-batches and merged; graph vs eager), in eval and in training mode
+    (:mod:`fxpipe.mode_checks`). Shared by :func:`pipeline` and
     :func:`fxpipe.distributed.pipeline` so both build on the same checked graph. Call it
     inside ``preserved(model)``: it runs the model."""
     _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
     prepared = prepare(model, args, kwargs, leaf_modules, split_dims)
-    captured = prepared.capture
-    flat = captured.flatten_inputs(args, kwargs)
-    gm = captured.graph_module
-    with preserved(model):
-        whole = list(Batching.sample_run(lambda: gm(*flat), model))
-    batching = Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
-    with preserved(model):
-        deterministic = batching.check(gm, model, flat, whole)
-    if not is_meta_model(model):  # on meta, eager code may branch on values (.item()), and none are there
-        with preserved(model):
-            eager = Batching.sample_run(lambda: model(*args, **kwargs), model)
-        check_capture(eager, whole, batching.out_names, deterministic)
-    return prepared, batching
+    return prepared, check_modes(model, prepared, args, kwargs, chunk_dims, output_merge)
 
 
 def _default_batching(model: nn.Module, captured: Capture) -> Batching:

@@ -34,7 +34,8 @@ from .loss_check import gradient_mismatch
 from .runtime.microbatch import split_sizes as _split_sizes
 from .tree import leaf_names
 
-__all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims", "same_value"]
+__all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims", "same_value", "evaluating",
+           "concatenated_dim"]
 
 Merge = Union[int, str, Callable[[List[Any]], Any]]
 ChunkDims = Union[int, Mapping[str, Optional[int]]]
@@ -114,6 +115,9 @@ class Batching:
     in_dims: List[Optional[int]]
     out_names: List[str]
     merges: List[Optional[Merge]]          # None: the default (concatenate along dim 0)
+    #: why training mode is refused at call time ('' if it is not): a pipeline built in eval
+    #: mode whose training-mode check failed (:mod:`fxpipe.mode_checks`) runs in eval only
+    train_refusal: str = ""
 
     @classmethod
     def build(cls, model: nn.Module, args: tuple, kwargs: dict, out_structure: Any,
@@ -202,26 +206,38 @@ class Batching:
         return torch.cat(parts, dim=int(merge))  # type: ignore[arg-type]
 
     # -- the build-time check --------------------------------------------------------------
-    def check(self, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any]) -> bool:
-        """Runs ``gm`` split on the sample and compares with ``whole`` (:func:`sample_run`);
-        refuses when the results differ.
+    def refuse_mode(self, training: bool) -> None:
+        """At call time: training mode refused when the build's training-mode check failed."""
+        if training and self.train_refusal:
+            raise MicroBatchError(self.train_refusal)
+
+    def check(self, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any], *,
+              mode: Optional[Callable[[nn.Module], Any]] = None, values: bool = True,
+              blame: Optional[Callable[[List[List[Any]]], str]] = None, why: str = "", mode_text: str = "") -> bool:
+        """Runs ``gm`` split on the sample and compares with ``whole`` (:func:`sample_run`, in
+        the same ``mode``); refuses when the results differ.
 
         Two micro-batches (uneven when the batch is odd) are enough to see a wrong split
-        dim or an output that is not per sample. Runs in eval mode (BatchNorm normalises
-        micro-batches on their own statistics in training, by design) and under no_grad;
-        the caller restores the model's state. A graph that gives another result with
-        another seed (random ops the eval mode does not switch off) is checked for
-        structure only. Returns whether the graph is deterministic on the sample.
+        dim or an output that is not per sample. Runs under ``mode(model)`` (default: eval
+        mode; :mod:`fxpipe.mode_checks` runs the training mode too) and under no_grad; the
+        caller restores the model's state. A graph that gives another result with another
+        seed (random ops the mode does not switch off) is checked for structure only, as is
+        everything with ``values=False``. ``blame(micro)`` says which module differs first
+        ('' when unknown); ``why`` replaces the generic advice of a refusal, ``mode_text``
+        (' in training mode') says which mode differed. Returns whether
+        the graph is deterministic on the sample.
         """
-        with _evaluating(model), torch.no_grad():
+        mode = mode or evaluating
+        with mode(model), torch.no_grad():
             torch.manual_seed(1)
             again = list(gm(*flat))
         deterministic = all(_same(a, b, exact=True) for a, b in zip(whole, again))
+        compare = deterministic and values
         total = self.batch_size(flat)
         if total < 2:
             return deterministic
         k = 2
-        with _evaluating(model), torch.no_grad():
+        with mode(model), torch.no_grad():
             micro, sizes = self.split(flat, k)
             try:
                 outs = [list(gm(*m)) for m in micro]
@@ -231,14 +247,15 @@ class Batching:
                     f"The inputs are split along {self._dims_text()}; if the batch is in another dim of an "
                     "input, say so with chunk_dims={'<argument>': dim} (None for an argument that must not "
                     "be split).") from e
-            for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
-                b = self._merge_leaf(i, list(column), sizes)
-                if not same_value(a, b, values=deterministic):
-                    self._refuse(i, a, b, k)
+        for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
+            b = self._merge_leaf(i, list(column), sizes)
+            if not same_value(a, b, values=compare):
+                found = blame(micro) if blame is not None and compare else ""
+                self._refuse(i, a, b, list(column), k, found, why, mode_text)
         reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
                    and a.is_floating_point() and self.merges[i] is not None]
-        if deterministic and reduced:  # a merged loss: its gradient must be the batch's too
-            with _evaluating(model):
+        if compare and reduced:  # a merged loss: its gradient must be the batch's too
+            with mode(model):
                 torch.manual_seed(1)
                 bad = gradient_mismatch(gm, flat, micro, reduced,
                                         lambda i, parts: self._merge_leaf(i, parts, sizes))
@@ -252,9 +269,10 @@ class Batching:
         return deterministic
 
     @staticmethod
-    def sample_run(run: Callable[[], Any], model: nn.Module) -> Any:
-        """``run()`` on the whole sample in eval mode, under no_grad, seeded (see check)."""
-        with _evaluating(model), torch.no_grad():
+    def sample_run(run: Callable[[], Any], model: nn.Module,
+                   mode: Optional[Callable[[nn.Module], Any]] = None) -> Any:
+        """``run()`` on the whole sample under ``mode(model)`` (default eval), no_grad, seeded (see check)."""
+        with (mode or evaluating)(model), torch.no_grad():
             torch.manual_seed(0)
             return run()
 
@@ -264,7 +282,8 @@ class Batching:
             seen.setdefault(n, d)
         return ", ".join(f"dim {d} of {n}" if d is not None else f"{n} (not split)" for n, d in seen.items())
 
-    def _refuse(self, i: int, whole: Any, merged: Any, k: int) -> None:
+    def _refuse(self, i: int, whole: Any, merged: Any, parts: List[Any], k: int, found: str, why: str,
+                mode_text: str) -> None:
         name = self.out_names[i]
         if isinstance(whole, Tensor) and isinstance(merged, Tensor):
             if whole.shape != merged.shape:
@@ -274,16 +293,39 @@ class Batching:
                 what = f"differs by up to {diff:.3g} (largest |value| {whole.double().abs().max().item():.3g})"
         else:
             what = f"is {_short(whole)} for the whole batch but {_short(merged)} merged"
+        head = (f"{_output_label(name)} {what} when the sample is split into {k} micro-batches along "
+                f"{self._dims_text()} and the outputs are merged{mode_text}")
+        found = f" {found}" if found else ""
+        if why:
+            raise MicroBatchError(f"{head}{why}{found}")
+        dim = concatenated_dim(whole, parts)
+        current = self.merges[i] if self.merges[i] is not None else 0
+        if dim is not None and dim != current:  # the shapes say where the batch is: verified, not guessed
+            option = f"output_merge={{{name!r}: {dim}}}" if name else f"output_merge={dim}"
+            raise MicroBatchError(
+                f"{head}.{found} Each micro-batch's output has its batch in dim {dim}: concatenated along "
+                f"dim {dim} they give the model's output exactly. What to do: pass {option} (a "
+                "sequence-first model split with chunk_dims=1 usually needs output_merge=1).")
         raise MicroBatchError(
-            f"{_output_label(name)} {what} when the sample is split into {k} micro-batches along "
-            f"{self._dims_text()} and the outputs are merged. A pipeline would silently differ from the "
-            "model. What to do: if the batch is not in those dims, give it with chunk_dims={'<argument>': "
+            f"{head}. A pipeline would silently differ from the "
+            f"model.{found} What to do: if the batch is not in those dims, give it with chunk_dims={{'<argument>': "
             f"dim}}; if this output is not per sample, declare its merge with {_merge_hint(name)}."
             + (f" {_LOSS_NOTE}" if isinstance(whole, Tensor) and whole.dim() == 0 else ""))
 
 
+def concatenated_dim(whole: Any, parts: Sequence[Any]) -> Optional[int]:
+    """The dim along which ``parts`` concatenate to ``whole`` (value included), or None."""
+    if not isinstance(whole, Tensor) or not all(isinstance(p, Tensor) for p in parts) or len(parts) < 2:
+        return None
+    for d in range(whole.dim()):
+        if all(p.dim() == whole.dim() and p.shape[:d] == whole.shape[:d] and p.shape[d + 1:] == whole.shape[d + 1:]
+               for p in parts) and sum(p.shape[d] for p in parts) == whole.shape[d]:
+            return d if same_value(whole, torch.cat(list(parts), dim=d)) else None
+    return None
+
+
 @contextmanager
-def _evaluating(model: nn.Module) -> Iterator[None]:
+def evaluating(model: nn.Module) -> Iterator[None]:
     """Eval mode for the block; every submodule's own flag is put back after."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()

@@ -59,7 +59,8 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
         with torch.no_grad():
             for m, name, b, version, copy in buffers:
                 m._buffers[name] = b
-                if b._version != version:
+                # BatchNorm's kernel updates running_mean/var without bumping _version: values too
+                if b._version != version or (not b.is_meta and not torch.equal(b, copy)):
                     b.copy_(copy)
             for p, version, copy in frozen:
                 if p._version != version:

@@ -177,3 +177,156 @@ def test_seq_first_transformer_encoder_captured_by_export():
         pipe = assert_exact(enc, (x,), 2, chunks=2, checkpoint=mode, chunk_dims=1, output_merge=1,
                             balance_by="params")
     assert pipe.capture.method == "export"
+
+
+# -- the training-mode check (fxpipe.mode_checks) ----------------------------------------------
+
+class CenterInTraining(nn.Module):
+    """Mixes the samples of the batch in training only (a batch statistic)."""
+
+    def forward(self, h):
+        if self.training:
+            return h - h.mean(0, keepdim=True)
+        return h
+
+
+class CountingNorm(nn.Module):
+    """A custom norm: batch statistics in training, a running mean kept in a buffer. Updating
+    the buffer in forward makes fxpipe keep it opaque by itself (no leaf_modules)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("running", torch.zeros(d))
+
+    def forward(self, h):
+        if self.training:
+            mean = h.mean(0)
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(0.1 * mean)
+            return h - mean
+        return h - self.running
+
+
+class Mixer(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.a, self.n, self.b = nn.Linear(8, 16), norm, nn.Linear(16, 4)
+        self.drop, self.bn = nn.Dropout(0.5), nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.b(self.drop(self.bn(self.n(self.a(x)))))
+
+
+@pytest.mark.parametrize("norm, leaves", [(CenterInTraining, ["n"]), (lambda: CountingNorm(16), ())])
+def test_training_only_batch_mixing_is_refused_naming_the_module(norm, leaves):
+    model = Mixer(norm())
+    state = copy.deepcopy(model.state_dict())
+    with pytest.warns(UserWarning) if not leaves else _no_warning():
+        with pytest.raises(MicroBatchError, match=(
+                r"(?s)the output differs .* merged in training mode, though they agree in eval mode.*"
+                r"nn.Dropout and BatchNorm modules in eval mode.*"
+                r"first module whose output differs while its inputs agree is 'n' \(.*\).*What to do:.*outside "
+                r"the pipeline.*model.eval\(\)")):
+            fxpipe.pipeline(model, torch.randn(6, 8), 2, chunks=2, devices=["cpu"] * 2, leaf_modules=leaves)
+    assert model.training and all(m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_built_in_eval_mode_is_exact_in_eval_and_refuses_training(mode):
+    torch.manual_seed(0)
+    model = Mixer(CenterInTraining()).eval()
+    x = torch.randn(6, 8)
+    pipe = assert_exact(model, (x,), 2, chunks=2, checkpoint=mode, leaf_modules=["n"], balance_by="params")
+    assert "'n'" in pipe.batching.train_refusal
+    pipe.train()
+    with pytest.raises(MicroBatchError, match=r"(?s)built in eval mode, where it is exact, and cannot run in "
+                                              r"training mode.*'n' \(CenterInTraining\)"):
+        pipe(x)
+    pipe.eval()
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_training_branch_mixing_in_traced_code_is_refused():
+    class Traced(nn.Module):  # the mixing is traced: the graph has training mode baked in
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            if self.training:
+                h = h - h.mean(0)
+            return self.b(h)
+
+    with pytest.raises(MicroBatchError, match=r"(?s)merged in training mode\..*already differ where they "
+                                              r"enter module 'b' \(Linear\)"):
+        fxpipe.pipeline(Traced(), torch.randn(6, 8), 2, chunks=2, devices=["cpu"] * 2)
+    fxpipe.pipeline(Traced().eval(), torch.randn(6, 8), 2, chunks=2, devices=["cpu"] * 2)  # eval: per sample
+
+
+class PerSampleNoise(nn.Module):
+    """Random in training (functional dropout, noise), but per sample: must not be refused."""
+
+    def forward(self, h):
+        if self.training:
+            h = nn.functional.dropout(h, 0.3, True) + 0.1 * torch.randn_like(h)
+        return h
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_dropout_batchnorm_and_randomness_are_not_refused_in_training(train):
+    torch.manual_seed(0)
+    model, x = Mixer(PerSampleNoise()).train(train), torch.randn(6, 8)
+    rng = torch.get_rng_state()
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, leaf_modules=["n"])
+    assert pipe.batching.train_refusal == ""
+    assert torch.equal(torch.get_rng_state(), rng)
+    pipe.train()
+    assert pipe(torch.randn(6, 8)).shape == (6, 4)
+
+
+def test_export_graph_with_batchnorm_in_training_is_not_refused():
+    """torch.export bakes BatchNorm's training into the graph: checked for structure there."""
+    class LoopBN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+        def forward(self, x):  # (B, T, D); range(x.shape[1]) is not fx-traceable, torch.export takes it
+            h = self.a(x)
+            for t in range(1, int(x.shape[1])):
+                h = h + h[:, t - 1:t]
+            return self.bn(h.transpose(1, 2))
+
+    pipe = fxpipe.pipeline(LoopBN(), torch.randn(4, 5, 8), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
+    assert pipe.capture.method == "export"
+    assert pipe(torch.randn(4, 5, 8)).shape == (4, 8, 5)
+
+
+def test_merge_dim_suggested_from_the_shapes():
+    class Cumulative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+
+        def forward(self, x):  # (T, B, D): a running sum over time
+            h = torch.cumsum(self.a(x), 0)
+            return {"h": h, "last": h[-1]}
+
+    x = torch.randn(5, 6, 8)
+    with pytest.raises(MicroBatchError, match=r"output 'h' has shape \(5, 6, 4\) for the whole batch but \(10, 3, 4\) "
+                                              r"merged.*batch in dim 1.*output_merge=\{'h': 1\}"):
+        fxpipe.pipeline(Cumulative(), x, 1, chunks=2, chunk_dims=1, devices=["cpu"])
+    for mode in MODES:
+        assert_exact(Cumulative(), (x,), 2, chunks=2, checkpoint=mode, chunk_dims=1, output_merge={"h": 1},
+                     balance_by="params")

@@ -347,3 +347,34 @@ def test_fx_capture_fixes_no_size():
     for shape in [(4, 12), (6, 3)]:
         ids = torch.randint(0, 50, shape)
         torch.testing.assert_close(pipe(ids), model(ids))
+
+
+class TrainingBranch(nn.Module):
+    """A traced forward reading self.training: fx bakes the branch taken into the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.training:
+            h = h * 0.5
+        return self.c(self.b(h))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("train", [True, False])
+def test_training_branch_builds_in_either_mode_and_refuses_the_other(train, checkpoint):
+    """Checked (micro-batches; graph against eager) in the mode it was captured in, not in eval."""
+    from exact import assert_exact
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    model = TrainingBranch().train(train)
+    pipe = assert_exact(model, (x,), 3, chunks=2, checkpoint=checkpoint, balance_by="params")
+    assert "self.training" in pipe.mode_sensitive
+    pipe.train(not train)
+    captured, other = ("training", "eval") if train else ("eval", "training")
+    with pytest.raises(RuntimeError, match=f"captured in {captured} mode .* cannot run in {other} mode"):
+        pipe(x)

@@ -140,7 +140,8 @@ def pipeline(
     kwargs = dict(sample_kwargs or {})
 
     with preserved(model):
-        prepared, _ = checked_capture(model, args, kwargs, leaf_modules, 0, None)
+        prepared, batching = checked_capture(model, args, kwargs, leaf_modules, 0, None)
+        batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
         captured = prepared.capture
         flat = captured.flatten_inputs(args, kwargs)
         micro = _micro_batch(flat, chunks)
