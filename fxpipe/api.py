@@ -194,6 +194,9 @@ class Pipeline(PlacedModule):
         refuse_whole_pipeline_compile()  # torch.compile(pipe): a typed error naming stage.compile()
         if self.meta:
             raise refuse_running(self.n_stages)
+        # The model's mode is the truth: model.eval() alone (not pipe.eval()) switches the
+        # stages' modules, so the pipeline follows it rather than its own flag.
+        self.training = self.module.training
         if self.mode_sensitive and self.training != self.captured_training:
             captured = "training" if self.captured_training else "eval"
             now = "training" if self.training else "eval"

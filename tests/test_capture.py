@@ -378,3 +378,18 @@ def test_training_branch_builds_in_either_mode_and_refuses_the_other(train, chec
     captured, other = ("training", "eval") if train else ("eval", "training")
     with pytest.raises(RuntimeError, match=f"captured in {captured} mode .* cannot run in {other} mode"):
         pipe(x)
+
+
+def test_model_eval_alone_switches_the_pipeline_too():
+    """``model.eval()`` (not ``pipe.eval()``) puts the stages' modules in eval mode; the
+    pipeline follows the model's mode, so a graph baked in training mode is refused."""
+    import fxpipe
+
+    model = TrainingBranch().train()
+    x = torch.randn(6, 8)
+    pipe = fxpipe.pipeline(model, x, 2, devices=["cpu"] * 2, balance_by="params")
+    model.eval()
+    with pytest.raises(RuntimeError, match="captured in training mode"):
+        pipe(x)
+    model.train()
+    torch.testing.assert_close(pipe(x), model(x))
