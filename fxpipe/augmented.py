@@ -48,7 +48,15 @@ globals().update(AUGMENTED)  # generated code and pickled graphs name them by mo
 
 
 class AugmentedProxy(fx.Proxy):
-    """An fx proxy whose ``a <op>= b`` is recorded as the augmented op, not ``a = a <op> b``."""
+    """An fx proxy whose ``a <op>= b`` is recorded as the augmented op, not ``a = a <op> b``.
+
+    It also records item assignment (``x[i] = v``, and so ``x[a:b] += y``, which Python
+    runs as a getitem, the augmented op on that view, then a setitem back) as a call of
+    ``operator.setitem``: fx's own proxies refuse it, which sent such models to torch.export.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
 
 def _define(name: str) -> None:

@@ -27,6 +27,8 @@ a mutation of a model input, or of a value another live view still reads.
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -213,9 +215,20 @@ def _written(n: fx.Node, changed: List[Tuple[Any, Any, torch.Tensor]], out: Any)
     count as changed by the ``copy_``. Every other aliasing change counts (an op may read an
     overlapping alias after writing, and the pipeline could not reproduce that order).
     """
-    if n.target is not torch.ops.aten.copy_.default:
-        return changed
-    return [(slot, a, t) for slot, a, t in changed if t is out or not _same_view(t, out)]
+    if n.target is torch.ops.aten.copy_.default:
+        return [(slot, a, t) for slot, a, t in changed if t is out or not _same_view(t, out)]
+    if n.target is operator.setitem and not _has_node(n.args[1]):
+        # torch.fx's ``h[:, 1:4] += y``: getitem, the in-place op on that view, then
+        # ``setitem(h, key, view)``, which writes the view back onto itself.
+        base = next((t for _, a, t in changed if a is n.args[0]), None)
+        if base is not None:
+            dest = base[n.args[1]]
+            return [(slot, a, t) for slot, a, t in changed if a is n.args[0] or not _same_view(t, dest)]
+    return changed
+
+
+def _has_node(value: Any) -> bool:
+    return any(isinstance(x, fx.Node) for x in torch.utils._pytree.tree_leaves(value))
 
 
 def _same_view(a: torch.Tensor, b: Any) -> bool:

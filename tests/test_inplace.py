@@ -296,3 +296,29 @@ def test_building_leaves_modes_grads_and_rng_as_they_were():
     _assert_state(model, state)
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
+
+
+class _SliceWrites(nn.Module):
+    """``h[:, 1:4] += y`` and ``h[:, 0] = v`` in a traced forward: torch.fx records them as
+    getitem, the in-place op on the view, and ``operator.setitem`` (its own proxies refuse
+    item assignment, which used to send such models to torch.export, or to a TraceError
+    when export could not take the model either)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h, o = self.a(x), self.b(x)
+        h[:, 1:4] += o[:, :3]
+        h[:, 0] = o[:, 5] * 2
+        return self.c(h) + h
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_slice_writes_are_traced_by_fx_and_exact(checkpoint, n_stages):
+    torch.manual_seed(0)
+    pipe = assert_exact(_SliceWrites(), (torch.randn(4, 6),), n_stages, chunks=2, checkpoint=checkpoint,
+                        balance_by="params")
+    assert pipe.capture.method == "fx"
