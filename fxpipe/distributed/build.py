@@ -24,7 +24,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from fxpipe.api import check_plan, check_split_points, checked_capture
 from fxpipe.emit import Stages, emit_stages
 from fxpipe.errors import BatchShapeError, DistributedError
-from fxpipe.frontend import check_chunks
+from fxpipe.frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
 from fxpipe.mutation import check_kept_together
 from fxpipe.plan import Plan
 from fxpipe.planning import BALANCE_BY, make_plan
@@ -50,8 +50,18 @@ SCHEDULES = {
 DEFAULT_TIMEOUT = 300.0
 
 
+class CheckpointedStage(PipelineStage):
+    """A ``PipelineStage`` that tells its :class:`StageRunner` which micro-batch it runs
+    (torch's schedules pass the micro-batch index as ``fwd_chunk_id``), so the runner can
+    checkpoint the chosen ones."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.micro_batch = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
 def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stages_per_rank: int,
-                balance_by: str, timeout: float) -> None:
+                balance_by: str, timeout: float, checkpoint: str) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError("fxpipe.distributed.pipeline needs torch.distributed initialised on every rank: call "
                                "torch.distributed.init_process_group('gloo') first (torchrun sets the environment)")
@@ -75,6 +85,8 @@ def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stag
                          f"got chunks={chunks}: raise chunks, or use schedule='gpipe'")
     if balance_by not in BALANCE_BY:
         raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
@@ -105,6 +117,7 @@ def pipeline(
     balance_by: str = "params",
     leaf_modules: Sequence[Union[type, str]] = (),
     split_points: Optional[Sequence[str]] = None,
+    checkpoint: str = "except_last",
     timeout: float = DEFAULT_TIMEOUT,
 ) -> DistributedPipeline:
     """This rank's part of ``model`` run as a pipeline of ``world_size * stages_per_rank`` stages.
@@ -122,6 +135,10 @@ def pipeline(
             (torch's LoopedBFS) or ``'interleaved1f1b'``. Stage ``k`` runs on rank ``k % world_size``.
         plan: a saved plan (object or JSON path), read on rank 0; no profiling.
         balance_by: as for :func:`fxpipe.pipeline`; default ``'params'`` (deterministic).
+        checkpoint: ``'except_last'`` (default), ``'always'`` or ``'never'``, as for
+            :func:`fxpipe.pipeline`: each checkpointed micro-batch's stage forward keeps no
+            activations and is recomputed in its backward (``torch.utils.checkpoint``,
+            non-reentrant, RNG and autocast state restored: dropout masks match), on every stage.
         timeout: seconds any rank waits for its peers before the job fails (no hang).
 
     Raises:
@@ -130,7 +147,7 @@ def pipeline(
         fxpipe.errors.BatchShapeError: the sample's batch is not a multiple of ``chunks``.
         and every error :func:`fxpipe.pipeline` raises for the model.
     """
-    _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout)
+    _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout, checkpoint)
     check_split_points(split_points, plan)
     wait = timedelta(seconds=float(timeout))
     world = dist.get_world_size()
@@ -178,8 +195,9 @@ def pipeline(
     for k in local:
         first, last = k == 0, k == n_stages - 1
         inputs = [None if isinstance(v, torch.Tensor) else ("const", v) for v in flat] if first else metas[k].in_kinds
-        runner = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, captured.out_spec)
-        pipe_stages.append(PipelineStage(runner, k, n_stages, device, input_args=metas[k].input_args,
+        runner = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, captured.out_spec,
+                             checkpoint_stop=checkpoint_stop(checkpoint, chunks, True), training_of=model)
+        pipe_stages.append(CheckpointedStage(runner, k, n_stages, device, input_args=metas[k].input_args,
                                          output_args=metas[k].output_args, group=group))
 
     def scaled_loss(output: Any, target: torch.Tensor) -> torch.Tensor:

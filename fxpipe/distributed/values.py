@@ -12,11 +12,13 @@ encodes its results, so the generated code itself stays the one ``fxpipe.pipelin
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence, Union
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.utils.checkpoint import checkpoint
 from torch import nn
 
 from fxpipe.errors import DistributedError
@@ -102,16 +104,31 @@ class StageRunner(nn.Module):
     kind of each boundary value received. ``outputs``: the kinds of the values sent, or
     ``None`` for the last stage, which returns the model's own output structure
     (``out_spec``) for ``loss_fn``.
+
+    Checkpointing: micro-batches ``0 .. checkpoint_stop - 1`` (``micro_batch`` is set by
+    :class:`CheckpointedStage` before each forward) run under non-reentrant
+    ``torch.utils.checkpoint``, which recomputes the stage in backward with the forward's RNG
+    and autocast state; the stage's buffers are put back to their forward-time values around
+    the recomputation, so a buffer updated in forward is updated once and read as it was.
+    Nothing is checkpointed in eval mode (``training_of.training`` false) or under no_grad.
     """
 
     def __init__(self, stage: torch.fx.GraphModule, inputs: Sequence[Any], outputs: Sequence[Kind] | None,
-                 first: bool, out_spec: pytree.TreeSpec | None = None) -> None:
+                 first: bool, out_spec: pytree.TreeSpec | None = None, checkpoint_stop: int = 0,
+                 training_of: nn.Module | None = None) -> None:
         super().__init__()
         self.stage = stage
         self.inputs = list(inputs)
         self.outputs = None if outputs is None else list(outputs)
         self.first = first
         self.out_spec = out_spec
+        self.checkpoint_stop = checkpoint_stop
+        self.micro_batch = 0
+        self._training_of = [training_of if training_of is not None else stage]  # not a submodule
+
+    def _checkpointed(self) -> bool:
+        return (self.micro_batch < self.checkpoint_stop and torch.is_grad_enabled()
+                and self._training_of[0].training)
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         pending = list(tensors)
@@ -119,7 +136,37 @@ class StageRunner(nn.Module):
             args = [pending.pop(0) if slot is None else slot[1] for slot in self.inputs]
         else:
             args = [decode(pending, kind) for kind in self.inputs]
-        out = self.stage(*args)
+        if self._checkpointed():
+            out = checkpoint(self.stage, *args, use_reentrant=False, preserve_rng_state=True,
+                             context_fn=self._contexts)
+        else:
+            out = self.stage(*args)
         if self.outputs is None:
             return pytree.tree_unflatten(list(out), self.out_spec)
         return tuple(t for v, k in zip(out, self.outputs) for t in encode(v, k))
+
+    def _contexts(self) -> tuple[Any, Any]:
+        """(forward, recompute) contexts for ``torch.utils.checkpoint``: the buffers' values
+        are saved before the forward and swapped in for the recomputation."""
+        buffers = list(self.stage.buffers())
+        saved: list[torch.Tensor] = []
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            saved[:] = [b.detach().clone() for b in buffers]
+            yield
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            now = [b.detach().clone() for b in buffers]
+            with torch.no_grad():
+                for b, v in zip(buffers, saved):
+                    b.copy_(v)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for b, v in zip(buffers, now):
+                        b.copy_(v)
+
+        return forward(), recompute()
