@@ -63,6 +63,18 @@ class Scaled(nn.Module):
         return self.b(self.a(x) * self.factor)
 
 
+class DropMLP(nn.Module):
+    """Dropout in every stage: checkpointed micro-batches must recompute the same masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5),
+                                 nn.GELU(), nn.Linear(32, 32), nn.Dropout(0.3), nn.Tanh(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def _gpt_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
@@ -71,6 +83,8 @@ def _case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any, dict]:
     """(model, x, y, loss_fn, pipeline options): the same on every rank and in the parent."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
+    if name.startswith("drop"):
+        return DropMLP(), torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), F.mse_loss, {}
     if name.startswith("mlp"):
         return MLP(), torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), F.mse_loss, {}
     if name.startswith("unet"):
@@ -85,19 +99,39 @@ def _case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any, dict]:
     raise KeyError(name)
 
 
-#: name -> (schedule, stages_per_rank, chunks)
+#: name -> (schedule, stages_per_rank, chunks); a name ending in a checkpoint mode builds
+#: with it, others with the default ('except_last'); "drop" cases (dropout) are compared
+#: with each other, not with eager
 CASES = {
     "mlp-gpipe": ("gpipe", 1, 2),
     "mlp-1f1b": ("1f1b", 1, 4),
     "unet-gpipe": ("gpipe", 1, 2),
     "gpt-1f1b": ("1f1b", 1, 4),
     "shape-gpipe": ("gpipe", 1, 2),
+    "mlp-1f1b-always": ("1f1b", 1, 4),
+    "mlp-gpipe-never": ("gpipe", 1, 2),
+    "unet-gpipe-always": ("gpipe", 1, 2),
+    "drop-1f1b-except_last": ("1f1b", 1, 4),
+    "drop-1f1b-always": ("1f1b", 1, 4),
+    "drop-1f1b-never": ("1f1b", 1, 4),
 }
+EXACT_CASES = [n for n in CASES if not n.startswith("drop")]
+DROP_CASES = [n for n in CASES if n.startswith("drop")]
 SLOW_CASES = {  # run on 2 ranks: 4 stages
     "unet-gpipe-x2": ("gpipe", 2, 2),
     "gpt-interleaved-x2": ("interleaved1f1b", 2, 4),
     "unet-1f1b": ("1f1b", 1, 2),
+    "unet-gpipe-never": ("gpipe", 1, 2),
+    "unet-1f1b-always": ("1f1b", 1, 2),
+    "mlp-gpipe-x2-always": ("gpipe", 2, 2),
+    "drop-gpipe-x2-always": ("gpipe", 2, 2),
+    "drop-gpipe-x2-never": ("gpipe", 2, 2),
 }
+CHECKPOINT_MODES = ("except_last", "always", "never")
+
+
+def _mode(name: str) -> str:
+    return next((m for m in CHECKPOINT_MODES if name.endswith("-" + m)), "except_last")
 
 
 def _worker(rank: int, world: int, port: int, cases: dict, out: str) -> None:
@@ -106,6 +140,16 @@ def _worker(rank: int, world: int, port: int, cases: dict, out: str) -> None:
     import fxpipe.distributed as fpd
     from fxpipe.errors import BatchShapeError, DistributedError, PlanMismatchError
 
+    import fxpipe.distributed.values as values
+
+    recomputed = [0]  # micro-batch forwards run under torch.utils.checkpoint on this rank
+    original = values.checkpoint
+
+    def counting(*a: Any, **k: Any) -> Any:
+        recomputed[0] += 1
+        return original(*a, **k)
+
+    values.checkpoint = counting
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -113,22 +157,39 @@ def _worker(rank: int, world: int, port: int, cases: dict, out: str) -> None:
     for name, (schedule, per_rank, chunks) in cases.items():
         model, x, y, loss_fn, options = _case(name)
         pipe = fpd.pipeline(model, x, chunks=chunks, loss_fn=loss_fn, schedule=schedule,
-                            stages_per_rank=per_rank, timeout=60, **options)
+                            stages_per_rank=per_rank, checkpoint=_mode(name), timeout=60, **options)
+        torch.manual_seed(100 + rank)  # dropout masks: the same in every checkpoint mode
+        recomputed[0] = 0
         losses = [pipe.step(x, target=y).item() for _ in range(2)]  # no zero_grad: accumulation
+        checkpointed = recomputed[0]
         grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
         out_eval = pipe.eval_step(x)
+        checkpointed_in_eval = recomputed[0] - checkpointed
         try:
             pipe.step(x[:-1], target=y[:-1])
             refused = ""
         except BatchShapeError as e:
             refused = str(e)
         results[name] = {"losses": losses, "grads": grads, "eval": out_eval, "refused": refused,
-                         "local": pipe.local, "names": [n for n, _ in pipe.named_parameters()]}
+                         "local": pipe.local, "checkpointed": checkpointed,
+                         "checkpointed_in_eval": checkpointed_in_eval, "names": [n for n, _ in pipe.named_parameters()]}
         pipe.close()
     bn, (xb,), _ = zoo.bn_model()
     before = {k: v.clone() for k, v in bn.state_dict().items()}
     fpd.pipeline(bn, xb, chunks=2, loss_fn=F.mse_loss, timeout=60).close()
     results["build_keeps_state"] = all(torch.equal(before[k], v) for k, v in bn.state_dict().items())
+    states = {}
+    for mode in ("always", "never"):  # a recomputed forward must not update BatchNorm's buffers again
+        bn, (xb,), _ = zoo.bn_model()
+        with torch.no_grad():
+            yb = torch.zeros_like(bn(xb))
+        bn.load_state_dict(before)
+        pipe = fpd.pipeline(bn, xb, chunks=2, loss_fn=F.mse_loss, checkpoint=mode, timeout=60)
+        for _ in range(2):
+            pipe.step(xb, target=yb)
+        states[mode] = bn.state_dict()
+        pipe.close()
+    results["bn_buffers_same"] = all(torch.equal(states["always"][k], v) for k, v in states["never"].items())
     try:  # ranks building different models get a typed error on every rank, not a hang
         fpd.pipeline(Scaled(2.0 if rank == 0 else 3.0), torch.randn(4, 4), chunks=2, loss_fn=F.mse_loss,
                      timeout=60)
@@ -174,7 +235,13 @@ def _eager(name: str) -> tuple[list[float], dict[str, torch.Tensor], torch.Tenso
 
 def _check(results: list[dict], cases: dict) -> None:
     world = len(results)
-    for name, (_, per_rank, _) in cases.items():
+    for name, (_, per_rank, chunks) in cases.items():
+        for res in results:  # 2 steps x micro-batches checkpointed x this rank's stages; none in eval_step
+            want = {"always": chunks, "except_last": chunks - 1, "never": 0}[_mode(name)]
+            assert res[name]["checkpointed"] == 2 * want * per_rank, (name, res[name]["checkpointed"])
+            assert res[name]["checkpointed_in_eval"] == 0, name
+        if name.startswith("drop"):
+            continue  # dropout: see _check_same
         losses, grads, out = _eager(name)
         seen: set[str] = set()
         for rank, res in enumerate(results):
@@ -192,16 +259,34 @@ def _check(results: list[dict], cases: dict) -> None:
         assert all(res[name]["eval"] is None for r, res in enumerate(results) if r != last)
 
 
+def _check_same(results: list[dict], names: list[str]) -> None:
+    """Cases that differ only in checkpoint mode give the same losses and gradients, bit for bit
+    (dropout masks recomputed as drawn)."""
+    base = names[0]
+    for name in names[1:]:
+        for rank, res in enumerate(results):
+            assert res[name]["losses"] == res[base]["losses"], (name, rank)
+            assert res[name]["grads"].keys() == res[base]["grads"].keys()
+            for n, g in res[name]["grads"].items():
+                assert torch.equal(g, res[base]["grads"][n]), f"{name} rank {rank} {n} differs from {base}"
+
+
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return _spawn(3, CASES, tmp_path_factory.mktemp("dist3"))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", EXACT_CASES)
 def test_exact_against_eager_on_three_ranks(three_ranks: list[dict], name: str) -> None:
     """Losses of two accumulated steps, every rank's gradients, eval outputs; a batch of
     another shape refused on every rank with BatchShapeError."""
     _check(three_ranks, {name: CASES[name]})
+
+
+def test_dropout_is_the_same_in_every_checkpoint_mode(three_ranks: list[dict]) -> None:
+    _check_same(three_ranks, DROP_CASES)
+    # and dropout did act: without it, two steps with no optimizer step give the same loss
+    assert three_ranks[0][DROP_CASES[0]]["losses"][0] != three_ranks[0][DROP_CASES[0]]["losses"][1]
 
 
 def test_tied_embedding_gradient_is_summed_over_its_ranks(three_ranks: list[dict]) -> None:
@@ -214,13 +299,21 @@ def test_building_leaves_buffers_as_they_were(three_ranks: list[dict]) -> None:
     assert [res["build_keeps_state"] for res in three_ranks] == [True] * 3
 
 
+def test_recomputation_does_not_update_buffers_twice(three_ranks: list[dict]) -> None:
+    """BatchNorm's running stats and num_batches_tracked after two steps: the same with
+    checkpoint='always' as with 'never'."""
+    assert [res["bn_buffers_same"] for res in three_ranks] == [True] * 3
+
+
 def test_ranks_with_different_code_all_raise(three_ranks: list[dict]) -> None:
     assert [res["mismatch"] for res in three_ranks] == ["PlanMismatchError"] * 3
 
 
 @pytest.mark.slow
 def test_several_stages_per_rank_and_1f1b_portals(tmp_path: Path) -> None:
-    _check(_spawn(2, SLOW_CASES, tmp_path), SLOW_CASES)
+    results = _spawn(2, SLOW_CASES, tmp_path)
+    _check(results, SLOW_CASES)
+    _check_same(results, [n for n in SLOW_CASES if n.startswith("drop")])
 
 
 def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
