@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Dict, Generator, Hashable, Optional
+from typing import Any, Dict, Generator, Hashable, Optional
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ from .skip_layout import SkipKey, SkipLayout
 from .stream import AbstractStream
 
 __all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker", "swap_skip_tracker",
-           "merge_phony", "holds_tensor", "copy_portal"]
+           "merge_phony", "holds_tensor", "stash_portal", "copy_portal"]
 
 Namespace = Hashable  # a fxpipe.skip.Namespace; the runtime only needs it as a key
 
@@ -77,17 +77,7 @@ class SkipTrackerThroughPortals(SkipTracker):
             # result, a ModelOutput) go through a portal like a tensor.
             super().save(batch, ns, name, tensor)
             return
-        key = (ns, name)
-        portal = self.portals.get(key)
-        if portal is None:
-            # The pop side uses the tensor once, or twice when it is recomputed.
-            tensor_life = 3 if is_checkpointing() else 2
-            portal = Portal(tensor, tensor_life)
-            self.portals[key] = portal
-        else:
-            # The stash partition is being recomputed: PortalBlue needs the new tensor once.
-            portal.put_tensor(tensor, 1)
-        _join_into(batch, portal.blue())
+        _join_into(batch, stash_portal(self.portals, (ns, name), tensor).blue())
 
     def load(self, batch: Batch, ns: Optional[Namespace], name: str) -> Optional[Tensor]:
         if not self.skip_layout.requires_copy(ns, name):
@@ -116,6 +106,19 @@ class SkipTrackerThroughPortals(SkipTracker):
                 "stash for this micro-batch"
             )
         copy_portal(portal, batch, prev_stream, next_stream)
+
+
+def stash_portal(portals: Dict[Any, Portal], key: Any, value: Any) -> Portal:
+    """The portal carrying ``value`` under ``key``: a new one on the first stash, which the
+    pop side uses once, or twice when it is recomputed; on a stash made again by the
+    recomputation of the stash partition, the same portal with the new value, which
+    ``PortalBlue`` needs once."""
+    portal = portals.get(key)
+    if portal is None:
+        portal = portals[key] = Portal(value, 3 if is_checkpointing() else 2)
+    else:
+        portal.put_tensor(value, 1)
+    return portal
 
 
 def copy_portal(portal: Portal, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:

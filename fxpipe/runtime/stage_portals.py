@@ -25,11 +25,10 @@ from typing import Any, Dict, List, Optional, Union
 
 from torch import Tensor
 
-from .checkpoint import is_checkpointing
 from .microbatch import Batch
 from .portal import Portal
 from .skip_layout import SkipLayout
-from .skip_tracker import copy_portal, holds_tensor, merge_phony
+from .skip_tracker import copy_portal, holds_tensor, merge_phony, stash_portal
 from .stream import AbstractStream
 
 __all__ = ["LocalPortals", "StagePortals", "current_portals"]
@@ -65,14 +64,7 @@ class StagePortals(LocalPortals):
             # A plain value (an int, a torch.Size): nothing to copy or differentiate.
             self.values[name] = value
             return
-        portal = self.portals.get(name)
-        if portal is None:
-            # The pop side uses the value once, or twice when it is recomputed.
-            portal = self.portals[name] = Portal(value, 3 if is_checkpointing() else 2)
-        else:
-            # The stash stage is being recomputed: PortalBlue needs the new value once.
-            portal.put_tensor(value, 1)
-        self.pending.append(portal.blue())
+        self.pending.append(stash_portal(self.portals, name, value).blue())
 
     def pop(self, name: str) -> Any:
         if name in self.values:
