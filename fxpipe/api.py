@@ -16,7 +16,7 @@ from torch import nn
 
 from .batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from .capture import Capture
-from .compiling import refuse_whole_pipeline_compile
+from .compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
 from .devices import Device, default_devices
 from .emit import Stages, emit_stages
 from .errors import (ArgumentError, DevicesError, PipelinePicklingError, PlanModelError, SplitPointsError,
@@ -243,6 +243,7 @@ def pipeline(
     plan: Optional[Union[Plan, str, os.PathLike]] = None,
     chunk_dims: ChunkDims = 0,
     output_merge: Optional[OutputMerge] = None,
+    compile: CompileOption = False,
 ) -> Pipeline:
     """Turns ``model`` into a GPipe pipeline of ``n_stages`` stages.
 
@@ -269,6 +270,10 @@ def pipeline(
             along (default 0), ``'sum'``, ``'mean'``, ``'first'`` or a callable on the list of
             values; one for all, or ``{output name: merge}`` (``'loss'``, ``'0'``, ``'a.b'``).
             Both are verified on the sample when the pipeline is built.
+        compile: ``True`` compiles each stage with ``torch.compile`` (lazily, at its first
+            call); a dict passes torch.compile's keyword arguments (``{'mode': 'max-autotune'}``).
+            Portals, phonies, copies and checkpointing stay outside the compiled code, so the
+            result is as exact as the uncompiled pipeline (up to the compiler's reassociation).
 
     Raises:
         fxpipe.TraceError: the model cannot be captured (the message says where and what to do).
@@ -282,14 +287,18 @@ def pipeline(
         fxpipe.errors.DevicesError: fewer devices than stages (an ``IndexError``).
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, plan)
+    compile_options = check_compile_option(compile)
     device_list = _devices(devices, n_stages)
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
     # Built outside inference_mode, whatever the caller's mode: the build runs backward
     # (profiling) and tracks in-place updates by version counters, which inference mode has not.
     with torch.inference_mode(False):
-        return _build(model, args, kwargs, n_stages, device_list, chunks, checkpoint, deferred_batch_norm,
+        pipe = _build(model, args, kwargs, n_stages, device_list, chunks, checkpoint, deferred_batch_norm,
                       balance_by, leaf_modules, split_points, plan, chunk_dims, output_merge)
+    if compile_options is not None:
+        compile_stages(pipe.stages, compile_options)
+    return pipe
 
 
 def _build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, n_stages: int, device_list: List[torch.device],

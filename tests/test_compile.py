@@ -16,6 +16,7 @@ decide the graph breaks and the gradients); the inductor tests compile C++ and a
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -164,6 +165,58 @@ def test_compiled_stages_with_dropout_match_uncompiled_pipeline(checkpoint):
     assert backend.graphs
 
 
+# -- fxpipe.pipeline(..., compile=...) -------------------------------------------------------
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_compile_option_compiles_every_stage_and_stays_exact(checkpoint):
+    model, x = long_skip()
+    ref = copy.deepcopy(model)
+    backend = CountingBackend()
+    pipe = fxpipe.pipeline(model, x, 3, chunks=2, devices=["cpu"] * 3, checkpoint=checkpoint,
+                           balance_by="params", compile={"backend": backend})
+    assert max(p.dst - p.src for p in pipe.plan.portals) >= 2
+    for step in range(2):
+        model.zero_grad()
+        ref.zero_grad()
+        out = pipe(x)
+        expected = ref(x)
+        torch.testing.assert_close(out, expected, **TOL)
+        loss_of(out).backward()
+        loss_of(expected).backward()
+        assert_grads_equal(model, ref)
+    assert len(backend.graphs) >= 3  # every stage compiled (more: graph breaks at portals)
+    for gm in backend.graphs:
+        called = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+        assert stash not in called and pop not in called
+
+
+def test_compiled_pipeline_deepcopies_and_the_copy_is_exact():
+    model, x = long_skip()
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, x, 3, chunks=2, devices=["cpu"] * 3, balance_by="params",
+                           compile={"backend": "aot_eager"})
+    twin = copy.deepcopy(pipe)
+    out = twin(x)
+    expected = ref(x)
+    torch.testing.assert_close(out, expected, **TOL)
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    assert_grads_equal(twin.module, ref)
+    assert all(p.grad is None for p in model.parameters())  # the copy has its own parameters
+
+
+@pytest.mark.parametrize("option,fragment", [
+    ("yes", "compile must be True, False or a dict"),
+    ({"mdoe": "max-autotune"}, "['mdoe']"),
+])
+def test_compile_option_is_checked_before_building(option, fragment):
+    from fxpipe.errors import ArgumentError
+
+    model, x = long_skip()
+    with pytest.raises(ArgumentError, match=re.escape(fragment)) as info:
+        fxpipe.pipeline(model, x, 3, devices=["cpu"] * 3, compile=option)
+    assert info.value.argument == "compile"
+
+
 # -- inductor (the default backend): C++ compilation, slow -----------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", MODES)
@@ -172,10 +225,8 @@ def test_inductor_compiled_stages_match_eager_unet(checkpoint):
     model, args, _ = zoo.unet()
     ref = copy.deepcopy(model)
     pipe = fxpipe.pipeline(model, args, 3, chunks=2, devices=["cpu"] * 3, checkpoint=checkpoint,
-                           balance_by="params")
+                           balance_by="params", compile=True)
     assert any(p.dst - p.src >= 2 for p in pipe.plan.portals)  # encoder skips over the middle stage
-    for stage in pipe.stages:
-        stage.compile()
     out = pipe(*args)
     expected = ref(*args)
     torch.testing.assert_close(out, expected, **TOL)
@@ -238,7 +289,7 @@ def test_compiling_the_whole_pipeline_is_refused_with_the_supported_way(options)
     assert isinstance(err, FxpipeError) and isinstance(err, RuntimeError)
     msg = str(err)
     assert "torch.compile of a whole fxpipe pipeline is not supported" in msg
-    assert "stage.compile()" in msg and "pipe.stages" in msg
+    assert "compile=True" in msg and "stage.compile()" in msg and "pipe.stages" in msg
 
     # nothing half-done: the pipeline itself still runs, exactly
     out = pipe(x)
