@@ -14,6 +14,7 @@ model that fails to trace, bad ``--stages``) prints ONE line on stderr and exits
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import traceback
@@ -22,7 +23,7 @@ from typing import Callable, List, Optional
 from . import commands
 from .model_loader import UsageError, exit_text, load_factory, parse_input
 
-__all__ = ["main", "UsageError", "load_factory", "parse_input", "build_parser"]
+__all__ = ["main", "UsageError", "load_factory", "parse_input", "build_parser", "error_line"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -107,16 +108,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int("--steps"), default=1, help="recorded steps (after one warm-up)")
     p.add_argument("--checkpoint", choices=("always", "except_last", "never"), default="except_last")
     _threads_arg(p)
+    _nproc_args(p, timeout=600, what="one lane per rank; --stages must be a multiple of N")
 
     sub.add_parser("env", parents=[common], help="versions, devices, graphviz and matplotlib availability")
 
     p = sub.add_parser("demo", parents=[common],
                        help="pipeline a U-Net, check outputs and gradients against eager")
-    p.add_argument("--stages", "-n", type=_positive_int("--stages"), default=4)
+    p.add_argument("--stages", "-n", type=_positive_int("--stages"), default=None,
+                   help="pipeline stages (default 4; with --nproc N: N, or 2N for schedules of several stages per "
+                        "rank; a multiple of N)")
     p.add_argument("--chunks", "-m", type=_positive_int("--chunks"), default=4)
-    p.add_argument("--balance-by", choices=("time", "memory", "params"), default="time")
+    p.add_argument("--balance-by", choices=("time", "memory", "params"), default=None,
+                   help="what to balance (default time; with --nproc: params)")
     _threads_arg(p)
+    _nproc_args(p, timeout=300, what="trained --steps steps with SGD and compared with eager (losses, gradients, "
+                                     "parameters)")
+    p.add_argument("--steps", type=_positive_int("--steps"), default=None,
+                   help="with --nproc: training steps compared with eager (default 3)")
     return parser
+
+
+def _nproc_args(p: argparse.ArgumentParser, *, timeout: int, what: str) -> None:
+    p.add_argument("--nproc", type=_positive_int("--nproc"), default=None, metavar="N",
+                   help=f"run with fxpipe.distributed on N local processes (torchrun, gloo on 127.0.0.1): {what}")
+    p.add_argument("--schedule", default=None,
+                   help="with --nproc: gpipe (default), 1f1b, or for several stages per rank gpipe or interleaved1f1b")
+    p.add_argument("--timeout", type=_positive_float("--timeout"), default=None, metavar="SECONDS",
+                   help=f"with --nproc: the ranks are killed after this many seconds (default {timeout})")
+    p.set_defaults(default_timeout=float(timeout))
+
+
+def _positive_float(what: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a positive number, got {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{what} must be a positive number, got {text!r}")
+        return value
+    return parse
 
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
@@ -129,7 +160,7 @@ def _threads_arg(p: argparse.ArgumentParser) -> None:
 _LOCATION = re.compile(r'File "([^"]+)", line (\d+), in \w+\s*\n\s*(.+)')
 
 
-def _message(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
     """One line for any exception: ours in full, other libraries' first line plus where."""
     from .errors import FxpipeError
 
@@ -179,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if debug:
             traceback.print_exc()
         hint = "" if debug else " (--debug shows the traceback)"
-        print(f"fxpipe {ns.command}: error: {_message(e)}{hint}", file=sys.stderr)
+        print(f"fxpipe {ns.command}: error: {error_line(e)}{hint}", file=sys.stderr)
         return EXIT_USAGE
 
 

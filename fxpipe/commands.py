@@ -20,7 +20,7 @@ from .console import clear_progress, progress
 from .model_loader import UsageError, load_model
 
 __all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_env", "cmd_demo",
-           "training_loss"]
+           "training_loss", "load_model_and_sample"]
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -42,7 +42,7 @@ def _devices(ns: argparse.Namespace) -> list:
     raise UsageError(f"--device must be cpu or cuda, got {ns.device!r}")
 
 
-def _load(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
+def load_model_and_sample(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
     """The model and sample; ``--balance-by`` resolved: ``params`` for a model on the meta
     device (``hf:`` models are built there; nothing to time), else ``time``."""
     from .hf_models import PREFIX, load_hf
@@ -134,7 +134,7 @@ def _check_save_path(path: str) -> None:
 def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.save:
         _check_save_path(ns.save)
-    model, args, kwargs = _load(ns)
+    model, args, kwargs = load_model_and_sample(ns)
     devices = _devices(ns)
     captured = _capture(ns, model, args, kwargs)
     margs, mkwargs = _micro_sample(args, kwargs, ns.chunks)
@@ -159,7 +159,7 @@ def cmd_render(ns: argparse.Namespace) -> int:
         raise UsageError(f"-o {ns.output}: unknown format {suffix or '(none)'!r}; use .svg, .png, .pdf or .dot")
     if ns.depth is not None and ns.depth < 1:
         raise UsageError(f"--depth must be >= 1, got {ns.depth}")
-    model, args, kwargs = _load(ns)
+    model, args, kwargs = load_model_and_sample(ns)
     devices = _devices(ns)
     captured = _capture(ns, model, args, kwargs)
     margs, mkwargs = _micro_sample(args, kwargs, ns.chunks)
@@ -176,7 +176,7 @@ def cmd_render(ns: argparse.Namespace) -> int:
 
 # -- code ------------------------------------------------------------------------------------
 def cmd_code(ns: argparse.Namespace) -> int:
-    model, args, kwargs = _load(ns)
+    model, args, kwargs = load_model_and_sample(ns)
     pipe = _pipeline(ns, model, args, kwargs)
     n = pipe.n_stages
     if ns.stage is not None:
@@ -190,12 +190,15 @@ def cmd_code(ns: argparse.Namespace) -> int:
 
 # -- timeline --------------------------------------------------------------------------------
 def cmd_timeline(ns: argparse.Namespace) -> int:
+    if ns.nproc is not None:
+        return _on_ranks(ns)
+    _refuse_nproc_options(ns)
     from .devices import set_threads
     from .runtime.timeline import Recorder
     from .viz.trace import plot_timeline, save_chrome_trace
 
     devices = _devices(ns)  # a bad --device fails before the model is loaded
-    model, args, kwargs = _load(ns)
+    model, args, kwargs = load_model_and_sample(ns)
     model.train()
     threads = set_threads(ns.threads, devices)
     pipe = _pipeline(ns, model, args, kwargs, checkpoint=ns.checkpoint)
@@ -284,6 +287,75 @@ def cmd_env(ns: argparse.Namespace) -> int:
 
 # -- demo ------------------------------------------------------------------------------------
 def cmd_demo(ns: argparse.Namespace) -> int:
+    if ns.nproc is not None:
+        return _on_ranks(ns)
+    _refuse_nproc_options(ns, "--steps")
     from .demo import run_demo
 
-    return run_demo(stages=ns.stages, chunks=ns.chunks, balance_by=ns.balance_by, threads=ns.threads)
+    return run_demo(stages=ns.stages or 4, chunks=ns.chunks, balance_by=ns.balance_by or "time", threads=ns.threads)
+
+
+# -- several processes (--nproc) -------------------------------------------------------------
+def _refuse_nproc_options(ns: argparse.Namespace, *more: str) -> None:
+    given = [o for o in ("--schedule", "--timeout", *more) if getattr(ns, o[2:]) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the distributed run only: "
+                         "add --nproc N")
+
+
+def _nproc_options(ns: argparse.Namespace) -> None:
+    """Checks and completes the options of a --nproc run before any process starts."""
+    from .distributed.build import SCHEDULES
+
+    ns.schedule = ns.schedule or "gpipe"
+    if ns.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {ns.schedule!r}")
+    one_per_rank = SCHEDULES[ns.schedule][0] is not None
+    if ns.stages is None:  # only the demo has a default
+        ns.stages = ns.nproc * (1 if one_per_rank else 2)
+    if ns.stages % ns.nproc:
+        raise UsageError(f"--stages {ns.stages} with --nproc {ns.nproc}: every rank runs the same number of "
+                         f"stages, so --stages must be a multiple of {ns.nproc}")
+    ns.timeout = ns.timeout or ns.default_timeout
+    if ns.command == "demo":
+        ns.balance_by = ns.balance_by or "params"
+        ns.steps = ns.steps or 3
+        return
+    from .hf_models import PREFIX
+
+    if (ns.device or "cpu").lower() != "cpu":
+        raise UsageError(f"--device {ns.device} with --nproc: fxpipe.distributed runs on the CPU with gloo")
+    if ns.model.startswith(PREFIX):
+        raise UsageError(f"{ns.model} is built on the meta device (no weights), and --nproc runs the model: "
+                         "use a factory that builds it on the CPU (path/to/file.py:factory)")
+    parent = os.path.dirname(os.path.abspath(ns.output))
+    if os.path.isdir(ns.output) or not os.path.isdir(parent):
+        raise UsageError(f"-o {ns.output}: give a file path in an existing directory")
+    ns.output = os.path.abspath(ns.output)  # the ranks write it; their working directory is ours anyway
+
+
+def _on_ranks(ns: argparse.Namespace) -> int:
+    """Runs the command on --nproc local ranks (torchrun, gloo) within --timeout seconds."""
+    from .distributed.launch import run_ranks
+
+    _nproc_options(ns)
+    finished = run_ranks(ns.nproc, vars(ns), timeout=ns.timeout)
+    fail = f"fxpipe {ns.command}: error:"
+    debug = getattr(ns, "debug", False)
+    if debug and finished.stderr:
+        print(finished.stderr, end="", file=sys.stderr)
+    hint = "" if debug else " (--debug shows the ranks' tracebacks and torchrun's log)"
+    if finished.timed_out:
+        print(f"{fail} the {ns.nproc} ranks did not finish within --timeout {ns.timeout:g} s and were killed"
+              f"{': ' + finished.error_summary() if finished.errors else ''}; raise --timeout for a bigger model"
+              f"{hint}", file=sys.stderr)
+        return 1
+    if finished.errors:
+        print(f"{fail} {finished.error_summary()}{hint}", file=sys.stderr)
+        return 1
+    if finished.returncode != 0 or finished.result is None:
+        last = [ln for ln in finished.stderr.splitlines() if ln.strip()][-1:]
+        print(f"{fail} torchrun exited with code {finished.returncode} and no rank reported a result"
+              f"{'; its last line: ' + last[0].strip() if last else ''}{hint}", file=sys.stderr)
+        return 1
+    return 0 if finished.result.get("ok") else 1

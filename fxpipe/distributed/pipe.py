@@ -65,6 +65,16 @@ class DistributedPipeline:
     def n_stages(self) -> int:
         return self.plan.n_stages
 
+    @property
+    def schedule(self) -> Any:
+        """The torch.distributed.pipelining schedule :meth:`step` runs (read by :mod:`.trace`)."""
+        return self._schedule
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group of the pipeline's ranks."""
+        return self._group
+
     def stage_code(self, k: int) -> str:
         """Readable code of stage ``k`` (any stage, local or not), with source-line comments."""
         return self.stages.stage_code(k)
