@@ -54,9 +54,11 @@ def kind_of(value: Any, name: str) -> Kind:
 
 
 def encode(value: Any, kind: Kind) -> list[torch.Tensor]:
-    """``value`` as the tensors that carry it."""
+    """``value`` as the tensors that carry it; contiguous, as the transport sends them (gloo
+    refuses a strided tensor, "input tensor has to be contiguous": a transposed attention
+    output crossing ranks in a Llama)."""
     if kind == "tensor":
-        return [value]
+        return [value.contiguous()]
     if kind == "none":
         return []
     if kind == "size":
