@@ -126,7 +126,8 @@ def _bytes(tensors: Any) -> int:
     return sum(t.nbytes for t in {id(t): t for t in tensors}.values())
 
 
-def _run(name: str, source: Any, schedule: str, init_buffers: bool = False, save: str | None = None) -> dict:
+def _run(name: str, source: Any, schedule: str, init_buffers: bool = False, save: str | None = None,
+         stages_per_rank: int = 1) -> dict:
     """One build and its trajectory, with what the rank holds. ``source``: the state_dict= of
     a meta build (``("safetensors", folder)``: read by dcp.HuggingFaceStorageReader), None
     for the full CPU build. ``save``: a directory each rank saves its trained tensors into
@@ -150,8 +151,9 @@ def _run(name: str, source: Any, schedule: str, init_buffers: bool = False, save
         def source(keys: list[str]) -> dict:
             asked.extend(keys)
             return {k: v for k, v in torch.load(file, mmap=True).items() if k in keys and k != "head.weight"}
-    pipe = fpd.pipeline(model, args, sample_kwargs=kwargs, chunks=chunks, loss_fn=loss_fn, schedule=schedule,
-                        timeout=60, state_dict=source, init_buffers=init_rotary if init_buffers else None)
+    pipe = fpd.pipeline(model, args, sample_kwargs=kwargs, chunks=chunks * stages_per_rank, loss_fn=loss_fn,
+                        schedule=schedule, stages_per_rank=stages_per_rank, timeout=60, state_dict=source,
+                        init_buffers=init_rotary if init_buffers else None)
     local = {n for n, _ in pipe.named_parameters()}
     stage_tensors = [t for k in pipe.local for t in [*pipe.stages[k].parameters(), *pipe.stages[k].buffers()]]
     held = {
@@ -353,6 +355,7 @@ def test_meta_build_from_every_state_dict_form_and_hf_llama(tmp_path: Path) -> N
             "llama-safetensors": ("llama", ("safetensors", str(tmp_path / "llama-st")), "gpipe", {}),
             "gpt-dcp": ("gpt", _save("gpt", tmp_path, checkpoint_dir=True), "gpipe", {"save": trained}),
             "gpt-callable": ("gpt", ("callable", _save("gpt", tmp_path)), "1f1b", {}),
+            "gpt-interleaved": ("gpt", _save("gpt", tmp_path), "interleaved1f1b", {"stages_per_rank": 2}),
             "rotary-meta": ("rotary", rotary, "gpipe", {"init_buffers": True}),
             "rotary-refused": ("rotary", rotary, "gpipe", {})}
     results = _spawn(2, plan, tmp_path)
@@ -363,7 +366,9 @@ def test_meta_build_from_every_state_dict_form_and_hf_llama(tmp_path: Path) -> N
         held = res["gpt-callable"]["held"]
         assert {"tok.weight", "head.weight"} <= set(held["asked"]), held["asked"]
         assert {k.rsplit(".", 1)[0] for k in held["asked"]} == {n.rsplit(".", 1)[0] for n in held["local"]} | {"head"}
-    for key in ("llama-file", "llama-dcp", "llama-safetensors", "gpt-dcp", "gpt-callable", "rotary-meta"):
+    _check_trajectory(results, "gpt-interleaved", "gpt")
+    for key in ("llama-file", "llama-dcp", "llama-safetensors", "gpt-dcp", "gpt-callable", "gpt-interleaved",
+                "rotary-meta"):
         _check_local_only(results, key)
         _check_buffers(results, key, key.split("-")[0])
     # the rotary buffer: recomputed by transformers' own init on the rank that uses it
