@@ -179,6 +179,13 @@ class PlanMismatchError(DistributedError):
     fxpipe/torch versions differ. The message lists each rank's stage code hashes."""
 
 
+class MaterialiseError(DistributedError):
+    """This rank's part of a model on the meta device cannot be given real values as asked
+    (:mod:`fxpipe.distributed.materialise`): a key its stages need is missing from
+    ``state_dict`` or has another shape, a non-persistent buffer nothing restores, a tensor
+    that is in no checkpoint. The message names the key, buffer or tensor and what to pass."""
+
+
 class BatchShapeError(FxpipeError, ValueError):
     """A batch given to a distributed pipeline does not have the sample's shapes (its stages
     exchange fixed-size buffers), or its batch size is not a multiple of ``chunks``."""

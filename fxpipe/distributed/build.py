@@ -32,8 +32,10 @@ from fxpipe.prepare import preserved
 
 from .agree import agree_on_stages, broadcast_plan
 from .carry import carried_plan
+from .materialise import InitBuffers, capture_sample, local_weights
 from .meta import stage_metas
 from .pipe import DistributedPipeline
+from .sources import StateDictSource
 from .ties import TiedGradients
 from .values import StageRunner
 
@@ -119,12 +121,17 @@ def pipeline(
     split_points: Optional[Sequence[str]] = None,
     checkpoint: str = "except_last",
     timeout: float = DEFAULT_TIMEOUT,
+    state_dict: Optional[StateDictSource] = None,
+    init_buffers: Optional[InitBuffers] = None,
 ) -> DistributedPipeline:
     """This rank's part of ``model`` run as a pipeline of ``world_size * stages_per_rank`` stages.
 
     Call it on every rank of an initialised default process group (gloo, CPU), with the
     same model (same class, config and seed) and the same arguments. Rank 0's parameters
-    and buffers are broadcast to every rank first, as DDP does.
+    and buffers are broadcast to every rank first, as DDP does; or, with ``state_dict=``,
+    each rank loads only its own stages' tensors -- the way to run a model built on the meta
+    device, of which each rank then materialises only its own stages
+    (:mod:`fxpipe.distributed.materialise`).
 
     Args:
         model, sample, sample_kwargs, leaf_modules, split_points: as for :func:`fxpipe.pipeline`.
@@ -140,11 +147,23 @@ def pipeline(
             activations and is recomputed in its backward (``torch.utils.checkpoint``,
             non-reentrant, RNG and autocast state restored: dropout masks match), on every stage.
         timeout: seconds any rank waits for its peers before the job fails (no hang).
+        state_dict: the weights, read by each rank for its own stages only: a mapping, the path
+            of a ``torch.save`` file (memory-mapped), the path of a ``torch.distributed.checkpoint``
+            directory, or a callable ``keys -> mapping`` (:mod:`fxpipe.distributed.sources`).
+            Needed for a model on the meta device (which is then planned by ``'params'`` or
+            ``'memory'``, never timed).
+        init_buffers: ``fn(name, module)`` recomputing a module's non-persistent buffers (in no
+            checkpoint) after a meta model is materialised; default: a transformers model's own
+            ``_init_weights``. A buffer left unwritten raises ``MaterialiseError``.
 
     Raises:
         fxpipe.errors.DistributedError: no process group, or rank 0 could not plan.
         fxpipe.errors.PlanMismatchError: the ranks' stage code differs.
         fxpipe.errors.BatchShapeError: the sample's batch is not a multiple of ``chunks``.
+        fxpipe.errors.MetaDeviceError: a model on meta without ``state_dict=``, or with
+            ``balance_by='time'``; a sample on meta.
+        fxpipe.errors.MaterialiseError: a key of this rank's stages missing from ``state_dict``
+            (or of another shape), a non-persistent buffer nothing restores.
         and every error :func:`fxpipe.pipeline` raises for the model.
     """
     _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout, checkpoint)
@@ -155,17 +174,20 @@ def pipeline(
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
+    cap_args, cap_kwargs = capture_sample(model, args, kwargs, state_dict=state_dict, balance_by=balance_by,
+                                          plan=plan)  # on meta for a meta model
 
     with preserved(model):
-        prepared, batching = checked_capture(model, args, kwargs, leaf_modules, 0, None)
+        prepared, batching = checked_capture(model, cap_args, cap_kwargs, leaf_modules, 0, None)
         batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
         captured = prepared.capture
         flat = captured.flatten_inputs(args, kwargs)
-        micro = _micro_batch(flat, chunks)
+        micro = _micro_batch(captured.flatten_inputs(cap_args, cap_kwargs), chunks)
 
         def make() -> Plan:
             if plan is None:
-                return make_plan(captured, args, kwargs, n_stages, balance_by=balance_by, split_points=split_points)
+                return make_plan(captured, cap_args, cap_kwargs, n_stages, balance_by=balance_by,
+                                 split_points=split_points)
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
             check_plan(chosen, captured, n_stages, None if isinstance(plan, Plan) else str(plan))
             return chosen
@@ -182,8 +204,6 @@ def pipeline(
 
         agree_on_stages(build, group)
     stages = built[0]
-    for t in [*model.parameters(), *model.buffers()]:  # as DDP: rank 0's values everywhere
-        dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)
     with preserved(model):  # fake tensors still bump real counters (num_batches_tracked += 1)
         metas = stage_metas(stages.modules, micro, stages.input_names)
 
@@ -191,6 +211,8 @@ def pipeline(
     rank_of_stage = [k % world for k in range(n_stages)]
     local = [k for k in range(n_stages) if rank_of_stage[k] == rank]
     device = torch.device("cpu")
+    local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
+                  exported=captured.method == "export", device=device)
     pipe_stages = []
     for k in local:
         first, last = k == 0, k == n_stages - 1

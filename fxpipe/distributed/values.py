@@ -54,9 +54,11 @@ def kind_of(value: Any, name: str) -> Kind:
 
 
 def encode(value: Any, kind: Kind) -> list[torch.Tensor]:
-    """``value`` as the tensors that carry it."""
+    """``value`` as the tensors that carry it; contiguous, as the transport sends them (gloo
+    refuses a strided tensor, "input tensor has to be contiguous": a transposed attention
+    output crossing ranks in a Llama)."""
     if kind == "tensor":
-        return [value]
+        return [value.contiguous()]
     if kind == "none":
         return []
     if kind == "size":
@@ -147,9 +149,18 @@ class StageRunner(nn.Module):
 
     def _contexts(self) -> tuple[Any, Any]:
         """(forward, recompute) contexts for ``torch.utils.checkpoint``: the buffers' values
-        are saved before the forward and swapped in for the recomputation."""
+        are saved before the forward and swapped in for the recomputation. Only buffers whose
+        value differs are written: a write bumps the version counter, and a buffer the forward
+        of another micro-batch saved for backward (a rotary ``inv_freq`` in a product) would
+        then fail that backward ("modified by an inplace operation")."""
         buffers = list(self.stage.buffers())
         saved: list[torch.Tensor] = []
+
+        def put(values: list[torch.Tensor]) -> None:
+            with torch.no_grad():
+                for b, v in zip(buffers, values):
+                    if not torch.equal(b, v):
+                        b.copy_(v)
 
         @contextmanager
         def forward() -> Iterator[None]:
@@ -159,14 +170,10 @@ class StageRunner(nn.Module):
         @contextmanager
         def recompute() -> Iterator[None]:
             now = [b.detach().clone() for b in buffers]
-            with torch.no_grad():
-                for b, v in zip(buffers, saved):
-                    b.copy_(v)
+            put(saved)
             try:
                 yield
             finally:
-                with torch.no_grad():
-                    for b, v in zip(buffers, now):
-                        b.copy_(v)
+                put(now)
 
         return forward(), recompute()
