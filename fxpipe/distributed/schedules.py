@@ -23,6 +23,8 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleI
                                           ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from fxpipe.errors import DistributedError
+
 __all__ = ["Schedule", "SCHEDULES", "rank_of_stage", "stages_of_rank", "check_schedule", "make_schedules",
            "PlacedLoopedBFS"]
 
@@ -97,11 +99,11 @@ class PlacedLoopedBFS(ScheduleLoopedBFS):
     """torch's LoopedBFS forward order (each rank runs all micro-batches of its stages in
     increasing stage order), forward only, for any placement: ``eval_step`` runs under it.
 
-    torch's V schedules cannot run forward only, and neither can LoopedBFS on a V placement
-    (a backward action between two stages of one rank asks for a gradient even without
-    backward), and LoopedBFS itself assumes the looped placement. torch infers the
-    stage-to-rank map from the actions, so placing the actions places the stages; torch
-    requires a backward per forward in a schedule, so they are there, and do nothing."""
+    torch's V schedule cannot run forward only, nor can LoopedBFS on a V placement (a
+    backward action between two stages of one rank asks for their gradient even without
+    backward), and LoopedBFS assumes the looped placement. torch infers the stage-to-rank map
+    from the actions, so placing the actions places the stages; it also requires a backward
+    per forward, so they are there, and do nothing."""
 
     def __init__(self, stages: Sequence[Any], n_microbatches: int, placement: Sequence[int]) -> None:
         self._placement = list(placement)
@@ -138,6 +140,7 @@ def make_schedules(schedule: str, stages: Sequence[Any], chunks: int, loss_fn: C
     for s in (training, forward):
         mapping = getattr(s, "stage_index_to_group_rank", None)
         if mapping is not None and [mapping[k] for k in range(len(placement))] != list(placement):
-            raise AssertionError(f"torch's {type(s).__name__} places the stages on ranks "
-                                 f"{[mapping[k] for k in range(len(placement))]}, fxpipe on {list(placement)}")
+            raise DistributedError(f"torch's {type(s).__name__} places the stages on ranks "
+                                   f"{[mapping[k] for k in range(len(placement))]}, fxpipe on {list(placement)}: "
+                                   f"this torch version places schedule {schedule!r} differently; use another schedule")
     return training, forward
