@@ -1,292 +1,100 @@
 """fxpipe.distributed against eager: gloo ranks on 127.0.0.1, spawned by torch.multiprocessing.
 
-Each spawn runs several cases in one process group (starting processes is the slow part).
-Every rank saves its losses, its parameters' gradients after two accumulated steps, and the
-errors it saw; the parent compares them with the same model trained eagerly on the whole batch.
-The parent waits a bounded time and kills the ranks if they overrun, so a hang fails the test.
+The case tables and the tests; the models are in tests/dist_models.py, the spawned ranks and
+the comparison with eager (3 SGD steps, the first accumulated over two ``step()`` calls) in
+tests/dist_harness.py.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
 
-import zoo
+from dist_harness import (SLOW_SPAWN_SECONDS, SPAWN_SECONDS, check, check_dropout_acted, check_same, environment,
+                          free_port, spawn)
+from dist_models import case
+from fxpipe.distributed.schedules import check_schedule, rank_of_stage, stages_of_rank
 
-SPAWN_SECONDS = 240  # generous: two cores shared with other jobs
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32),
-                                 nn.Tanh(), nn.Linear(32, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-class ShapeCross(nn.Module):
-    """ints, a float and a torch.Size made in stage 0 and used in stage 2: non-tensor values
-    carried across two ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, shape, half = x.size(0), x.shape, x.size(1) / 4
-        h = self.b(torch.tanh(self.a(x.view(shape))))
-        return self.c(torch.tanh(h)).reshape(n, -1).view(shape) * half
-
-
-class Scaled(nn.Module):
-    """Its generated code holds the constant ``factor``: ranks given different factors emit
-    different code from the same plan."""
-
-    def __init__(self, factor: float) -> None:
-        super().__init__()
-        self.factor = factor
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x) * self.factor)
-
-
-class DropMLP(nn.Module):
-    """Dropout in every stage: checkpointed micro-batches must recompute the same masks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5),
-                                 nn.GELU(), nn.Linear(32, 32), nn.Dropout(0.3), nn.Tanh(), nn.Linear(32, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-def _gpt_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-
-def _case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any, dict]:
-    """(model, x, y, loss_fn, pipeline options): the same on every rank and in the parent."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    if name.startswith("drop"):
-        return DropMLP(), torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), F.mse_loss, {}
-    if name.startswith("mlp"):
-        return MLP(), torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), F.mse_loss, {}
-    if name.startswith("unet"):
-        model, (x,), _ = zoo.unet()
-        return model, x, torch.randn(4, 2, 16, 16, generator=g), F.mse_loss, {}
-    if name.startswith("gpt"):
-        model, (x,), _ = zoo.gpt_tied()
-        return model, x, torch.randint(0, 64, (4, 16), generator=g), _gpt_loss, {}
-    if name.startswith("shape"):
-        return (ShapeCross(), torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g), F.mse_loss,
-                {"split_points": ["b", "c"]})
-    raise KeyError(name)
-
-
-#: name -> (schedule, stages_per_rank, chunks); a name ending in a checkpoint mode builds
-#: with it, others with the default ('except_last'); "drop" cases (dropout) are compared
-#: with each other, not with eager
+#: name -> (schedule, stages_per_rank, chunks). A name ending in a checkpoint mode builds
+#: with it, others with the default ('except_last'); '-bf16' trains under bf16 CPU autocast;
+#: "drop" cases (dropout) are compared with each other, not with eager
 CASES = {
     "mlp-gpipe": ("gpipe", 1, 2),
     "mlp-1f1b": ("1f1b", 1, 4),
     "unet-gpipe": ("gpipe", 1, 2),
     "gpt-1f1b": ("1f1b", 1, 4),
     "shape-gpipe": ("gpipe", 1, 2),
+    "dict-1f1b": ("1f1b", 1, 4),
+    "paths-zbv": ("zbv", 2, 6),
+    "unet-zbv-always": ("zbv", 2, 6),
     "mlp-1f1b-always": ("1f1b", 1, 4),
-    "mlp-gpipe-never": ("gpipe", 1, 2),
     "unet-gpipe-always": ("gpipe", 1, 2),
     "unet-gpipe-never": ("gpipe", 1, 2),
+    "mlp-gpipe-bf16-always": ("gpipe", 1, 2),
+    "mlp-gpipe-bf16-never": ("gpipe", 1, 2),
     "drop-1f1b-except_last": ("1f1b", 1, 4),
     "drop-1f1b-always": ("1f1b", 1, 4),
     "drop-1f1b-never": ("1f1b", 1, 4),
 }
-EXACT_CASES = [n for n in CASES if not n.startswith("drop")]
-DROP_CASES = [n for n in CASES if n.startswith("drop")]
-SLOW_CASES = {  # run on 2 ranks: 4 stages
+#: the matrix of issue 11 on 3 ranks: one stage per rank, and zbv (a V of 6 stages)
+MATRIX_MODELS = ("gpt", "unet", "dict", "hf")
+SLOW_CASES_3 = {
+    **{f"{m}-{s}": spec for m in MATRIX_MODELS
+       for s, spec in (("gpipe", ("gpipe", 1, 2)), ("1f1b", ("1f1b", 1, 4)), ("zbv", ("zbv", 2, 6)))},
+    "unet-zbv-never": ("zbv", 2, 6),
+    "paths-interleavedzb": ("interleavedzb", 2, 6),
+    "drop-zbv-except_last": ("zbv", 2, 6),
+    "drop-zbv-always": ("zbv", 2, 6),
+    "drop-zbv-never": ("zbv", 2, 6),
+    "mlp-zbv-bf16-always": ("zbv", 2, 6),
+    "mlp-zbv-bf16-never": ("zbv", 2, 6),
+}
+#: on 2 ranks: two stages per rank (4 stages); a V of 4 stages
+SLOW_CASES_2 = {
+    **{f"{m}-{s}-x2": spec for m in MATRIX_MODELS
+       for s, spec in (("interleaved1f1b", ("interleaved1f1b", 2, 4)), ("zbv", ("zbv", 2, 4)),
+                       ("interleavedzb", ("interleavedzb", 2, 4)))},
     "unet-gpipe-x2": ("gpipe", 2, 2),
-    "gpt-interleaved-x2": ("interleaved1f1b", 2, 4),
     "unet-1f1b": ("1f1b", 1, 2),
     "unet-1f1b-always": ("1f1b", 1, 2),
+    "gpt-zbv-x2-always": ("zbv", 2, 4),
     "mlp-gpipe-x2-always": ("gpipe", 2, 2),
     "drop-gpipe-x2-always": ("gpipe", 2, 2),
     "drop-gpipe-x2-never": ("gpipe", 2, 2),
 }
-CHECKPOINT_MODES = ("except_last", "always", "never")
-
-
-def _mode(name: str) -> str:
-    return next((m for m in CHECKPOINT_MODES if name.endswith("-" + m)), "except_last")
-
-
-def _worker(rank: int, world: int, port: int, cases: dict, out: str) -> None:
-    import torch.distributed as dist
-
-    import fxpipe.distributed as fpd
-    from fxpipe.errors import BatchShapeError, DistributedError, PlanMismatchError
-
-    import fxpipe.distributed.values as values
-
-    recomputed = [0]  # micro-batch forwards run under torch.utils.checkpoint on this rank
-    original = values.checkpoint
-
-    def counting(*a: Any, **k: Any) -> Any:
-        recomputed[0] += 1
-        return original(*a, **k)
-
-    values.checkpoint = counting
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results: dict[str, Any] = {}
-    for name, (schedule, per_rank, chunks) in cases.items():
-        model, x, y, loss_fn, options = _case(name)
-        pipe = fpd.pipeline(model, x, chunks=chunks, loss_fn=loss_fn, schedule=schedule,
-                            stages_per_rank=per_rank, checkpoint=_mode(name), timeout=60, **options)
-        torch.manual_seed(100 + rank)  # dropout masks: the same in every checkpoint mode
-        recomputed[0] = 0
-        losses = [pipe.step(x, target=y).item() for _ in range(2)]  # no zero_grad: accumulation
-        checkpointed = recomputed[0]
-        grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-        out_eval = pipe.eval_step(x)
-        checkpointed_in_eval = recomputed[0] - checkpointed
-        try:
-            pipe.step(x[:-1], target=y[:-1])
-            refused = ""
-        except BatchShapeError as e:
-            refused = str(e)
-        results[name] = {"losses": losses, "grads": grads, "eval": out_eval, "refused": refused,
-                         "local": pipe.local, "checkpointed": checkpointed,
-                         "checkpointed_in_eval": checkpointed_in_eval, "names": [n for n, _ in pipe.named_parameters()]}
-        pipe.close()
-    bn, (xb,), _ = zoo.bn_model()
-    before = {k: v.clone() for k, v in bn.state_dict().items()}
-    fpd.pipeline(bn, xb, chunks=2, loss_fn=F.mse_loss, timeout=60).close()
-    results["build_keeps_state"] = all(torch.equal(before[k], v) for k, v in bn.state_dict().items())
-    states = {}
-    for mode in ("always", "never"):  # a recomputed forward must not update BatchNorm's buffers again
-        bn, (xb,), _ = zoo.bn_model()
-        with torch.no_grad():
-            yb = torch.zeros_like(bn(xb))
-        bn.load_state_dict(before)
-        pipe = fpd.pipeline(bn, xb, chunks=2, loss_fn=F.mse_loss, checkpoint=mode, timeout=60)
-        for _ in range(2):
-            pipe.step(xb, target=yb)
-        states[mode] = bn.state_dict()
-        pipe.close()
-    results["bn_buffers_same"] = all(torch.equal(states["always"][k], v) for k, v in states["never"].items())
-    try:  # ranks building different models get a typed error on every rank, not a hang
-        fpd.pipeline(Scaled(2.0 if rank == 0 else 3.0), torch.randn(4, 4), chunks=2, loss_fn=F.mse_loss,
-                     timeout=60)
-        results["mismatch"] = ""
-    except (PlanMismatchError, DistributedError) as e:
-        results["mismatch"] = type(e).__name__
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world: int, cases: dict, tmp: Path) -> list[dict]:
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent),
-         os.environ.get("PYTHONPATH", "")])
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), cases, str(tmp)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_SECONDS
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"distributed ranks did not finish within {SPAWN_SECONDS} s")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-def _eager(name: str) -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor]:
-    model, x, y, loss_fn, _ = _case(name)
-    losses = []
-    for _ in range(2):
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-    with torch.no_grad():
-        out = model(x)
-    return losses, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, out
-
-
-def _check(results: list[dict], cases: dict) -> None:
-    world = len(results)
-    for name, (_, per_rank, chunks) in cases.items():
-        for res in results:  # 2 steps x micro-batches checkpointed x this rank's stages; none in eval_step
-            want = {"always": chunks, "except_last": chunks - 1, "never": 0}[_mode(name)]
-            assert res[name]["checkpointed"] == 2 * want * per_rank, (name, res[name]["checkpointed"])
-            assert res[name]["checkpointed_in_eval"] == 0, name
-        if name.startswith("drop"):
-            continue  # dropout: see _check_same
-        losses, grads, out = _eager(name)
-        seen: set[str] = set()
-        for rank, res in enumerate(results):
-            r = res[name]
-            assert r["local"] == [rank + i * world for i in range(per_rank)]
-            torch.testing.assert_close(r["losses"], losses, msg=lambda m: f"{name} rank {rank} loss: {m}")
-            assert set(r["grads"]) == set(r["names"]) & set(grads), name
-            for n, g in r["grads"].items():
-                torch.testing.assert_close(g, grads[n], msg=lambda m: f"{name} rank {rank} {n}: {m}")
-            seen |= set(r["grads"])
-            assert "shape" in r["refused"] and "micro-batches" in r["refused"], r["refused"]
-        assert seen == set(grads), f"{name}: no rank holds {sorted(set(grads) - seen)}"
-        last = (per_rank * world - 1) % world
-        torch.testing.assert_close(results[last][name]["eval"], out)
-        assert all(res[name]["eval"] is None for r, res in enumerate(results) if r != last)
-
-
-def _check_same(results: list[dict], names: list[str]) -> None:
-    """Cases that differ only in checkpoint mode give the same losses and gradients, bit for bit
-    (dropout masks recomputed as drawn)."""
-    base = names[0]
-    for name in names[1:]:
-        for rank, res in enumerate(results):
-            assert res[name]["losses"] == res[base]["losses"], (name, rank)
-            assert res[name]["grads"].keys() == res[base]["grads"].keys()
-            for n, g in res[name]["grads"].items():
-                assert torch.equal(g, res[base]["grads"][n]), f"{name} rank {rank} {n} differs from {base}"
 
 
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _spawn(3, CASES, tmp_path_factory.mktemp("dist3"))
+    return spawn(3, CASES, tmp_path_factory.mktemp("dist3"), {"misc": True, "bn": ("gpipe", 1, 2)})
+
+
+EXACT_CASES = [n for n in CASES if not n.startswith("drop")]
 
 
 @pytest.mark.parametrize("name", EXACT_CASES)
 def test_exact_against_eager_on_three_ranks(three_ranks: list[dict], name: str) -> None:
-    """Losses of two accumulated steps, every rank's gradients, eval outputs; a batch of
-    another shape refused on every rank with BatchShapeError."""
-    _check(three_ranks, {name: CASES[name]})
+    """Losses, every rank's gradients before and parameters after each of 3 SGD steps (the
+    first accumulated over two steps), eval outputs; a batch of another shape refused on
+    every rank with BatchShapeError."""
+    check(three_ranks, {name: CASES[name]})
 
 
 def test_dropout_is_the_same_in_every_checkpoint_mode(three_ranks: list[dict]) -> None:
-    _check_same(three_ranks, DROP_CASES)
-    # and dropout did act: without it, two steps with no optimizer step give the same loss
-    assert three_ranks[0][DROP_CASES[0]]["losses"][0] != three_ranks[0][DROP_CASES[0]]["losses"][1]
+    names = [n for n in CASES if n.startswith("drop")]
+    check_same(three_ranks, names)
+    check_dropout_acted(three_ranks, names[0], CASES[names[0]][2])
+
+
+def test_bf16_autocast_is_the_same_checkpointed_or_not(three_ranks: list[dict]) -> None:
+    """Under bf16 CPU autocast, checkpoint='always' recomputes in bf16 as the forward ran:
+    bit-identical to 'never' (and both close to eager under autocast: the exact cases)."""
+    check_same(three_ranks, ["mlp-gpipe-bf16-always", "mlp-gpipe-bf16-never"])
 
 
 def test_tied_embedding_gradient_is_summed_over_its_ranks(three_ranks: list[dict]) -> None:
@@ -300,8 +108,6 @@ def test_building_leaves_buffers_as_they_were(three_ranks: list[dict]) -> None:
 
 
 def test_recomputation_does_not_update_buffers_twice(three_ranks: list[dict]) -> None:
-    """BatchNorm's running stats and num_batches_tracked after two steps: the same with
-    checkpoint='always' as with 'never'."""
     assert [res["bn_buffers_same"] for res in three_ranks] == [True] * 3
 
 
@@ -309,11 +115,39 @@ def test_ranks_with_different_code_all_raise(three_ranks: list[dict]) -> None:
     assert [res["mismatch"] for res in three_ranks] == ["PlanMismatchError"] * 3
 
 
+def test_training_mode_batch_mixing_is_refused_on_every_rank(three_ranks: list[dict]) -> None:
+    for res in three_ranks:
+        assert res["train_refused"].startswith("MicroBatchError"), res["train_refused"]
+        assert "'n'" in res["train_refused"] and "training mode" in res["train_refused"]
+
+
+def test_a_step_under_another_autocast_state_is_refused(three_ranks: list[dict]) -> None:
+    for res in three_ranks:
+        assert res["autocast_refused"].startswith("DistributedError"), res["autocast_refused"]
+        assert "bfloat16" in res["autocast_refused"] and "no autocast" in res["autocast_refused"]
+    assert len({res["after_refusal"] for res in three_ranks}) == 1
+
+
 @pytest.mark.slow
-def test_several_stages_per_rank_and_1f1b_portals(tmp_path: Path) -> None:
-    results = _spawn(2, SLOW_CASES, tmp_path)
-    _check(results, SLOW_CASES)
-    _check_same(results, [n for n in SLOW_CASES if n.startswith("drop")])
+def test_matrix_on_three_ranks(tmp_path: Path) -> None:
+    """Tied GPT, U-Net, dict model, HF GPT-2 under gpipe, 1f1b and zbv (a V of 6 stages);
+    checkpoint modes and bf16 autocast under zbv; BatchNorm recomputed twice per backward."""
+    results = spawn(3, SLOW_CASES_3, tmp_path, {"bn": ("zbv", 2, 6)}, SLOW_SPAWN_SECONDS)
+    check(results, SLOW_CASES_3)
+    check_same(results, [n for n in SLOW_CASES_3 if n.startswith("drop")])
+    check_same(results, ["mlp-zbv-bf16-always", "mlp-zbv-bf16-never"])
+    assert [res["bn_buffers_same"] for res in results] == [True] * 3
+    holders = [r for r, res in enumerate(results) if "tok.weight" in res["gpt-zbv"]["names"]]
+    assert holders == [0]  # V: the first and the last stage on rank 0, no all-reduce needed
+
+
+@pytest.mark.slow
+def test_matrix_with_two_stages_per_rank(tmp_path: Path) -> None:
+    """The four models under interleaved1f1b, zbv and interleavedzb on 2 ranks (4 stages),
+    and more checkpoint modes with several stages per rank."""
+    results = spawn(2, SLOW_CASES_2, tmp_path, None, SLOW_SPAWN_SECONDS)
+    check(results, SLOW_CASES_2)
+    check_same(results, [n for n in SLOW_CASES_2 if n.startswith("drop")])
 
 
 def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -325,7 +159,7 @@ def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    model, x, y, _, _ = _case("mlp")
+    model, x, y, _, _ = case("mlp", 2)
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("boom in loss_fn")
@@ -340,11 +174,9 @@ def _failing_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_a_rank_that_raises_ends_every_rank(tmp_path: Path) -> None:
     """No rank is left waiting: each exits with an error, within the bounded wait."""
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent),
-         os.environ.get("PYTHONPATH", "")])
+    environment()
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_failing_worker, args=(r, 3, port, str(tmp_path))) for r in range(3)]
     for p in procs:
         p.start()
@@ -359,3 +191,33 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path: Path) -> None:
     assert all(p.exitcode != 0 for p in procs)
     assert "boom in loss_fn" in (tmp_path / "rank2.txt").read_text()
     assert all((tmp_path / f"rank{r}.txt").exists() for r in (0, 1))  # they raised too, not killed
+
+
+def test_placement_is_the_schedules() -> None:
+    """rank_of_stage is what torch's own helper computes for the looped and the V styles."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for world in (1, 2, 3, 4):
+        for schedule, per_rank in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2), ("interleaved1f1b", 3),
+                                   ("interleavedzb", 2), ("zbv", 2)):
+            style = "v" if schedule == "zbv" else "loop"
+            torch_map = generate_stage_to_rank_mapping(world, world * per_rank, style=style)
+            assert rank_of_stage(schedule, world, per_rank) == [torch_map[k] for k in range(world * per_rank)]
+            for rank in range(world):
+                assert stages_of_rank(schedule, world, per_rank, rank) == [
+                    k for k in range(world * per_rank) if torch_map[k] == rank]
+
+
+def test_schedule_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"'zbv' runs exactly 2 stages per rank .*stages_per_rank=1"):
+        check_schedule("zbv", 1, 8, 2)
+    with pytest.raises(ValueError, match=r"'interleavedzb' does not run one stage per rank.*'gpipe', '1f1b'"):
+        check_schedule("interleavedzb", 1, 8, 2)
+    with pytest.raises(ValueError, match=r"'zbv' needs chunks >= the number of stages \(4\); got chunks=3"):
+        check_schedule("zbv", 2, 3, 2)
+    with pytest.raises(ValueError, match=r"'interleavedzb' needs chunks to be a multiple of the world size \(3\)"):
+        check_schedule("interleavedzb", 2, 7, 3)
+    with pytest.raises(ValueError, match=r"schedule must be one of 'gpipe', '1f1b', 'interleaved1f1b', "
+                                         r"'interleavedzb', 'zbv', got 'zb'"):
+        check_schedule("zb", 2, 8, 2)
+    check_schedule("zbv", 2, 4, 2)

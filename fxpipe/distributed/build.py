@@ -18,8 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleLoopedBFS)
+from torch.distributed.pipelining import PipelineStage
 
 from fxpipe.api import check_plan, check_split_points, checked_capture
 from fxpipe.emit import Stages, emit_stages
@@ -35,18 +34,13 @@ from .carry import carried_plan
 from .materialise import InitBuffers, capture_sample, local_weights
 from .meta import stage_metas
 from .pipe import DistributedPipeline
+from .schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
 from .sources import StateDictSource
+from .split_backward import input_pass
 from .ties import TiedGradients
 from .values import StageRunner
 
 __all__ = ["pipeline", "SCHEDULES", "DEFAULT_TIMEOUT"]
-
-#: schedule name -> (torch schedule class for one stage per rank, for several)
-SCHEDULES = {
-    "gpipe": (ScheduleGPipe, ScheduleLoopedBFS),
-    "1f1b": (Schedule1F1B, None),
-    "interleaved1f1b": (None, ScheduleInterleaved1F1B),
-}
 
 #: seconds a rank waits for its peers in any collective or transfer of the pipeline
 DEFAULT_TIMEOUT = 300.0
@@ -55,11 +49,19 @@ DEFAULT_TIMEOUT = 300.0
 class CheckpointedStage(PipelineStage):
     """A ``PipelineStage`` that tells its :class:`StageRunner` which micro-batch it runs
     (torch's schedules pass the micro-batch index as ``fwd_chunk_id``), so the runner can
-    checkpoint the chosen ones."""
+    checkpoint the chosen ones, and whose zero-bubble input pass misses no weight gradient."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self.submod.micro_batch = fwd_chunk_id
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        """Zero bubble's input-gradient pass made exact for every parameter (:mod:`.split_backward`)."""
+        run = super().backward_maybe_with_nosync
+        if backward_type != "input":
+            return run(backward_type, bwd_kwargs, last_backward)
+        return input_pass(bwd_kwargs, list(self.submod.parameters()),
+                          lambda: run(backward_type, bwd_kwargs, last_backward))
 
 
 def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stages_per_rank: int,
@@ -72,19 +74,7 @@ def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stag
     check_chunks(chunks)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
-    if not isinstance(stages_per_rank, int) or isinstance(stages_per_rank, bool) or stages_per_rank < 1:
-        raise ValueError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}")
-    if SCHEDULES[schedule][0 if stages_per_rank == 1 else 1] is None:
-        which = "one stage per rank" if stages_per_rank == 1 else "several stages per rank"
-        fits = [s for s, c in SCHEDULES.items() if c[0 if stages_per_rank == 1 else 1] is not None]
-        raise ValueError(f"schedule {schedule!r} does not run {which} (stages_per_rank={stages_per_rank}); "
-                         f"use one of {fits}")
-    world = dist.get_world_size()
-    if schedule != "gpipe" and chunks < world * stages_per_rank:
-        raise ValueError(f"schedule {schedule!r} needs chunks >= the number of stages ({world * stages_per_rank}); "
-                         f"got chunks={chunks}: raise chunks, or use schedule='gpipe'")
+    check_schedule(schedule, stages_per_rank, chunks, dist.get_world_size())
     if balance_by not in BALANCE_BY:
         raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
     if checkpoint not in CHECKPOINT_MODES:
@@ -131,7 +121,8 @@ def pipeline(
     and buffers are broadcast to every rank first, as DDP does; or, with ``state_dict=``,
     each rank loads only its own stages' tensors -- the way to run a model built on the meta
     device, of which each rank then materialises only its own stages
-    (:mod:`fxpipe.distributed.materialise`).
+    (:mod:`fxpipe.distributed.materialise`). To train under ``torch.autocast``, build under
+    it too: the stages' buffers take the build's dtypes.
 
     Args:
         model, sample, sample_kwargs, leaf_modules, split_points: as for :func:`fxpipe.pipeline`.
@@ -139,13 +130,17 @@ def pipeline(
         loss_fn: ``loss_fn(output, target)`` on one micro-batch, mean-reduced over its samples
             (then ``step`` gives eager's loss and gradients); ``output`` has the model's structure.
         schedule: ``'gpipe'`` or ``'1f1b'``; with ``stages_per_rank > 1``: ``'gpipe'``
-            (torch's LoopedBFS) or ``'interleaved1f1b'``. Stage ``k`` runs on rank ``k % world_size``.
+            (torch's LoopedBFS), ``'interleaved1f1b'`` or ``'interleavedzb'`` (interleaved zero
+            bubble), stage ``k`` on rank ``k % world_size``; ``'zbv'`` (zero-bubble V) with
+            ``stages_per_rank=2``: rank ``r`` holds stages ``r`` and ``2 * world_size - 1 - r``.
+            See :mod:`fxpipe.distributed.schedules`.
         plan: a saved plan (object or JSON path), read on rank 0; no profiling.
         balance_by: as for :func:`fxpipe.pipeline`; default ``'params'`` (deterministic).
         checkpoint: ``'except_last'`` (default), ``'always'`` or ``'never'``, as for
             :func:`fxpipe.pipeline`: each checkpointed micro-batch's stage forward keeps no
             activations and is recomputed in its backward (``torch.utils.checkpoint``,
-            non-reentrant, RNG and autocast state restored: dropout masks match), on every stage.
+            non-reentrant, RNG and autocast state restored: dropout masks match), on every stage;
+            under the zero-bubble schedules it is recomputed in both backward passes.
         timeout: seconds any rank waits for its peers before the job fails (no hang).
         state_dict: the weights, read by each rank for its own stages only: a mapping, the path
             of a ``torch.save`` file (memory-mapped), the path of a ``torch.distributed.checkpoint``
@@ -208,34 +203,30 @@ def pipeline(
         metas = stage_metas(stages.modules, micro, stages.input_names)
 
     rank = dist.get_rank(group)
-    rank_of_stage = [k % world for k in range(n_stages)]
-    local = [k for k in range(n_stages) if rank_of_stage[k] == rank]
+    placement = rank_of_stage(schedule, world, stages_per_rank)
+    local = stages_of_rank(schedule, world, stages_per_rank, rank)
     device = torch.device("cpu")
     local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
                   exported=captured.method == "export", device=device)
-    pipe_stages = []
+    pipe_stages, runners = [], {}
     for k in local:
         first, last = k == 0, k == n_stages - 1
         inputs = [None if isinstance(v, torch.Tensor) else ("const", v) for v in flat] if first else metas[k].in_kinds
         runner = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, captured.out_spec,
-                             checkpoint_stop=checkpoint_stop(checkpoint, chunks, True), training_of=model)
+                             checkpoint_stop=checkpoint_stop(checkpoint, chunks, True), training_of=model,
+                             clone_outputs=SCHEDULES[schedule].split_backward)
+        runners[k] = runner
         pipe_stages.append(CheckpointedStage(runner, k, n_stages, device, input_args=metas[k].input_args,
                                          output_args=metas[k].output_args, group=group))
 
-    def scaled_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, target) / chunks  # mean over equal micro-batches; scale_grads=False
+    output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
 
-    single, multi = SCHEDULES[schedule]
-    if stages_per_rank == 1:
-        runner_schedule = single(pipe_stages[0], chunks, loss_fn=scaled_loss, scale_grads=False)
-        forward_only = ScheduleGPipe(pipe_stages[0], chunks)
-    else:
-        runner_schedule = multi(pipe_stages, chunks, loss_fn=scaled_loss, scale_grads=False)
-        forward_only = ScheduleLoopedBFS(pipe_stages, chunks)
-    # torch's schedule.eval() still computes the loss (and needs a target): eval_step runs
-    # the same stages under a schedule without loss_fn.
-    ties = TiedGradients(model, stages.modules, rank_of_stage, group, wait)
+    def scaled_loss(tensors: Any, target: torch.Tensor) -> torch.Tensor:
+        # the model's outputs as the model returns them; mean over equal micro-batches; scale_grads=False
+        return loss_fn(output.structured(tensors), target) / chunks  # type: ignore[union-attr]
+
+    runner_schedule, forward_only = make_schedules(schedule, pipe_stages, chunks, scaled_loss, placement)
+    ties = TiedGradients(model, stages.modules, placement, group, wait)
     shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
-    last_rank = dist.get_global_rank(group, rank_of_stage[-1])
-    return DistributedPipeline(model, captured, agreed, stages, local, (runner_schedule, forward_only), group, last_rank, chunks,
-                               shapes, ties, [group, *ties.groups.values()])
+    return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,
+                               chunks, shapes, ties, [group, *ties.groups.values()], output=output)

@@ -9,7 +9,10 @@ sending and the scheduling; this class adds what makes a step exact against eage
   (torch's ``scale_grads`` divides the whole accumulated ``.grad``, wrong under gradient
   accumulation), so a mean-reduced ``loss_fn`` gives eager's loss and gradients;
 * tied parameters used on several ranks have their gradients summed (:mod:`.ties`);
-* ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank).
+* ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank);
+* a step under another autocast state than the build's is refused: the stages exchange
+  buffers of the dtypes the build's fake run found (bf16 sent into a float32 buffer gave
+  garbage, measured), so build and step under the same ``torch.autocast``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import nn
 
 from fxpipe.capture import Capture
 from fxpipe.emit import Stages
-from fxpipe.errors import BatchShapeError, PipelineClosedError
+from fxpipe.errors import BatchShapeError, DistributedError, PipelineClosedError
 from fxpipe.plan import Plan
 
 from .ties import TiedGradients, parameters_of
@@ -32,6 +35,15 @@ __all__ = ["DistributedPipeline"]
 _FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
+def _autocast() -> Optional[torch.dtype]:
+    """The CPU autocast dtype in force, or None (the stages run on the CPU)."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def _autocast_text(dtype: Optional[torch.dtype]) -> str:
+    return "no autocast" if dtype is None else f"torch.autocast('cpu', dtype={dtype})"
+
+
 class DistributedPipeline:
     """The part of a pipeline this rank runs; every rank calls :meth:`step` together.
 
@@ -39,27 +51,33 @@ class DistributedPipeline:
         plan: the Plan every rank agreed on (the one made or loaded on rank 0).
         stages: all emitted stages (every rank emits all of them to check they agree);
             ``local`` are the indices this rank runs.
+        placement: the rank of each stage, as the schedule places them
+            (:func:`fxpipe.distributed.schedules.rank_of_stage`).
         rank, world_size: this process in the pipeline's process group.
     """
 
-    def __init__(self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages, local: Sequence[int],
-                 schedule: tuple[Any, Any], group: dist.ProcessGroup, last_rank: int, chunks: int,
-                 sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup]) -> None:
+    def __init__(self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages, placement: Sequence[int],
+                 schedule: tuple[Any, Any], group: dist.ProcessGroup, chunks: int,
+                 sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup],
+                 output: Any = None) -> None:
         self.module = model
         self.capture = captured
         self.plan = plan
         self.stages = stages
-        self.local = list(local)
+        self.placement = list(placement)
         self.chunks = chunks
         self.rank = dist.get_rank(group)
+        self.local = [k for k, r in enumerate(self.placement) if r == self.rank]
         self.world_size = dist.get_world_size(group)
         self._schedule, self._forward_only = schedule
         self._group = group
-        self._last_rank = last_rank  # global rank of the last stage
+        self._last_rank = dist.get_global_rank(group, self.placement[-1])  # of the last stage
         self._sample_shapes = sample_shapes
         self._ties = ties
         self._groups = groups
         self._closed = False
+        self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
+        self._autocast = _autocast()  # the state pipeline() ran the fake metadata run under
 
     @property
     def n_stages(self) -> int:
@@ -91,6 +109,11 @@ class DistributedPipeline:
     # -- running -------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The tensors of a call, checked against the sample's shapes on every rank."""
+        if _autocast() != self._autocast:
+            raise DistributedError(
+                f"this call runs under {_autocast_text(_autocast())}, but the pipeline was built under "
+                f"{_autocast_text(self._autocast)}: its stages exchange buffers of the dtypes found at build. Build "
+                "the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
         flat = self.capture.flatten_inputs(args, kwargs)  # InputMismatchError names the argument
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         for i, (t, want) in enumerate(zip(tensors, self._sample_shapes)):
@@ -145,7 +168,8 @@ class DistributedPipeline:
         self._check_open()
         tensors = self._inputs(args, kwargs)
         first = 0 in self.local
-        return self._forward_only.step(*(tensors if first else ()))
+        out = self._forward_only.step(*(tensors if first else ()))
+        return None if out is None else self._output.structured(out)
 
     def close(self) -> None:
         """Releases the pipeline's process groups (the default group stays the caller's)."""

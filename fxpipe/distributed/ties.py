@@ -28,14 +28,15 @@ def parameters_of(stage: nn.Module) -> list[nn.Parameter]:
 
 
 class TiedGradients:
-    """The parameters of ``model`` used by stages of more than one rank, and their subgroups."""
+    """The parameters of ``model`` used by stages of more than one rank, and their subgroups
+    (``placement``: the rank of each stage, :func:`fxpipe.distributed.schedules.rank_of_stage`)."""
 
-    def __init__(self, model: nn.Module, stages: Sequence[nn.Module], rank_of_stage: Sequence[int],
+    def __init__(self, model: nn.Module, stages: Sequence[nn.Module], placement: Sequence[int],
                  group: dist.ProcessGroup, timeout: timedelta) -> None:
         users: dict[int, set[int]] = {}
         for k, stage in enumerate(stages):
             for p in parameters_of(stage):
-                users.setdefault(id(p), set()).add(rank_of_stage[k])
+                users.setdefault(id(p), set()).add(placement[k])
         me = dist.get_rank(group)
         #: (model name, parameter, global ranks using it), in the model's order
         self.tied: list[tuple[str, nn.Parameter, tuple[int, ...]]] = []

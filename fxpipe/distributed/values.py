@@ -13,7 +13,7 @@ encodes its results, so the generated code itself stays the one ``fxpipe.pipelin
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 import torch.fx
@@ -29,6 +29,8 @@ __all__ = ["Kind", "kind_of", "encode", "decode", "meta_of", "StageRunner"]
 Kind = Union[str, tuple]
 
 _SCALARS = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+
+_TENSOR = object()  # a tensor's place among the last stage's output leaves
 
 
 def kind_of(value: Any, name: str) -> Kind:
@@ -98,14 +100,46 @@ def meta_of(value: Any, kind: Kind) -> list[torch.Tensor]:
     return [t for v, k in zip(value, kind[1]) for t in meta_of(v, k)]
 
 
+class _Reentered:
+    """A context manager made afresh by ``make()`` each time it is entered (one from
+    ``@contextmanager`` enters once): ``torch.utils.checkpoint`` enters the recompute context
+    at every recomputation, and a zero-bubble schedule recomputes a checkpointed stage twice,
+    in its input-gradient and in its weight-gradient pass."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._open: list[Any] = []
+
+    def __enter__(self) -> Any:
+        self._open.append(self._make())
+        return self._open[-1].__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._open.pop().__exit__(*exc)
+
+
+def _own(value: Any) -> Any:
+    """A tensor that needs grad, or is a view, cloned: torch's zero-bubble schedules
+    ``detach_()`` a stage's outputs after the input-gradient pass, which breaks a backward
+    node that saved the output itself (``tanh``, ``sigmoid``) for the weight pass, and
+    raises for a view (a carried value, a reshaped mask)."""
+    if isinstance(value, torch.Tensor) and (value.requires_grad or value._is_view()):
+        return value.clone()
+    if type(value) in (tuple, list):
+        return type(value)(_own(v) for v in value)
+    return value
+
+
 class StageRunner(nn.Module):
     """One generated stage as torch's ``PipelineStage`` runs it: tensors in, tensors out.
 
     ``inputs``: for the first stage, per flat model input either ``None`` (a tensor given to
     ``step``) or ``("const", value)`` (a non-tensor the graph specialised on); otherwise the
     kind of each boundary value received. ``outputs``: the kinds of the values sent, or
-    ``None`` for the last stage, which returns the model's own output structure
-    (``out_spec``) for ``loss_fn``.
+    ``None`` for the last stage, which returns the tensors among the model's output leaves:
+    torch's schedules ``detach_()`` each output of the last stage after its backward, so a
+    dict, a ``ModelOutput`` or an int there fails; :meth:`structured` rebuilds the model's
+    own output structure (``out_spec``) for ``loss_fn`` and ``eval_step``.
 
     Checkpointing: micro-batches ``0 .. checkpoint_stop - 1`` (``micro_batch`` is set by
     :class:`CheckpointedStage` before each forward) run under non-reentrant
@@ -113,11 +147,14 @@ class StageRunner(nn.Module):
     and autocast state; the stage's buffers are put back to their forward-time values around
     the recomputation, so a buffer updated in forward is updated once and read as it was.
     Nothing is checkpointed in eval mode (``training_of.training`` false) or under no_grad.
+
+    ``clone_outputs`` (zero-bubble schedules): every output tensor that needs grad or is a
+    view is returned as a clone (:func:`_own`).
     """
 
     def __init__(self, stage: torch.fx.GraphModule, inputs: Sequence[Any], outputs: Sequence[Kind] | None,
                  first: bool, out_spec: pytree.TreeSpec | None = None, checkpoint_stop: int = 0,
-                 training_of: nn.Module | None = None) -> None:
+                 training_of: nn.Module | None = None, clone_outputs: bool = False) -> None:
         super().__init__()
         self.stage = stage
         self.inputs = list(inputs)
@@ -126,6 +163,8 @@ class StageRunner(nn.Module):
         self.out_spec = out_spec
         self.checkpoint_stop = checkpoint_stop
         self.micro_batch = 0
+        self.clone_outputs = clone_outputs
+        self._leaves: list[Any] = []  # the last stage's output leaves, _TENSOR where a tensor was
         self._training_of = [training_of if training_of is not None else stage]  # not a submodule
 
     def _checkpointed(self) -> bool:
@@ -143,13 +182,22 @@ class StageRunner(nn.Module):
                              context_fn=self._contexts)
         else:
             out = self.stage(*args)
-        if self.outputs is None:
-            return pytree.tree_unflatten(list(out), self.out_spec)
+        if self.clone_outputs:
+            out = [_own(v) for v in out]
+        if self.outputs is None:  # torch detaches each of the last stage's outputs: tensors only
+            self._leaves = [_TENSOR if isinstance(v, torch.Tensor) else v for v in out]
+            return tuple(v for v in out if isinstance(v, torch.Tensor))
         return tuple(t for v, k in zip(out, self.outputs) for t in encode(v, k))
+
+    def structured(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The last stage's output tensors (one micro-batch's, or merged by ``eval_step``) in
+        the model's output structure, with the other leaves of the latest forward."""
+        pending = list(tensors)
+        return pytree.tree_unflatten([pending.pop(0) if v is _TENSOR else v for v in self._leaves], self.out_spec)
 
     def _contexts(self) -> tuple[Any, Any]:
         """(forward, recompute) contexts for ``torch.utils.checkpoint``: the buffers' values
-        are saved before the forward and swapped in for the recomputation. Only buffers whose
+        are saved before the forward and swapped in for each recomputation. Only buffers whose
         value differs are written: a write bumps the version counter, and a buffer the forward
         of another micro-batch saved for backward (a rotary ``inv_freq`` in a product) would
         then fail that backward ("modified by an inplace operation")."""
@@ -176,4 +224,4 @@ class StageRunner(nn.Module):
             finally:
                 put(now)
 
-        return forward(), recompute()
+        return forward(), _Reentered(recompute)

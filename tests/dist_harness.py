@@ -1,0 +1,289 @@
+"""Spawned gloo ranks running fxpipe.distributed cases, and their comparison with eager.
+
+Each spawn runs several cases in one process group (starting processes is the slow part).
+Every case trains for 3 SGD steps (momentum: the optimizer has state): the first step's
+gradient is accumulated over two ``step()`` calls on two batches, the others take one batch
+each. Every rank saves its losses, its parameters' gradients before each optimizer step, its
+parameters after each, an ``eval_step`` output and the errors it saw; the parent compares them
+with the same model trained eagerly on the whole batches (:func:`check`). The parent waits a
+bounded time and kills the ranks if they overrun, so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+import zoo
+from dist_models import Mixer, Scaled, case
+from fxpipe.distributed.schedules import rank_of_stage, stages_of_rank
+
+SPAWN_SECONDS = 240  # generous: two cores shared with other jobs
+SLOW_SPAWN_SECONDS = 540
+LR, MOMENTUM = 0.05, 0.9
+#: the batches of each optimizer step: 0 is (x, y), 1 the same samples in reverse order
+TRAJECTORY = ([0, 1], [0], [1])
+
+CHECKPOINT_MODES = ("except_last", "always", "never")
+
+
+def mode(name: str) -> str:
+    return next((m for m in CHECKPOINT_MODES if name.endswith("-" + m)), "except_last")
+
+
+def autocast(name: str) -> Any:
+    return torch.autocast("cpu", dtype=torch.bfloat16) if "-bf16" in name else contextlib.nullcontext()
+
+
+def batches_of(x: Any, y: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
+    """Batch 0 and batch 1 (the same samples in reverse order: other micro-batches)."""
+    flip = pytree.tree_map(lambda t: t.flip(0) if isinstance(t, torch.Tensor) else t, x)
+    return [(x, y), (flip, y.flip(0))]
+
+
+def runcase(fpd: Any, name: str, spec: tuple, rank: int, recomputed: list[int]) -> dict:
+    schedule, per_rank, chunks = spec
+    model, x, y, loss_fn, options = case(name, chunks)
+    batches = batches_of(x, y)
+    with autocast(name):
+        pipe = fpd.pipeline(model, x, chunks=chunks, loss_fn=loss_fn, schedule=schedule, stages_per_rank=per_rank,
+                            checkpoint=mode(name), timeout=60, **options)
+        opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
+        torch.manual_seed(100 + rank)  # dropout masks: the same in every checkpoint mode
+        recomputed[0] = 0
+        losses, grads, params = [], [], []
+        for step in TRAJECTORY:
+            for b in step:  # no zero_grad in between: accumulation
+                xb, yb = batches[b]
+                losses.append(pipe.step(xb, target=yb).item())
+            grads.append({n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+            params.append({n: p.detach().clone() for n, p in pipe.named_parameters()})
+        checkpointed = recomputed[0]
+        out_eval = pipe.eval_step(x)
+    checkpointed_in_eval = recomputed[0] - checkpointed
+    cut = pytree.tree_map(lambda t: t[:-1] if isinstance(t, torch.Tensor) else t, x)
+    try:
+        with autocast(name):
+            pipe.step(cut, target=y[:-1])
+        refused = ""
+    except Exception as e:
+        refused = f"{type(e).__name__}: {e}"
+    result = {"losses": losses, "grads": grads, "params": params, "eval": out_eval, "refused": refused,
+              "local": pipe.local, "placement": pipe.placement, "checkpointed": checkpointed,
+              "checkpointed_in_eval": checkpointed_in_eval, "names": [n for n, _ in pipe.named_parameters()]}
+    pipe.close()
+    return result
+
+
+def bn_buffers_same(fpd: Any, spec: tuple) -> bool:
+    """BatchNorm's running stats and num_batches_tracked after two steps: the same with
+    checkpoint='always' (recomputed forwards) as with 'never'."""
+    schedule, per_rank, chunks = spec
+    states = {}
+    for mode in ("always", "never"):
+        torch.manual_seed(0)
+        bn, (xb,), _ = zoo.bn_model(batch=chunks * -(-8 // chunks))
+        yb = torch.zeros(xb.shape[0], 4)
+        pipe = fpd.pipeline(bn, xb, chunks=chunks, loss_fn=F.mse_loss, schedule=schedule, stages_per_rank=per_rank,
+                            checkpoint=mode, timeout=60)
+        for _ in range(2):
+            pipe.step(xb, target=yb)
+        states[mode] = {k: v.clone() for k, v in bn.state_dict().items()}
+        pipe.close()
+    return all(torch.equal(states["always"][k], v) for k, v in states["never"].items())
+
+
+def misc(fpd: Any, rank: int) -> dict:
+    """What the default spawn checks besides the cases: refusals and state kept."""
+    from fxpipe.errors import DistributedError, MicroBatchError, PlanMismatchError
+
+    results: dict[str, Any] = {}
+    bn, (xb,), _ = zoo.bn_model()
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    fpd.pipeline(bn, xb, chunks=2, loss_fn=F.mse_loss, timeout=60).close()
+    results["build_keeps_state"] = all(torch.equal(before[k], v) for k, v in bn.state_dict().items())
+    try:  # ranks building different models get a typed error on every rank, not a hang
+        fpd.pipeline(Scaled(2.0 if rank == 0 else 3.0), torch.randn(4, 4), chunks=2, loss_fn=F.mse_loss,
+                     timeout=60)
+        results["mismatch"] = ""
+    except (PlanMismatchError, DistributedError) as e:
+        results["mismatch"] = type(e).__name__
+    try:  # what the single-process pipeline refuses in training mode is refused on every rank
+        fpd.pipeline(Mixer(), torch.randn(4, 8), chunks=2, loss_fn=F.mse_loss, leaf_modules=["n"], timeout=60)
+        results["train_refused"] = ""
+    except MicroBatchError as e:
+        results["train_refused"] = f"{type(e).__name__}: {e}"
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
+    try:  # built without autocast, stepped under it: refused before anything is sent
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pipe.step(x, target=y)
+        results["autocast_refused"] = ""
+    except DistributedError as e:
+        results["autocast_refused"] = f"{type(e).__name__}: {e}"
+    results["after_refusal"] = pipe.step(x, target=y).item()  # the pipeline still runs
+    pipe.close()
+    return results
+
+
+def worker(rank: int, world: int, port: int, cases: dict, extras: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    import fxpipe.distributed.values as values
+
+    recomputed = [0]  # micro-batch forwards run under torch.utils.checkpoint on this rank
+    original = values.checkpoint
+
+    def counting(*a: Any, **k: Any) -> Any:
+        recomputed[0] += 1
+        return original(*a, **k)
+
+    values.checkpoint = counting
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    results: dict[str, Any] = {}
+    for name, spec in cases.items():
+        results[name] = runcase(fpd, name, spec, rank, recomputed)
+    if "bn" in extras:
+        results["bn_buffers_same"] = bn_buffers_same(fpd, extras["bn"])
+    if extras.get("misc"):
+        results.update(misc(fpd, rank))
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment() -> None:
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent),
+         os.environ.get("PYTHONPATH", "")])
+
+
+def spawn(world: int, cases: dict, tmp: Path, extras: dict | None = None,
+           seconds: float = SPAWN_SECONDS) -> list[dict]:
+    environment()
+    ctx = mp.start_processes(worker, args=(world, free_port(), cases, extras or {}, str(tmp)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + seconds
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"distributed ranks did not finish within {seconds} s")
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def eager_run(name: str, chunks: int) -> dict:
+    """The same trajectory on the whole batches, one process."""
+    model, x, y, loss_fn, _ = case(name, chunks)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    batches = batches_of(x, y)
+    losses, grads, params = [], [], []
+    with autocast(name):
+        for step in TRAJECTORY:
+            for b in step:
+                xb, yb = batches[b]
+                loss = loss_fn(model(xb), yb)
+                loss.backward()
+                losses.append(loss.item())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            out = model(x)
+    return {"losses": losses, "grads": grads, "params": params, "eval": out}
+
+
+#: placements written out, so a wrong rank_of_stage fails here too
+PLACED = {("zbv", 3): [0, 1, 2, 2, 1, 0], ("zbv", 2): [0, 1, 1, 0], ("interleavedzb", 3): [0, 1, 2, 0, 1, 2],
+          ("interleaved1f1b", 2): [0, 1, 0, 1], ("gpipe", 3): [0, 1, 2], ("1f1b", 3): [0, 1, 2]}
+
+
+def tolerance(name: str) -> dict:
+    """bf16 autocast: micro-batches round differently from the whole batch."""
+    return {"rtol": 2e-2, "atol": 2e-2} if "-bf16" in name else {}
+
+
+def check(results: list[dict], cases: dict) -> None:
+    world = len(results)
+    for name, (schedule, per_rank, chunks) in cases.items():
+        placement = rank_of_stage(schedule, world, per_rank)
+        if (schedule, world) in PLACED:
+            assert placement == PLACED[schedule, world], (schedule, world, placement)
+        steps = sum(len(s) for s in TRAJECTORY)
+        for rank, res in enumerate(results):  # steps x micro-batches checkpointed x this rank's stages
+            r = res[name]
+            assert r["placement"] == placement, name
+            assert r["local"] == stages_of_rank(schedule, world, per_rank, rank), (name, rank, r["local"])
+            want = {"always": chunks, "except_last": chunks - 1, "never": 0}[mode(name)]
+            assert r["checkpointed"] == steps * want * per_rank, (name, r["checkpointed"])
+            assert r["checkpointed_in_eval"] == 0, name
+            assert "shape" in r["refused"] and "micro-batches" in r["refused"], (name, r["refused"])
+        if name.startswith("drop"):
+            continue  # dropout: see check_same
+        eager = eager_run(name, chunks)
+        close = tolerance(name)
+        seen: set[str] = set()
+        for rank, res in enumerate(results):
+            r = res[name]
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(eager["losses"]), **close,
+                                       msg=lambda m: f"{name} rank {rank} losses: {m}")
+            for i, (got, want_grads) in enumerate(zip(r["grads"], eager["grads"])):
+                assert set(got) == set(r["names"]) & set(want_grads), (name, rank, i)
+                for n, g in got.items():
+                    torch.testing.assert_close(g, want_grads[n], **close,
+                                               msg=lambda m: f"{name} rank {rank} step {i} grad {n}: {m}")
+            for i, (got, want_params) in enumerate(zip(r["params"], eager["params"])):
+                assert set(got) == set(r["names"]), (name, rank, i)
+                for n, p in got.items():
+                    torch.testing.assert_close(p, want_params[n], **close,
+                                               msg=lambda m: f"{name} rank {rank} after step {i} {n}: {m}")
+            seen |= set(r["grads"][0])
+        assert seen == set(eager["grads"][0]), f"{name}: no rank holds {sorted(set(eager['grads'][0]) - seen)}"
+        last = placement[-1]
+        torch.testing.assert_close(results[last][name]["eval"], eager["eval"], **close)
+        assert all(res[name]["eval"] is None for r, res in enumerate(results) if r != last)
+
+
+def check_same(results: list[dict], names: list[str]) -> None:
+    """Cases that differ only in checkpoint mode give the same losses, gradients and
+    parameters, bit for bit (dropout masks recomputed as drawn, autocast restored)."""
+    base = names[0]
+    for name in names[1:]:
+        for rank, res in enumerate(results):
+            assert res[name]["losses"] == res[base]["losses"], (name, rank)
+            for key in ("grads", "params"):
+                for i, (got, want) in enumerate(zip(res[name][key], res[base][key])):
+                    assert got.keys() == want.keys()
+                    for n, g in got.items():
+                        assert torch.equal(g, want[n]), f"{name} rank {rank} {key} {i} {n} differs from {base}"
+
+
+def check_dropout_acted(results: list[dict], name: str, chunks: int) -> None:
+    """Without dropout (eval mode), the first loss would be eager's eval-mode loss."""
+    model, x, y, loss_fn, _ = case(name, chunks)
+    with torch.no_grad():
+        plain = loss_fn(model.eval()(x), y).item()
+    assert results[0][name]["losses"][0] != pytest.approx(plain, rel=1e-4)
+
