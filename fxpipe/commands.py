@@ -305,14 +305,14 @@ def _refuse_nproc_options(ns: argparse.Namespace, *more: str) -> None:
 
 def _nproc_options(ns: argparse.Namespace) -> None:
     """Checks and completes the options of a --nproc run before any process starts."""
-    from .distributed.build import SCHEDULES
+    from .distributed.schedules import SCHEDULES
 
     ns.schedule = ns.schedule or "gpipe"
     if ns.schedule not in SCHEDULES:
         raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {ns.schedule!r}")
-    one_per_rank = SCHEDULES[ns.schedule][0] is not None
+    schedule = SCHEDULES[ns.schedule]
     if ns.stages is None:  # only the demo has a default
-        ns.stages = ns.nproc * (1 if one_per_rank else 2)
+        ns.stages = ns.nproc * (schedule.exactly or (1 if schedule.one is not None else 2))
     if ns.stages % ns.nproc:
         raise UsageError(f"--stages {ns.stages} with --nproc {ns.nproc}: every rank runs the same number of "
                          f"stages, so --stages must be a multiple of {ns.nproc}")

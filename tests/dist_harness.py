@@ -181,8 +181,14 @@ def environment() -> None:
 
 def spawn(world: int, cases: dict, tmp: Path, extras: dict | None = None,
            seconds: float = SPAWN_SECONDS) -> list[dict]:
+    return run_ranks(worker, world, (cases, extras or {}), tmp, seconds)
+
+
+def run_ranks(fn: Any, world: int, args: tuple, tmp: Path, seconds: float = SPAWN_SECONDS) -> list[dict]:
+    """``fn(rank, world, port, *args, str(tmp))`` on ``world`` spawned ranks; each saves its
+    results to ``tmp/rank{r}.pt``. The ranks are killed, and the test fails, after ``seconds``."""
     environment()
-    ctx = mp.start_processes(worker, args=(world, free_port(), cases, extras or {}, str(tmp)), nprocs=world,
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args, str(tmp)), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + seconds
     while not ctx.join(timeout=1):

@@ -11,19 +11,17 @@ Ranks are spawned with gloo on 127.0.0.1 and killed after a deadline (as in test
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import zoo
-from test_distributed import SPAWN_SECONDS, _free_port
+from dist_harness import run_ranks
 
 STEPS = 3
 
@@ -224,21 +222,6 @@ def _worker(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(world: int, plan: dict, tmp: Path) -> list[dict]:
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent),
-         os.environ.get("PYTHONPATH", "")])
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), plan, str(tmp)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_SECONDS
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"distributed ranks did not finish within {SPAWN_SECONDS} s")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
 def _save(name: str, tmp: Path, checkpoint_dir: bool = False) -> str:
     """The eager model's weights as a torch.save file, or as a torch.distributed.checkpoint directory."""
     state = _weights(name).state_dict()
@@ -314,7 +297,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     file = _save("gpt", tmp)
     plan = {"gpt-meta": ("gpt", file, "1f1b", {}), "gpt-full": ("gpt", None, "1f1b", {}),
             "errors": ("gpt", file, None, {})}
-    return _spawn(2, plan, tmp)
+    return run_ranks(_worker, 2, (plan,), tmp)
 
 
 def test_meta_build_holds_only_its_stages(two_ranks: list[dict]) -> None:
@@ -358,7 +341,7 @@ def test_meta_build_from_every_state_dict_form_and_hf_llama(tmp_path: Path) -> N
             "gpt-interleaved": ("gpt", _save("gpt", tmp_path), "interleaved1f1b", {"stages_per_rank": 2}),
             "rotary-meta": ("rotary", rotary, "gpipe", {"init_buffers": True}),
             "rotary-refused": ("rotary", rotary, "gpipe", {})}
-    results = _spawn(2, plan, tmp_path)
+    results = run_ranks(_worker, 2, (plan,), tmp_path)
     _check_trajectory(results, "llama-safetensors", "llama")
     _check_saved(trained, "gpt")
     _check_trajectory(results, "gpt-callable", "gpt")
