@@ -186,7 +186,7 @@ class Checkpointing:
     def __init__(self, function: Function, batch: Batch, device: torch.device, *, fused: bool = False,
                  state: Sequence[StateSlot] = (), anchor_carries: bool = True) -> None:
         self.function = function
-        self.batch = batch
+        self.batch: Optional[Batch] = batch  # until recompute(): see there
         self.device = device
         self.fused = fused
         self.state = state
@@ -206,14 +206,21 @@ class Checkpointing:
         return _rebuild(self.out_template.pop(), outputs)
 
     def recompute(self, batch: Batch) -> None:
-        """Attaches the recomputation to ``batch``, the checkpointed output, in place."""
+        """Attaches the recomputation to ``batch``, the checkpointed output, in place.
+
+        Also lets go of the input batch: from here on Checkpoint and Recompute hold their
+        inputs as saved tensors, which their backward frees, whereas this object lives as
+        long as the whole graph (``ctx.chk``), i.e. until the step's backward ends; keeping
+        the batch here would keep every checkpointed task's inputs until then.
+        """
+        inputs, self.batch = self.batch, None
         if self.fused:
             return  # Checkpoint's backward recomputes by itself.
         anchor = batch.anchor()
         target = batch[anchor] if anchor is not None else batch.carry
         if target is None or not target.requires_grad:
             return
-        template, tensors = _split(self.batch)
+        template, tensors = _split(inputs)
         target, phony = fork(target)
         phony = Recompute.apply(phony, self, template, *tensors)
         target = join(target, phony)
