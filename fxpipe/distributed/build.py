@@ -16,6 +16,7 @@ import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+import torch.utils._pytree as pytree
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -62,6 +63,25 @@ class CheckpointedStage(PipelineStage):
             return run(backward_type, bwd_kwargs, last_backward)
         return input_pass(bwd_kwargs, list(self.submod.parameters()),
                           lambda: run(backward_type, bwd_kwargs, last_backward))
+
+
+def check_on_cpu(backend: str, model: nn.Module, sample: Any = ()) -> None:
+    """Refuses what this version cannot run exactly: the stages run on the CPU and exchange
+    tensors over gloo. An NCCL group, or weights or inputs on a GPU, would fail deep inside
+    torch's send and receive; refused here, on every rank alike, with what to do instead."""
+    if str(backend).lower() != "gloo":
+        raise DistributedError(
+            f"fxpipe.distributed runs its stages on the CPU over gloo, but the default process group uses "
+            f"{backend!r}; call torch.distributed.init_process_group('gloo') (CUDA/NCCL is not supported yet)")
+    tensors = [("parameter " + n, t) for n, t in model.named_parameters()]
+    tensors += [("buffer " + n, t) for n, t in model.named_buffers()]
+    tensors += [("sample input", t) for t in pytree.tree_leaves(sample) if isinstance(t, torch.Tensor)]
+    for what, t in tensors:
+        if t.device.type not in ("cpu", "meta"):
+            raise DistributedError(
+                f"{what} is on {t.device}, and fxpipe.distributed runs its stages on the CPU over gloo "
+                "(CUDA/NCCL is not supported yet): build the model and the sample on the CPU, or use "
+                "fxpipe.pipeline(model, sample, n_stages, devices=[...]) for several GPUs of one host")
 
 
 def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stages_per_rank: int,
@@ -162,6 +182,7 @@ def pipeline(
         and every error :func:`fxpipe.pipeline` raises for the model.
     """
     _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout, checkpoint)
+    check_on_cpu(dist.get_backend(), model, (sample, sample_kwargs))
     check_split_points(split_points, plan)
     wait = timedelta(seconds=float(timeout))
     world = dist.get_world_size()

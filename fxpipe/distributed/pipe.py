@@ -117,6 +117,9 @@ class DistributedPipeline:
         flat = self.capture.flatten_inputs(args, kwargs)  # InputMismatchError names the argument
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         for i, (t, want) in enumerate(zip(tensors, self._sample_shapes)):
+            if t.device.type != "cpu":
+                raise DistributedError(f"input tensor {i} is on {t.device}, and this distributed pipeline runs its "
+                                       "stages on the CPU over gloo (CUDA is not supported yet): pass CPU tensors")
             if tuple(t.shape) != want:
                 raise BatchShapeError(
                     f"input tensor {i} has shape {tuple(t.shape)}, but this distributed pipeline was built for "
