@@ -237,3 +237,33 @@ def test_only_gloo_and_cpu_tensors_are_accepted() -> None:
         check_on_cpu("gloo", nn.Linear(4, 4))  # a meta model is built on every rank's CPU
     with pytest.raises(DistributedError, match=r"uses 'nccl'.*init_process_group\('gloo'\)"):
         check_on_cpu("nccl", model)
+
+
+def test_time_balance_profiles_one_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """balance_by='time' times what every stage runs, one micro-batch (a weight-bound layer
+    costs nearly as much on a micro-batch as on the whole batch); 'params' and 'memory' plan on
+    the whole sample (a pipeline holds every micro-batch's activations). One rank, in-process."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    import fxpipe.distributed.build as build
+
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    original = build.make_plan
+
+    def recording(captured: object, args: tuple, kwargs: dict, n_stages: int, **options: object) -> object:
+        seen.append((options["balance_by"], tuple(args[0].shape)))
+        return original(captured, args, kwargs, n_stages, **options)
+
+    monkeypatch.setattr(build, "make_plan", recording)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        model, x, y, loss_fn, _ = case("mlp")
+        for balance_by in ("time", "params", "memory"):
+            pipe = fpd.pipeline(model, x, chunks=4, loss_fn=loss_fn, balance_by=balance_by, timeout=60)
+            torch.testing.assert_close(pipe.step(x, target=y), loss_fn(model(x), y).detach())
+            pipe.close()
+    finally:
+        dist.destroy_process_group()
+    assert seen == [("time", (2, 8)), ("params", (8, 8)), ("memory", (8, 8))]

@@ -16,8 +16,8 @@ import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-import torch.utils._pytree as pytree
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -116,6 +116,17 @@ def _micro_batch(flat: Sequence[Any], chunks: int) -> list[Any]:
     return [x[:size] if isinstance(x, torch.Tensor) else x for x in flat]
 
 
+def _profiled_sample(args: tuple, kwargs: dict, chunks: int, balance_by: str) -> tuple[tuple, dict]:
+    """What ``balance_by='time'`` times: one micro-batch, the unit every stage runs. Per-op
+    time does not scale with the batch (a weight-bound layer costs nearly as much on a
+    micro-batch as on the whole batch), so timing the whole batch misweighs such layers
+    (measured: benchmarks/distributed.py's Funnel put 40% more time on its second stage).
+    'memory' keeps the whole batch: a pipeline holds every micro-batch's activations."""
+    if balance_by != "time":
+        return args, kwargs
+    return pytree.tree_map(lambda v: v[: v.shape[0] // chunks] if isinstance(v, torch.Tensor) else v, (args, kwargs))
+
+
 def pipeline(
     model: nn.Module,
     sample: Any,
@@ -156,6 +167,7 @@ def pipeline(
             See :mod:`fxpipe.distributed.schedules`.
         plan: a saved plan (object or JSON path), read on rank 0; no profiling.
         balance_by: as for :func:`fxpipe.pipeline`; default ``'params'`` (deterministic).
+            ``'time'`` times one micro-batch of the sample, the unit every stage runs.
         checkpoint: ``'except_last'`` (default), ``'always'`` or ``'never'``, as for
             :func:`fxpipe.pipeline`: each checkpointed micro-batch's stage forward keeps no
             activations and is recomputed in its backward (``torch.utils.checkpoint``,
@@ -202,7 +214,8 @@ def pipeline(
 
         def make() -> Plan:
             if plan is None:
-                return make_plan(captured, cap_args, cap_kwargs, n_stages, balance_by=balance_by,
+                p_args, p_kwargs = _profiled_sample(cap_args, cap_kwargs, chunks, balance_by)
+                return make_plan(captured, p_args, p_kwargs, n_stages, balance_by=balance_by,
                                  split_points=split_points)
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
             check_plan(chosen, captured, n_stages, None if isinstance(plan, Plan) else str(plan))
