@@ -18,7 +18,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 __all__ = ["Block", "Stack", "Funnel", "make_case", "cuts_of_plan", "equal_param_cuts", "Peer",
-           "BusyRecorder", "bubble_fraction", "stage_inputs", "stage_seconds"]
+           "BusyRecorder", "stage_inputs", "stage_seconds"]
 
 
 class Block(nn.Module):
@@ -151,11 +151,14 @@ class BusyRecorder:
     schedules). Waiting for sends and receives happens in the schedule between those calls,
     so it is not counted.
 
-    A stand-in for fxpipe/distributed/trace.py's span recorder (not available when this was
-    written); ``bubble_fraction`` below is the one place to switch over."""
+    ``fxpipe.distributed.trace.record`` wraps the same methods but only on the stages of an
+    fxpipe ``DistributedPipeline``; this one, on the class, sees the peer's stages too.
+    Spans are ``(kind, start, end)`` on this rank's clock; the driver adds one ``step`` span
+    per step."""
 
-    METHODS = [(_PipelineStageBase, m) for m in ("forward_one_chunk", "backward_one_chunk",
-                                                 "backward_weight_one_chunk")] + [(_PipelineSchedule, "_compute_loss")]
+    #: (class, method, span kind as fxpipe.distributed.trace names it)
+    METHODS = [(_PipelineStageBase, "forward_one_chunk", "forward"), (_PipelineStageBase, "backward_one_chunk", "backward"),
+               (_PipelineStageBase, "backward_weight_one_chunk", "weight"), (_PipelineSchedule, "_compute_loss", "loss")]
 
     def __init__(self, synchronize: Callable[[], None] = lambda: None) -> None:
         self.spans: List[Tuple[str, float, float]] = []
@@ -174,18 +177,14 @@ class BusyRecorder:
 
     @contextmanager
     def installed(self) -> Iterator["BusyRecorder"]:
-        for cls, m in self.METHODS:
+        for cls, m, kind in self.METHODS:
             self._saved[m] = getattr(cls, m)
-            setattr(cls, m, self._wrap(m, self._saved[m]))
+            setattr(cls, m, self._wrap(kind, self._saved[m]))
         try:
             yield self
         finally:
-            for cls, m in self.METHODS:
+            for cls, m, _ in self.METHODS:
                 setattr(cls, m, self._saved.pop(m))
-
-    def busy(self, start: float, end: float) -> float:
-        """Seconds of spans inside [start, end] (spans do not overlap: one thread per rank)."""
-        return sum(min(b, end) - max(a, start) for _, a, b in self.spans if b > start and a < end)
 
 
 @contextmanager
@@ -228,9 +227,3 @@ def stage_seconds(module: nn.Module, last: bool, inputs: List[Any], loss: Callab
         synchronize()
         times.append(time.perf_counter() - t0)
     return min(times)
-
-
-def bubble_fraction(busy_seconds: float, step_seconds: float) -> float:
-    """Idle share of one rank in one step: 1 - busy / step, where step is the pipeline's step
-    time (the slowest rank's, all ranks starting together after a barrier)."""
-    return max(0.0, 1.0 - busy_seconds / step_seconds) if step_seconds > 0 else 0.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, List, Tuple
 
-from _dist_parts import bubble_fraction
+from fxpipe.distributed.trace import Span, bubble_fractions
 
 __all__ = ["summarise", "table"]
 
@@ -19,7 +19,8 @@ def _q(xs: List[float], q: float) -> float:
 def summarise(ranks: List[Dict[str, Any]], goals: Dict[str, Tuple[str, float]]) -> Dict[str, Any]:
     """Per run and contender: step time (slowest rank per repetition) median and quartiles,
     the ratio to the peer (of medians, and the median of the paired per-repetition ratios),
-    bubble fraction and memory per rank."""
+    bubble fraction (fxpipe.distributed.trace's definition, from both recorders' spans) and
+    memory per rank."""
     runs: Dict[str, Any] = {}
     for key, run0 in ranks[0]["runs"].items():
         scenario = key.split("/")[0]
@@ -29,16 +30,15 @@ def summarise(ranks: List[Dict[str, Any]], goals: Dict[str, Tuple[str, float]]) 
         peer = next(n for n in names if n.startswith("peer"))
         rows = {}
         for n in names:
-            bubble_steps = [max(r["runs"][key]["bubble"][n][i][0] for r in ranks)
-                            for i in range(len(run0["bubble"][n]))]
             rows[n] = {
                 "median_ms": 1e3 * statistics.median(steps[n]),
                 "p25_ms": 1e3 * _q(steps[n], 0.25), "p75_ms": 1e3 * _q(steps[n], 0.75),
                 "ratio": statistics.median(steps[n]) / statistics.median(steps[peer]),
                 "paired_ratio": statistics.median(a / b for a, b in zip(steps[n], steps[peer])),
                 "paired_ratio_p25_p75": [_q([a / b for a, b in zip(steps[n], steps[peer])], q) for q in (0.25, 0.75)],
-                "bubble": [statistics.median(bubble_fraction(busy, step) for (_, busy), step in
-                                             zip(r["runs"][key]["bubble"][n], bubble_steps)) for r in ranks],
+                "bubble_local": bubble_fractions([Span(kind, r["rank"], -1, -1, 0, a, b) for r in ranks
+                                                  for kind, a, b in r["runs"][key]["bubble"][n]["spans"]]),
+                "bubble_shared": run0["bubble"][n]["shared"],
                 "peak_mib": [r["runs"][key]["memory"][n]["peak_bytes"] / 2**20 for r in ranks],
                 "end_mib": [r["runs"][key]["memory"][n]["end_bytes"] / 2**20 for r in ranks],
                 "param_mib": [r["runs"][key]["memory"][n]["param_bytes"] / 2**20 for r in ranks],
@@ -54,15 +54,17 @@ def summarise(ranks: List[Dict[str, Any]], goals: Dict[str, Tuple[str, float]]) 
 
 def table(runs: Dict[str, Any]) -> str:
     lines = ["| scenario / schedule | contender | step median ms | p25-p75 ms | vs peer (medians) | paired ratio "
-             "(p25-p75) | bubble per rank | stage alone ms per rank | peak MiB per rank | params MiB per rank |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "(p25-p75) | bubble per rank: trace.record | bubble per rank: BusyRecorder | stage alone ms per rank | "
+             "peak MiB per rank | params MiB per rank |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     per = lambda xs, f: " / ".join(f.format(x) for x in xs)  # noqa: E731
     for key, run in runs.items():
         for n, r in run["contenders"].items():
             lo, hi = r["paired_ratio_p25_p75"]
             lines.append(f"| {key} | {n} | {r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | "
                          f"{r['ratio']:.3f} | {r['paired_ratio']:.3f} ({lo:.3f}-{hi:.3f}) | "
-                         f"{per(r['bubble'], '{:.2f}')} | {per(r['alone_ms'], '{:.2f}')} | "
+                         f"{per(r['bubble_shared'], '{:.2f}') if r['bubble_shared'] else '-'} | "
+                         f"{per(r['bubble_local'], '{:.2f}')} | {per(r['alone_ms'], '{:.2f}')} | "
                          f"{per(r['peak_mib'], '{:.1f}')} | "
                          f"{per(r['param_mib'], '{:.2f}')} |")
     return "\n".join(lines)

@@ -17,7 +17,10 @@ eager ``loss_fn(model(x), y).backward()`` on the whole batch, or the run stops (
 same_split each rank's fxpipe stage and peer stage must hold the same parameters). Steps are
 timed with the contenders interleaved (the order rotates every repetition), each step after a
 barrier; a step's time is the slowest rank's. Then, untimed: the bubble fraction per rank
-(busy time inside the stages' forward/backward and the loss, ``_dist_parts.BusyRecorder``),
+(``fxpipe.distributed.trace.bubble_fractions``: the share of a rank's step time outside its
+stages' forward/backward and the loss; spans from ``fxpipe.distributed.trace.record`` for
+fxpipe, which takes only fxpipe's pipelines, and from ``_dist_parts.BusyRecorder`` for
+every contender, the peer's bubble included),
 the memory per rank (``_memory.cpu_peak`` on CPU, ``max_memory_allocated`` on CUDA), and each
 rank's stage forward + backward on one micro-batch run alone (ranks take turns): the
 per-stage cost a balancer equalises, free of the ranks competing for cores.
@@ -37,6 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: worker threads st
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -74,8 +78,9 @@ class Contender:
     the rank does not have it); ``named_parameters`` are this rank's."""
 
     def __init__(self, name: str, step: Callable[[], Optional[torch.Tensor]], named_parameters: Callable[[], Any],
-                 close: Callable[[], None] = lambda: None, split: Any = None) -> None:
+                 close: Callable[[], None] = lambda: None, split: Any = None, pipe: Any = None) -> None:
         self.name, self.step, self.named_parameters, self.close, self.split = name, step, named_parameters, close, split
+        self.pipe = pipe  # fxpipe's DistributedPipeline, for fxpipe.distributed.trace.record
 
     def zero_grad(self, set_to_none: bool) -> None:
         for _, p in self.named_parameters():
@@ -108,7 +113,7 @@ def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world
                 cut = cuts_of_plan(pipe.capture.graph_module, plan.assignment, plan.n_stages)
             out.append(Contender(name, lambda p=pipe: p.step(x, target=y), pipe.named_parameters, pipe.close,
                                  {"stage_starts": [s.nodes[0] for s in plan.stages][1:], "balance_by": how,
-                                  "stage_costs": [s.cost for s in plan.stages]}))
+                                  "stage_costs": [s.cost for s in plan.stages]}, pipe))
         else:
             spec = equal_param_cuts(model, world) if how == "equal params" or cut is None else cut
             if how == "fxpipe cut" and cut is None:
@@ -188,23 +193,27 @@ def _time(contenders: List[Contender], a: argparse.Namespace, sync: Callable[[],
     return times
 
 
-def _bubbles(contenders: List[Contender], steps: int, sync: Callable[[], None]) -> Dict[str, List[List[float]]]:
-    """(step start, step end, busy seconds) per instrumented step on this rank (untimed runs)."""
+def _bubbles(contenders: List[Contender], steps: int, sync: Callable[[], None]) -> Dict[str, Dict[str, Any]]:
+    """Untimed, instrumented steps per contender on this rank: ``spans``, this rank's
+    (kind, start, end) from :class:`BusyRecorder` (every contender: the same instrument), and
+    for an fxpipe contender also ``shared``, every rank's bubble from fxpipe's own recorder
+    (``fxpipe.distributed.trace.record``, which takes only a DistributedPipeline)."""
     import torch.distributed as dist
 
-    rec = BusyRecorder(sync)
-    out: Dict[str, List[List[float]]] = {c.name: [] for c in contenders}
-    with rec.installed():
-        for _ in range(steps):
-            for c in contenders:
+    from fxpipe.distributed.trace import bubble_fractions, record
+
+    out: Dict[str, Dict[str, Any]] = {}
+    for c in contenders:
+        rec = BusyRecorder(sync)
+        with rec.installed(), (record(c.pipe) if c.pipe is not None else contextlib.nullcontext()) as trace:
+            for _ in range(steps):
                 c.zero_grad(set_to_none=True)
                 dist.barrier()
-                rec.spans.clear()
                 t0 = time.perf_counter()
                 c.step()
                 sync()
-                t1 = time.perf_counter()
-                out[c.name].append([t1 - t0, rec.busy(t0, t1)])
+                rec.spans.append(("step", t0, time.perf_counter()))
+        out[c.name] = {"spans": rec.spans, "shared": bubble_fractions(trace.spans) if trace is not None else None}
     return out
 
 
@@ -343,8 +352,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "memory_how": ("cuda max_memory_allocated minus memory_allocated before one step" if a.device == "cuda" else
                        "benchmarks/_memory.py cpu_peak: allocator bytes during one step above its start "
                        "(grads zeroed in place first), raw profiler [memory] records"),
-        "bubble_how": "1 - busy/step per rank; busy: time in PipelineStage forward/backward chunk calls and the "
-                      "loss (benchmarks/_dist_parts.py BusyRecorder); step: slowest rank, after a barrier",
+        "bubble_how": "fxpipe.distributed.trace.bubble_fractions: per rank, the share of its step time not "
+                      "covered by forward/backward/weight/loss spans; spans: fxpipe.distributed.trace.record "
+                      "('shared', fxpipe only) and benchmarks/_dist_parts.py BusyRecorder ('local', all)",
         "runs": runs,
     }
     if not a.quick or a.output != RESULTS:
