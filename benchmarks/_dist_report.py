@@ -48,15 +48,18 @@ def summarise(ranks: List[Dict[str, Any]], goals: Dict[str, Tuple[str, float]]) 
             }
         goal_name, goal = goals[scenario]
         met = rows[goal_name]["ratio"] <= goal if goal_name in rows else None
-        runs[key] = {"contenders": rows, "peer": peer, "goal": {"contender": goal_name, "ratio": goal, "met": met}}
+        probes = [[r["runs"][key]["parallelism"][k] for r in ranks] for k in range(len(run0["parallelism"]))]
+        parallelism = [statistics.median(sum(p["alone"][i] for p in probe) / max(p["together"][i] for p in probe)
+                                         for i in range(len(probe[0]["alone"]))) for probe in probes]
+        runs[key] = {"parallelism_before_after": parallelism, "contenders": rows, "peer": peer, "goal": {"contender": goal_name, "ratio": goal, "met": met}}
     return runs
 
 
 def table(runs: Dict[str, Any]) -> str:
     lines = ["| scenario / schedule | contender | step median ms | p25-p75 ms | vs peer (medians) | paired ratio "
              "(p25-p75) | bubble per rank: trace.record | bubble per rank: BusyRecorder | stage alone ms per rank | "
-             "peak MiB per rank | params MiB per rank |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "peak MiB per rank | params MiB per rank | parallelism |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     per = lambda xs, f: " / ".join(f.format(x) for x in xs)  # noqa: E731
     for key, run in runs.items():
         for n, r in run["contenders"].items():
@@ -66,5 +69,5 @@ def table(runs: Dict[str, Any]) -> str:
                          f"{per(r['bubble_shared'], '{:.2f}') if r['bubble_shared'] else '-'} | "
                          f"{per(r['bubble_local'], '{:.2f}')} | {per(r['alone_ms'], '{:.2f}')} | "
                          f"{per(r['peak_mib'], '{:.1f}')} | "
-                         f"{per(r['param_mib'], '{:.2f}')} |")
+                         f"{per(r['param_mib'], '{:.2f}')} | {per(run['parallelism_before_after'], '{:.2f}')} |")
     return "\n".join(lines)

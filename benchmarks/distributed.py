@@ -23,7 +23,9 @@ fxpipe, which takes only fxpipe's pipelines, and from ``_dist_parts.BusyRecorder
 every contender, the peer's bubble included),
 the memory per rank (``_memory.cpu_peak`` on CPU, ``max_memory_allocated`` on CUDA), and each
 rank's stage forward + backward on one micro-batch run alone (ranks take turns): the
-per-stage cost a balancer equalises, free of the ranks competing for cores.
+per-stage cost a balancer equalises, free of the ranks competing for cores. A probe before
+and after each timing (``_parallelism``) says how many ranks could compute at once: the
+balance gain needs about one free core per rank.
 
 Usage::
 
@@ -238,6 +240,35 @@ def _alone(contenders: List[Contender], y_micro: torch.Tensor, loss_fn: Callable
     return out
 
 
+def _parallelism(device: torch.device, sync: Callable[[], None], rounds: int = 3) -> Dict[str, List[float]]:
+    """How many ranks really compute at once on this machine now: the same fixed work (40
+    matmuls 256 x 256), run by each rank in turn and then by all at once after a barrier;
+    seconds per round. Parallelism = sum of the turns / slowest simultaneous run: the rank
+    count with a free core each, about 1 when the ranks share one core's worth of time (then
+    no split can make a step faster than the total work)."""
+    import torch.distributed as dist
+
+    a = torch.randn(256, 256, device=device)
+
+    def work() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(40):
+            a @ a
+        sync()
+        return time.perf_counter() - t0
+
+    out: Dict[str, List[float]] = {"alone": [], "together": []}
+    for _ in range(rounds):
+        for r in range(dist.get_world_size()):
+            dist.barrier()
+            if r == dist.get_rank():
+                out["alone"].append(work())
+        dist.barrier()
+        out["together"].append(work())
+    return out
+
+
 def _memory(contenders: List[Contender], device: torch.device, sync: Callable[[], None]) -> Dict[str, Dict[str, Any]]:
     """Per contender on this rank: peak bytes allocated during one step above the step's start
     (gradients zeroed in place first, so the step allocates no new .grad), and the bytes of
@@ -279,8 +310,9 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out_dir: st
     for scenario in a.scenarios:
         for schedule in a.schedules:
             contenders, y_micro = _build(scenario, schedule, a, rank, world, device, F.mse_loss, result["notes"])
-            run = {"splits": {c.name: c.split for c in contenders}}
+            run = {"splits": {c.name: c.split for c in contenders}, "parallelism": [_parallelism(device, sync)]}
             run["times"] = _time(contenders, a, sync)
+            run["parallelism"].append(_parallelism(device, sync))
             run["bubble"] = _bubbles(contenders, a.bubble_steps, sync)
             run["memory"] = _memory(contenders, device, sync)
             run["alone"] = _alone(contenders, y_micro, F.mse_loss, a.alone_repeats, sync)
