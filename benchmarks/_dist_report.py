@@ -16,6 +16,15 @@ def _q(xs: List[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
+def _busy_per_step(spans: List[List[Any]]) -> float:
+    """Median seconds of compute spans inside each ``step`` span of one rank (BusyRecorder's
+    spans do not nest): set against ``chunks x`` the stage alone, it shows how much slower
+    the stages ran inside the pipeline's steps (other processes, the other ranks)."""
+    steps = [(a, b) for kind, a, b in spans if kind == "step"]
+    return statistics.median(sum(min(b, e) - max(a, s) for kind, a, b in spans if kind != "step" and b > s and a < e)
+                             for s, e in steps)
+
+
 def summarise(ranks: List[Dict[str, Any]], goals: Dict[str, Tuple[str, float]]) -> Dict[str, Any]:
     """Per run and contender: step time (slowest rank per repetition) median and quartiles,
     the ratio to the peer (of medians, and the median of the paired per-repetition ratios),
@@ -43,6 +52,7 @@ def summarise(ranks: List[Dict[str, Any]], goals: Dict[str, Tuple[str, float]]) 
                 "end_mib": [r["runs"][key]["memory"][n]["end_bytes"] / 2**20 for r in ranks],
                 "param_mib": [r["runs"][key]["memory"][n]["param_bytes"] / 2**20 for r in ranks],
                 "alone_ms": [1e3 * r["runs"][key]["alone"][n] for r in ranks],
+                "busy_ms_per_step": [1e3 * _busy_per_step(r["runs"][key]["bubble"][n]["spans"]) for r in ranks],
                 "split": run0["splits"][n],
                 "steps_ms": [1e3 * t for t in steps[n]],
             }

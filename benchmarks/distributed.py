@@ -351,7 +351,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="ranks = pipeline stages")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps per contender (default 40; quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; quick 1)")
-    parser.add_argument("--bubble-steps", type=int, default=None, help="instrumented steps (default 5; quick 1)")
+    parser.add_argument("--bubble-steps", type=int, default=None, help="instrumented steps (default 10; quick 1)")
     parser.add_argument("--alone-repeats", type=int, default=None,
                         help="runs of each stage alone, per micro-batch (default 20; quick 2)")
     parser.add_argument("--chunks", type=int, default=8)
@@ -363,7 +363,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = parser.parse_args(argv)
     a.repeat = a.repeat or (3 if a.quick else 40)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 3)
-    a.bubble_steps = a.bubble_steps or (1 if a.quick else 5)
+    a.bubble_steps = a.bubble_steps or (1 if a.quick else 10)
     a.alone_repeats = a.alone_repeats or (2 if a.quick else 20)
     a.schedules = a.schedules.split(",")
     a.scenarios = a.scenarios.split(",")
