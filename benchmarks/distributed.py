@@ -97,6 +97,7 @@ def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world
     """The scenario's contenders on this rank, checked exact against eager; and the target's
     first micro-batch."""
     import fxpipe.distributed as fpd
+    from fxpipe.distributed import SCHEDULES
 
     model, x, y = make_case(scenario, a.quick)
     model, x, y = model.to(device), x.to(device), y.to(device)
@@ -121,11 +122,9 @@ def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world
             if how == "fxpipe cut" and cut is None:
                 notes.append(f"{scenario}/{schedule}: no fxpipe plan, so the peer was split into equal parameters")
             peer_model = copy.deepcopy(model)  # pipeline() annotates the module it splits
-            from fxpipe.distributed import SCHEDULES
             peer = Peer(peer_model, x, spec, a.chunks, SCHEDULES[schedule][0], loss_fn, rank, world, device)
             out.append(Contender(name, lambda p=peer: p.step(x, y), peer.named_parameters,
                                  split={"cuts": list(spec), "how": how}))
-    out.sort(key=lambda c: c.name.startswith("peer"))
     checked = _check_exact(out, model, x, y, loss_fn, notes, f"{scenario}/{schedule}")
     if scenario == "same_split" and len(checked) == 2:  # the same split: the same parameters on this rank
         fx, peer = ({n for n, _ in c.named_parameters()} for c in checked)
