@@ -188,15 +188,15 @@ class BusyRecorder:
 
 
 @contextmanager
-def stage_inputs() -> Iterator[List[Tuple[nn.Module, bool, List[Any]]]]:
-    """Records (stage module, is last stage, inputs) of every stage forward while installed:
-    the micro-batch inputs :func:`stage_seconds` replays."""
-    seen: List[Tuple[nn.Module, bool, List[Any]]] = []
+def stage_inputs() -> Iterator[List[Tuple[nn.Module, List[Any]]]]:
+    """Records (stage module, inputs) of every stage forward while installed: the
+    micro-batch inputs :func:`stage_seconds` replays."""
+    seen: List[Tuple[nn.Module, List[Any]]] = []
     original = _PipelineStageBase.forward_maybe_with_nosync
 
     def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append((self.submod, self.is_last, [a.detach().clone().requires_grad_(a.requires_grad)
-                                                 if isinstance(a, torch.Tensor) else a for a in args]))
+        seen.append((self.submod, [a.detach().clone().requires_grad_(a.requires_grad)
+                                   if isinstance(a, torch.Tensor) else a for a in args]))
         return original(self, *args, **kwargs)
 
     _PipelineStageBase.forward_maybe_with_nosync = recording  # type: ignore[method-assign]
@@ -206,24 +206,21 @@ def stage_inputs() -> Iterator[List[Tuple[nn.Module, bool, List[Any]]]]:
         _PipelineStageBase.forward_maybe_with_nosync = original  # type: ignore[method-assign]
 
 
-def stage_seconds(module: nn.Module, last: bool, inputs: List[Any], loss: Callable[[Any], torch.Tensor],
-                  repeats: int, synchronize: Callable[[], None]) -> float:
+def stage_seconds(module: nn.Module, inputs: List[Any], repeats: int, synchronize: Callable[[], None]) -> float:
     """Minimum seconds of one stage's forward + backward on one micro-batch, run alone: the
     cost a balancer should equalise (the minimum, as fxpipe's profiler: other processes on
-    the machine only add time). The last stage's backward starts from ``loss(output)``,
-    the others' from ones for every output that needs grad (the values do not matter)."""
+    the machine only add time). The backward starts from ones for every output that needs
+    grad, the last stage's too (its loss, the same small function for every contender, is
+    left out: the last stage's output is a tensor for the peer and flat leaves for fxpipe)."""
     times = []
     for _ in range(repeats):
         args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in inputs]
         synchronize()
         t0 = time.perf_counter()
         out = module(*args)
-        if last:
-            loss(out).backward()
-        else:
-            outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
-                    if isinstance(o, torch.Tensor) and o.requires_grad]
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         synchronize()
         times.append(time.perf_counter() - t0)
     return min(times)

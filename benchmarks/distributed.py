@@ -51,7 +51,7 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -93,9 +93,8 @@ class Contender:
 
 
 def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world: int, device: torch.device,
-           loss_fn: Callable, notes: List[str]) -> Tuple[List[Contender], torch.Tensor]:
-    """The scenario's contenders on this rank, checked exact against eager; and the target's
-    first micro-batch."""
+           loss_fn: Callable, notes: List[str]) -> List[Contender]:
+    """The scenario's contenders on this rank, checked exact against eager."""
     import fxpipe.distributed as fpd
     from fxpipe.distributed import SCHEDULES
 
@@ -122,7 +121,7 @@ def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world
             if how == "fxpipe cut" and cut is None:
                 notes.append(f"{scenario}/{schedule}: no fxpipe plan, so the peer was split into equal parameters")
             peer_model = copy.deepcopy(model)  # pipeline() annotates the module it splits
-            peer = Peer(peer_model, x, spec, a.chunks, SCHEDULES[schedule][0], loss_fn, rank, world, device)
+            peer = Peer(peer_model, x, spec, a.chunks, SCHEDULES[schedule].one, loss_fn, rank, world, device)
             out.append(Contender(name, lambda p=peer: p.step(x, y), peer.named_parameters,
                                  split={"cuts": list(spec), "how": how}))
     checked = _check_exact(out, model, x, y, loss_fn, notes, f"{scenario}/{schedule}")
@@ -131,7 +130,7 @@ def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world
         if fx != peer:
             raise AssertionError(f"rank {rank}: fxpipe's stage and the peer's hold different parameters: "
                                  f"{sorted(fx ^ peer)}")
-    return checked, y[: y.shape[0] // a.chunks]
+    return checked
 
 
 def _check_exact(contenders: List[Contender], model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -218,8 +217,7 @@ def _bubbles(contenders: List[Contender], steps: int, sync: Callable[[], None]) 
     return out
 
 
-def _alone(contenders: List[Contender], y_micro: torch.Tensor, loss_fn: Callable, repeats: int,
-           sync: Callable[[], None]) -> Dict[str, float]:
+def _alone(contenders: List[Contender], repeats: int, sync: Callable[[], None]) -> Dict[str, float]:
     """Seconds of this rank's stage forward + backward on one micro-batch with the other ranks
     waiting at a barrier (ranks take turns): each stage's compute without the other ranks
     competing for the cores. Replays the inputs recorded in one real step."""
@@ -229,11 +227,11 @@ def _alone(contenders: List[Contender], y_micro: torch.Tensor, loss_fn: Callable
     for c in contenders:
         with stage_inputs() as seen:
             c.step()
-        module, last, inputs = seen[0]
+        module, inputs = seen[0]
         for r in range(dist.get_world_size()):
             dist.barrier()
             if r == dist.get_rank():
-                out[c.name] = stage_seconds(module, last, inputs, lambda o: loss_fn(o, y_micro), repeats, sync)
+                out[c.name] = stage_seconds(module, inputs, repeats, sync)
         dist.barrier()
         c.zero_grad(set_to_none=True)
     return out
@@ -308,13 +306,13 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, out_dir: st
     result: Dict[str, Any] = {"rank": rank, "notes": [], "runs": {}}
     for scenario in a.scenarios:
         for schedule in a.schedules:
-            contenders, y_micro = _build(scenario, schedule, a, rank, world, device, F.mse_loss, result["notes"])
+            contenders = _build(scenario, schedule, a, rank, world, device, F.mse_loss, result["notes"])
             run = {"splits": {c.name: c.split for c in contenders}, "parallelism": [_parallelism(device, sync)]}
             run["times"] = _time(contenders, a, sync)
             run["parallelism"].append(_parallelism(device, sync))
             run["bubble"] = _bubbles(contenders, a.bubble_steps, sync)
             run["memory"] = _memory(contenders, device, sync)
-            run["alone"] = _alone(contenders, y_micro, F.mse_loss, a.alone_repeats, sync)
+            run["alone"] = _alone(contenders, a.alone_repeats, sync)
             result["runs"][f"{scenario}/{schedule}"] = run
             for c in contenders:
                 c.close()
