@@ -1,8 +1,10 @@
 """The pieces of ``benchmarks/distributed.py``: its two models, the peer's two splits, the
-peer built by hand, and the per-rank busy-time recorder behind the bubble fraction.
+peer built by hand, the per-rank busy-time recorder behind the bubble fraction, and the
+replay that times one stage alone.
 
-Kept apart from the driver so that each has one job: this module knows models, splits and
-torch.distributed.pipelining; the driver spawns ranks, times and reports.
+Kept apart so that each file has one job: this one knows models, splits and
+torch.distributed.pipelining; the driver spawns the ranks and measures; ``_dist_report.py``
+summarises.
 """
 
 from __future__ import annotations
