@@ -11,7 +11,7 @@ outside the timed region. Contenders, each on its own copy of the same weights:
 * **pipe compiled**: the same with ``compile=True`` (each stage through inductor).
 
 Before timing, every contender's output and gradients are compared with eager's
-(``torch.testing.assert_close``, rtol 1e-4: inductor reassociates sums). Each contender
+(``torch.testing.assert_close``, rtol 1e-3, atol 1e-4: inductor reassociates and fuses sums). Each contender
 gets ``--warmup`` steps (compilation happens there: the last micro-batch may have another
 shape, so every stage compiles once per distinct micro-batch shape), then the timed steps
 visit the contenders in a rotating order, ``--repeat`` rounds; the table shows medians.
@@ -104,9 +104,9 @@ def check_exact(made: Dict[str, nn.Module], x: torch.Tensor) -> Dict[str, float]
             p.grad = None
     errors = {}
     for name in made:
-        torch.testing.assert_close(outs[name], outs["eager"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(outs[name], outs["eager"], rtol=1e-3, atol=1e-4)
         for g, r in zip(grads[name], grads["eager"]):
-            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-4)
         errors[name] = max([(outs[name] - outs["eager"]).abs().max().item()]
                            + [(g - r).abs().max().item() for g, r in zip(grads[name], grads["eager"])])
     return errors
