@@ -25,11 +25,12 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
 
 def weighted_loss(out: Any) -> torch.Tensor:
     """A loss that gives every float output element its own weight (so no gradient hides)."""
-    total = torch.zeros(())
-    for i, t in enumerate(tensor_leaves(out)):
+    leaves = tensor_leaves(out)
+    total = torch.zeros((), device=leaves[0].device if leaves else "cpu")
+    for i, t in enumerate(leaves):
         if t.is_floating_point() and t.requires_grad:
-            w = torch.linspace(-1, 1, t.numel(), dtype=torch.float32).view(t.shape) * (i + 1)
-            total = total + (t.float() * w).sum()
+            w = torch.linspace(-1, 1, t.numel(), dtype=torch.float32, device=t.device).view(t.shape) * (i + 1)
+            total = total + (t.float() * w).sum().to(total.device)
     return total
 
 
