@@ -195,7 +195,7 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     _refuse_nproc_options(ns)
     from .devices import set_threads
     from .runtime.timeline import Recorder
-    from .viz.trace import plot_timeline, save_chrome_trace
+    from .viz.trace import have_matplotlib, plot_timeline, save_chrome_trace
 
     devices = _devices(ns)  # a bad --device fails before the model is loaded
     model, args, kwargs = load_model_and_sample(ns)
@@ -224,11 +224,14 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
              f"checkpoint={ns.checkpoint}, {threads} intra-op thread{'s' if threads != 1 else ''}")
     names = [str(d) for d in pipe.devices]
     n_events = save_chrome_trace(ns.output, rec.spans, names, steps=steps, title=title)
-    plot_timeline(png, rec.spans, names, steps=steps, title=title)
     total = steps[-1][1] - steps[0][0]
     print(f"recorded {ns.steps} step(s) in {total * 1e3:.1f} ms: {len(rec.spans)} spans")
     print(f"wrote {ns.output} ({n_events} events; open in https://ui.perfetto.dev or chrome://tracing)")
-    print(f"wrote {png}")
+    if have_matplotlib():
+        plot_timeline(png, rec.spans, names, steps=steps, title=title)
+        print(f"wrote {png}")
+    else:
+        print(f"not written: {png} (matplotlib is not installed: pip install matplotlib)")
     return 0
 
 

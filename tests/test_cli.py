@@ -262,3 +262,24 @@ def test_parse_input():
 def test_no_subcommand_prints_help(capsys):
     assert main([]) == 2
     assert "plan" in capsys.readouterr().err
+
+
+def test_timeline_without_matplotlib_writes_the_trace_only(model_file, tmp_path, capsys, monkeypatch):
+    """matplotlib is a dev extra: without it the JSON trace is still written and the PNG is named as skipped."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    out = tmp_path / "trace.json"
+    rc, stdout, err = run_main(capsys, "timeline", f"{model_file}:factory", "--stages", 2, "--chunks", 2,
+                               "--steps", 1, "--balance-by", "params", "-o", out)
+    assert rc == 0, err
+    assert json.loads(out.read_text())["traceEvents"]
+    assert not (tmp_path / "trace.png").exists()
+    assert "not written" in stdout and "pip install matplotlib" in stdout

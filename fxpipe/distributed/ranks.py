@@ -36,6 +36,7 @@ def run_timeline(ns: argparse.Namespace) -> Optional[dict]:
     from fxpipe.meta import is_meta_model
     from fxpipe.model_loader import UsageError
     from fxpipe.viz.rank_trace import plot_rank_timeline, save_rank_chrome_trace
+    from fxpipe.viz.trace import have_matplotlib
 
     from . import pipeline
     from .trace import bubble_fractions, record
@@ -75,13 +76,11 @@ def run_timeline(ns: argparse.Namespace) -> Optional[dict]:
     print("bubble (idle share of pipe.step): " + ", ".join(f"rank {r} {100 * b:.1f}%" for r, b in enumerate(bubbles)))
     print(f"wrote {ns.output} ({n_events} events; open in https://ui.perfetto.dev or chrome://tracing)")
     png = os.path.splitext(ns.output)[0] + ".png"
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print(f"not written: {png} (matplotlib is not installed: pip install matplotlib)")
-    else:
+    if have_matplotlib():
         plot_rank_timeline(png, trace.spans, trace.stages, title=title, bubbles=bubbles)
         print(f"wrote {png}")
+    else:
+        print(f"not written: {png} (matplotlib is not installed: pip install matplotlib)")
     return {"ok": True, "bubbles": bubbles}
 
 

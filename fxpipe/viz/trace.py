@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Box", "lanes", "chrome_trace", "save_chrome_trace", "plot_timeline", "KIND_COLORS", "KIND_LETTER"]
+__all__ = ["Box", "lanes", "chrome_trace", "save_chrome_trace", "plot_timeline", "have_matplotlib", "KIND_COLORS", "KIND_LETTER"]
 
 KIND_LETTER = {"forward": "F", "backward": "B", "recompute": "R", "copy": "copy"}
 KIND_COLORS = {"forward": "#4e8fd6", "backward": "#f0a043", "recompute": "#9b6fc3", "copy": "#d62728"}
@@ -115,6 +115,15 @@ def save_chrome_trace(path: str, spans: Sequence[Any], devices: Sequence[str], *
     with open(path, "w", encoding="utf-8") as f:
         json.dump(trace, f)
     return len(trace["traceEvents"])
+
+
+def have_matplotlib() -> bool:
+    """PNG timelines need matplotlib (a dev extra); without it the commands write the JSON only."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def plot_timeline(path: str, spans: Sequence[Any], devices: Sequence[str], *,
