@@ -63,6 +63,7 @@ import fxpipe.runtime.portal as portal_mod  # noqa: E402
 from fxpipe import GPipe, is_recomputing  # noqa: E402
 from fxpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
 from _memory import cpu_peak  # noqa: E402
+from _device import stage_devices  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "skip_portals.json")
 
@@ -357,11 +358,7 @@ def main(argv=None) -> int:
     else:
         base, extra = divmod(n_layers, args.partitions)
         balance = [base + (1 if j < extra else 0) for j in range(args.partitions)]
-    if args.device == "cuda":
-        count = torch.cuda.device_count()
-        devices = [f"cuda:{j % count}" for j in range(len(balance))]
-    else:
-        devices = ["cpu"] * len(balance)
+    devices = stage_devices(args.device, len(balance))  # contiguous stages per GPU
 
     torch.manual_seed(0)
     cores = Cores(args.depth, args.base)
