@@ -345,7 +345,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--no-profile", action="store_true", help="skip the CPU memory profile")
     parser.add_argument("--output", default=RESULTS)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: depth 2, base 8, 32x32, batch 8, chunks 4, 3 steps, no CPU memory profile")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.depth, args.base, args.image, args.batch, args.chunks = 2, 8, 32, 8, 4
+        args.steps, args.warmup, args.no_profile = 3, 1, True
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
