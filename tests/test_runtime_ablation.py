@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from exact import assert_grads_equal, assert_same, weighted_loss
+from exact import GRAD_TOL, assert_grads_equal, assert_same, weighted_loss
 from skip_models import DTYPE, unet
 
 MODES = ["always", "except_last", "never"]
@@ -36,7 +36,8 @@ def _check_gpipe(model: nn.Module, x: torch.Tensor, devices, mode: str, setting:
     assert_same(got, expected.to(got.device))
     weighted_loss(got).backward()
     weighted_loss(expected).backward()
-    assert_grads_equal(pipe, ref)
+    # Partitions on another GPU hold their gradients there.
+    assert_grads_equal(pipe, ref, check_device=False, **GRAD_TOL)
     pipe.close()
     return pipe
 
