@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu.sh [RESULTS_DIR]    # default: $OUT if set, else benchmarks/results/gpu
 #
-# Environment: PYTHON (default python3), GPU_BUDGET_S (default 330: the whole run's wall-time
+# Environment: PYTHON (default python3), GPU_BUDGET_S (default 300: the whole run's wall-time
 # budget; each step is bounded by `timeout`, by its own limit and by what is left of the
 # budget; steps that no longer fit are recorded as skipped). A failing or timed-out step is
 # recorded in the summary and the next step runs. Exit status: 2 without a CUDA device,
@@ -14,7 +14,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RES=${1:-${OUT:-benchmarks/results/gpu}}
-BUDGET=${GPU_BUDGET_S:-330}
+BUDGET=${GPU_BUDGET_S:-300}
 mkdir -p "$RES"
 SUMMARY="$RES/gpu_summary.md"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -99,30 +99,31 @@ step() {
 # 1. the cuda-marked tests (per-test timeout when pytest-timeout is installed)
 PT_TIMEOUT=""
 $PY -c 'import pytest_timeout' 2>/dev/null && PT_TIMEOUT="--timeout=120"
-step cuda_tests 110 $PY -m pytest -m cuda -q -p no:cacheprovider -rfEs $PT_TIMEOUT tests
+# (a test module that cannot be imported, e.g. without the graphviz package, must not stop the rest)
+step cuda_tests 100 $PY -m pytest -m cuda -q -p no:cacheprovider -rfEs --continue-on-collection-errors $PT_TIMEOUT tests
 grep -E '(passed|failed|error|skipped)' "$RES/cuda_tests.md" | tail -n 1 | sed 's/^/result: /' >> "$SUMMARY"
 grep -E '^(FAILED|ERROR)' "$RES/cuda_tests.md" | head -n 20 | sed 's/^/- /' >> "$SUMMARY"
 
 # 2. the headline claims: throughput vs torchgpipe, and the ablation
-step throughput 110 $PY benchmarks/throughput.py --device cuda --quick \
+step throughput 100 $PY benchmarks/throughput.py --device cuda --quick \
   --out "$RES/throughput.json" --markdown "$RES/throughput.tables.md"
 
 # 3. skip connections: portals vs the sequential form, GPU-sized U-Net
-step skip_portals 45 $PY benchmarks/skip_portals.py --device cuda --depth 4 --base 32 --image 128 \
+step skip_portals 40 $PY benchmarks/skip_portals.py --device cuda --depth 4 --base 32 --image 128 \
   --batch 32 --chunks 8 --steps 6 --warmup 2 --output "$RES/skip_portals.json"
 
 # 4. activation memory against its floor
 step activation_memory 75 $PY benchmarks/activation_memory.py --device cuda --out "$RES/activation_memory.json"
 
 # 5. per-task runtime overhead vs torchgpipe, stages on the GPU
-step overhead 45 $PY benchmarks/overhead.py --device cuda --quick --out "$RES/overhead.json"
+step overhead 40 $PY benchmarks/overhead.py --device cuda --quick --out "$RES/overhead.json"
 
 # 6. partition quality of 'time' balancing with GPU profiles
-step partition_quality 40 $PY benchmarks/partition_quality.py --device cuda --quick \
+step partition_quality 35 $PY benchmarks/partition_quality.py --device cuda --quick \
   --out "$RES/partition_quality.json"
 
 # 7. planner scaling (the profile phases on the GPU)
-step planner_scaling 25 $PY benchmarks/planner_scaling.py --device cuda --quick --out "$RES/planner_scaling.json"
+step planner_scaling 20 $PY benchmarks/planner_scaling.py --device cuda --quick --out "$RES/planner_scaling.json"
 
 # 8. compiled stages (inductor/triton compile time dominates; last, it gets what is left)
 step compiled 90 $PY benchmarks/compiled.py --device cuda --quick --out "$RES/compiled.json"
