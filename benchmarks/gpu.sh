@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu.sh [RESULTS_DIR]    # default: $OUT if set, else benchmarks/results/gpu
 #
-# Environment: PYTHON (default python3), GPU_BUDGET_S (default 300: the whole run's wall-time
+# Environment: PYTHON (default python3), GPU_BUDGET_S (default 330: the whole run's wall-time
 # budget; each step is bounded by `timeout`, by its own limit and by what is left of the
 # budget; steps that no longer fit are recorded as skipped). A failing or timed-out step is
 # recorded in the summary and the next step runs. Exit status: 2 without a CUDA device,
@@ -14,7 +14,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RES=${1:-${OUT:-benchmarks/results/gpu}}
-BUDGET=${GPU_BUDGET_S:-300}
+BUDGET=${GPU_BUDGET_S:-330}
 mkdir -p "$RES"
 SUMMARY="$RES/gpu_summary.md"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -100,7 +100,7 @@ step() {
 PT_TIMEOUT=""
 $PY -c 'import pytest_timeout' 2>/dev/null && PT_TIMEOUT="--timeout=120"
 # (a test module that cannot be imported, e.g. without the graphviz package, must not stop the rest)
-step cuda_tests 100 $PY -m pytest -m cuda -q -p no:cacheprovider -rfEs --continue-on-collection-errors $PT_TIMEOUT tests
+step cuda_tests 140 $PY -m pytest -m cuda -q -p no:cacheprovider -rfEs --continue-on-collection-errors $PT_TIMEOUT tests
 grep -E '(passed|failed|error|skipped)' "$RES/cuda_tests.md" | tail -n 1 | sed 's/^/result: /' >> "$SUMMARY"
 grep -E '^(FAILED|ERROR)' "$RES/cuda_tests.md" | head -n 20 | sed 's/^/- /' >> "$SUMMARY"
 

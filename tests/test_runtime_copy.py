@@ -22,9 +22,11 @@ def test_cuda_streams_and_copies_between_devices(mode):
     out.sum().backward()
     r = ref(x)
     r.sum().backward()
-    torch.testing.assert_close(out, r.to(out.device))
+    # cuBLAS may pick other kernels for a micro-batch than for the batch (tests/test_cuda.py).
+    tol = dict(rtol=1e-3, atol=5e-5)
+    torch.testing.assert_close(out, r.to(out.device), **tol)
     for p, q in zip(pipe.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad.to(p.device))
+        torch.testing.assert_close(p.grad, q.grad.to(p.device), **tol)
     assert out.device == torch.device(devices[-1])
     streams = pipe._runtime._copy_streams[0]
     assert len(streams) == 4
