@@ -9,7 +9,7 @@
 # budget; each step is bounded by `timeout`, by its own limit and by what is left of the
 # budget; steps that no longer fit are recorded as skipped). A failing or timed-out step is
 # recorded in the summary and the next step runs. Exit status: 2 without a CUDA device,
-# 1 if any step failed or timed out, 0 otherwise.
+# 1 if any step failed, timed out or was skipped for time, 0 otherwise.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,26 +21,32 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
 FAILED=0
 
+# One interpreter start for every probe (importing torch takes seconds): versions, then the
+# GPUs, or exit 1 without one.
+PROBE=$($PY -c 'import sys, torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}")
+if not torch.cuda.is_available():
+    sys.exit(1)
+print(torch.cuda.device_count())
+print(torch.cuda.get_device_name(0))' 2>&1)
+OK=$?
 {
   echo "# GPU run of fxpipe's cuda tests and benchmarks"
   echo
   echo "- command: \`bash benchmarks/gpu.sh $*\` (PYTHON=$PY, GPU_BUDGET_S=$BUDGET), $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo "- versions: $($PY -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}")' 2>&1)"
+  echo "- versions: $(echo "$PROBE" | head -n 1)"
 } > "$SUMMARY"
-
-DEVICE=$($PY -c 'import torch, sys
-if not torch.cuda.is_available():
-    sys.exit(1)
-n = torch.cuda.device_count()
-print(f"{n} x {torch.cuda.get_device_name(0)}")' 2>/dev/null)
-if [ $? -ne 0 ] || [ -z "$DEVICE" ]; then
-  echo "- device: none: torch.cuda.is_available() is False; nothing was run" >> "$SUMMARY"
+if [ $OK -ne 0 ]; then
+  { echo "- device: none: torch.cuda.is_available() is False (or torch failed to import); nothing was run:"
+    echo '```'; echo "$PROBE" | tail -n 3; echo '```'; } >> "$SUMMARY"
   echo "gpu.sh: no CUDA device is available (torch.cuda.is_available() is False under $PY); nothing to run." >&2
+  echo "$PROBE" | tail -n 3 >&2
   echo "gpu.sh: summary in $SUMMARY" >&2
   exit 2
 fi
-GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
+GPUS=$(echo "$PROBE" | sed -n 2p)
+DEVICE="$GPUS x $(echo "$PROBE" | sed -n 3p)"
 echo "- device: $DEVICE" >> "$SUMMARY"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/- nvidia-smi: /' >> "$SUMMARY"
 echo "gpu.sh: $DEVICE; results in $RES; budget ${BUDGET}s" >&2
@@ -65,6 +71,7 @@ step() {
     echo
   } >> "$SUMMARY"
   if [ "$left" -lt 20 ]; then
+    FAILED=1
     echo "**skipped**: ${left}s left of the ${BUDGET}s budget" >> "$SUMMARY"
     echo "gpu.sh: $name skipped (budget)" >&2
     return
@@ -84,7 +91,7 @@ step() {
     echo "status: **failed**, rc $rc, ${took}s; its last lines:" >> "$SUMMARY"
     local last="$RES/$name.log"
     [ -s "$last" ] || last="$RES/$name.md"
-    { echo '```'; tail -n 15 "$last"; echo '```'; } >> "$SUMMARY"
+    { echo '```'; tail -n 15 "$last" | awk 1; echo '```'; } >> "$SUMMARY"
   fi
   echo "gpu.sh: $name rc=$rc ${took}s" >&2
   if [ -s "$RES/$name.tables.md" ]; then
@@ -92,7 +99,7 @@ step() {
   elif grep -q '^|' "$RES/$name.md"; then
     tables "$RES/$name.md" >> "$SUMMARY"
   elif [ -s "$RES/$name.md" ]; then  # no markdown table: the end of its output as it is
-    { echo; echo '```'; tail -n 12 "$RES/$name.md"; echo '```'; } >> "$SUMMARY"
+    { echo; echo '```'; tail -n 12 "$RES/$name.md" | awk 1; echo '```'; } >> "$SUMMARY"
   fi
 }
 
@@ -101,8 +108,10 @@ PT_TIMEOUT=""
 $PY -c 'import pytest_timeout' 2>/dev/null && PT_TIMEOUT="--timeout=120"
 # (a test module that cannot be imported, e.g. without the graphviz package, must not stop the rest)
 step cuda_tests 140 $PY -m pytest -m cuda -q -p no:cacheprovider -rfEs --continue-on-collection-errors $PT_TIMEOUT tests
-grep -E '(passed|failed|error|skipped)' "$RES/cuda_tests.md" | tail -n 1 | sed 's/^/result: /' >> "$SUMMARY"
-grep -E '^(FAILED|ERROR)' "$RES/cuda_tests.md" | head -n 20 | sed 's/^/- /' >> "$SUMMARY"
+if [ -f "$RES/cuda_tests.md" ]; then
+  grep -E '(passed|failed|error|skipped)' "$RES/cuda_tests.md" | tail -n 1 | sed 's/^/result: /' >> "$SUMMARY"
+  grep -E '^(FAILED|ERROR)' "$RES/cuda_tests.md" | head -n 20 | sed 's/^/- /' >> "$SUMMARY"
+fi
 
 # 2. the headline claims: throughput vs torchgpipe, and the ablation
 step throughput 100 $PY benchmarks/throughput.py --device cuda --quick \
