@@ -134,8 +134,8 @@ step partition_quality 35 $PY benchmarks/partition_quality.py --device cuda --qu
 # 7. planner scaling (the profile phases on the GPU)
 step planner_scaling 20 $PY benchmarks/planner_scaling.py --device cuda --quick --out "$RES/planner_scaling.json"
 
-# 8. compiled stages (inductor/triton compile time dominates; last, it gets what is left)
-step compiled 90 $PY benchmarks/compiled.py --device cuda --quick --out "$RES/compiled.json"
+# 8. compiled stages at chunks=1 (the goal row; inductor/Triton compile time dominates, so last: it gets what is left)
+step compiled 90 $PY benchmarks/compiled.py --device cuda --chunks 1 --repeat 5 --warmup 2 --out "$RES/compiled.json"
 
 # 9. fxpipe.distributed over NCCL: one GPU per rank, so only with two or more GPUs
 if [ "$GPUS" -ge 2 ]; then
