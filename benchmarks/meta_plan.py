@@ -23,6 +23,12 @@ Usage::
 
     .venv/bin/python benchmarks/meta_plan.py                 # default-size Llama, 8 stages
     .venv/bin/python benchmarks/meta_plan.py --repeat 5 --set num_hidden_layers=16
+    python benchmarks/meta_plan.py --quick --device cuda     # 1 run, 8 layers, stages on cuda
+
+``--device cuda`` computes nothing on the GPU (the model stays on meta): it is passed to
+``fxpipe plan --device cuda``, so the plan is made for CUDA stages (it charges activation
+transfers between stages, which a CPU plan does not) and needs a CUDA device to be present.
+The reference contender does not depend on it.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _child(which: str, stages: int, overrides: list[str]) -> dict:
+def _child(which: str, stages: int, overrides: list[str], device: str = "cpu") -> dict:
     t0 = time.perf_counter()
     import torch
     import transformers
@@ -65,7 +71,8 @@ def _child(which: str, stages: int, overrides: list[str]) -> dict:
     else:
         from fxpipe.cli import main
 
-        argv = ["plan", "hf:llama", "--stages", str(stages)] + [a for o in overrides for a in ("--set", o)]
+        argv = ["plan", "hf:llama", "--stages", str(stages), "--device", device]
+        argv += [a for o in overrides for a in ("--set", o)]
         with contextlib.redirect_stdout(out):
             rc = main(argv)
         params = None
@@ -80,16 +87,26 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--quick", action="store_true", help="one run of each, num_hidden_layers=8 unless --set")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="the stages' devices in fxpipe's plan (cuda: transfer-aware plan; nothing runs on it)")
     ap.add_argument("--child", choices=("reference", "fxpipe"), help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.child:
-        print(json.dumps(_child(ns.child, ns.stages, ns.set)))
+        print(json.dumps(_child(ns.child, ns.stages, ns.set, ns.device)))
         return
+    if ns.quick:
+        ns.repeat, ns.set = 1, ns.set or ["num_hidden_layers=8"]
+    if ns.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     runs: dict[str, list[dict]] = {"reference": [], "fxpipe": []}
     for r in range(ns.repeat):
         for which in runs:
-            cmd = [sys.executable, __file__, "--child", which, "--stages", str(ns.stages)]
+            cmd = [sys.executable, __file__, "--child", which, "--stages", str(ns.stages), "--device", ns.device]
             cmd += [a for o in ns.set for a in ("--set", o)]
             res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
             run = json.loads(res.stdout.strip().splitlines()[-1])
@@ -114,19 +131,20 @@ def main() -> None:
         print(f"| {which} | {s['wall_s']:.2f} | {s['peak_rss_mib']:.0f} | {s['import_s']:.2f} |")
     plan = runs["fxpipe"][-1]["plan"]
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "meta_plan.txt"), "w") as f:
+    tag = ("" if ns.device == "cpu" else "-cuda") + ("-quick" if ns.quick else "")
+    with open(os.path.join(HERE, "results", f"meta_plan{tag}.txt"), "w") as f:
         f.write(plan)
     record = {
         "benchmark": "meta_plan", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/meta_plan.py " + " ".join(sys.argv[1:]),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "cpus": os.cpu_count(),
-        "stages": ns.stages, "overrides": ns.set, "repeat": ns.repeat,
+        "stages": ns.stages, "overrides": ns.set, "repeat": ns.repeat, "device": ns.device,
         "medians": summary, "runs": [{k: v for k, v in x.items() if k != "plan"} for rs in runs.values() for x in rs],
     }
-    with open(os.path.join(HERE, "results", "meta_plan.json"), "w") as f:
+    with open(os.path.join(HERE, "results", f"meta_plan{tag}.json"), "w") as f:
         json.dump(record, f, indent=2)
-    print("wrote benchmarks/results/meta_plan.json and meta_plan.txt")
+    print(f"wrote benchmarks/results/meta_plan{tag}.json and meta_plan{tag}.txt")
 
 
 if __name__ == "__main__":

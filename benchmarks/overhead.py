@@ -23,6 +23,11 @@ Usage::
     .venv/bin/python benchmarks/overhead.py               # full run, writes results/overhead.json
     .venv/bin/python benchmarks/overhead.py --quick       # smoke run (small grid, 3 repetitions)
     .venv/bin/python benchmarks/overhead.py --repeat 50   # more repetitions
+    python benchmarks/overhead.py --device cuda --quick   # stages on the GPU(s), see _device.py
+
+With ``--device cuda`` the same tiny model runs on ``devices=['cuda:0'] * n`` (or contiguous
+stages per GPU), steps are synchronized (``_device.timed``), and the overhead then includes
+kernel launches, copy streams and the worker threads a CPU run does not use.
 
 torchgpipe compatibility shim: torchgpipe 0.0.7 (2020) is imported unmodified. If its import
 fails on a known removed torch API (``torch._six``), a stub ``torch._six`` module is
@@ -73,6 +78,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fxpipe  # noqa: E402
+sys.path.insert(0, str(HERE))
+from _device import add_device_argument, check_device, first_device, label, stage_devices, timed  # noqa: E402
 
 FRAMEWORKS = ("eager", "eager_mb", "fxpipe", "torchgpipe")
 PIPELINES = ("fxpipe", "torchgpipe")
@@ -139,25 +146,30 @@ class MicroBatchedEager(nn.Module):
         return torch.cat([self.module(c) for c in x.chunk(self.chunks)])
 
 
-def build(framework: str, base: nn.Sequential, tg: types.ModuleType, n: int, m: int, ck: str) -> nn.Module:
+def build(framework: str, base: nn.Sequential, tg: types.ModuleType, n: int, m: int, ck: str,
+          device: str = "cpu") -> nn.Module:
     model = copy.deepcopy(base)
     if framework == "eager":
-        return model
+        return model.to(first_device(device))
     if framework == "eager_mb":
-        return MicroBatchedEager(model, m)
+        return MicroBatchedEager(model.to(first_device(device)), m)
     lib = fxpipe if framework == "fxpipe" else tg
-    return lib.GPipe(model, even_balance(DEPTH, n), devices=["cpu"] * n, chunks=m, checkpoint=ck)
+    return lib.GPipe(model, even_balance(DEPTH, n), devices=stage_devices(device, n), chunks=m, checkpoint=ck)
 
 
-def step_fn(model: nn.Module, x: torch.Tensor) -> Callable[[], float]:
+def step_fn(model: nn.Module, x: torch.Tensor, device: str = "cpu") -> Callable[[], float]:
     params = list(model.parameters())
+
+    def run() -> None:
+        model(x).sum().backward()
 
     def step() -> float:
         for p in params:
             p.grad = None
+        if device == "cuda":
+            return timed(device, run)
         t0 = time.perf_counter()
-        out = model(x)
-        out.sum().backward()
+        run()
         return time.perf_counter() - t0
 
     return step
@@ -173,7 +185,7 @@ def check_gradients(models: Dict[str, nn.Module], x: torch.Tensor) -> float:
         grads[name] = [p.grad.clone() for p in model.parameters()]
     ref = grads["eager"]
     return max(
-        (g - r).abs().max().item() for name in models if name != "eager" for g, r in zip(grads[name], ref)
+        (g.to(r.device) - r).abs().max().item() for name in models if name != "eager" for g, r in zip(grads[name], ref)
     )
 
 
@@ -227,14 +239,17 @@ def main() -> None:
     ap.add_argument("--no-thread-env", action="store_true",
                     help="do not set OMP_NUM_THREADS=1 / MKL_NUM_THREADS=1 (worker threads then use all cores)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="JSON output (default results/overhead.json; results/overhead-quick.json with --quick)")
+                    help="JSON output (default results/overhead[-cuda][-quick].json)")
+    add_device_argument(ap)
     args = ap.parse_args()
+    check_device(args.device)
 
     ns = (1, 2, 4) if args.quick else (1, 2, 4, 8)
     ms = (1, 8) if args.quick else (1, 8, 32)
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 40)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    out_path = args.out or HERE / "results" / ("overhead-quick.json" if args.quick else "overhead.json")
+    dev = "" if args.device == "cpu" else f"-{args.device}"
+    out_path = args.out or HERE / "results" / (f"overhead{dev}-quick.json" if args.quick else f"overhead{dev}.json")
 
     torch.set_num_threads(1)
     tg, shims = import_torchgpipe()
@@ -243,7 +258,8 @@ def main() -> None:
 
     print(f"fxpipe {fxpipe.__version__} | torchgpipe {tg.__version__} | torch {torch.__version__} | "
           f"python {platform.python_version()}")
-    print(f"CPU: {cpu_name()} x {os.cpu_count()} logical; torch threads 1; load avg {load_before[0]:.2f}")
+    print(f"CPU: {cpu_name()} x {os.cpu_count()} logical; torch threads 1; load avg {load_before[0]:.2f}; "
+          f"stages on {label(args.device)}")
     print(f"torchgpipe shim: {'; '.join(shims) if shims else 'none needed (0.0.7 imports unmodified)'}")
     print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
           f"MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS', 'unset')}")
@@ -251,7 +267,7 @@ def main() -> None:
 
     base = make_base(args.seed)
     torch.manual_seed(args.seed + 1)
-    x = torch.randn(BATCH, WIDTH)
+    x = torch.randn(BATCH, WIDTH).to(first_device(args.device))
     configs = [(ck, n, m) for ck in CHECKPOINTS for n in ns for m in ms]
 
     steps: Dict[Tuple[str, int, int], Dict[str, Callable[[], float]]] = {}
@@ -259,11 +275,11 @@ def main() -> None:
     max_grad_err = 0.0
     for cfg in configs:
         ck, n, m = cfg
-        models = {fw: build(fw, base, tg, n, m, ck) for fw in FRAMEWORKS}
+        models = {fw: build(fw, base, tg, n, m, ck, args.device) for fw in FRAMEWORKS}
         for model in models.values():
             model.train()
         max_grad_err = max(max_grad_err, check_gradients(models, x))
-        steps[cfg] = {fw: step_fn(model, x) for fw, model in models.items()}
+        steps[cfg] = {fw: step_fn(model, x, args.device) for fw, model in models.items()}
         pipelines.append(models["fxpipe"])
         for fw in FRAMEWORKS:
             for _ in range(warmup):
@@ -378,7 +394,8 @@ def main() -> None:
         "versions": {"fxpipe": fxpipe.__version__, "torchgpipe": tg.__version__, "torch": torch.__version__,
                      "numpy": np.__version__},
         "torchgpipe_shims": shims,
-        "model": f"nn.Sequential of {DEPTH} x nn.Linear({WIDTH}, {WIDTH}), batch {BATCH}, devices ['cpu'] * n",
+        "model": f"nn.Sequential of {DEPTH} x nn.Linear({WIDTH}, {WIDTH}), batch {BATCH}",
+        "devices": {n: stage_devices(args.device, n) for n in ns}, "device": label(args.device),
         "step": "out = model(x); out.sum().backward() (grads reset outside the timed region)",
         "grid": {"n": list(ns), "m": list(ms), "checkpoint": list(CHECKPOINTS)},
         "repeat": repeat, "warmup": warmup, "elapsed_s": elapsed,

@@ -44,6 +44,11 @@ Usage::
 
     .venv/bin/python benchmarks/partition_quality.py            # writes results/partition_quality.json
     .venv/bin/python benchmarks/partition_quality.py --profiles 3 --models unet,seq_conv
+    python benchmarks/partition_quality.py --device cuda --profiles 3   # writes partition_quality-cuda.json
+
+``--device cuda``: each model and its sample live on ``cuda:0``; every profile, fxpipe's plan
+(``devices=['cuda:0'] * n``) and torchgpipe's ``balance_by_time(device='cuda:0')`` then time
+GPU kernels (CUDA synchronized around each timing), so the scores are those of a GPU split.
 """
 
 from __future__ import annotations
@@ -71,8 +76,10 @@ from torch import nn  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpipe.balance as fx_balance  # noqa: E402
+from _device import add_device_argument, check_device, first_device, label  # noqa: E402
 from fxpipe.capture import capture  # noqa: E402
 from fxpipe.partition import COMPUTE_OPS, partition, stage_costs, topological_order  # noqa: E402
 from fxpipe.planning import make_plan, opgraph_for, split_nodes  # noqa: E402
@@ -189,10 +196,14 @@ def score(graph: nx.DiGraph, assignment: Dict[str, int], n: int) -> Dict[str, An
 
 
 # -- the benchmark ---------------------------------------------------------------------------
-def run_model(name: str, factory: Callable[..., tuple], profiles: int, tg_timeout: float) -> List[Dict[str, Any]]:
+def run_model(name: str, factory: Callable[..., tuple], profiles: int, tg_timeout: float,
+              dev: torch.device = CPU) -> List[Dict[str, Any]]:
     import torchgpipe.balance as tg_balance
 
     model, args, kwargs = factory()
+    model = model.to(dev)
+    args = tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in args)
+    kwargs = {k: t.to(dev) if isinstance(t, torch.Tensor) else t for k, t in kwargs.items()}
     model.train()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -207,18 +218,18 @@ def run_model(name: str, factory: Callable[..., tuple], profiles: int, tg_timeou
             continue
         found: Dict[str, Dict[str, int]] = {}
         t0 = time.perf_counter()
-        found["fxpipe"] = make_plan(captured, args, kwargs, n, balance_by="time", devices=[CPU] * n).assignment
+        found["fxpipe"] = make_plan(captured, args, kwargs, n, balance_by="time", devices=[dev] * n).assignment
         t_fx = time.perf_counter() - t0
         found["opt"] = partition(graph, n, cost_attr="seconds")
         found["opt-holdout"] = partition(holdout, n, cost_attr="seconds")
-        found["params-opt"] = make_plan(captured, args, kwargs, n, balance_by="params", devices=[CPU] * n).assignment
+        found["params-opt"] = make_plan(captured, args, kwargs, n, balance_by="params", devices=[dev] * n).assignment
         found["params-greedy"] = assignment_from_cuts(graph, greedy_params_cuts(graph, n))
         balances: Dict[str, List[int]] = {}
         if seq is not None and n <= len(seq[1]):
             prefix, net = seq
             sample = args[0]
-            balances["torchgpipe"] = list(tg_balance.balance_by_time(n, net, sample, timeout=tg_timeout, device=CPU))
-            balances["fxpipe.balance"] = list(fx_balance.balance_by_time(n, net, sample, timeout=tg_timeout, device=CPU))
+            balances["torchgpipe"] = list(tg_balance.balance_by_time(n, net, sample, timeout=tg_timeout, device=dev))
+            balances["fxpipe.balance"] = list(fx_balance.balance_by_time(n, net, sample, timeout=tg_timeout, device=dev))
             for key, bal in balances.items():
                 found[key] = assignment_from_cuts(graph, cuts_from_balance(captured, graph, prefix, bal))
         for contender, assignment in found.items():
@@ -264,8 +275,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--profiles", type=int, default=5, help="time profiles per model; costs are their median")
     p.add_argument("--models", default="", help="comma-separated subset (zoo names, seq_mlp, seq_conv)")
     p.add_argument("--tg-timeout", type=float, default=1.0, help="profiling seconds for balance_by_time")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "partition_quality.json"))
+    p.add_argument("--out", default=None, help="JSON (default results/partition_quality[-cuda].json)")
+    p.add_argument("--quick", action="store_true", help="1 profile, tg-timeout 0.3 s, models seq_conv,unet,gpt_tied")
+    add_device_argument(p, "the models, samples and every profile live on cuda:0")
     a = p.parse_args(argv)
+    if a.quick:
+        a.profiles, a.tg_timeout, a.models = 1, 0.3, a.models or "seq_conv,unet,gpt_tied"
+    check_device(a.device)
+    dev = first_device(a.device)
+    a.out = a.out or str(ROOT / "benchmarks" / "results" / f"partition_quality{'' if a.device == 'cpu' else '-cuda'}.json")
     models = {**ZOO, **EXTRA}
     if a.models:
         models = {k: models[k] for k in a.models.split(",")}
@@ -273,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     began = time.perf_counter()
     for name, factory in models.items():
         t0 = time.perf_counter()
-        rows += run_model(name, factory, a.profiles, a.tg_timeout)
+        rows += run_model(name, factory, a.profiles, a.tg_timeout, dev)
         print(f"# {name}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     print(table(rows))
     summ = summary(rows)
@@ -287,7 +305,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "date": _dt.date.today().isoformat(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "python": platform.python_version(),
-                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "device": label(a.device)},
         "profiles": a.profiles,
         "score": "max(stage_costs) / (sum of node costs / n), on the median of `profiles` time profiles",
         "seconds": time.perf_counter() - began,

@@ -19,7 +19,7 @@ read the trend, not the third digit):
   activation bytes weigh as much as parameters: the exact search with a receive table,
   the path taken for GPU devices).
 * ``plan``: ``fxpipe.plan.Plan.from_assignment`` (stages, boundary edges, portals).
-* ``emit``: ``fxpipe.emit.emit_stages(gm, assignment, 8)``.
+* ``emit``: ``fxpipe.emit.emit_stages(gm, plan)``.
 * ``time profile`` (reported separately, not in the total): ``fxpipe.profile.profile_graph``,
   what ``balance_by='time'`` pays instead of ``profile``.
 
@@ -28,6 +28,11 @@ Usage::
     .venv/bin/python benchmarks/planner_scaling.py                    # 250 .. 20k nodes
     .venv/bin/python benchmarks/planner_scaling.py --max-nodes 5000   # smaller sweep
     .venv/bin/python benchmarks/planner_scaling.py --no-time-profile  # skip the timed profile
+    python benchmarks/planner_scaling.py --device cuda --quick        # up to 1000 nodes, on cuda:0
+
+``--device cuda`` puts the model and its input on ``cuda:0``: the shape pass (``profile``)
+and the ``time profile`` then run CUDA kernels (synchronized around each timing); the other
+phases are pure Python graph work and do not depend on the device.
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ from torch import nn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fxpipe.capture import capture  # noqa: E402
+from _device import add_device_argument, check_device, first_device, label  # noqa: E402
 from fxpipe.emit import emit_stages  # noqa: E402
 from fxpipe.graph import build_opgraph  # noqa: E402
 from fxpipe.partition import COMPUTE_OPS, partition  # noqa: E402
@@ -88,10 +95,10 @@ def blocks_for(nodes: int, skip: int = 16) -> int:
     return max(1, (nodes + skip) // 4)
 
 
-def measure(target_nodes: int, time_profile: bool) -> Dict[str, Any]:
+def measure(target_nodes: int, time_profile: bool, dev: torch.device = torch.device("cpu")) -> Dict[str, Any]:
     torch.manual_seed(0)
-    model = DeepResMLP(blocks_for(target_nodes))
-    x = torch.randn(2, 8)
+    model = DeepResMLP(blocks_for(target_nodes)).to(dev)
+    x = torch.randn(2, 8, device=dev)
     args, kwargs = (x,), {}
     t: Dict[str, float] = {}
     gc.collect()
@@ -126,14 +133,14 @@ def measure(target_nodes: int, time_profile: bool) -> Dict[str, Any]:
     t["plan"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    stages = emit_stages(gm, assignment, N_STAGES)
+    stages = emit_stages(gm, plan)
     t["emit"] = time.perf_counter() - t0
 
     total = sum(t.values())
     timed = None
     if time_profile:
         t0 = time.perf_counter()
-        profile_graph(gm, flat)
+        profile_graph(gm, flat, device=dev)
         timed = time.perf_counter() - t0
 
     m = sum(1 for _, d in graph.nodes(data=True) if d.get("op") in COMPUTE_OPS)
@@ -159,14 +166,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-nodes", type=int, default=20000, help="largest model size (fx nodes)")
     p.add_argument("--no-time-profile", action="store_true", help="skip the balance_by='time' profile column")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_scaling.json"))
+    p.add_argument("--quick", action="store_true", help="sizes up to 1000 nodes only")
+    p.add_argument("--out", default=None, help="JSON (default results/planner_scaling[-cuda].json)")
+    add_device_argument(p, "model and input on cuda:0; only the profile phases run kernels")
     a = p.parse_args(argv)
-    sizes = [s for s in SIZES if s <= a.max_nodes] or [a.max_nodes]
+    check_device(a.device)
+    dev = first_device(a.device)
+    a.out = a.out or str(ROOT / "benchmarks" / "results" / f"planner_scaling{'' if a.device == 'cpu' else '-cuda'}.json")
+    max_nodes = min(a.max_nodes, 1000) if a.quick else a.max_nodes
+    sizes = [s for s in SIZES if s <= max_nodes] or [max_nodes]
     rows: List[Dict[str, Any]] = []
     began = time.perf_counter()
-    measure(50, False)  # warm-up: lazy imports and first-trace set-up are not billed to the first size
+    measure(50, False, dev)  # warm-up: lazy imports and first-trace set-up are not billed to the first size
     for size in sizes:
-        rows.append(measure(size, not a.no_time_profile))
+        rows.append(measure(size, not a.no_time_profile, dev))
         print(f"# {size}: {rows[-1]['total_s']:.1f}s", file=sys.stderr)
     head = "| nodes | " + " | ".join(PHASES) + " | total | time profile | total / node |"
     print(head)
@@ -180,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "benchmark": "planner_scaling",
         "date": _dt.date.today().isoformat(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "python": platform.python_version()},
+                    "torch": torch.__version__, "python": platform.python_version(), "device": label(a.device)},
         "n_stages": N_STAGES,
         "seconds": time.perf_counter() - began,
         "rows": rows,

@@ -63,6 +63,7 @@ import fxpipe.runtime.portal as portal_mod  # noqa: E402
 from fxpipe import GPipe, is_recomputing  # noqa: E402
 from fxpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
 from _memory import cpu_peak  # noqa: E402
+from _device import stage_devices  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "skip_portals.json")
 
@@ -344,7 +345,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--no-profile", action="store_true", help="skip the CPU memory profile")
     parser.add_argument("--output", default=RESULTS)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: depth 2, base 8, 32x32, batch 8, chunks 4, 3 steps, no CPU memory profile")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.depth, args.base, args.image, args.batch, args.chunks = 2, 8, 32, 8, 4
+        args.steps, args.warmup, args.no_profile = 3, 1, True
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
@@ -357,11 +363,7 @@ def main(argv=None) -> int:
     else:
         base, extra = divmod(n_layers, args.partitions)
         balance = [base + (1 if j < extra else 0) for j in range(args.partitions)]
-    if args.device == "cuda":
-        count = torch.cuda.device_count()
-        devices = [f"cuda:{j % count}" for j in range(len(balance))]
-    else:
-        devices = ["cpu"] * len(balance)
+    devices = stage_devices(args.device, len(balance))  # contiguous stages per GPU
 
     torch.manual_seed(0)
     cores = Cores(args.depth, args.base)

@@ -163,9 +163,24 @@ def _warm_up(gm: fx.GraphModule, inputs: list[Any]) -> None:
             torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
 
 
+def _cuda_device_of(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> torch.device | None:
+    """The CUDA device the graph computes on, if any: its first CUDA input or parameter.
+
+    Timings must synchronize it: CUDA kernels run asynchronously, so an unsynchronized
+    timing measures the launch, not the work, and a 'time' balance would follow launch counts.
+    """
+    for t in (*flat_inputs, *gm.parameters(), *gm.buffers()):
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return t.device
+    return None
+
+
 def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: torch.device | str | None,
          timed: bool) -> dict[str, NodeCost]:
-    dev = torch.device(device) if device is not None else None
+    if device is not None:
+        dev: torch.device | None = torch.device(device)
+    else:
+        dev = _cuda_device_of(gm, flat_inputs) if timed else None
     inputs = [x.to(dev) if dev is not None and isinstance(x, torch.Tensor) else x for x in flat_inputs]
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     rng = torch.random.get_rng_state()
@@ -193,7 +208,8 @@ def profile_graph(gm: fx.GraphModule, flat_inputs: Sequence[Any], *, repeat: int
 
     ``flat_inputs`` are the graph's placeholders' values (``Capture.flatten_inputs``). With
     ``device`` the inputs are moved there and CUDA is synchronised around each timing; the
-    graph's parameters must already live on that device. Non-compute nodes cost 0.
+    graph's parameters must already live on that device. Without it, a graph whose inputs or
+    parameters are on a GPU is synchronised on that GPU. Non-compute nodes cost 0.
     """
     return _run(gm, flat_inputs, repeat, device, timed=True)
 

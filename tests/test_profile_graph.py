@@ -163,3 +163,20 @@ def test_collapse_by_depth(resnet, resnet_costs) -> None:
     assert {"layer1.0", "layer1.1", "layer2.0", "layer2.1", "stem.0"} <= set(blocks.nodes)
     assert blocks.graph["model"] == "ResNetLike" and blocks.graph["depth"] == 2
     assert set(collapse_by_depth(g, 0).nodes) == set(g.nodes)  # depth 0: nothing merged
+
+
+@pytest.mark.cuda
+def test_cuda_profile_synchronizes_the_graphs_gpu(monkeypatch) -> None:
+    # Without a device argument, a model on the GPU is still timed around synchronizations
+    # (else the timings would be kernel launches and 'time' balancing would follow them).
+    import fxpipe.profile as profile
+
+    model, args, kwargs = zoo.resnet_like()
+    model = model.cuda()
+    args = tuple(a.cuda() for a in args)
+    captured = capture(model, args, kwargs)
+    synced = []
+    real = profile.synchronize
+    monkeypatch.setattr(profile, "synchronize", lambda d: (synced.append(d), real(d)))
+    profile_graph(captured.graph_module, captured.flatten_inputs(args, kwargs))
+    assert synced and all(d is not None and d.type == "cuda" for d in synced)

@@ -70,7 +70,22 @@ class PipelineRunner:
     (``stage_portals=True``). Worker threads (one per device) and copy streams are created
     once and reused by every call; with only CPU devices the tasks run on the caller's
     thread unless ``threads=True``.
+
+    Three switches exist for the ablation in ``benchmarks/throughput.py`` (not public API; the
+    defaults are the paper's runtime, and every setting computes the same values):
+
+    - ``copy_streams_on``: ``False`` issues copies on each device's compute stream instead of
+      a copy stream per (partition, micro-batch), so they no longer overlap computation.
+    - ``recompute_ahead``: ``False`` recomputes inside the checkpoint's backward, i.e. after
+      the incoming gradient (copy) arrived, instead of forking the recomputation off the output
+      so it starts before (paper, section 3.2.1). CPU-only pipelines always do the former.
+    - ``order_backward``: ``False`` drops the Fork/Join edges that make micro-batch i-1's
+      backward on a partition wait for micro-batch i's; autograd then orders by data alone.
     """
+
+    copy_streams_on: bool = True
+    recompute_ahead: bool = True
+    order_backward: bool = True
 
     def __init__(
         self,
@@ -137,7 +152,10 @@ class PipelineRunner:
         return self._pool
 
     def copy_streams(self, m: int) -> List[List[AbstractStream]]:
-        """One copy stream per (partition, micro-batch), created on first need."""
+        """One copy stream per (partition, micro-batch), created on first need (with
+        ``copy_streams_on`` off: the device's compute stream, m times)."""
+        if not self.copy_streams_on:
+            return [[current_stream(d)] * m for d in self.devices]
         for streams, device in zip(self._copy_streams, self.devices):
             while len(streams) < m:
                 streams.append(new_stream(device))
@@ -163,7 +181,7 @@ class PipelineRunner:
     ) -> None:
         """Adds this tick's backward-order dependencies and issues its copies."""
         for i, j in schedule:
-            if i != 0:
+            if i != 0 and self.order_backward:
                 # [1] Backward of micro-batch i-1 on partition j waits for micro-batch i's.
                 depend(batches[i - 1], batches[i])
             next_stream = copy_streams[j][i]
@@ -211,7 +229,7 @@ class PipelineRunner:
             marks[i] = timeline.mark_backward(batch, j, i, self.devices[j])
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
-                chk = Checkpointing(function, batch, self.devices[j], fused=self._cpu_only,
+                chk = Checkpointing(function, batch, self.devices[j], fused=self._cpu_only or not self.recompute_ahead,
                                     state=self._states[j],
                                     anchor_carries=not self.spread)
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute, result_queue=results, key=(i, j))
