@@ -60,7 +60,12 @@ class StashLog:
         self.by_id[id(tensor)] = (key, tensor)
 
     def key_of(self, tensor):
+        """The key of a stashed tensor, or of a view of it with the same data (portals keep
+        their values detached)."""
         entry = self.by_id.get(id(tensor))
+        if entry is None:
+            entry = next((e for e in self.by_id.values() if e[1].data_ptr() == tensor.data_ptr()
+                          and e[1].shape == tensor.shape), None)
         return None if entry is None else entry[0]
 
     def storages(self, recomputed=False):
