@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from fxpipe import GPipe
+from fxpipe.runtime import pipeline as pipeline_mod
 
 
 class Recorder(nn.Module):
@@ -21,8 +22,12 @@ class Recorder(nn.Module):
         return y * 0 + x  # keep the id in the data
 
 
+@pytest.mark.parametrize("order", [None, True, False])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_backward_visits_micro_batches_in_reverse_order(checkpoint):
+def test_backward_visits_micro_batches_in_reverse_order(monkeypatch, checkpoint, order):
+    """Also without the Fork/Join (``ORDER_BACKWARD`` False, the default for CPU pipelines
+    running on the caller's thread): autograd runs latest-created nodes first."""
+    monkeypatch.setattr(pipeline_mod, "ORDER_BACKWARD", order)
     log = []
     model = nn.Sequential(Recorder(log, "a"), Recorder(log, "b"))
     pipe = GPipe(model, [1, 1], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint)
