@@ -123,12 +123,18 @@ def _detached(batch: Batch) -> Batch:
     return out
 
 
-def _versions(batch: Batch) -> Tuple[int, ...]:
+def _versions(batch: Batch) -> List[int]:
     """The version counters of ``batch``'s tensors (they change with every in-place op)."""
-    values = batch.values
-    if all(isinstance(v, Tensor) for v in values):
-        return tuple(v._version for v in values)
-    return tuple(t._version for t in batch.tensors())
+    versions = []
+    for v in batch.values:
+        if isinstance(v, Tensor):
+            versions.append(v._version)
+        elif not isinstance(v, _SCALARS):
+            return [t._version for t in batch.tensors()]  # a structure: its tensor leaves
+    return versions
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.Size, torch.dtype, torch.device)
 
 
 class Checkpointing:
@@ -156,7 +162,7 @@ class Checkpointing:
         self.snapshot: List[Tensor] = []
         self.autocast: AutocastState = autocast_state()
         self.rng_states: Optional[RNGStates] = None
-        self.versions: Tuple[int, ...] = ()
+        self.versions: List[int] = []
         self.count = 0  # tensors saved by the first pass
         self.recomputed: Optional[List[Optional[Tensor]]] = None
         self.left = 0  # recomputed tensors not handed out yet
@@ -220,19 +226,23 @@ class Checkpointing:
             return x
 
         batch = _detached(self.inputs)
-        # A fresh copy of the snapshot each time: a second backward (retain_graph=True)
-        # recomputes again and must see the buffers as the first pass saw them.
-        snapshot = [s.clone() for s in self.snapshot]
         orig = _local.recomputing
         _local.recomputing = self
+        # Contexts only where there is something to set: this runs once per checkpointed task.
         try:
-            with saved_tensors_hooks(pack, _identity), torch.enable_grad(), entered_autocast(self.autocast), \
-                    _state_swapped(self.state, snapshot):
-                if self.rng_states is None:
+            with saved_tensors_hooks(pack, _identity), torch.enable_grad(), entered_autocast(self.autocast):
+                if not self.state and self.rng_states is None:
                     self.function(batch)
                 else:
-                    with restored_rng_states(self.device, self.rng_states):
-                        self.function(batch)
+                    # A fresh copy of the snapshot each time: a second backward (retain_graph=True)
+                    # recomputes again and must see the buffers as the first pass saw them.
+                    snapshot = [s.clone() for s in self.snapshot]
+                    with _state_swapped(self.state, snapshot):
+                        if self.rng_states is None:
+                            self.function(batch)
+                        else:
+                            with restored_rng_states(self.device, self.rng_states):
+                                self.function(batch)
         finally:
             _local.recomputing = orig
         if len(saved) != self.count:
