@@ -83,12 +83,12 @@ def test_a_stage_that_saves_nothing_is_not_recomputed(save):
 @pytest.mark.parametrize("ahead", [None, True, False])
 @pytest.mark.parametrize("mode", ["always", "except_last"])
 def test_recompute_ahead_or_lazily_gives_the_same_results(monkeypatch, ahead, mode):
-    """``RECOMPUTE_AHEAD`` (the Recompute node of accelerator pipelines, run here on CPU)
+    """``PipelineRunner.recompute_ahead`` (True: the Recompute node of accelerator pipelines, run here on CPU)
     changes when the recomputation runs, never what it computes."""
-    from fxpipe.runtime import pipeline as pipeline_mod
     from fxpipe.runtime.checkpoint import Checkpointing
+    from fxpipe.runtime.pipeline import PipelineRunner
 
-    monkeypatch.setattr(pipeline_mod, "RECOMPUTE_AHEAD", ahead)
+    monkeypatch.setattr(PipelineRunner, "recompute_ahead", ahead)
     ahead_calls = []
     real = Checkpointing.recompute_ahead
     monkeypatch.setattr(Checkpointing, "recompute_ahead", lambda self: (ahead_calls.append(1), real(self))[1])
