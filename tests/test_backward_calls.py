@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.runtime.pipeline import PipelineRunner
 from tests.exact import GRAD_TOL, assert_grads_equal
 from tests.zoo import ZOO
 
@@ -112,10 +113,12 @@ def test_double_backward_is_exact(checkpoint):
     assert_grads_equal(model, ref)
 
 
+@pytest.mark.parametrize("ahead", [None, True], ids=["lazy", "ahead"])  # recompute_ahead: as on CPU, as on GPUs
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_every_backward_call_through_portals_is_exact(checkpoint):
+def test_every_backward_call_through_portals_is_exact(monkeypatch, checkpoint, ahead):
     """The U-Net's long skips become portals; a checkpointed pop stage recomputes from the
     portal's value once per backward, also a second time through a retained graph."""
+    monkeypatch.setattr(PipelineRunner, "recompute_ahead", ahead)
     model, args, _ = ZOO["unet"]()
     ref = copy.deepcopy(model)
     (x,) = args
