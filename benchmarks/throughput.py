@@ -10,12 +10,12 @@ same even balance and devices), and ``fxpipe.pipeline`` cut at the same layers
 (b) **Ablation** on skip_portals.py's U-Net (the same model and forms; see there), n stages,
 m chunks, fxpipe.GPipe: the full runtime, then one thing off per row -- *portals* (the
 sequential form: skips carried through every stage), *copy streams* (copies on the compute
-stream), *recompute ahead* (recomputation inside the checkpoint's backward, after the
-gradient copy, not forked ahead of it) and *backward order* (no Fork/Join between
+stream), *recompute ahead* (recomputation where backward first unpacks a saved tensor,
+after the gradient copy, not forked ahead of it) and *backward order* (no Fork/Join between
 micro-batches). The switches are ``PipelineRunner`` attributes (fxpipe/runtime/pipeline.py);
 a row whose switch this checkout lacks is skipped with a message. On CPU the copy-stream and
-recompute-ahead switches change nothing (no streams; CPU pipelines always recompute inside
-the checkpoint's backward), and on one GPU split into stages the stages share one compute
+recompute-ahead switches change nothing (no streams; CPU pipelines recompute where the first
+saved tensor is unpacked; order_backward's default leaves the Fork/Join out on CPU), and on one GPU split into stages the stages share one compute
 stream, so what the switches buy there is bounded; several GPUs show the paper's setting.
 
 Before timing, every contender's output and every gradient is compared with the eager

@@ -30,7 +30,6 @@ from .plan import Plan
 from .mode_checks import check_modes
 from .prepare import Prepared, preserved, prepare
 from .runtime.batchnorm import commit_deferred_batch_norm
-from .runtime.checkpoint import guard_backward
 from .runtime.microbatch import Batch
 from .runtime.pipeline import PipelineRunner
 from .runtime.skip_layout import SkipLayout
@@ -219,8 +218,6 @@ class Pipeline(PlacedModule):
         if self.training:  # as eager BatchNorm: training mode updates statistics, grad or not
             commit_deferred_batch_norm(self._deferred)
         merged = self.batching.merge([b.values for b in batches], sizes)
-        if stop:  # checkpointed stages cannot serve autograd.grad & co.: refused in backward
-            merged = guard_backward(merged, list(self.module.parameters()))
         return self.capture.unflatten_output(merged)
 
     def extra_repr(self) -> str:

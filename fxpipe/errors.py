@@ -140,10 +140,10 @@ class PipelinePicklingError(FxpipeError, TypeError):
 
 
 class CheckpointBackwardError(FxpipeError, RuntimeError):
-    """A backward that a checkpointed stage cannot serve exactly: ``torch.autograd.grad``,
-    ``backward(inputs=...)`` or ``create_graph=True`` (double backward). The recomputation
-    runs its own backward into ``.grad``, which those calls would silently miss; the
-    message says to build the pipeline with ``checkpoint='never'``."""
+    """A checkpointed stage that cannot be recomputed exactly for backward: it modifies its
+    input in place, its input was modified in place after its forward, or its recomputation
+    saved other tensors than its forward did. The message names the partition and says to
+    make the operation out of place or to build the pipeline with ``checkpoint='never'``."""
 
 
 class PipelineClosedError(FxpipeError, RuntimeError):

@@ -18,7 +18,6 @@ from .errors import ChunksError, PipelinePicklingError, PlacementError
 from .frontend import CHECKPOINT_MODES, Device, PlacedModule, checkpoint_stop
 from .runtime import microbatch
 from .runtime.batchnorm import commit_deferred_batch_norm
-from .runtime.checkpoint import guard_backward
 from .runtime.pipeline import PipelineClosedError, PipelineRunner
 from .skip.skippable import inspect_skip_layout, verify_skippables
 
@@ -175,9 +174,4 @@ class GPipe(PlacedModule):
         self._runtime.run(batches, stop)
         if self.training:
             commit_deferred_batch_norm(self._deferred)
-        output = microbatch.gather(batches)
-        if not stop:
-            return output
-        # checkpointed partitions cannot serve autograd.grad & co.: refused in backward
-        guarded = guard_backward(output if isinstance(output, tuple) else (output,), list(self.parameters()))
-        return tuple(guarded) if isinstance(output, tuple) else guarded[0]
+        return microbatch.gather(batches)

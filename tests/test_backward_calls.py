@@ -1,11 +1,10 @@
 """The backward calls people make on a pipeline's output, beyond ``loss.backward()``.
 
-A checkpointed stage is differentiated by a backward of its own, run inside the outer one,
-that accumulates into ``.grad``. What that serves exactly (a second backward with
-``retain_graph=True``, several losses from one output) must equal eager; what it cannot
-(``torch.autograd.grad``, ``backward(inputs=...)``, ``create_graph=True``) must be refused
-with ``CheckpointBackwardError``, never answered with missing gradients. With
-``checkpoint='never'`` all of them are exact.
+A checkpointed stage keeps its forward graph and recomputes only the tensors that graph
+saved (saved-tensor hooks), so every backward call -- a second one with
+``retain_graph=True``, several losses from one output, ``torch.autograd.grad``,
+``backward(inputs=...)``, ``create_graph=True`` -- differentiates the same graph as eager
+and must equal eager in every checkpoint mode, also with portals between stages.
 """
 
 from __future__ import annotations
@@ -17,8 +16,9 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.errors import CheckpointBackwardError
-from tests.exact import assert_grads_equal
+from fxpipe.runtime.pipeline import PipelineRunner
+from tests.exact import GRAD_TOL, assert_grads_equal
+from tests.zoo import ZOO
 
 CHECKPOINTED = ["always", "except_last"]
 
@@ -73,42 +73,78 @@ def test_two_losses_from_one_output(checkpoint):
     assert_grads_equal(model, ref)
 
 
-# (except_last with one micro-batch checkpoints nothing: exact, like 'never')
-@pytest.mark.parametrize("checkpoint, chunks", [("always", 1), ("always", 2), ("except_last", 2)])
-def test_autograd_grad_is_refused_not_answered_without_the_recomputed_gradients(checkpoint, chunks):
-    model, _, pipe, x = _pair(checkpoint, chunks)
-    with pytest.raises(CheckpointBackwardError, match="checkpoint='never'"):
-        torch.autograd.grad(pipe(x).sum(), list(model.parameters()))
-    with pytest.raises(CheckpointBackwardError, match="inputs="):
-        pipe(x).sum().backward(inputs=[model[5].weight])
-    assert all(p.grad is None for p in model.parameters()), "a refused backward must not leave gradients"
-
-
-@pytest.mark.parametrize("checkpoint", CHECKPOINTED)
-def test_double_backward_is_refused(checkpoint):
-    _, _, pipe, x = _pair(checkpoint)
-    x = x.clone().requires_grad_()
-    with pytest.raises(CheckpointBackwardError):
-        (g,) = torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
-
-
-def test_without_checkpointing_every_backward_call_is_exact():
-    model, ref, pipe, x = _pair("never")
-    model.eval(), ref.eval(), pipe.eval()  # no dropout: eager on the whole batch compares
+@pytest.mark.parametrize("checkpoint, chunks", [("always", 1), ("always", 2), ("except_last", 2), ("never", 2)])
+def test_autograd_grad_and_backward_inputs_are_exact(checkpoint, chunks):
+    model, ref, pipe, x = _pair(checkpoint, chunks)
     params, ref_params = list(model.parameters()), list(ref.parameters())
-    got = torch.autograd.grad(pipe(x).sum(), params)
-    want = torch.autograd.grad(ref(x).sum(), ref_params)
-    for a, b in zip(got, want):
+    got, want = {}, {}
+
+    def run(forward):
+        out = got if forward is pipe else want
+        out["grad"] = torch.autograd.grad(forward(x).pow(2).sum(), params if forward is pipe else ref_params)
+
+    _eager_like(pipe, ref, model, x, run)
+    for a, b in zip(got["grad"], want["grad"]):
         torch.testing.assert_close(a, b)
-    pipe(x).sum().backward(inputs=[model[5].weight])
-    ref(x).sum().backward(inputs=[ref[5].weight])
+    assert all(p.grad is None for p in params), "torch.autograd.grad must not accumulate into .grad"
+
+    def run_inputs(forward):
+        w = model[5].weight if forward is pipe else ref[5].weight
+        forward(x).pow(2).sum().backward(inputs=[w])
+
+    _eager_like(pipe, ref, model, x, run_inputs)
     assert_grads_equal(model, ref)
-    xp, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
-    (gp,) = torch.autograd.grad(pipe(xp).pow(2).sum(), xp, create_graph=True)
-    (ge,) = torch.autograd.grad(ref(xe).pow(2).sum(), xe, create_graph=True)
-    gp.pow(2).sum().backward()
-    ge.pow(2).sum().backward()
+    assert model[0].weight.grad is None  # not among inputs=: left alone, as in eager
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_double_backward_is_exact(checkpoint):
+    model, ref, pipe, x = _pair(checkpoint)
+    grads = {}
+
+    def run(forward):
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(forward(xi).pow(2).sum(), xi, create_graph=True)
+        g.pow(2).sum().backward()
+        grads[forward is pipe] = g.detach()
+
+    _eager_like(pipe, ref, model, x, run)
+    torch.testing.assert_close(grads[True], grads[False])
     assert_grads_equal(model, ref)
+
+
+@pytest.mark.parametrize("ahead", [None, True], ids=["lazy", "ahead"])  # recompute_ahead: as on CPU, as on GPUs
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_every_backward_call_through_portals_is_exact(monkeypatch, checkpoint, ahead):
+    """The U-Net's long skips become portals; a checkpointed pop stage recomputes from the
+    portal's value once per backward, also a second time through a retained graph."""
+    monkeypatch.setattr(PipelineRunner, "recompute_ahead", ahead)
+    model, args, _ = ZOO["unet"]()
+    ref = copy.deepcopy(model)
+    (x,) = args
+    pipe = fxpipe.pipeline(model, args, 3, chunks=2, checkpoint=checkpoint, devices=["cpu"] * 3, balance_by="params")
+    assert pipe.plan.portals
+
+    def eager(inp):
+        return torch.cat([ref(c) for c in inp.chunk(2)])
+
+    for forward, module in ((pipe, model), (eager, ref)):
+        loss = forward(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert_grads_equal(model, ref, **GRAD_TOL)
+    got = torch.autograd.grad(pipe(x).pow(2).sum(), list(model.parameters()))
+    want = torch.autograd.grad(eager(x).pow(2).sum(), list(ref.parameters()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+    gs = []
+    for forward in (pipe, eager):
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(forward(xi).pow(2).sum(), xi, create_graph=True)
+        g.pow(2).sum().backward()
+        gs.append(g.detach())
+    torch.testing.assert_close(gs[0], gs[1], **GRAD_TOL)
+    assert_grads_equal(model, ref, **GRAD_TOL)
 
 
 class _ReturnsItsWeight(nn.Module):
@@ -138,14 +174,14 @@ def test_a_parameter_returned_as_an_output(checkpoint, chunks):
     assert model.a.weight.is_leaf and model.a.weight.grad_fn is None  # still the model's Parameter
 
 
-def test_the_gpipe_front_end_refuses_too():
+def test_the_gpipe_front_end_serves_autograd_grad():
     model = _model()
-    gpipe = fxpipe.GPipe(model, balance=[2, 2, 2], devices=["cpu"] * 3, chunks=2, checkpoint="always")
-    with pytest.raises(CheckpointBackwardError):
-        torch.autograd.grad(gpipe(torch.randn(6, 8)).sum(), list(model.parameters()))
     ref = copy.deepcopy(model)
-    ref.eval(), gpipe.eval()
+    gpipe = fxpipe.GPipe(model, balance=[2, 2, 2], devices=["cpu"] * 3, chunks=2, checkpoint="always")
     x = torch.randn(6, 8)
-    gpipe(x).sum().backward()
-    ref(x).sum().backward()
-    assert_grads_equal(model, ref)
+    state = torch.get_rng_state()
+    got = torch.autograd.grad(gpipe(x).pow(2).sum(), list(model.parameters()))
+    torch.set_rng_state(state)
+    want = torch.autograd.grad(torch.cat([ref(c) for c in x.chunk(2)]).pow(2).sum(), list(ref.parameters()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -38,7 +38,7 @@ class Probe(nn.Module):
 
     def forward(self, x):
         self.events.append((is_checkpointing(), is_recomputing()))
-        return x * 1.0
+        return torch.tanh(x)  # saves its result: backward needs the recomputation
 
 
 def test_is_checkpointing_and_is_recomputing():
@@ -58,3 +58,107 @@ def test_no_checkpointing_in_eval_or_no_grad():
     pipe.eval()
     pipe(torch.randn(4, 2))
     assert probe.events == [(False, False)] * 4
+
+
+class Saves(nn.Module):
+    """Counts its runs; ``save`` says whether it saves a tensor for backward."""
+
+    def __init__(self, save):
+        super().__init__()
+        self.save, self.runs = save, 0
+
+    def forward(self, x):
+        self.runs += 1
+        return torch.tanh(x) if self.save else x + 1.0
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_a_stage_that_saves_nothing_is_not_recomputed(save):
+    probe = Saves(save)
+    pipe = GPipe(nn.Sequential(nn.Linear(2, 2), probe), [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="always")
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert probe.runs == (4 if save else 2)
+
+
+@pytest.mark.parametrize("ahead", [None, True, False])
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_recompute_ahead_or_lazily_gives_the_same_results(monkeypatch, ahead, mode):
+    """``PipelineRunner.recompute_ahead`` (True: the Recompute node of accelerator pipelines, run here on CPU)
+    changes when the recomputation runs, never what it computes."""
+    from fxpipe.runtime.checkpoint import Checkpointing
+    from fxpipe.runtime.pipeline import PipelineRunner
+
+    monkeypatch.setattr(PipelineRunner, "recompute_ahead", ahead)
+    ahead_calls = []
+    real = Checkpointing.recompute_ahead
+    monkeypatch.setattr(Checkpointing, "recompute_ahead", lambda self: (ahead_calls.append(1), real(self))[1])
+    results = {}
+    for m in [mode, "never"]:
+        torch.manual_seed(0)
+        model = dropout_model()
+        pipe = GPipe(model, [2, 1, 2], devices=["cpu"] * 3, chunks=3, checkpoint=m)
+        torch.manual_seed(1)
+        out = pipe(torch.randn(9, 8))
+        out.sum().backward()
+        results[m] = (out.detach(), [p.grad for p in model.parameters()])
+    assert bool(ahead_calls) == bool(ahead)
+    assert torch.equal(results[mode][0], results["never"][0])
+    for g, r in zip(results[mode][1], results["never"][1]):
+        assert torch.equal(g, r)
+
+
+def test_rng_states_are_saved_only_for_partitions_that_may_draw(monkeypatch):
+    from fxpipe.runtime import checkpoint as checkpoint_mod
+
+    calls = []
+    real = checkpoint_mod.save_rng_states
+    monkeypatch.setattr(checkpoint_mod, "save_rng_states", lambda device: (calls.append(device), real(device))[1])
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    pipe = GPipe(model, [2, 3], devices=["cpu"] * 2, chunks=2, checkpoint="always")
+    pipe(torch.randn(4, 8)).sum().backward()
+    assert len(calls) == 2  # the second partition, once per micro-batch
+
+
+class ShiftsItsInput(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x.add_(1.0))
+
+
+def test_an_input_modified_in_place_is_refused_not_recomputed_wrong():
+    from fxpipe.errors import CheckpointBackwardError
+
+    pipe = GPipe(nn.Sequential(nn.Linear(2, 2), ShiftsItsInput()), [1, 1], devices=["cpu"] * 2, chunks=2,
+                 checkpoint="always")
+    with pytest.raises(CheckpointBackwardError, match="partition 1 modified its input in place"):
+        pipe(torch.randn(4, 2))
+    pipe = GPipe(nn.Sequential(nn.Tanh(), nn.Linear(2, 2)), [1, 1], devices=["cpu"] * 2, chunks=2,
+                 checkpoint="always")
+    x = torch.randn(4, 2, requires_grad=True)
+    y = x * 1.0  # the pipeline's input, modified after its forward
+    out = pipe(y)
+    with torch.no_grad():
+        y.mul_(2)
+    with pytest.raises(CheckpointBackwardError, match="modified in place after its forward"):
+        out.sum().backward()
+
+
+class Flaky(nn.Module):
+    """Saves one tensor more on every run: a forward whose operations change between runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        for _ in range(self.runs):
+            x = torch.tanh(x)
+        return x
+
+
+def test_a_recomputation_that_differs_is_refused():
+    from fxpipe.errors import CheckpointBackwardError
+
+    pipe = GPipe(nn.Sequential(nn.Linear(2, 2), Flaky()), [1, 1], devices=["cpu"] * 2, chunks=1, checkpoint="always")
+    with pytest.raises(CheckpointBackwardError, match="saved 2 tensors for backward where its forward saved 1"):
+        pipe(torch.randn(4, 2)).sum().backward()

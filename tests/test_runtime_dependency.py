@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from fxpipe import GPipe
+from fxpipe.runtime.pipeline import PipelineRunner
 
 
 class Recorder(nn.Module):
@@ -21,8 +22,12 @@ class Recorder(nn.Module):
         return y * 0 + x  # keep the id in the data
 
 
+@pytest.mark.parametrize("order", [None, True, False])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_backward_visits_micro_batches_in_reverse_order(checkpoint):
+def test_backward_visits_micro_batches_in_reverse_order(monkeypatch, checkpoint, order):
+    """Also without the Fork/Join (``order_backward`` False, as by default on CPU pipelines
+    running on the caller's thread): autograd runs latest-created nodes first."""
+    monkeypatch.setattr(PipelineRunner, "order_backward", order)
     log = []
     model = nn.Sequential(Recorder(log, "a"), Recorder(log, "b"))
     pipe = GPipe(model, [1, 1], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint)

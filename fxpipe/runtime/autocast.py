@@ -24,10 +24,8 @@ _DEVICE_TYPES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def autocast_state() -> AutocastState:
-    """This thread's autocast settings, now."""
-    per_device = tuple(
-        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES
-    )
+    """This thread's autocast settings, now (read for every pipeline task: no generator)."""
+    per_device = tuple([(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES])
     return per_device, torch.is_autocast_cache_enabled()
 
 

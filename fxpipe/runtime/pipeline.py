@@ -22,6 +22,7 @@ from .checkpoint import Checkpointing
 from .copy import copy, wait
 from .dependency import depend_tensors
 from .microbatch import Batch
+from .randomness import may_draw_random
 from .skip_layout import SkipLayout
 from .skip_tracker import SkipTrackerThroughPortals, merge_phony
 from .stage_portals import StagePortals
@@ -76,16 +77,22 @@ class PipelineRunner:
 
     - ``copy_streams_on``: ``False`` issues copies on each device's compute stream instead of
       a copy stream per (partition, micro-batch), so they no longer overlap computation.
-    - ``recompute_ahead``: ``False`` recomputes inside the checkpoint's backward, i.e. after
-      the incoming gradient (copy) arrived, instead of forking the recomputation off the output
-      so it starts before (paper, section 3.2.1). CPU-only pipelines always do the former.
+    - ``recompute_ahead``: ``False`` recomputes a checkpointed task where backward first
+      unpacks one of its saved tensors, i.e. after the incoming gradient (copy) arrived,
+      instead of from a Recompute node forked off the output, which backward reaches before
+      the Wait for that copy (paper, section 3.2.1). ``None`` (default): ahead when some
+      device is not a CPU (on CPU nothing is asynchronous to overlap); ``True``: ahead
+      everywhere (what tests use to run that path on CPU).
     - ``order_backward``: ``False`` drops the Fork/Join edges that make micro-batch i-1's
       backward on a partition wait for micro-batch i's; autograd then orders by data alone.
+      ``None`` (default): the edges unless the tasks run inline on the caller's thread (CPU
+      only), where autograd already runs the latest-created node first -- the reverse clock
+      order -- and each edge would only cost a Python autograd Function; ``True``: always.
     """
 
     copy_streams_on: bool = True
-    recompute_ahead: bool = True
-    order_backward: bool = True
+    recompute_ahead: Optional[bool] = None
+    order_backward: Optional[bool] = None
 
     def __init__(
         self,
@@ -103,6 +110,9 @@ class PipelineRunner:
         # Buffers each partition updates in forward (generated stages declare them), read
         # once here rather than per task: the recomputation runs on their snapshot.
         self._states = [getattr(p, "mutable_state", ()) for p in self.partitions]
+        # Whether each may draw random numbers: only those get their RNG states saved for
+        # the recomputation of a checkpointed task (also decided once, from the graph).
+        self._random = [may_draw_random(p) for p in self.partitions]
         self.devices = list(devices)
         self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(partitions), {})
         self._tracker = StagePortals if stage_portals else SkipTrackerThroughPortals
@@ -110,7 +120,6 @@ class PipelineRunner:
         # None: worker threads when a partition is on an accelerator; inline on CPU.
         self.threads = threads
         self._pool: Optional[WorkerPool] = None
-        # Nothing to overlap recomputation with when no copy is asynchronous.
         self._cpu_only = all(d.type == "cpu" for d in self.devices)
         self._copy_streams: List[List[AbstractStream]] = [[] for _ in self.devices]
         self.closed = False
@@ -171,17 +180,20 @@ class PipelineRunner:
         skip_trackers: List[Tracker] = [self._tracker(self.skip_layout) for _ in range(m)]
         copy_streams = self.copy_streams(m)
         results: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        # Nothing to overlap recomputation with when no copy is asynchronous.
+        ahead = not self._cpu_only if self.recompute_ahead is None else self.recompute_ahead
+        order = not self.workers.inline if self.order_backward is None else self.order_backward
         for schedule in clock_cycles(m, len(self.partitions)):
-            self._fence(batches, schedule, skip_trackers, copy_streams)
-            self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results)
+            self._fence(batches, schedule, skip_trackers, copy_streams, order)
+            self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead)
 
     def _fence(
         self, batches: List[Batch], schedule: Schedule,
-        skip_trackers: List[Tracker], copy_streams: List[List[AbstractStream]],
+        skip_trackers: List[Tracker], copy_streams: List[List[AbstractStream]], order: bool,
     ) -> None:
         """Adds this tick's backward-order dependencies and issues its copies."""
         for i, j in schedule:
-            if i != 0 and self.order_backward:
+            if i != 0 and order:
                 # [1] Backward of micro-batch i-1 on partition j waits for micro-batch i's.
                 depend(batches[i - 1], batches[i])
             next_stream = copy_streams[j][i]
@@ -213,10 +225,12 @@ class PipelineRunner:
     #   input of task (i, j+1)
     #
     # [1] is _fence; [2] and [3] run per task below; [4] and [5] once the whole tick ran.
+    # [5] only when recomputing ahead (recompute_ahead; on CPU a checkpointed task recomputes
+    # where its first saved tensor is unpacked), depend() only when ordering (order_backward).
     def _compute(
         self, batches: List[Batch], schedule: Schedule,
         skip_trackers: List[Tracker], copy_streams: List[List[AbstractStream]],
-        checkpoint_stop: int, results: "queue.SimpleQueue[Any]",
+        checkpoint_stop: int, results: "queue.SimpleQueue[Any]", ahead: bool,
     ) -> None:
         n = len(self.partitions)
         streams = [current_stream(d) for d in self.devices]
@@ -229,10 +243,10 @@ class PipelineRunner:
             marks[i] = timeline.mark_backward(batch, j, i, self.devices[j])
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
-                chk = Checkpointing(function, batch, self.devices[j], fused=self._cpu_only or not self.recompute_ahead,
-                                    state=self._states[j],
-                                    anchor_carries=not self.spread)
-                task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute, result_queue=results, key=(i, j))
+                chk = Checkpointing(function, batch, self.devices[j], random=self._random[j],
+                                    state=self._states[j], ahead=ahead, where=f"partition {j}")
+                task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute if ahead else None,
+                            result_queue=results, key=(i, j))
                 del chk
             else:
                 task = Task(streams[j], compute=_bind(function, batch), finalize=None, result_queue=results, key=(i, j))

@@ -13,7 +13,10 @@ three autograd functions around it:
 
 "Tensor life" counts the remaining uses so the portal drops its reference as soon as the
 last one happened: 2 without checkpointing (blue, orange), 3 with it (the recomputation's
-orange needs the tensor once more), reset to 1 when the stash partition recomputes.
+orange needs the tensor once more), reset to 1 when the stash partition recomputes. The
+recomputation of a pop partition also leaves the value with the recomputed task (see
+``Checkpointing.keep``), which lives as long as that partition's graph: a second backward
+through a retained graph recomputes from it again, and a freed graph frees it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..tree import TreeSpec, flatten, unflatten
+from .checkpoint import recomputing_task
 from .copy import move
 from .phony import get_phony
 from .stream import AbstractStream, get_device
@@ -43,9 +47,13 @@ class Portal:
         self.put_tensor(tensor, tensor_life)
         self.grad: Optional[Tuple[Optional[Tensor], ...]] = None
 
-    def blue(self) -> Tensor:
-        """Stash side: a phony whose backward delivers the gradients to the stashed tensors."""
-        tensors, _, _ = _split(self.use_tensor())
+    def blue(self, value: Any) -> Tensor:
+        """Stash side: a phony whose backward delivers the gradients to the stashed tensors.
+
+        ``value`` is the stashed value as computed, with its autograd history, which only
+        this phony links to: the portal itself keeps the value detached (see ``put_tensor``)."""
+        self.use_tensor()
+        tensors, _, _ = _split(value)
         if not tensors:
             return get_phony(torch.device("cpu"), requires_grad=False)
         return PortalBlue.apply(self, *tensors)
@@ -58,6 +66,13 @@ class Portal:
         input's gradient -- and with it PortalCopy's backward, which moves that gradient to
         the stash device -- is computed.
         """
+        task = recomputing_task()
+        if task is not None:
+            # The recomputation of a checkpointed pop stage: the first one finds the value
+            # here, later ones (a second backward through a retained graph) in the task.
+            value = task.keep(self, self.tensor if self.tensor_life > 0 else None)
+            if self.tensor_life <= 0 and value is not None:
+                self.put_tensor(value, 1)
         self.check_tensor_life()
         tensors, leaves, spec = _split(self.tensor)
         if not tensors or not torch.is_grad_enabled():
@@ -77,8 +92,15 @@ class Portal:
             raise RuntimeError("tensor in portal has been removed")
 
     def put_tensor(self, tensor: Any, tensor_life: int) -> None:
+        """Keeps ``tensor`` (a value) for ``tensor_life`` uses, detached from autograd.
+
+        The value's graph reaches the portal through ``PortalBlue`` alone. Keeping it
+        attached would also make a reference cycle when the stash stage is checkpointed --
+        portal, value, the stage's graph, its saved-tensor hooks, the checkpointed task,
+        the skip tracker, portal -- which the garbage collector cannot see through autograd's
+        C++ nodes: a forward without backward would leak its skips."""
         self.tensor_life = tensor_life
-        self.tensor = tensor if tensor_life > 0 else None
+        self.tensor = _detach(tensor) if tensor_life > 0 else None
 
     def use_tensor(self) -> Any:
         self.check_tensor_life()
@@ -104,6 +126,15 @@ def _split(value: Any) -> Tuple[List[Tensor], List[Any], Optional[TreeSpec]]:
         return [value], [value], None
     leaves, spec = flatten(value)
     return [x for x in leaves if isinstance(x, Tensor)], leaves, spec
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach()
+    tensors, leaves, spec = _split(value)
+    if not tensors:
+        return value
+    return _join([x.detach() for x in tensors], leaves, spec)
 
 
 def _join(tensors: Sequence[Tensor], leaves: List[Any], spec: Optional[TreeSpec]) -> Any:

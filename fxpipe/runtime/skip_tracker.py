@@ -77,7 +77,7 @@ class SkipTrackerThroughPortals(SkipTracker):
             # result, a ModelOutput) go through a portal like a tensor.
             super().save(batch, ns, name, tensor)
             return
-        _join_into(batch, stash_portal(self.portals, (ns, name), tensor).blue())
+        _join_into(batch, stash_portal(self.portals, (ns, name), tensor).blue(tensor))
 
     def load(self, batch: Batch, ns: Optional[Namespace], name: str) -> Optional[Tensor]:
         if not self.skip_layout.requires_copy(ns, name):

@@ -64,7 +64,7 @@ class StagePortals(LocalPortals):
             # A plain value (an int, a torch.Size): nothing to copy or differentiate.
             self.values[name] = value
             return
-        self.pending.append(stash_portal(self.portals, name, value).blue())
+        self.pending.append(stash_portal(self.portals, name, value).blue(value))
 
     def pop(self, name: str) -> Any:
         if name in self.values:

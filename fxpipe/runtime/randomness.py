@@ -1,0 +1,138 @@
+"""RNG states for recomputation, and which partitions need them.
+
+A checkpointed partition runs twice: once in forward, once when its saved tensors are
+needed in backward. A partition that draws random numbers (dropout) must draw the same ones
+the second time, so the RNG states are saved before the first run and put back around the
+recomputation -- two state copies per task (the CPU generator's state alone is 5 KB), which
+a partition that draws nothing does not need.
+
+:func:`may_draw_random` decides that once per partition, from what the partition is made
+of, and errs on the side of saving: a ``GraphModule``'s graph names every operation it
+runs, so a graph without a random operation draws nothing; torch's own layers are known
+one by one; anything else -- a module whose ``forward`` is user code the graph does not
+show, a Python function called from the graph, a higher-order op -- may draw, and keeps its
+RNG states. A wrong "no" would make dropout differ between forward and recomputation,
+hence the conservative rule.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Generator, Optional, Tuple
+
+import torch
+from torch import fx, nn
+
+__all__ = ["RNGStates", "may_draw_random", "save_rng_states", "restored_rng_states"]
+
+#: (CPU generator state, the device's CUDA generator state or None)
+RNGStates = Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+# Operations that draw from a generator, by base name: torch functions, Tensor methods,
+# torch.nn.functional, torch.nn.init and aten overloads all go by these names.
+_RANDOM_OPS = frozenset("""
+    dropout dropout_ dropout1d dropout2d dropout3d alpha_dropout alpha_dropout_ feature_dropout
+    feature_dropout_ feature_alpha_dropout feature_alpha_dropout_ native_dropout fused_dropout
+    rand rand_like randn randn_like randint randint_like randperm bernoulli bernoulli_
+    multinomial normal normal_ poisson binomial uniform_ random_ exponential_ geometric_ cauchy_
+    log_normal_ rrelu rrelu_ rrelu_with_noise rrelu_with_noise_ gumbel_softmax
+    fractional_max_pool2d fractional_max_pool3d fractional_max_pool2d_with_indices
+    fractional_max_pool3d_with_indices standard_gamma sample_dirichlet
+    scaled_dot_product_attention multi_head_attention_forward
+    trunc_normal_ kaiming_uniform_ kaiming_normal_ xavier_uniform_ xavier_normal_
+    orthogonal_ sparse_
+""".split())
+
+# Modules whose class lives here run torch's own code; only these are known not to draw.
+_TORCH_MODULES = ("torch.nn.modules.", "fxpipe.runtime.batchnorm", "fxpipe.batchnorm")
+
+# Where a graph's Python-function targets are known ops (anything else is user code).
+_KNOWN_FUNCTION_MODULES = ("torch", "_operator", "operator", "builtins", "math", "fxpipe")
+
+
+def _base_name(target: Any) -> str:
+    """``torch.ops.aten.native_dropout.default`` -> ``native_dropout``; ``torch.rand`` -> ``rand``."""
+    name = target if isinstance(target, str) else getattr(target, "__name__", "") or str(target)
+    return name.split(".")[0].lstrip("_")
+
+
+def _module_may_draw(module: nn.Module) -> bool:
+    for sub in module.modules():
+        if isinstance(sub, fx.GraphModule):
+            if sub is not module and _graph_may_draw(sub):
+                return True
+            continue
+        cls = type(sub)
+        if not cls.__module__.startswith(_TORCH_MODULES):
+            return True  # user code in forward: it may draw
+        if isinstance(sub, (nn.modules.dropout._DropoutNd, nn.RReLU, nn.FractionalMaxPool2d,
+                            nn.FractionalMaxPool3d, nn.MultiheadAttention)):
+            return True
+    return False
+
+
+def _function_may_draw(target: Any) -> bool:
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True  # runs subgraphs: not looked into
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _base_name(target) in _RANDOM_OPS
+    if _base_name(target) in _RANDOM_OPS:
+        return True
+    module = getattr(target, "__module__", None) or ""
+    if module.startswith(_KNOWN_FUNCTION_MODULES):
+        return False
+    # Methods of builtin types (Tensor.add, tuple.__getitem__) have no __module__.
+    return not (module == "" and hasattr(target, "__objclass__"))
+
+
+def _graph_may_draw(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _function_may_draw(node.target):
+            return True
+        if node.op == "call_method" and _base_name(node.target) in _RANDOM_OPS:
+            return True
+        if node.op == "call_module" and _module_may_draw(gm.get_submodule(node.target)):
+            return True
+    return False
+
+
+def may_draw_random(partition: Any) -> bool:
+    """Whether running ``partition`` may draw random numbers (``True`` when unsure).
+
+    A ``GraphModule`` is judged by its graph (its ``call_module`` targets by their classes,
+    recursively), another ``nn.Module`` by the classes of all its modules, anything else
+    (a plain callable) is assumed to draw.
+    """
+    if isinstance(partition, fx.GraphModule):
+        return _graph_may_draw(partition)
+    if isinstance(partition, nn.Module):
+        return _module_may_draw(partition)
+    return True
+
+
+def save_rng_states(device: torch.device) -> RNGStates:
+    """The RNG states a run on ``device`` draws from: the CPU's, and the device's own."""
+    gpu_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), gpu_state
+
+
+@contextmanager
+def restored_rng_states(device: torch.device, states: RNGStates) -> Generator[None, None, None]:
+    """Runs the block from ``states``, leaving the caller's RNG states as they were.
+
+    ``states`` are read, not consumed: a second backward through the same graph
+    (``retain_graph=True``) recomputes again and draws the same numbers again."""
+    cpu_state, gpu_state = states
+    if gpu_state is None:
+        # CPU only: a plain save/set/restore (fork_rng's generality costs ~10 us a task).
+        outer = torch.get_rng_state()
+        torch.set_rng_state(cpu_state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(outer)
+        return
+    with torch.random.fork_rng([device]):
+        torch.set_rng_state(cpu_state)
+        torch.cuda.set_rng_state(gpu_state, device)
+        yield
