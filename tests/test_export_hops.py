@@ -63,6 +63,13 @@ def test_no_grad_region_keeps_its_semantics():
     assert bodies and all(isinstance(getattr(stage, b), torch.fx.GraphModule) for b in bodies)
 
 
+def test_no_grad_region_profiled_by_time():
+    """balance_by='time' (the default) runs the region's call in the profiler: exact, and costed."""
+    pipe = assert_exact(GradOffRegion(), (torch.randn(6, 8),), 3, chunks=2)
+    calls = [n for n in pipe.plan.assignment if n.startswith("wrap_with_set_grad_enabled")]
+    assert calls and all(pipe.plan.stages[pipe.plan.stage_of(n)].cost >= 0 for n in calls)
+
+
 def test_no_grad_region_gradients_are_none_like_eager():
     model = GradOffRegion()
     pipe = fxpipe.pipeline(model, torch.randn(6, 8), 3, chunks=2, devices=["cpu"] * 3, balance_by="params")

@@ -110,13 +110,20 @@ def test_token_mean_with_ignored_labels_is_refused():
 
 
 def test_rotary_decoder_profiled_by_time_matches_eager():
-    """The default balance_by='time': the profiler times the no_grad rotary region's call."""
+    """The default balance_by='time' on a rotary LLM.
+
+    transformers 4.x computes the rotary embedding under ``torch.no_grad()``: the export graph
+    then holds a ``wrap_with_set_grad_enabled`` region the profiler must time as one call.
+    transformers 5.x (``@dynamic_rope_update``, no region) has none; the region itself is
+    covered model-independently by test_export_hops.py::test_no_grad_region_profiled_by_time.
+    """
     fam = BY_NAME["llama"]
     pipe = assert_exact(fam.model(), (), STAGES, kwargs=fam.inputs(), chunks=CHUNKS)
     code = "\n".join(pipe.stage_code(k) for k in range(STAGES))
-    assert "torch.ops.higher_order.wrap_with_set_grad_enabled(False, submod_" in code
     calls = [n for n in pipe.plan.assignment if n.startswith("wrap_with_set_grad_enabled")]
-    assert calls and all(pipe.plan.stages[pipe.plan.stage_of(n)].cost >= 0 for n in calls)
+    if calls:
+        assert "torch.ops.higher_order.wrap_with_set_grad_enabled(False, submod_" in code
+        assert all(pipe.plan.stages[pipe.plan.stage_of(n)].cost >= 0 for n in calls)
 
 
 @pytest.mark.parametrize("leaf", ["by_type", "by_name"])
