@@ -12,7 +12,8 @@ m chunks, fxpipe.GPipe: the full runtime, then one thing off per row -- *portals
 sequential form: skips carried through every stage), *copy streams* (copies on the compute
 stream), *recompute ahead* (recomputation where backward first unpacks a saved tensor,
 after the gradient copy, not forked ahead of it) and *backward order* (no Fork/Join between
-micro-batches). The switches are ``PipelineRunner`` attributes (fxpipe/runtime/pipeline.py);
+micro-batches); one row turns recompute-ahead on everywhere, since the default uses it only
+where a later stage is on another device (on one GPU: nowhere). The switches are ``PipelineRunner`` attributes (fxpipe/runtime/pipeline.py);
 a row whose switch this checkout lacks is skipped with a message. On CPU the copy-stream and
 recompute-ahead switches change nothing (no streams; CPU pipelines recompute where the first
 saved tensor is unpacked; order_backward's default leaves the Fork/Join out on CPU), and on one GPU split into stages the stages share one compute
@@ -61,6 +62,7 @@ ABLATIONS: Dict[str, Dict[str, Any]] = {
     "no portals (skips through every stage)": {"form": "sequential"},
     "no copy streams": {"copy_streams_on": False},
     "no recompute ahead": {"recompute_ahead": False},
+    "recompute ahead everywhere": {"recompute_ahead": True},
     "no backward order (Fork/Join)": {"order_backward": False},
 }
 # Sizes: (cpu, cuda) x (quick, full).

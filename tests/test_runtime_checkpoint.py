@@ -162,3 +162,23 @@ def test_a_recomputation_that_differs_is_refused():
     pipe = GPipe(nn.Sequential(nn.Linear(2, 2), Flaky()), [1, 1], devices=["cpu"] * 2, chunks=1, checkpoint="always")
     with pytest.raises(CheckpointBackwardError, match="saved 2 tensors for backward where its forward saved 1"):
         pipe(torch.randn(4, 2)).sum().backward()
+
+
+def test_recompute_ahead_only_where_a_gradient_copy_comes_from_another_device():
+    """The default policy: ahead overlaps the recomputation with the incoming gradient copy, so
+    it is used only on an accelerator partition some later partition of which is elsewhere.
+    Stages sharing one GPU recompute lazily (ahead cost them memory and gained no time)."""
+    from fxpipe.runtime.pipeline import PipelineRunner
+
+    def policy(*devices, setting=None):
+        runner = PipelineRunner([nn.Identity()] * len(devices), [torch.device(d) for d in devices])
+        runner.recompute_ahead = setting
+        return runner._recompute_ahead()
+
+    assert policy("cuda:0", "cuda:0", "cuda:1", "cuda:1") == [True, True, False, False]
+    assert policy("cuda:0", "cuda:0", "cuda:0") == [False, False, False]
+    assert policy("cpu", "cpu") == [False, False]
+    assert policy("cpu", "cuda:0") == [False, False]
+    assert policy("cuda:0", "cpu") == [True, False]
+    assert policy("cpu", "cpu", setting=True) == [True, True]
+    assert policy("cuda:0", "cuda:1", setting=False) == [False, False]
