@@ -114,10 +114,18 @@ class _Found:
 
 
 class _Watcher(fx.Interpreter):
-    """Runs the graph once, comparing version counters around every node."""
+    """Runs the graph once, comparing version counters around every node.
+
+    Memory stays near one forward's: values are freed after their last use (a mutation is
+    only checked against values read later, which are still live), and the model's
+    parameters and buffers are not copied up front: each node's are copied just before it
+    runs and the copy is kept (in ``originals``, to put back afterwards) only for a tensor the
+    node changed.
+    """
 
     def __init__(self, gm: fx.GraphModule, state: Dict[int, str], buffers: Set[Optional[int]]) -> None:
-        super().__init__(gm, garbage_collect_values=False)
+        super().__init__(gm, garbage_collect_values=True)
+        self.originals: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (state tensor, its value before)
         self.state_by_storage = state          # storage -> qualified buffer/parameter name
         self.buffers = buffers                 # storages of buffers (checked by value too)
         self.found = _Found()
@@ -152,9 +160,16 @@ class _Watcher(fx.Interpreter):
         # counter: compare the values of the buffers a node can reach, too.
         # (A meta tensor has no values: version counters alone, see fxpipe.meta.)
         values = [t.clone() if _storage(t) in self.buffers and not t.is_meta else None for _, _, t in watched]
+        # Parameters' values only to put back one the node changes (versions say which).
+        kept = [value if value is not None or t.is_meta or _storage(t) not in self.state_by_storage
+                else t.detach().clone() for (_, _, t), value in zip(watched, values)]
         out = super().run_node(n)
         changed = [(slot, a, t) for (slot, a, t), version, value in zip(watched, before, values)
                    if t._version != version or (value is not None and not torch.equal(value, t))]
+        for (_, _, t), copy in zip(watched, kept):
+            if copy is not None and id(t) not in self.originals and any(t is c for _, _, c in changed):
+                self.originals[id(t)] = (t, copy)
+        del values, kept
         for slot, a, t in _written(n, changed, out):
             self._mutated(n, slot, a, t, out)
         mutated = bool(changed)
@@ -341,16 +356,10 @@ def _rewrite(gm: fx.GraphModule, found: _Found) -> List[str]:
     return rewritten
 
 
-def _snapshot(model: nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
-    return [(t, t.detach().clone(), t._version)
-            for _, t in [*model.named_parameters(), *model.named_buffers()] if t is not None]
-
-
-def _restore(saved: Sequence[Tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+def _restore(originals: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
-        for t, copy, version in saved:
-            if t._version != version:
-                t.copy_(copy)
+        for t, copy in originals.values():
+            t.copy_(copy)
 
 
 def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> Mutations:
@@ -360,7 +369,6 @@ def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Se
     Raises :class:`MutationError` for mutations that cannot be made exact.
     """
     inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-    saved = _snapshot(model)
     rng = torch.get_rng_state()
     buffers = {_storage(b) for b in model.buffers() if b is not None} - {None}
     watcher = _Watcher(gm, _state_tensors(model), buffers)
@@ -370,7 +378,7 @@ def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Se
     except MutationError as e:  # without the notes the fx interpreter appends
         raise MutationError(e.detail, node=e.node) from None
     finally:
-        _restore(saved)
+        _restore(watcher.originals)
         torch.set_rng_state(rng)
     found = watcher.found
     result = Mutations()
