@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import inspect
 import keyword
+import functools
 import re
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -176,7 +178,10 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, leaf_types: tuple[type, ...], leaf_names: set[str]) -> None:
         super().__init__()
-        self.record_stack_traces = True
+        # Stack traces are recorded by create_node below (user frames only), not by fx: fx
+        # symbolises every frame of every node's stack through linecache (most of a big
+        # model's trace time: 15 frames a node) and then keeps the few in user files.
+        self.record_stack_traces = False
         self.leaf_types, self.leaf_names = leaf_types, leaf_names
         self.stack: list[str] = [""]
         self.failure_stack: list[str] | None = None
@@ -205,14 +210,11 @@ class _Tracer(fx.Tracer):
         finally:
             self.stack.pop()
 
-    def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
-        # keep only the model's frames: drop torch, fxpipe and the generated flat forward
-        kept = [f for f in super()._filter_traceback_frames(summary) if is_user_file(f.filename)]
-        return traceback.StackSummary.from_list(kept)
-
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         region = self.regions.region()  # raises RegionError where a mode changed untraceably
         node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            node.stack_trace = _user_stack() or None
         node.meta["fxpipe_module"] = self.stack[-1]
         if region is not None:
             node.meta[REGION] = region
@@ -221,6 +223,29 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         # `h += x` recorded in place, as eager runs it (see fxpipe.augmented)
         return AugmentedProxy(node, self)
+
+
+@functools.lru_cache(maxsize=4096)
+def _users(filename: str) -> bool:
+    return is_user_file(filename)
+
+
+def _user_stack() -> str:
+    """The stack trace fx would record for a node being created, kept to the model's frames:
+    from the outermost ``forward`` on (fx's rule), in user files only (:mod:`fxpipe.user_code`);
+    source lines are read for those frames alone. '' when there is none."""
+    frames = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    frames.reverse()
+    start = next((i for i, f in enumerate(frames) if f.f_code.co_name == "forward"), None)
+    if start is None:
+        return ""
+    kept = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames[start:]
+            if _users(f.f_code.co_filename)]
+    return "".join(traceback.StackSummary.from_list(kept).format()).strip() if kept else ""
 
 
 def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],

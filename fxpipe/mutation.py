@@ -66,6 +66,9 @@ class Mutations:
 
     rewritten: List[str] = field(default_factory=list)   # nodes now running on a copy
     state: List[StateMutation] = field(default_factory=list)
+    #: the graph's outputs on the sample, from the watching run: :func:`fxpipe.prepare.prepare`
+    #: reads the output structure from them instead of running the graph again, then drops them
+    sample_outputs: Any = None
 
     def state_names(self) -> List[str]:
         return [s.name for s in self.state]
@@ -153,7 +156,7 @@ class _Watcher(fx.Interpreter):
             module = self.module.get_submodule(n.target)
             watched += [(None, None, t) for t in (*module.parameters(), *module.buffers())]
         before = [t._version for _, _, t in watched]
-        touched = {_storage(t) for _, _, t in watched} & set(self.state_by_storage)
+        touched = {s for s in (_storage(t) for _, _, t in watched) if s in self.state_by_storage}
         for s in touched:
             self.found.touch.setdefault(self.state_by_storage[s], set()).add(n.name)
         # Kernels such as batch_norm update running statistics without bumping the version
@@ -374,14 +377,14 @@ def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Se
     watcher = _Watcher(gm, _state_tensors(model), buffers)
     try:
         with torch.no_grad():
-            watcher.run(*inputs)
+            outputs = watcher.run(*inputs)
     except MutationError as e:  # without the notes the fx interpreter appends
         raise MutationError(e.detail, node=e.node) from None
     finally:
         _restore(watcher.originals)
         torch.set_rng_state(rng)
     found = watcher.found
-    result = Mutations()
+    result = Mutations(sample_outputs=outputs)
     if found.values:
         result.rewritten = _rewrite(gm, found)
         gm.graph.lint()

@@ -182,7 +182,8 @@ def prepare(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[
     sensitive = mode_sensitivity(model, captured, args, kwargs, leaves, split_dims)
     flat = captured.flatten_inputs(args, kwargs)
     mutations = find_and_fix_mutations(model, captured.graph_module, flat)
-    open_output_containers(captured, flat)
+    open_output_containers(captured, flat, mutations.sample_outputs)  # the same run's outputs
+    mutations.sample_outputs = None
     return Prepared(captured, mutations, leaves, sensitive)
 
 
