@@ -13,10 +13,11 @@ contenders alternate and medians are reported):
 Goals: ``'time'`` build <= 1.5x one eager step; ``'params'`` build <= 0.3x one eager step;
 a build's peak memory no higher than the eager step's.
 
-Memory: on ``--device cpu`` the peak RSS of each call over the RSS just before it
-(``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``VmRSS`` before:
-the process's real footprint, whatever allocated it); on ``--device cuda``
-``torch.cuda.max_memory_allocated`` over the allocation before the call. The build's phases
+Memory: on ``--device cpu`` the process's peak RSS during each call (``VmHWM`` after
+resetting it through ``/proc/self/clear_refs``: the real footprint, whatever allocated it),
+and that peak over the RSS just before the call (what the call itself added); on
+``--device cuda`` ``torch.cuda.max_memory_allocated`` during the call, and over the
+allocation before it. The build's phases
 (capture, checks, profile, partition, emit) are timed from the ``"fxpipe"`` logger's records.
 
 Models (``--small`` shrinks GPT-2's width to 128 for a quick run):
@@ -97,7 +98,8 @@ class PeakMemory:
         text = Path("/proc/self/status").read_text()
         return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024  # type: ignore[union-attr]
 
-    def run(self, fn: Callable[[], Any]) -> Tuple[Any, int]:
+    def run(self, fn: Callable[[], Any]) -> Tuple[Any, int, int]:
+        """(fn(), peak bytes during the call, peak bytes over those in use before it)."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -105,11 +107,13 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             out = fn()
             torch.cuda.synchronize(self.device)
-            return out, torch.cuda.max_memory_allocated(self.device) - base
+            peak = torch.cuda.max_memory_allocated(self.device)
+            return out, peak, peak - base
         base = self._status("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         out = fn()
-        return out, self._status("VmHWM") - base
+        peak = self._status("VmHWM")
+        return out, peak, peak - base
 
 
 class PhaseLog(logging.Handler):
@@ -152,32 +156,36 @@ def measure(name: str, repeat: int, small: bool, device: torch.device) -> Dict[s
     first_step = time.perf_counter() - t0
     runs: Dict[str, List[float]] = {"eager": [], "params": [], "time": []}
     peaks: Dict[str, List[int]] = {"eager": [], "params": [], "time": []}
+    added: Dict[str, List[int]] = {"eager": [], "params": [], "time": []}
     phases: Dict[str, List[Dict[str, float]]] = {"params": [], "time": []}
     costs: Dict[str, Any] = {}
     for r in range(repeat):
         for key, fn in (("eager", eager), ("params", build("params")), ("time", build("time"))):
             log.phases = {}
             t0 = time.perf_counter()
-            out, peak = meter.run(fn)
+            out, peak, more = meter.run(fn)
             sync()
             runs[key].append(time.perf_counter() - t0)
             peaks[key].append(peak)
+            added[key].append(more)
             if key != "eager":
                 phases[key].append(dict(log.phases))
                 costs[key] = {k: v for k, v in out.plan.meta.get("costs", {}).items() if k != "reused_from"}
                 costs[key]["nodes"] = out.plan.meta.get("nodes")
                 out.close()
             del out
-            print(f"# {name} {key} run {r + 1}: {runs[key][-1]:.2f}s, peak {peak / 2**20:.0f} MiB", file=sys.stderr)
+            print(f"# {name} {key} run {r + 1}: {runs[key][-1]:.2f}s, peak {peak / 2**20:.0f} MiB "
+                  f"(+{more / 2**20:.0f} MiB)", file=sys.stderr)
     logger.removeHandler(log)
     med = {k: statistics.median(v) for k, v in runs.items()}
     peak_med = {k: statistics.median(v) for k, v in peaks.items()}
+    added_med = {k: statistics.median(v) for k, v in added.items()}
     phase_med = {k: {ph: statistics.median(p.get(ph, 0.0) for p in v) for ph in v[0]} for k, v in phases.items()}
     return {
         "model": name, "what": what, "repeat": repeat, "first_eager_step_s": first_step,
         "seconds": runs, "median_s": med,
         "ratio_params": med["params"] / med["eager"], "ratio_time": med["time"] / med["eager"],
-        "peak_bytes": peaks, "median_peak_bytes": peak_med,
+        "peak_bytes": peaks, "median_peak_bytes": peak_med, "added_bytes": added, "median_added_bytes": added_med,
         "peak_ratio_params": peak_med["params"] / peak_med["eager"],
         "peak_ratio_time": peak_med["time"] / peak_med["eager"],
         "phases_s": phase_med, "costs": costs,
@@ -203,11 +211,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print("| model | eager step | build params | build time | params / eager | time / eager "
           "| peak eager | peak params | peak time |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    mib = lambda r, k: f"{r['median_peak_bytes'][k] / 2**20:.0f} (+{r['median_added_bytes'][k] / 2**20:.0f}) MiB"  # noqa: E731
     for r in rows:
-        m, pk = r["median_s"], r["median_peak_bytes"]
+        m = r["median_s"]
         print(f"| {r['what']} | {m['eager']:.2f} s | {m['params']:.2f} s | {m['time']:.2f} s | "
-              f"{r['ratio_params']:.2f}x | {r['ratio_time']:.2f}x | {pk['eager'] / 2**20:.0f} MiB | "
-              f"{pk['params'] / 2**20:.0f} MiB | {pk['time'] / 2**20:.0f} MiB |")
+              f"{r['ratio_params']:.2f}x | {r['ratio_time']:.2f}x | {mib(r, 'eager')} | {mib(r, 'params')} | "
+              f"{mib(r, 'time')} |")
     for r in rows:
         for key, ph in r["phases_s"].items():
             print(f"# {r['model']} {key} phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in ph.items()))
