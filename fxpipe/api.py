@@ -349,8 +349,7 @@ def checked_capture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict,
     inside ``preserved(model)``: it runs the model."""
     report = report if report is not None else Progress(enabled=False)
     _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
-    with report.phase("capturing the model"):
-        prepared = prepare(model, args, kwargs, leaf_modules, split_dims)
+    prepared = prepare(model, args, kwargs, leaf_modules, split_dims, report)
     with report.phase("checking micro-batches against the whole batch"):
         return prepared, check_modes(model, prepared, args, kwargs, chunk_dims, output_merge)
 
