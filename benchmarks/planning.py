@@ -57,8 +57,10 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpipe  # noqa: E402
+from _device import add_device_argument, check_device, first_device, stage_devices, synchronize  # noqa: E402
 
 N_STAGES, CHUNKS = 4, 2
 MODELS = ("gpt2-12", "gpt2-48", "chain-20k")
@@ -131,7 +133,8 @@ class PhaseLog(logging.Handler):
             self.phases[str(name)] = self.phases.get(str(name), 0.0) + float(seconds)
 
 
-def measure(name: str, repeat: int, small: bool, device: torch.device) -> Dict[str, Any]:
+def measure(name: str, repeat: int, small: bool, device_name: str) -> Dict[str, Any]:
+    device = first_device(device_name)
     model, x, what = make_model(name, small, device)
     model.train()
     meter = PeakMemory(device)
@@ -141,8 +144,7 @@ def measure(name: str, repeat: int, small: bool, device: torch.device) -> Dict[s
     logger.setLevel(logging.INFO)
 
     def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device_name)
 
     def eager() -> None:
         _loss(model(x)).backward()
@@ -150,7 +152,7 @@ def measure(name: str, repeat: int, small: bool, device: torch.device) -> Dict[s
 
     def build(balance_by: str) -> Callable[[], Any]:
         return lambda: fxpipe.pipeline(model, x, N_STAGES, chunks=CHUNKS, balance_by=balance_by, progress=False,
-                                       devices=[device] * N_STAGES)
+                                       devices=stage_devices(device_name, N_STAGES))
 
     t0 = time.perf_counter()
     eager()  # warm-up: one-time set-up is not billed to the timed step
@@ -203,17 +205,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds (eager, params, time) per model")
     p.add_argument("--small", action="store_true", help="GPT-2 at width 128 (quick run)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    add_device_argument(p, "the model, its sample and the eager step on cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planning.json"))
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    check_device(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)
     began = time.perf_counter()
-    rows = [measure(m, a.repeat, a.small, device) for m in a.models]
+    rows = [measure(m, a.repeat, a.small, a.device) for m in a.models]
     print("| model | eager step | build params | build time | params / eager | time / eager "
           "| peak eager | peak params | peak time |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
@@ -231,7 +231,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "date": _dt.date.today().isoformat(),
         "command": "benchmarks/planning.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(), "device": str(device)},
+                    "torch": torch.__version__, "python": platform.python_version(), "device": a.device},
         "n_stages": N_STAGES, "chunks": CHUNKS, "goals": {"time": 1.5, "params": 0.3, "peak": 1.0},
         "seconds": time.perf_counter() - began,
         "rows": rows,
