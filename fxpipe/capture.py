@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import inspect
 import keyword
-import functools
 import re
-import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -40,7 +38,7 @@ from .grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_v
 from .mutation import KEEP_REASON, KEEP_WITH
 from .meta import has_meta_tensors
 from .tree import flatten
-from .user_code import is_user_file
+from .user_code import is_user_file, user_stack
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -214,7 +212,7 @@ class _Tracer(fx.Tracer):
         region = self.regions.region()  # raises RegionError where a mode changed untraceably
         node = super().create_node(*args, **kwargs)
         if not node.stack_trace:
-            node.stack_trace = _user_stack() or None
+            node.stack_trace = user_stack() or None
         node.meta["fxpipe_module"] = self.stack[-1]
         if region is not None:
             node.meta[REGION] = region
@@ -223,29 +221,6 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         # `h += x` recorded in place, as eager runs it (see fxpipe.augmented)
         return AugmentedProxy(node, self)
-
-
-@functools.lru_cache(maxsize=4096)
-def _users(filename: str) -> bool:
-    return is_user_file(filename)
-
-
-def _user_stack() -> str:
-    """The stack trace fx would record for a node being created, kept to the model's frames:
-    from the outermost ``forward`` on (fx's rule), in user files only (:mod:`fxpipe.user_code`);
-    source lines are read for those frames alone. '' when there is none."""
-    frames = []
-    frame = sys._getframe(2)
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back
-    frames.reverse()
-    start = next((i for i, f in enumerate(frames) if f.f_code.co_name == "forward"), None)
-    if start is None:
-        return ""
-    kept = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames[start:]
-            if _users(f.f_code.co_filename)]
-    return "".join(traceback.StackSummary.from_list(kept).format()).strip() if kept else ""
 
 
 def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],

@@ -117,14 +117,10 @@ class _Found:
 
 
 class _Watcher(fx.Interpreter):
-    """Runs the graph once, comparing version counters around every node.
-
-    Memory stays near one forward's: values are freed after their last use (a mutation is
-    only checked against values read later, which are still live), and the model's
-    parameters and buffers are not copied up front: each node's are copied just before it
-    runs and the copy is kept (in ``originals``, to put back afterwards) only for a tensor the
-    node changed.
-    """
+    """Runs the graph once, comparing version counters around every node. Memory stays near
+    one forward's: values are freed after their last use (later readers are still live), and
+    each node's parameters are copied just before it runs, kept (``originals``, put back
+    afterwards) only if the node changed them."""
 
     def __init__(self, gm: fx.GraphModule, state: Dict[int, str], buffers: Set[Optional[int]]) -> None:
         super().__init__(gm, garbage_collect_values=True)
@@ -163,9 +159,8 @@ class _Watcher(fx.Interpreter):
         # counter: compare the values of the buffers a node can reach, too.
         # (A meta tensor has no values: version counters alone, see fxpipe.meta.)
         values = [t.clone() if _storage(t) in self.buffers and not t.is_meta else None for _, _, t in watched]
-        # Parameters' values only to put back one the node changes (versions say which).
         kept = [value if value is not None or t.is_meta or _storage(t) not in self.state_by_storage
-                else t.detach().clone() for (_, _, t), value in zip(watched, values)]
+                else t.detach().clone() for (_, _, t), value in zip(watched, values)]  # to put back
         out = super().run_node(n)
         changed = [(slot, a, t) for (slot, a, t), version, value in zip(watched, before, values)
                    if t._version != version or (value is not None and not torch.equal(value, t))]
