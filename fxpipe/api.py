@@ -29,6 +29,7 @@ from .mutation import check_kept_together, mutable_state
 from .plan import Plan
 from .mode_checks import check_modes
 from .prepare import Prepared, preserved, prepare
+from .progress import Progress, ProgressOption, as_progress
 from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
 from .runtime.pipeline import PipelineRunner
@@ -241,6 +242,7 @@ def pipeline(
     chunk_dims: ChunkDims = 0,
     output_merge: Optional[OutputMerge] = None,
     compile: CompileOption = False,
+    progress: ProgressOption = True,
 ) -> Pipeline:
     """Turns ``model`` into a GPipe pipeline of ``n_stages`` stages.
 
@@ -271,6 +273,10 @@ def pipeline(
             call); a dict passes torch.compile's keyword arguments (``{'mode': 'max-autotune'}``).
             Portals, phonies, copies and checkpointing stay outside the compiled code, so the
             result is as exact as the uncompiled pipeline (up to the compiler's reassociation).
+        progress: ``True`` (default) shows the build's phases as a status line with a bar
+            while stderr is a terminal; ``False`` shows nothing. Each phase is also logged at
+            INFO on the ``"fxpipe"`` logger; setting that logger to WARNING turns the bar off
+            too (:mod:`fxpipe.progress`).
 
     Raises:
         fxpipe.TraceError: the model cannot be captured (the message says where and what to do).
@@ -285,6 +291,7 @@ def pipeline(
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, plan)
     compile_options = check_compile_option(compile)
+    report = as_progress(progress)
     device_list = _devices(devices, n_stages)
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
@@ -292,7 +299,7 @@ def pipeline(
     # (profiling) and tracks in-place updates by version counters, which inference mode has not.
     with torch.inference_mode(False):
         pipe = _build(model, args, kwargs, n_stages, device_list, chunks, checkpoint, deferred_batch_norm,
-                      balance_by, leaf_modules, split_points, plan, chunk_dims, output_merge)
+                      balance_by, leaf_modules, split_points, plan, chunk_dims, output_merge, report)
     if compile_options is not None:
         compile_stages(pipe.stages, compile_options)
     return pipe
@@ -302,8 +309,9 @@ def _build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, n_stages: int,
            chunks: int, checkpoint: str, deferred_batch_norm: bool, balance_by: str,
            leaf_modules: Sequence[Union[type, str]], split_points: Optional[Sequence[str]],
            plan: Optional[Union[Plan, str, os.PathLike]], chunk_dims: ChunkDims,
-           output_merge: Optional[OutputMerge]) -> Pipeline:
+           output_merge: Optional[OutputMerge], report: Optional[Progress] = None) -> Pipeline:
     """:func:`pipeline` once its arguments are checked, outside inference mode."""
+    report = report if report is not None else Progress(enabled=False)
     _refuse_inference_state(model)
     args, kwargs = _normal_tensors(args, kwargs)
     meta = is_meta_model(model)
@@ -312,34 +320,38 @@ def _build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, n_stages: int,
             refuse_timing()
         args, kwargs = to_meta(args, kwargs)
     with preserved(model):  # building runs the model; none of it may show afterwards
-        prepared, batching = checked_capture(model, args, kwargs, leaf_modules, chunk_dims, output_merge)
+        prepared, batching = checked_capture(model, args, kwargs, leaf_modules, chunk_dims, output_merge, report)
         captured = prepared.capture
         if plan is not None:
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
             check_plan(chosen, captured, n_stages, None if isinstance(plan, Plan) else str(os.fspath(plan)))
         else:
-            chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by,
-                               split_points=split_points, devices=device_list)
+            chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by, split_points=split_points,
+                               devices=device_list, chunks=chunks, batching=batching, progress=report)
         check_kept_together(captured.graph_module, chosen.assignment)
-    stages = emit_stages(captured.graph_module, chosen)
-    for stage in stages:
-        stage.mutable_state = mutable_state(model, stage)
-    place_stages(stages, device_list, exported=captured.method == "export")
+    with report.phase("emitting stages"):
+        stages = emit_stages(captured.graph_module, chosen)
+        for stage in stages:
+            stage.mutable_state = mutable_state(model, stage)
+        place_stages(stages, device_list, exported=captured.method == "export")
     return Pipeline(model, captured, chosen, stages, device_list, chunks, checkpoint, deferred_batch_norm,
                     prepared.mode_sensitive, batching, meta=meta)
 
 
 def checked_capture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict,
                     leaf_modules: Sequence[Union[type, str]], chunk_dims: ChunkDims,
-                    output_merge: Optional[OutputMerge]) -> Tuple[Prepared, Batching]:
+                    output_merge: Optional[OutputMerge],
+                    report: Optional[Progress] = None) -> Tuple[Prepared, Batching]:
     """The model captured exactly, and its split/merge verified on the sample (whole run vs
     split into micro-batches and merged; graph vs eager), in eval and in training mode
     (:mod:`fxpipe.mode_checks`). Shared by :func:`pipeline` and
     :func:`fxpipe.distributed.pipeline` so both build on the same checked graph. Call it
     inside ``preserved(model)``: it runs the model."""
+    report = report if report is not None else Progress(enabled=False)
     _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
-    prepared = prepare(model, args, kwargs, leaf_modules, split_dims)
-    return prepared, check_modes(model, prepared, args, kwargs, chunk_dims, output_merge)
+    prepared = prepare(model, args, kwargs, leaf_modules, split_dims, report)
+    with report.phase("checking micro-batches against the whole batch"):
+        return prepared, check_modes(model, prepared, args, kwargs, chunk_dims, output_merge)
 
 
 def _default_batching(model: nn.Module, captured: Capture) -> Batching:

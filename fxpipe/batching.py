@@ -34,7 +34,7 @@ from .loss_check import gradient_mismatch
 from .runtime.microbatch import split_sizes as _split_sizes
 from .tree import leaf_names
 
-__all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims", "same_value", "evaluating",
+__all__ = ["SAMPLE_SEED", "Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims", "same_value", "evaluating",
            "concatenated_dim"]
 
 Merge = Union[int, str, Callable[[List[Any]], Any]]
@@ -104,6 +104,10 @@ def _select(key: str, table: Mapping[str, Any]) -> Tuple[bool, Any]:
         if prefix in table:
             return True, table[prefix]
     return False, None
+
+
+#: the seed of :meth:`Batching.sample_run` (:mod:`fxpipe.random_ops` compares against it)
+SAMPLE_SEED = 0
 
 
 @dataclass
@@ -213,7 +217,8 @@ class Batching:
 
     def check(self, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any], *,
               mode: Optional[Callable[[nn.Module], Any]] = None, values: bool = True,
-              blame: Optional[Callable[[List[List[Any]]], str]] = None, why: str = "", mode_text: str = "") -> bool:
+              blame: Optional[Callable[[List[List[Any]]], str]] = None, why: str = "", mode_text: str = "",
+              random: Optional[bool] = None) -> bool:
         """Runs ``gm`` split on the sample and compares with ``whole`` (:func:`sample_run`, in
         the same ``mode``); refuses when the results differ.
 
@@ -224,14 +229,14 @@ class Batching:
         seed (random ops the mode does not switch off) is checked for structure only, as is
         everything with ``values=False``. ``blame(micro)`` says which module differs first
         ('' when unknown); ``why`` replaces the generic advice of a refusal, ``mode_text``
-        (' in training mode') says which mode differed. Returns whether
-        the graph is deterministic on the sample.
+        (' in training mode') says which mode differed. ``random=False`` says the whole run
+        drew no random numbers from torch (:func:`fxpipe.random_ops.drew_random`): the second, reseeded run
+        is then made only before refusing on a value difference. Returns whether the graph is
+        deterministic on the sample.
         """
         mode = mode or evaluating
-        with mode(model), torch.no_grad():
-            torch.manual_seed(1)
-            again = list(gm(*flat))
-        deterministic = all(_same(a, b, exact=True) for a, b in zip(whole, again))
+        deterministic = True if random is False else self.reruns_same(gm, model, flat, whole, mode)
+        provisional = random is False  # not yet confirmed by a second run
         compare = deterministic and values
         total = self.batch_size(flat)
         if total < 2:
@@ -249,6 +254,10 @@ class Batching:
                     "be split).") from e
         for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
             b = self._merge_leaf(i, list(column), sizes)
+            if compare and provisional and not same_value(a, b):
+                provisional = False
+                deterministic = self.reruns_same(gm, model, flat, whole, mode)
+                compare = deterministic and values
             if not same_value(a, b, values=compare):
                 found = blame(micro) if blame is not None and compare else ""
                 self._refuse(i, a, b, list(column), k, found, why, mode_text)
@@ -259,6 +268,8 @@ class Batching:
                 torch.manual_seed(1)
                 bad = gradient_mismatch(gm, flat, micro, reduced,
                                         lambda i, parts: self._merge_leaf(i, parts, sizes))
+            if bad is not None and provisional and not self.reruns_same(gm, model, flat, whole, mode):
+                bad, deterministic = None, False  # random after all: values are not compared
             if bad is not None:
                 i, param, diff, scale = bad
                 raise MicroBatchError(
@@ -269,11 +280,20 @@ class Batching:
         return deterministic
 
     @staticmethod
+    def reruns_same(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any],
+                    mode: Callable[[nn.Module], Any]) -> bool:
+        """Whether ``gm`` gives ``whole`` again with another seed (no randomness left in ``mode``)."""
+        with mode(model), torch.no_grad():
+            torch.manual_seed(1)
+            again = list(gm(*flat))
+        return all(_same(a, b, exact=True) for a, b in zip(whole, again))
+
+    @staticmethod
     def sample_run(run: Callable[[], Any], model: nn.Module,
                    mode: Optional[Callable[[nn.Module], Any]] = None) -> Any:
         """``run()`` on the whole sample under ``mode(model)`` (default eval), no_grad, seeded (see check)."""
         with (mode or evaluating)(model), torch.no_grad():
-            torch.manual_seed(0)
+            torch.manual_seed(SAMPLE_SEED)
             return run()
 
     def _dims_text(self) -> str:

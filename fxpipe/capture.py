@@ -38,7 +38,7 @@ from .grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_v
 from .mutation import KEEP_REASON, KEEP_WITH
 from .meta import has_meta_tensors
 from .tree import flatten
-from .user_code import is_user_file
+from .user_code import is_user_file, user_stack
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -176,7 +176,10 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, leaf_types: tuple[type, ...], leaf_names: set[str]) -> None:
         super().__init__()
-        self.record_stack_traces = True
+        # Stack traces are recorded by create_node below (user frames only), not by fx: fx
+        # symbolises every frame of every node's stack through linecache (most of a big
+        # model's trace time: 15 frames a node) and then keeps the few in user files.
+        self.record_stack_traces = False
         self.leaf_types, self.leaf_names = leaf_types, leaf_names
         self.stack: list[str] = [""]
         self.failure_stack: list[str] | None = None
@@ -205,14 +208,11 @@ class _Tracer(fx.Tracer):
         finally:
             self.stack.pop()
 
-    def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
-        # keep only the model's frames: drop torch, fxpipe and the generated flat forward
-        kept = [f for f in super()._filter_traceback_frames(summary) if is_user_file(f.filename)]
-        return traceback.StackSummary.from_list(kept)
-
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         region = self.regions.region()  # raises RegionError where a mode changed untraceably
         node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            node.stack_trace = user_stack() or None
         node.meta["fxpipe_module"] = self.stack[-1]
         if region is not None:
             node.meta[REGION] = region

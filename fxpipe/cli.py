@@ -21,6 +21,7 @@ import traceback
 from typing import Callable, List, Optional
 
 from . import commands
+from .console import set_progress
 from .model_loader import UsageError, exit_text, load_factory, parse_input
 
 __all__ = ["main", "UsageError", "load_factory", "parse_input", "build_parser", "error_line"]
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show Python tracebacks on errors")
+    common.add_argument("--no-progress", action="store_true", default=argparse.SUPPRESS,
+                        help="no status line or progress bar on the terminal (none is drawn when stderr is "
+                             "not a terminal anyway)")
     parser = _Parser(prog="fxpipe", parents=[common],
                      description="Automatic GPipe pipeline parallelism for any nn.Module (torch.fx).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -192,6 +196,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     debug = getattr(ns, "debug", False)
+    set_progress(not getattr(ns, "no_progress", False))
     try:
         return int(getattr(commands, f"cmd_{ns.command}")(ns) or 0)
     except KeyboardInterrupt:

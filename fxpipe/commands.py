@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, List, Tuple
 
-from .console import clear_progress, progress
+from .console import clear_progress, progress, progress_enabled
 from .model_loader import UsageError, load_model
 
 __all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_env", "cmd_demo",
@@ -74,39 +74,23 @@ def _capture(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict) -> A
         return prepare(model, args, kwargs, tuple(ns.leaf)).capture
 
 
-def _micro_sample(args: tuple, kwargs: dict, chunks: int) -> Tuple[tuple, dict]:
-    """The first micro-batch of the sample: what each stage really sees per step."""
-    if chunks <= 1:
-        return args, kwargs
-    import torch.utils._pytree as pytree
-
-    from .runtime.microbatch import scatter_tree
-
-    micro, spec = scatter_tree(args, kwargs, chunks)
-    a, k = pytree.tree_unflatten(micro[0], spec)
-    return tuple(a), dict(k)
-
-
 def _make_plan(ns: argparse.Namespace, captured: Any, args: tuple, kwargs: dict, devices: list) -> Any:
     from .planning import make_plan
 
-    progress("profiling ..." if ns.balance_by == "time" else "sizing ...")
-    plan = make_plan(captured, args, kwargs, ns.stages, balance_by=ns.balance_by,
-                     split_points=ns.split_at or None, devices=devices)
-    clear_progress()
-    return plan
+    clear_progress()  # make_plan draws its own bar (fxpipe.progress), profiled on one micro-batch
+    return make_plan(captured, args, kwargs, ns.stages, balance_by=ns.balance_by, split_points=ns.split_at or None,
+                     devices=devices, chunks=ns.chunks, progress=progress_enabled())
 
 
 def _pipeline(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, *,
               checkpoint: str = "except_last") -> Any:
     import fxpipe
 
-    progress("tracing and profiling ..." if ns.balance_by == "time" else "tracing ...")
-    pipe = fxpipe.pipeline(model, args, ns.stages, sample_kwargs=kwargs, chunks=ns.chunks,
+    clear_progress()  # the build draws its own bar (fxpipe.progress)
+    return fxpipe.pipeline(model, args, ns.stages, sample_kwargs=kwargs, chunks=ns.chunks,
                            devices=_devices(ns), checkpoint=checkpoint, balance_by=ns.balance_by,
-                           leaf_modules=tuple(ns.leaf), split_points=ns.split_at or None)
-    clear_progress()
-    return pipe
+                           leaf_modules=tuple(ns.leaf), split_points=ns.split_at or None,
+                           progress=progress_enabled())
 
 
 def training_loss(out: Any) -> Any:
@@ -137,10 +121,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     model, args, kwargs = load_model_and_sample(ns)
     devices = _devices(ns)
     captured = _capture(ns, model, args, kwargs)
-    margs, mkwargs = _micro_sample(args, kwargs, ns.chunks)
-    plan = _make_plan(ns, captured, margs, mkwargs, devices)
-    if ns.chunks > 1:
-        plan.meta["chunks"] = ns.chunks
+    plan = _make_plan(ns, captured, args, kwargs, devices)
     if ns.save:
         plan.save(ns.save)
     print(plan.to_json() if ns.json else str(plan))
@@ -162,9 +143,8 @@ def cmd_render(ns: argparse.Namespace) -> int:
     model, args, kwargs = load_model_and_sample(ns)
     devices = _devices(ns)
     captured = _capture(ns, model, args, kwargs)
-    margs, mkwargs = _micro_sample(args, kwargs, ns.chunks)
-    plan = _make_plan(ns, captured, margs, mkwargs, devices)
-    graph = opgraph_for(captured, margs, mkwargs, "params")  # shapes and sizes, one untimed run
+    plan = _make_plan(ns, captured, args, kwargs, devices)
+    graph = opgraph_for(captured, args, kwargs, "params", chunks=ns.chunks)  # shapes and sizes, one untimed run
     dot = render_plan(graph, plan, gm=captured.graph_module, depth=ns.depth, layout=ns.layout,
                       title=f"{type(model).__name__} in {plan.n_stages} stages (balanced by {plan.balance_by})")
     written, note = save_graph(dot, ns.output)

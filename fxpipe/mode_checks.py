@@ -35,10 +35,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils import _pytree as pytree
 
-from .batching import Batching, ChunkDims, OutputMerge, evaluating, same_value
-from .errors import MicroBatchError
+from .batching import SAMPLE_SEED, Batching, ChunkDims, OutputMerge, evaluating, same_value
+from .errors import MicroBatchError, TraceError
 from .meta import is_meta_model
 from .prepare import Prepared, check_capture, preserved
+from .random_ops import drew_random
 
 __all__ = ["check_modes", "training"]
 
@@ -95,16 +96,24 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
     def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool]:
         with preserved(model):
             whole = list(Batching.sample_run(lambda: gm(*flat), model, mode))
+            random = drew_random(SAMPLE_SEED)  # none: no second, reseeded run (fxpipe.random_ops)
         b = batching or Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
         with preserved(model):
-            deterministic = b.check(gm, model, flat, whole, mode=mode, **options)
+            deterministic = b.check(gm, model, flat, whole, mode=mode, random=random, **options)
         return b, whole, deterministic
 
     def against_eager(mode: Mode, whole: List[Any], deterministic: bool) -> None:
         if not meta:  # on meta, eager code may branch on values (.item()), and none are there
             with preserved(model):
                 eager = Batching.sample_run(lambda: model(*args, **kwargs), model, mode)
-            check_capture(eager, whole, batching.out_names, deterministic)  # type: ignore[union-attr]
+            try:
+                check_capture(eager, whole, batching.out_names, deterministic)  # type: ignore[union-attr]
+            except TraceError:
+                # deterministic may rest on fxpipe.random_ops alone: confirm before refusing
+                with preserved(model):
+                    if not deterministic or Batching.reruns_same(gm, model, flat, whole, mode):
+                        raise
+                check_capture(eager, whole, batching.out_names, False)  # type: ignore[union-attr]
 
     if runs_eval:
         batching, whole, deterministic = run_checks(evaluating, blame=blame_in(evaluating, always=False))

@@ -66,6 +66,9 @@ class Mutations:
 
     rewritten: List[str] = field(default_factory=list)   # nodes now running on a copy
     state: List[StateMutation] = field(default_factory=list)
+    #: the graph's outputs on the sample, from the watching run: :func:`fxpipe.prepare.prepare`
+    #: reads the output structure from them instead of running the graph again, then drops them
+    sample_outputs: Any = None
 
     def state_names(self) -> List[str]:
         return [s.name for s in self.state]
@@ -114,10 +117,14 @@ class _Found:
 
 
 class _Watcher(fx.Interpreter):
-    """Runs the graph once, comparing version counters around every node."""
+    """Runs the graph once, comparing version counters around every node. Memory stays near
+    one forward's: values are freed after their last use (later readers are still live), and
+    each node's parameters are copied just before it runs, kept (``originals``, put back
+    afterwards) only if the node changed them."""
 
     def __init__(self, gm: fx.GraphModule, state: Dict[int, str], buffers: Set[Optional[int]]) -> None:
-        super().__init__(gm, garbage_collect_values=False)
+        super().__init__(gm, garbage_collect_values=True)
+        self.originals: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (state tensor, its value before)
         self.state_by_storage = state          # storage -> qualified buffer/parameter name
         self.buffers = buffers                 # storages of buffers (checked by value too)
         self.found = _Found()
@@ -145,16 +152,22 @@ class _Watcher(fx.Interpreter):
             module = self.module.get_submodule(n.target)
             watched += [(None, None, t) for t in (*module.parameters(), *module.buffers())]
         before = [t._version for _, _, t in watched]
-        touched = {_storage(t) for _, _, t in watched} & set(self.state_by_storage)
+        touched = {s for s in (_storage(t) for _, _, t in watched) if s in self.state_by_storage}
         for s in touched:
             self.found.touch.setdefault(self.state_by_storage[s], set()).add(n.name)
         # Kernels such as batch_norm update running statistics without bumping the version
         # counter: compare the values of the buffers a node can reach, too.
         # (A meta tensor has no values: version counters alone, see fxpipe.meta.)
         values = [t.clone() if _storage(t) in self.buffers and not t.is_meta else None for _, _, t in watched]
+        kept = [value if value is not None or t.is_meta or _storage(t) not in self.state_by_storage
+                else t.detach().clone() for (_, _, t), value in zip(watched, values)]  # to put back
         out = super().run_node(n)
         changed = [(slot, a, t) for (slot, a, t), version, value in zip(watched, before, values)
                    if t._version != version or (value is not None and not torch.equal(value, t))]
+        for (_, _, t), copy in zip(watched, kept):
+            if copy is not None and id(t) not in self.originals and any(t is c for _, _, c in changed):
+                self.originals[id(t)] = (t, copy)
+        del values, kept
         for slot, a, t in _written(n, changed, out):
             self._mutated(n, slot, a, t, out)
         mutated = bool(changed)
@@ -341,16 +354,10 @@ def _rewrite(gm: fx.GraphModule, found: _Found) -> List[str]:
     return rewritten
 
 
-def _snapshot(model: nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
-    return [(t, t.detach().clone(), t._version)
-            for _, t in [*model.named_parameters(), *model.named_buffers()] if t is not None]
-
-
-def _restore(saved: Sequence[Tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+def _restore(originals: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
-        for t, copy, version in saved:
-            if t._version != version:
-                t.copy_(copy)
+        for t, copy in originals.values():
+            t.copy_(copy)
 
 
 def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> Mutations:
@@ -360,20 +367,19 @@ def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Se
     Raises :class:`MutationError` for mutations that cannot be made exact.
     """
     inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-    saved = _snapshot(model)
     rng = torch.get_rng_state()
     buffers = {_storage(b) for b in model.buffers() if b is not None} - {None}
     watcher = _Watcher(gm, _state_tensors(model), buffers)
     try:
         with torch.no_grad():
-            watcher.run(*inputs)
+            outputs = watcher.run(*inputs)
     except MutationError as e:  # without the notes the fx interpreter appends
         raise MutationError(e.detail, node=e.node) from None
     finally:
-        _restore(saved)
+        _restore(watcher.originals)
         torch.set_rng_state(rng)
     found = watcher.found
-    result = Mutations()
+    result = Mutations(sample_outputs=outputs)
     if found.values:
         result.rewritten = _rewrite(gm, found)
         gm.graph.lint()

@@ -33,10 +33,11 @@ def output_leaf(value: Any, k: int) -> Any:
     return flatten(value)[0][k]
 
 
-def open_output_containers(captured: Capture, flat_inputs: Sequence[Any]) -> None:
+def open_output_containers(captured: Capture, flat_inputs: Sequence[Any], values: Any = None) -> None:
     """Rewrites ``captured`` (graph and ``out_spec``) so that no output leaf is a container.
 
-    Runs the graph once on the sample to see what its outputs are: wrap the call in
+    Looks at the graph's outputs on the sample: ``values`` when the caller has them (the
+    mutation watcher's run), else runs the graph once: wrap the call in
     :func:`fxpipe.prepare.preserved`.
     """
     if captured.method != "fx":
@@ -46,8 +47,9 @@ def open_output_containers(captured: Capture, flat_inputs: Sequence[Any]) -> Non
     outs = out_node.args[0]
     if not isinstance(outs, (tuple, list)) or not any(isinstance(n, fx.Node) and n.op != "placeholder" for n in outs):
         return
-    with torch.no_grad():
-        values = gm(*flat_inputs)
+    if values is None:
+        with torch.no_grad():
+            values = gm(*flat_inputs)
     specs: List[Optional[pytree.TreeSpec]] = []
     new_outs: List[Any] = []
     for node, value in zip(outs, values):

@@ -74,6 +74,16 @@ class Plan:
         """The routes that skip stages: one stash/pop pair each in the stage code."""
         return [r for r in self.routes if r.is_portal]
 
+    @property
+    def reused_costs(self) -> dict[str, str]:
+        """``{node: node whose measured time it reuses}``: the nodes not timed themselves,
+        because an identical node (same module code, parameter and input shapes) was
+        (:mod:`fxpipe.cost_keys`). Empty for plans that timed nothing, or were made before
+        fxpipe recorded it."""
+        costs = self.meta.get("costs") if isinstance(self.meta, dict) else None
+        found = costs.get("reused_from") if isinstance(costs, dict) else None
+        return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def from_assignment(
@@ -162,6 +172,12 @@ class Plan:
                 f"bottleneck: stage {worst} ({format_cost(costs[worst], self.balance_by)}); "
                 f"balance ratio max/mean = {ratio:.3f}"
             )
+        counted = self.meta.get("costs") if isinstance(self.meta, dict) else None
+        if isinstance(counted, dict) and counted.get("measured"):
+            chunks = self.meta.get("chunks", 1)
+            on = f"one micro-batch (of {chunks})" if isinstance(chunks, int) and chunks > 1 else "the sample"
+            out.append(f"costs: {counted.get('measured')} nodes timed on {on}, {counted.get('reused', 0)} reused "
+                       "from an identical node (same module code, parameter and input shapes)")
         notes = self.meta.get("warnings") if isinstance(self.meta, dict) else None
         out += [f"warning: {w}" for w in (notes or []) if isinstance(w, str)]
         return "\n".join(out)

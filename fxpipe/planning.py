@@ -12,16 +12,18 @@ import networkx as nx
 import torch
 import torch.utils._pytree as pytree
 
+from .batching import Batching
 from .capture import Capture
 from .errors import SplitPointsError
 from .graph import build_opgraph
 from .meta import refuse_timing
 from .partition import COMPUTE_OPS, partition
 from .plan import Plan, format_cost
-from .profile import count_params_only, profile_graph
+from .profile import NodeCost, count_params_only, profile_graph
+from .progress import ProgressOption, as_progress
 
 __all__ = ["BALANCE_BY", "BalanceWarning", "IMBALANCE_RATIO", "make_plan", "opgraph_for", "split_nodes",
-           "imbalance_warning"]
+           "imbalance_warning", "profiled_inputs"]
 
 BALANCE_BY = ("time", "memory", "params")
 #: the OpGraph attribute each balance mode minimises the largest stage sum of
@@ -50,20 +52,58 @@ def seconds_per_byte(devices: Sequence[torch.device]) -> float:
     return 1.0 / GPU_LINK_BYTES_PER_SECOND
 
 
-def opgraph_for(captured: Capture, args: tuple, kwargs: dict, balance_by: str) -> nx.DiGraph:
-    """The OpGraph with the cost attributes every balance mode reads."""
+def profiled_inputs(captured: Capture, args: tuple, kwargs: dict, balance_by: str, chunks: int = 1,
+                    batching: Optional[Batching] = None) -> List[Any]:
+    """The graph's flat inputs a plan is profiled on: for ``'time'`` and ``'params'`` one
+    micro-batch of the sample (the first of ``chunks``), for ``'memory'`` the whole sample.
+
+    Why a micro-batch: it is what every stage runs, and per-op time does not scale with the
+    batch (a weight-bound layer costs nearly as much on a micro-batch as on the whole
+    batch), so timing the whole batch misweighs such layers (measured on
+    benchmarks/distributed.py's Funnel: 40% more time on its second stage); it is also
+    ``chunks`` times cheaper. ``'memory'`` keeps the whole sample: a pipeline holds every
+    micro-batch's activations. ``batching`` says which dim each input is split along
+    (:class:`~fxpipe.batching.Batching`, checked by the build); without it, dim 0.
+    """
+    flat = captured.flatten_inputs(args, kwargs)
+    if chunks <= 1 or balance_by == "memory":
+        return flat
+    if batching is None:
+        batching = Batching([f"input {i}" for i in range(len(flat))], [0] * len(flat), [], [])
+    micro, _ = batching.split(flat, chunks)
+    return micro[0]
+
+
+def opgraph_for(captured: Capture, args: tuple, kwargs: dict, balance_by: str, *, chunks: int = 1,
+                batching: Optional[Batching] = None, progress: ProgressOption = False) -> nx.DiGraph:
+    """The OpGraph with the cost attributes every balance mode reads, profiled on
+    :func:`profiled_inputs`."""
     gm = captured.graph_module
     if balance_by == "time" and any(t.is_meta for t in (*gm.parameters(), *gm.buffers())):
         refuse_timing()  # a model built on the meta device: nothing to time
-    flat = pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
-    # 'memory' and 'params' need sizes only: one untimed run, deterministic.
-    costs = profile_graph(gm, flat) if balance_by == "time" else count_params_only(gm, flat)
+    flat = profiled_inputs(captured, args, kwargs, balance_by, chunks, batching)
+    report = as_progress(progress)
+    with report.phase("profiling" if balance_by == "time" else "sizing", total=len(gm.graph.nodes)) as step:
+        # 'memory' and 'params' need sizes only: one untimed run, deterministic.
+        costs = (profile_graph(gm, flat, on_node=step) if balance_by == "time"
+                 else count_params_only(gm, flat, on_node=step))
     graph = build_opgraph(gm, costs)
+    graph.graph["costs"] = cost_summary(costs, gm)
     _fold_parameters(graph)
     for _, data in graph.nodes(data=True):
         # Training memory of a node: its activation, plus the parameter and its gradient.
         data["memory"] = float(data.get("out_bytes") or 0) + 2.0 * float(data.get("params") or 0)
     return graph
+
+
+def cost_summary(costs: Dict[str, NodeCost], gm: Any) -> Dict[str, Any]:
+    """Which node costs were measured and which reused (``{node: node measured}``), for the
+    plan: ``{'measured': n, 'reused': m, 'reused_from': {...}}``. Nothing is measured when
+    nothing is timed (``'params'``, ``'memory'``): both counts are then 0."""
+    compute = [n.name for n in gm.graph.nodes if n.op in COMPUTE_OPS and n.name in costs]
+    reused = {name: costs[name].reused_from for name in compute if costs[name].reused_from}
+    timed = any(costs[name].seconds > 0 for name in compute)
+    return {"measured": len(compute) - len(reused) if timed else 0, "reused": len(reused), "reused_from": reused}
 
 
 def _fold_parameters(graph: nx.DiGraph) -> None:
@@ -111,10 +151,13 @@ def split_nodes(captured: Capture, graph: nx.DiGraph, split_points: Sequence[str
 def make_plan(
     captured: Capture, args: tuple, kwargs: dict, n_stages: int, *,
     balance_by: str = "time", split_points: Optional[Sequence[str]] = None,
-    devices: Sequence[torch.device] = (),
+    devices: Sequence[torch.device] = (), chunks: int = 1, batching: Optional[Batching] = None,
+    progress: ProgressOption = False,
 ) -> Plan:
-    """Profiles (unless ``balance_by='params'``), partitions and describes the stages."""
-    graph = opgraph_for(captured, args, kwargs, balance_by)
+    """Profiles (times for ``'time'``, sizes otherwise) on :func:`profiled_inputs`, partitions
+    and describes the stages. ``progress``: see :mod:`fxpipe.progress`."""
+    report = as_progress(progress)
+    graph = opgraph_for(captured, args, kwargs, balance_by, chunks=chunks, batching=batching, progress=report)
     cost_attr = _COST_ATTR[balance_by]
     spb = seconds_per_byte(devices) if balance_by == "time" else 0.0
     split_before = split_nodes(captured, graph, split_points) if split_points else None
@@ -124,7 +167,8 @@ def make_plan(
             f"{n_stages - 1} module names (a stage starts at each), or n_stages={len(split_before) + 1}",
             argument="split_points")
     try:
-        assignment = partition(graph, n_stages, cost_attr=cost_attr, seconds_per_byte=spb, split_before=split_before)
+        with report.phase("partitioning"):
+            assignment = partition(graph, n_stages, cost_attr=cost_attr, seconds_per_byte=spb, split_before=split_before)
     except SplitPointsError as e:  # partition speaks of nodes; the user gave module names
         where = ", ".join(f"{m!r} at node {n!r}" for m, n in zip(split_points or (), split_before or ()))
         raise SplitPointsError(f"split_points ({where}) cannot cut the graph: {e}", argument="split_points") from e
@@ -134,6 +178,8 @@ def make_plan(
         "nodes": graph.number_of_nodes(),
         "cost_attr": cost_attr,
         "seconds_per_byte": spb,
+        "chunks": chunks,
+        "costs": graph.graph["costs"],
     }
     plan = Plan.from_assignment(graph, assignment, balance_by=balance_by, cost_attr=cost_attr,
                                 seconds_per_byte=spb, meta=meta)

@@ -35,6 +35,7 @@ from .batching import same_value
 from .errors import MutationError, TraceError
 from .mutation import Mutations, find_and_fix_mutations
 from .open_outputs import open_output_containers
+from .progress import Progress
 from .tree import flatten
 from .user_code import is_user_file
 
@@ -143,9 +144,25 @@ class Prepared:
 
 
 def prepare(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[Union[type, str]] = (),
-            split_dims: Optional[List[Optional[int]]] = None) -> Prepared:
+            split_dims: Optional[List[Optional[int]]] = None, report: Optional[Progress] = None) -> Prepared:
     """Capture ``model`` exactly (see the module docstring). Wrap the call in :func:`preserved`:
-    tracing runs the model. ``split_dims``: see :func:`fxpipe.capture.capture`."""
+    tracing runs the model. ``split_dims``: see :func:`fxpipe.capture.capture`. ``report``
+    shows the phases (:mod:`fxpipe.progress`)."""
+    report = report if report is not None else Progress(enabled=False)
+    with report.phase("capturing the model"):
+        captured, leaves, sensitive = _captured(model, args, kwargs, leaf_modules, split_dims)
+    with report.phase("finding in-place updates"):
+        flat = captured.flatten_inputs(args, kwargs)
+        mutations = find_and_fix_mutations(model, captured.graph_module, flat)
+        open_output_containers(captured, flat, mutations.sample_outputs)  # the same run's outputs
+        mutations.sample_outputs = None
+    return Prepared(captured, mutations, leaves, sensitive)
+
+
+def _captured(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[Union[type, str]],
+              split_dims: Optional[List[Optional[int]]]) -> Tuple[Capture, List[Union[type, str]], str]:
+    """The capture, with modules fx would drop buffer updates of kept opaque, the leaf modules
+    that took, and why the graph cannot follow .train()/.eval() ('' if it can)."""
     leaves: List[Union[type, str]] = list(leaf_modules)
     names = {id(m): name for name, m in model.named_modules()}
     for _ in range(8):
@@ -173,17 +190,13 @@ def prepare(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[
                 warnings.warn(
                     f"fxpipe: '{owner_name}' updates buffer '{name}' in place in its forward ({where}); "
                     "torch.fx would drop that update, so the module is kept opaque and runs eagerly, "
-                    "updating the buffer once per micro-batch", stacklevel=3)
+                    "updating the buffer once per micro-batch", stacklevel=4)
         if not added:
             raise MutationError(
                 f"buffers {changed} are updated in place while the model is traced and the update "
                 f"cannot be kept in the graph (at {[writers.get(n, ('unknown',))[0] for n in changed]}). "
                 "What to do: keep the module that updates them opaque with leaf_modules=[...].")
-    sensitive = mode_sensitivity(model, captured, args, kwargs, leaves, split_dims)
-    flat = captured.flatten_inputs(args, kwargs)
-    mutations = find_and_fix_mutations(model, captured.graph_module, flat)
-    open_output_containers(captured, flat)
-    return Prepared(captured, mutations, leaves, sensitive)
+    return captured, leaves, mode_sensitivity(model, captured, args, kwargs, leaves, split_dims)
 
 
 def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: dict,

@@ -6,6 +6,13 @@ costs, so each node is timed in isolation with the tensors it really receives on
 timed with ``torch.autograd.grad`` so nothing accumulates into the model's ``.grad``; buffers
 (BatchNorm running stats) and the RNG state are restored afterwards, so profiling leaves
 the model exactly as it found it.
+
+Why once per distinct node: a transformer is N copies of one block. Nodes with the same
+:func:`~fxpipe.cost_keys.cost_key` (same module class and code, parameter layouts, input
+shapes) are timed once; the copies reuse that time and record which node it came from
+(``NodeCost.reused_from``), so a plan can say which of its costs were measured. There is no
+whole-model warm-up run: every distinct node is timed at least twice (the fastest counts),
+so one-time set-up billed to a first run does not count.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from .cost_keys import cost_key
 from .partition import COMPUTE_OPS
 from .runtime.stream import synchronize
 
@@ -35,13 +43,16 @@ _TOTAL_BUDGET_S = 10.0
 class NodeCost:
     """What one graph node costs: ``seconds`` of forward + backward, measured by
     :func:`profile_graph` (0.0 from :func:`count_params_only`, which times nothing), and the
-    number and bytes of the parameters it owns, the bytes of its output and its shape."""
+    number and bytes of the parameters it owns, the bytes of its output and its shape.
+    ``reused_from`` names the node whose measurement ``seconds`` is ('' when this node was
+    timed itself, or nothing was timed)."""
 
     seconds: float
     param_count: int
     out_bytes: int
     param_bytes: int
     shape: str
+    reused_from: str = ""
 
 
 def tensor_bytes(value: Any) -> int:
@@ -116,27 +127,37 @@ def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Se
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
         synchronize(device)
         times.append(time.perf_counter() - t0)
-        if sum(times) > _NODE_BUDGET_S:
+        if len(times) >= min(2, repeat) and sum(times) > _NODE_BUDGET_S:
             break
     return max(min(times), 1e-9)
 
 
 class _Profiler(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, repeat: int, device: torch.device | None, timed: bool) -> None:
+    def __init__(self, gm: fx.GraphModule, repeat: int, device: torch.device | None, timed: bool,
+                 on_node: Callable[[], None] | None = None) -> None:
         super().__init__(gm)
         self.repeat, self.device, self.timed = repeat, device, timed
         self.costs: dict[str, NodeCost] = {}
+        self.measured: dict[Any, tuple[str, float]] = {}  # cost key -> (node timed, seconds)
         self.deadline = time.perf_counter() + _TOTAL_BUDGET_S
+        self.on_node = on_node
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        seconds = self._time(n) if self.timed and n.op in COMPUTE_OPS else 0.0
+        seconds, source = self._time(n) if self.timed and n.op in COMPUTE_OPS else (0.0, "")
         self.costs[n.name] = NodeCost(seconds, _param_count(self.module, n), tensor_bytes(out),
-                                      _param_bytes(self.module, n), shape_str(out))
+                                      _param_bytes(self.module, n), shape_str(out), source)
+        if self.on_node is not None:
+            self.on_node()
         return out
 
-    def _time(self, n: fx.Node) -> float:
+    def _time(self, n: fx.Node) -> tuple[float, str]:
+        """(seconds, the node they were measured on: '' for this one)."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        key = cost_key(self.module, n, args, kwargs)
+        if key is not None and key in self.measured:
+            source, seconds = self.measured[key]
+            return seconds, source
         params: list[torch.Tensor] = []
         if n.op == "call_module":
             params = list(self.module.get_submodule(n.target).parameters())
@@ -145,22 +166,15 @@ class _Profiler(fx.Interpreter):
         def call(*a: Any, **k: Any) -> Any:
             return run(n.target, a, k)
 
-        repeat = self.repeat if time.perf_counter() < self.deadline else 1
+        repeat = max(2, self.repeat) if time.perf_counter() < self.deadline else 1
         try:
-            return _time_fwd_bwd(call, args, kwargs, params, repeat, self.device)
+            seconds = _time_fwd_bwd(call, args, kwargs, params, repeat, self.device)
         except RuntimeError:  # e.g. an op without a derivative: time the forward alone
             with torch.no_grad():
-                return _time_fwd_bwd(call, args, kwargs, [], repeat, self.device)
-
-
-def _warm_up(gm: fx.GraphModule, inputs: list[Any]) -> None:
-    """One whole forward + backward first, so one-time kernel/allocator set-up is not billed
-    to whichever node happens to run first."""
-    with torch.enable_grad():
-        outs = [o for o in pytree.tree_leaves(gm(*inputs)) if isinstance(o, torch.Tensor) and o.requires_grad]
-        params = [p for p in gm.parameters() if p.requires_grad]
-        if outs and params:
-            torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
+                seconds = _time_fwd_bwd(call, args, kwargs, [], repeat, self.device)
+        if key is not None:
+            self.measured[key] = (n.name, seconds)
+        return seconds, ""
 
 
 def _cuda_device_of(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> torch.device | None:
@@ -176,7 +190,7 @@ def _cuda_device_of(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> torch.dev
 
 
 def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: torch.device | str | None,
-         timed: bool) -> dict[str, NodeCost]:
+         timed: bool, on_node: Callable[[], None] | None = None) -> dict[str, NodeCost]:
     if device is not None:
         dev: torch.device | None = torch.device(device)
     else:
@@ -185,10 +199,8 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    prof = _Profiler(gm, repeat, dev, timed)
+    prof = _Profiler(gm, repeat, dev, timed, on_node)
     try:
-        if timed:
-            _warm_up(gm, inputs)
         with torch.no_grad():
             prof.run(*inputs)
     finally:  # leave BatchNorm statistics and randomness as they were
@@ -203,18 +215,22 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
 
 
 def profile_graph(gm: fx.GraphModule, flat_inputs: Sequence[Any], *, repeat: int = 3,
-                  device: torch.device | str | None = None) -> dict[str, NodeCost]:
-    """Time every compute node of ``gm`` (forward + backward, the fastest of up to ``repeat`` runs).
+                  device: torch.device | str | None = None,
+                  on_node: Callable[[], None] | None = None) -> dict[str, NodeCost]:
+    """Time every distinct compute node of ``gm`` (forward + backward, the fastest of 2 to
+    ``repeat`` runs); copies of a timed node reuse its time (``NodeCost.reused_from``).
 
     ``flat_inputs`` are the graph's placeholders' values (``Capture.flatten_inputs``). With
     ``device`` the inputs are moved there and CUDA is synchronised around each timing; the
     graph's parameters must already live on that device. Without it, a graph whose inputs or
     parameters are on a GPU is synchronised on that GPU. Non-compute nodes cost 0.
+    ``on_node`` is called after each node (a progress bar's step).
     """
-    return _run(gm, flat_inputs, repeat, device, timed=True)
+    return _run(gm, flat_inputs, repeat, device, timed=True, on_node=on_node)
 
 
-def count_params_only(gm: fx.GraphModule, flat_inputs: Sequence[Any] | None = None) -> dict[str, NodeCost]:
+def count_params_only(gm: fx.GraphModule, flat_inputs: Sequence[Any] | None = None, *,
+                      on_node: Callable[[], None] | None = None) -> dict[str, NodeCost]:
     """Deterministic costs for ``balance_by='params'``: parameter counts and bytes, no timing.
 
     call_module nodes own their module's parameters, get_attr nodes the Parameter they
@@ -222,7 +238,7 @@ def count_params_only(gm: fx.GraphModule, flat_inputs: Sequence[Any] | None = No
     ``shape``; without, they come from ``node.meta['val']`` (export graphs) or are 0 / ''.
     """
     if flat_inputs is not None:
-        return _run(gm, flat_inputs, 1, None, timed=False)
+        return _run(gm, flat_inputs, 1, None, timed=False, on_node=on_node)
     costs: dict[str, NodeCost] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")

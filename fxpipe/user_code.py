@@ -8,11 +8,14 @@ writers prepare reports, the source comments of stage code) skips them with this
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
+import traceback
 
 import torch
 
-__all__ = ["is_user_file"]
+__all__ = ["is_user_file", "user_stack"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -33,3 +36,27 @@ def is_user_file(filename: str) -> bool:
     if path.startswith((_TORCH_DIR, _FXPIPE_DIR)):
         return False
     return not (path.startswith(_STDLIB_DIR) and "site-packages" not in path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_is_user(filename: str) -> bool:
+    return is_user_file(filename)
+
+
+def user_stack() -> str:
+    """The stack trace fx would record for a node being created (call it from the tracer's
+    ``create_node``), kept to the model's frames: from the outermost ``forward`` on (fx's
+    rule), in user files only; source lines are read for those frames alone (fx symbolises
+    every frame through linecache: half of a big model's trace). '' when there is none."""
+    frames = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    frames.reverse()
+    start = next((i for i, f in enumerate(frames) if f.f_code.co_name == "forward"), None)
+    if start is None:
+        return ""
+    kept = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames[start:]
+            if _cached_is_user(f.f_code.co_filename)]
+    return "".join(traceback.StackSummary.from_list(kept).format()).strip() if kept else ""

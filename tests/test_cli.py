@@ -188,6 +188,20 @@ def test_plan_table_and_module_spec(capsys, model_file):
     assert "Plan: 2 stages" in out
 
 
+def test_plan_time_says_what_was_measured_and_no_progress(capsys, model_file):
+    """A 'time' plan profiled on one micro-batch counts the costs it measured and reused;
+    --no-progress is accepted by every model subcommand and turns the status line off."""
+    from fxpipe.console import progress_enabled
+
+    rc, out, err = run_main(capsys, "plan", f"{model_file}:factory", "-n", 2, "--chunks", 2, "--no-progress")
+    assert rc == 0, err
+    assert "nodes timed on one micro-batch (of 2)" in out and "reused" in out
+    assert not progress_enabled()
+    rc, out, err = run_main(capsys, "plan", f"{model_file}:factory", "-n", 2, "--balance-by", "params", "--json")
+    assert rc == 0 and progress_enabled()  # set per call
+    assert json.loads(out)["meta"]["costs"] == {"measured": 0, "reused": 0, "reused_from": {}}
+
+
 def test_plan_int_input_and_leaf(capsys, model_file):
     rc, out, err = run_main(capsys, "plan", f"{model_file}:tokens", "-n", 2, "--input", "4x6:int64",
                             "--balance-by", "params", "--leaf", "fc1", "--json")

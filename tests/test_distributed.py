@@ -241,21 +241,24 @@ def test_only_gloo_and_cpu_tensors_are_accepted() -> None:
 
 def test_time_balance_profiles_one_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """balance_by='time' times what every stage runs, one micro-batch (a weight-bound layer
-    costs nearly as much on a micro-batch as on the whole batch); 'params' and 'memory' plan on
-    the whole sample (a pipeline holds every micro-batch's activations). One rank, in-process."""
+    costs nearly as much on a micro-batch as on the whole batch), and 'params' sizes it;
+    'memory' plans on the whole sample (a pipeline holds every micro-batch's activations).
+    The one decision is fxpipe.planning.profiled_inputs, shared with fxpipe.pipeline. One
+    rank, in-process."""
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
-    import fxpipe.distributed.build as build
+    import fxpipe.planning as planning
 
     seen: list[tuple[str, tuple[int, ...]]] = []
-    original = build.make_plan
+    original = planning.profiled_inputs
 
-    def recording(captured: object, args: tuple, kwargs: dict, n_stages: int, **options: object) -> object:
-        seen.append((options["balance_by"], tuple(args[0].shape)))
-        return original(captured, args, kwargs, n_stages, **options)
+    def recording(captured: object, args: tuple, kwargs: dict, balance_by: str, *rest: object) -> list:
+        flat = original(captured, args, kwargs, balance_by, *rest)  # type: ignore[arg-type]
+        seen.append((balance_by, tuple(flat[0].shape)))
+        return flat
 
-    monkeypatch.setattr(build, "make_plan", recording)
+    monkeypatch.setattr(planning, "profiled_inputs", recording)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=60))
     try:
@@ -266,4 +269,4 @@ def test_time_balance_profiles_one_micro_batch(monkeypatch: pytest.MonkeyPatch) 
             pipe.close()
     finally:
         dist.destroy_process_group()
-    assert seen == [("time", (2, 8)), ("params", (8, 8)), ("memory", (8, 8))]
+    assert seen == [("time", (2, 8)), ("params", (2, 8)), ("memory", (8, 8))]

@@ -29,6 +29,7 @@ from fxpipe.mutation import check_kept_together
 from fxpipe.plan import Plan
 from fxpipe.planning import BALANCE_BY, make_plan
 from fxpipe.prepare import preserved
+from fxpipe.progress import Progress, ProgressOption, as_progress
 
 from .agree import agree_on_stages, broadcast_plan
 from .carry import carried_plan
@@ -116,17 +117,6 @@ def _micro_batch(flat: Sequence[Any], chunks: int) -> list[Any]:
     return [x[:size] if isinstance(x, torch.Tensor) else x for x in flat]
 
 
-def _profiled_sample(args: tuple, kwargs: dict, chunks: int, balance_by: str) -> tuple[tuple, dict]:
-    """What ``balance_by='time'`` times: one micro-batch, the unit every stage runs. Per-op
-    time does not scale with the batch (a weight-bound layer costs nearly as much on a
-    micro-batch as on the whole batch), so timing the whole batch misweighs such layers
-    (measured: benchmarks/distributed.py's Funnel put 40% more time on its second stage).
-    'memory' keeps the whole batch: a pipeline holds every micro-batch's activations."""
-    if balance_by != "time":
-        return args, kwargs
-    return pytree.tree_map(lambda v: v[: v.shape[0] // chunks] if isinstance(v, torch.Tensor) else v, (args, kwargs))
-
-
 def pipeline(
     model: nn.Module,
     sample: Any,
@@ -144,6 +134,7 @@ def pipeline(
     timeout: float = DEFAULT_TIMEOUT,
     state_dict: Optional[StateDictSource] = None,
     init_buffers: Optional[InitBuffers] = None,
+    progress: ProgressOption = True,
 ) -> DistributedPipeline:
     """This rank's part of ``model`` run as a pipeline of ``world_size * stages_per_rank`` stages.
 
@@ -182,6 +173,7 @@ def pipeline(
         init_buffers: ``fn(name, module)`` recomputing a module's non-persistent buffers (in no
             checkpoint) after a meta model is materialised; default: a transformers model's own
             ``_init_weights``. A buffer left unwritten raises ``MaterialiseError``.
+        progress: as for :func:`fxpipe.pipeline`; shown by rank 0 only (one terminal line).
 
     Raises:
         fxpipe.errors.DistributedError: no process group, or rank 0 could not plan.
@@ -196,6 +188,7 @@ def pipeline(
     _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout, checkpoint)
     check_on_cpu(dist.get_backend(), model, (sample, sample_kwargs))
     check_split_points(split_points, plan)
+    report = as_progress(progress) if dist.get_rank() == 0 else Progress(enabled=False)
     wait = timedelta(seconds=float(timeout))
     world = dist.get_world_size()
     group = dist.new_group(list(range(world)), timeout=wait)
@@ -206,17 +199,16 @@ def pipeline(
                                           plan=plan)  # on meta for a meta model
 
     with preserved(model):
-        prepared, batching = checked_capture(model, cap_args, cap_kwargs, leaf_modules, 0, None)
+        prepared, batching = checked_capture(model, cap_args, cap_kwargs, leaf_modules, 0, None, report)
         batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
         captured = prepared.capture
         flat = captured.flatten_inputs(args, kwargs)
         micro = _micro_batch(captured.flatten_inputs(cap_args, cap_kwargs), chunks)
 
         def make() -> Plan:
-            if plan is None:
-                p_args, p_kwargs = _profiled_sample(cap_args, cap_kwargs, chunks, balance_by)
-                return make_plan(captured, p_args, p_kwargs, n_stages, balance_by=balance_by,
-                                 split_points=split_points)
+            if plan is None:  # profiled on one micro-batch (fxpipe.planning.profiled_inputs)
+                return make_plan(captured, cap_args, cap_kwargs, n_stages, balance_by=balance_by,
+                                 split_points=split_points, chunks=chunks, batching=batching, progress=report)
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
             check_plan(chosen, captured, n_stages, None if isinstance(plan, Plan) else str(plan))
             return chosen
