@@ -134,10 +134,13 @@ step partition_quality 35 $PY benchmarks/partition_quality.py --device cuda --qu
 # 7. planner scaling (the profile phases on the GPU)
 step planner_scaling 20 $PY benchmarks/planner_scaling.py --device cuda --quick --out "$RES/planner_scaling.json"
 
-# 8. compiled stages at chunks=1 (the goal row; inductor/Triton compile time dominates, so last: it gets what is left)
+# 8. planning time: a GPT-2 124M build against one eager step on the GPU (the build is CPU work)
+step planning 60 $PY benchmarks/planning.py --device cuda --models gpt2-12 --repeat 1 --out "$RES/planning.json"
+
+# 9. compiled stages at chunks=1 (the goal row; inductor/Triton compile time dominates, so last: it gets what is left)
 step compiled 90 $PY benchmarks/compiled.py --device cuda --chunks 1 --repeat 5 --warmup 2 --out "$RES/compiled.json"
 
-# 9. fxpipe.distributed over NCCL: one GPU per rank, so only with two or more GPUs
+# 10. fxpipe.distributed over NCCL: one GPU per rank, so only with two or more GPUs
 if [ "$GPUS" -ge 2 ]; then
   step distributed 60 $PY benchmarks/distributed.py --device cuda --nproc 2 --quick --output "$RES/distributed.json"
 else
