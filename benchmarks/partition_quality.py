@@ -59,9 +59,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import datetime as _dt  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -79,6 +76,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpipe.balance as fx_balance  # noqa: E402
+from _results import header, write_json  # noqa: E402
 from _device import add_device_argument, check_device, first_device, label  # noqa: E402
 from fxpipe.capture import capture  # noqa: E402
 from fxpipe.partition import COMPUTE_OPS, partition, stage_costs, topological_order  # noqa: E402
@@ -301,20 +299,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for c, s in summ.items():
         print(f"| {c} | {s['geomean_ratio']:.3f} | {s['worst_ratio']:.2f} | {s['cells']} |")
     result = {
-        "benchmark": "partition_quality",
-        "date": _dt.date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "device": label(a.device)},
+        **header("partition_quality", label(a.device), omp_num_threads=os.environ.get("OMP_NUM_THREADS")),
         "profiles": a.profiles,
         "score": "max(stage_costs) / (sum of node costs / n), on the median of `profiles` time profiles",
         "seconds": time.perf_counter() - began,
         "summary": summ,
         "rows": rows,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {a.out}", file=sys.stderr)
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import datetime as _dt  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -61,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fxpipe.capture import capture  # noqa: E402
+from _results import header, write_json  # noqa: E402
 from _device import add_device_argument, check_device, first_device, label  # noqa: E402
 from fxpipe.emit import emit_stages  # noqa: E402
 from fxpipe.graph import build_opgraph  # noqa: E402
@@ -190,17 +188,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"| {r['nodes']} | " + " | ".join(cells) + f" | {r['total_s']:.2f} | {tp} | "
               f"{r['total_s'] / r['nodes'] * 1e6:.0f} µs |")
     result = {
-        "benchmark": "planner_scaling",
-        "date": _dt.date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "python": platform.python_version(), "device": label(a.device)},
+        **header("planner_scaling", label(a.device)),
         "n_stages": N_STAGES,
         "seconds": time.perf_counter() - began,
         "rows": rows,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {a.out}", file=sys.stderr)
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -39,12 +39,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
-import json
 import logging
-import os
-import platform
 import re
 import statistics
 import sys
@@ -60,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpipe  # noqa: E402
+from _results import header, write_json  # noqa: E402
 from _device import add_device_argument, check_device, first_device, stage_devices, synchronize  # noqa: E402
 
 N_STAGES, CHUNKS = 4, 2
@@ -227,18 +224,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for key, ph in r["phases_s"].items():
             print(f"# {r['model']} {key} phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in ph.items()))
     result = {
-        "benchmark": "planning",
-        "date": _dt.date.today().isoformat(),
+        **header("planning", a.device, threads=torch.get_num_threads()),
         "command": "benchmarks/planning.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(), "device": a.device},
         "n_stages": N_STAGES, "chunks": CHUNKS, "goals": {"time": 1.5, "params": 0.3, "peak": 1.0},
         "seconds": time.perf_counter() - began,
         "rows": rows,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {a.out}", file=sys.stderr)
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":
