@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.utils._pytree as pytree
 
 import zoo
 from dist_models import Mixer, Scaled, case
+from fxpipe.distributed.launch import free_port
 from fxpipe.distributed.schedules import rank_of_stage, stages_of_rank
 
 SPAWN_SECONDS = 240  # generous: two cores shared with other jobs
@@ -165,12 +165,6 @@ def worker(rank: int, world: int, port: int, cases: dict, extras: dict, out: str
         results.update(misc(fpd, rank))
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def environment() -> None:

@@ -246,20 +246,10 @@ def _record_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_record_changes_nothing_and_gives_every_rank_the_same_trace(tmp_path: Path) -> None:
     import torch
-    import torch.multiprocessing as mp
 
-    from fxpipe.distributed.launch import free_port
+    from dist_harness import run_ranks
 
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    ctx = mp.start_processes(_record_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + COMMAND_SECONDS
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks did not finish within {COMMAND_SECONDS} s")
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    results = run_ranks(_record_worker, 2, (), tmp_path, COMMAND_SECONDS)
     for res in results:
         plain, traced = res[False], res[True]
         assert plain[0] == traced[0]  # the same losses, bit for bit
