@@ -15,10 +15,11 @@ of ``torch.utils.checkpoint(use_reentrant=False)``, kept lean for the one case h
   against the previous Checkpoint/Recompute Functions' Python forward and backward and a
   re-entrant engine call.
 
-**When the recomputation runs.** On CPU it runs where the first saved tensor is unpacked,
-i.e. once the stage's output gradient is there: nothing asynchronous could overlap it. On
-an accelerator the paper wants it scheduled *before* the incoming gradient copy is waited
-on, so that recomputation and copy overlap: :meth:`Checkpointing.recompute` (``ahead``)
+**When the recomputation runs.** By default where the first saved tensor is unpacked, i.e.
+once the stage's output gradient is there: on CPU nothing asynchronous could overlap it, and
+stages sharing one GPU receive no copy. On an accelerator partition whose gradient comes
+from another device the paper wants it scheduled *before* the incoming gradient copy is
+waited on, so that recomputation and copy overlap (the runner decides, per partition): :meth:`Checkpointing.recompute` (``ahead``)
 then forks a :class:`Recompute` node off the task's output and joins it back; its backward,
 which autograd reaches before the ``Wait`` for the gradient copy, recomputes ahead, and the
 hooks only look the tensors up.
