@@ -140,12 +140,11 @@ step planning 60 $PY benchmarks/planning.py --device cuda --models gpt2-12 --rep
 # 9. compiled stages at chunks=1 (the goal row; inductor/Triton compile time dominates, so last: it gets what is left)
 step compiled 90 $PY benchmarks/compiled.py --device cuda --chunks 1 --repeat 5 --warmup 2 --out "$RES/compiled.json"
 
-# 10. fxpipe.distributed over NCCL: one GPU per rank, so only with two or more GPUs
-if [ "$GPUS" -ge 2 ]; then
-  step distributed 60 $PY benchmarks/distributed.py --device cuda --nproc 2 --quick --output "$RES/distributed.json"
-else
-  printf '\n## distributed\n\n**skipped**: needs 2 GPUs (one per rank), found %s\n' "$GPUS" >> "$SUMMARY"
-fi
+# 10. fxpipe.distributed: not on GPUs yet. It runs over gloo on the CPU and refuses CUDA
+# tensors and NCCL up front (DistributedError; the NCCL part of issue #11 needs one GPU per
+# rank, so two or more GPUs, to be built and tested). Once it lands, this step is
+#   step distributed 60 $PY benchmarks/distributed.py --device cuda --nproc 2 --quick --output "$RES/distributed.json"
+printf '\n## distributed\n\n**skipped**: fxpipe.distributed runs on gloo and the CPU only (CUDA/NCCL refused; issue #11); %s GPU(s) here\n' "$GPUS" >> "$SUMMARY"
 
 echo >> "$SUMMARY"
 echo "total: $(($(date +%s) - START))s of the ${BUDGET}s budget" >> "$SUMMARY"
