@@ -1,7 +1,8 @@
 """fxpipe.distributed vs torch.distributed.pipelining driven by hand, in one run, on gloo ranks.
 
-The script spawns ``--nproc`` ranks itself (torch.multiprocessing, gloo on 127.0.0.1, or NCCL
-with one GPU per rank under ``--device cuda``), waits a bounded time (``--deadline``) and
+The script spawns ``--nproc`` ranks itself (torch.multiprocessing, gloo on 127.0.0.1; ``--device
+cuda`` is the NCCL path, one GPU per rank, for when fxpipe.distributed supports it: today it
+refuses CUDA tensors and NCCL up front, issue #11), waits a bounded time (``--deadline``) and
 kills them if they overrun. On each schedule (``--schedules``, default gpipe and 1f1b):
 
 * **same_split** (``Stack``: 8 equal residual MLP blocks): ``fxpipe.distributed.pipeline``
@@ -31,7 +32,7 @@ Usage::
 
     .venv/bin/python benchmarks/distributed.py                 # full run, writes results/distributed.json
     .venv/bin/python benchmarks/distributed.py --quick         # smoke run, small models, 3 repetitions
-    .venv/bin/python benchmarks/distributed.py --device cuda --nproc 2   # NCCL, one GPU per rank
+    .venv/bin/python benchmarks/distributed.py --device cuda --nproc 2   # NCCL, one GPU per rank (not yet supported)
 """
 
 from __future__ import annotations
