@@ -19,7 +19,7 @@ from .capture import Capture
 from .compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
 from .devices import Device, default_devices
 from .emit import Stages, emit_stages
-from .errors import (ArgumentError, DevicesError, PipelinePicklingError, PlanModelError, SplitPointsError,
+from .errors import (ArgumentError, DevicesError, ModeError, PipelinePicklingError, PlanModelError, SplitPointsError,
                      StagesError)
 from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .meta import is_meta_model, refuse_running, refuse_timing, to_meta
@@ -200,7 +200,7 @@ class Pipeline(PlacedModule):
         if self.mode_sensitive and self.training != self.captured_training:
             captured = "training" if self.captured_training else "eval"
             now = "training" if self.training else "eval"
-            raise RuntimeError(
+            raise ModeError(
                 f"this pipeline was captured in {captured} mode and its graph has that mode baked in "
                 f"({self.mode_sensitive}), so it cannot run in {now} mode. Build one pipeline per "
                 f"mode: fxpipe.pipeline(model.{'train' if self.training else 'eval'}(), ...) -- it shares "

@@ -36,6 +36,7 @@ from .export_leaves import leaf_paths
 from .errors import TraceError
 from .grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_values
 from .mutation import KEEP_REASON, KEEP_WITH
+from .reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
 from .meta import has_meta_tensors
 from .tree import flatten
 from .user_code import is_user_file, user_stack
@@ -330,6 +331,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     out_specs: list[pytree.TreeSpec] = []
     root = _flat_root(model, names, in_spec, specialized, out_specs)
 
+    with refusing_reentrant_checkpoint():
+        return _capture(model, root, flat, names, in_spec, out_specs, specialized, split_dims, leaf_types, leaf_names)
+
+
+def _capture(model: nn.Module, root: nn.Module, flat: list[Any], names: list[str], in_spec: pytree.TreeSpec,
+             out_specs: list[pytree.TreeSpec], specialized: dict[int, object], split_dims: list[int | None] | None,
+             leaf_types: tuple[type, ...], leaf_names: set[str]) -> Capture:
     fx_res = _trace_fx(model, root, leaf_types, leaf_names)
     if not isinstance(fx_res, _Failure):
         graph, opaque, auto = fx_res
@@ -352,6 +360,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         raise _output_error(model, ex_res.bad_output) from ex_res.error
     if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
         return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
+    for failure in (ex_res, fx_res):  # said plainly rather than as a capture failure
+        refusal = reentrant_checkpoint_in(failure.error)
+        if refusal is not None:
+            raise refusal from None
     if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
         raise ex_res.refusal from fx_res.error
     raise _trace_error(model, fx_res, ex_res) from fx_res.error

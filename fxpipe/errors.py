@@ -189,3 +189,9 @@ class MaterialiseError(DistributedError):
 class BatchShapeError(FxpipeError, ValueError):
     """A batch given to a distributed pipeline does not have the sample's shapes (its stages
     exchange fixed-size buffers), or its batch size is not a multiple of ``chunks``."""
+
+
+class ModeError(FxpipeError, RuntimeError):
+    """A pipeline called in a training/eval mode its captured graph cannot run in: the capture
+    baked the other mode in (a traced ``self.training`` branch). The message says to build one
+    pipeline per mode."""

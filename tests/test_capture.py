@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxpipe.capture import Capture, TraceError, capture, flatten_output, retarget_devices
+from fxpipe.errors import ModeError
 try:
     import zoo  # tests/ on sys.path (pytest rootdir-less layout)
 except ImportError:  # pragma: no cover - tests imported as a package
@@ -376,7 +377,7 @@ def test_training_branch_builds_in_either_mode_and_refuses_the_other(train, chec
     assert "self.training" in pipe.mode_sensitive
     pipe.train(not train)
     captured, other = ("training", "eval") if train else ("eval", "training")
-    with pytest.raises(RuntimeError, match=f"captured in {captured} mode .* cannot run in {other} mode"):
+    with pytest.raises(ModeError, match=f"captured in {captured} mode .* cannot run in {other} mode"):
         pipe(x)
 
 
@@ -389,7 +390,7 @@ def test_model_eval_alone_switches_the_pipeline_too():
     x = torch.randn(6, 8)
     pipe = fxpipe.pipeline(model, x, 2, devices=["cpu"] * 2, balance_by="params")
     model.eval()
-    with pytest.raises(RuntimeError, match="captured in training mode"):
+    with pytest.raises(ModeError, match="captured in training mode"):
         pipe(x)
     model.train()
     torch.testing.assert_close(pipe(x), model(x))

@@ -359,7 +359,7 @@ def test_mode_baked_graph_refuses_the_other_mode():
     assert "self.training" in pipe.mode_sensitive
     pipe(torch.randn(4, 4))
     pipe.eval()
-    with pytest.raises(RuntimeError, match=r"captured in training mode .* cannot run in eval mode.*model.eval\(\)"):
+    with pytest.raises(fxpipe.errors.ModeError, match=r"captured in training mode .* cannot run in eval mode.*model.eval\(\)"):
         pipe(torch.randn(4, 4))
     eval_pipe = fxpipe.pipeline(model.eval(), torch.randn(4, 4), 2, devices=["cpu"] * 2, balance_by="params")
     x = torch.randn(4, 4)

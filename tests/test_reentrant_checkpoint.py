@@ -1,0 +1,98 @@
+"""Models that call ``torch.utils.checkpoint(..., use_reentrant=True)`` themselves.
+
+The re-entrant checkpoint hides its function under no_grad from any graph capture, so a
+traced pipeline would silently give the parameters inside no gradient. fxpipe keeps the
+calling module opaque (its own forward, checkpoint included, runs in its stage: exact) and
+refuses with :class:`~fxpipe.reentrant.ReentrantCheckpointError` where nothing can be opaque.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import fxpipe
+from exact import assert_exact
+from fxpipe.reentrant import ReentrantCheckpointError
+
+MODES = ["always", "except_last", "never"]
+
+
+class ReentrantBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint.checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=True) + x
+
+
+class ReentrantRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch_checkpoint.checkpoint(self.a, x, use_reentrant=True))
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's "kept opaque" and torch's no-grad-input warnings
+        yield
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reentrant_checkpoint_in_a_submodule_is_kept_opaque_and_exact(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ReentrantBlock(), ReentrantBlock(), nn.Linear(8, 2))
+    pipe = assert_exact(model, (torch.randn(6, 8),), 2, chunks=3, checkpoint=mode, balance_by="params")
+    assert {"1", "2"} <= set(pipe.capture.leaves)
+
+
+def test_reentrant_checkpoint_in_the_root_forward_is_refused_naming_the_line():
+    with pytest.raises(ReentrantCheckpointError) as info:
+        fxpipe.pipeline(ReentrantRoot(), torch.randn(4, 8), 2, devices=["cpu"] * 2, balance_by="params")
+    msg = str(info.value)
+    assert "use_reentrant=True" in msg and "use_reentrant=False" in msg and "checkpoint=" in msg
+    assert "test_reentrant_checkpoint.py" in info.value.location
+    assert isinstance(info.value, fxpipe.errors.TraceError)
+
+
+def test_torch_reentrant_checkpoint_is_itself_again_after_a_build():
+    try:
+        fxpipe.pipeline(ReentrantRoot(), torch.randn(4, 8), 2, devices=["cpu"] * 2, balance_by="params")
+    except ReentrantCheckpointError:
+        pass
+    assert "apply" not in vars(torch_checkpoint.CheckpointFunction)
+    model = ReentrantRoot()
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert model.a.weight.grad is not None
+
+
+def test_transformers_reentrant_gradient_checkpointing_is_exact():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids = torch.randint(0, 64, (4, 10))
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, ids, 2, chunks=2, devices=["cpu"] * 2, balance_by="params", progress=False)
+    got, expected = pipe(ids).logits, ref(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    got.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
