@@ -34,6 +34,7 @@ from .call_check import call_signature, fixed_dims, flatten_call
 from .capture_export import _Failure, compose_out_spec, export_graph
 from .export_leaves import leaf_paths
 from .errors import TraceError
+from .hooks import hooked_modules
 from .grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_values
 from .mutation import KEEP_REASON, KEEP_WITH
 from .reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
@@ -324,6 +325,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     known = {name for name, _ in model.named_modules()}
     if leaf_names - known:
         raise ValueError(f"leaf_modules: {sorted(leaf_names - known)} are not submodules of {type(model).__name__}")
+    leaf_names |= set(hooked_modules(model, lambda m: _is_standard_layer(m) or isinstance(m, leaf_types)))
     flat_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     flat = [v for _, v in flat_with_path]
     names = _input_names(model, [p for p, _ in flat_with_path])
