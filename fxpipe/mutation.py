@@ -357,7 +357,7 @@ def _rewrite(gm: fx.GraphModule, found: _Found) -> List[str]:
 def _restore(originals: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for t, copy in originals.values():
-            t.copy_(copy)
+            t.data.copy_(copy)  # values back, version counter left alone (see prepare.preserved)
 
 
 def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> Mutations:

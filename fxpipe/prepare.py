@@ -45,13 +45,17 @@ __all__ = ["Prepared", "prepare", "preserved", "mode_sensitivity", "check_captur
 @contextmanager
 def preserved(model: nn.Module) -> Generator[None, None, None]:
     """Runs the block, then puts back the model's buffers (objects and values), frozen
-    parameters' values, every parameter's ``.grad``, every submodule's training flag, and the
-    RNG states."""
+    parameters' values, every parameter's ``.grad``, every submodule's training flag and plain
+    Python attributes (numbers, strings, None: a forward counting its calls), and the RNG
+    states. Values are written back through ``.data``, which leaves the tensors' version
+    counters alone: a graph the user recorded before the build still backpropagates."""
     buffers = [(m, name, b, b._version, b.detach().clone())
                for m in model.modules() for name, b in m._buffers.items() if b is not None]
     frozen = [(p, p._version, p.detach().clone()) for p in model.parameters() if not p.requires_grad]
     grads = [(p, p.grad) for p in model.parameters()]
     modes = [(m, m.training) for m in model.modules()]
+    scalars = [(m, {k: v for k, v in vars(m).items() if v is None or type(v) in _PLAIN})
+               for m in model.modules()]
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
@@ -62,17 +66,24 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
                 m._buffers[name] = b
                 # BatchNorm's kernel updates running_mean/var without bumping _version: values too
                 if b._version != version or (not b.is_meta and not torch.equal(b, copy)):
-                    b.copy_(copy)
+                    b.data.copy_(copy)
             for p, version, copy in frozen:
                 if p._version != version:
-                    p.copy_(copy)
+                    p.data.copy_(copy)
         for p, grad in grads:
             p.grad = grad
         for m, training in modes:
             m.training = training
+        for m, attrs in scalars:
+            for key, value in attrs.items():
+                if m.__dict__.get(key, value) is not value:
+                    m.__dict__[key] = value
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+_PLAIN = (int, float, bool, str, complex)
 
 
 def _versions(model: nn.Module) -> Dict[str, Tuple[int, int]]:

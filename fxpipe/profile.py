@@ -207,7 +207,7 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
         with torch.no_grad():
             for name, b in gm.named_buffers():
                 if name in buffers:
-                    b.copy_(buffers[name])
+                    b.data.copy_(buffers[name])  # .data: no version bump (see prepare.preserved)
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

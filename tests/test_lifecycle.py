@@ -475,3 +475,27 @@ def test_deepcopy_keeps_portals_and_tied_weights(name):
     assert all(p.grad is None for p in model.parameters())
     for (key, a), b in zip(original.items(), model.state_dict().values()):
         torch.testing.assert_close(b, a, msg=lambda m: f"{key}: {m}")
+
+
+class _CountsCalls(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # Python state the output does not depend on
+        return super().forward(x)
+
+
+def test_building_leaves_python_attributes_and_version_counters_as_they_were():
+    """The build runs the model several times (capture, checks); afterwards a forward-side
+    counter reads as before, and a graph recorded before the build still backpropagates
+    (buffers are put back by value without bumping their version counters)."""
+    torch.manual_seed(0)
+    counted = _CountsCalls(8, 8)
+    counted.calls = 0
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), counted, nn.Linear(8, 2)).eval()
+    x = torch.randn(8, 8)
+    pending = model(x)  # eval BatchNorm saves running_mean/var for backward
+    versions = [b._version for b in model.buffers()]
+    fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, balance_by="params", progress=False)
+    assert counted.calls == 1
+    assert [b._version for b in model.buffers()] == versions
+    pending.sum().backward()  # torch raises if a saved buffer was written in place
+    assert model[0].weight.grad is not None
