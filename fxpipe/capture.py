@@ -333,20 +333,15 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     out_specs: list[pytree.TreeSpec] = []
     root = _flat_root(model, names, in_spec, specialized, out_specs)
 
-    with refusing_reentrant_checkpoint():
-        return _capture(model, root, flat, names, in_spec, out_specs, specialized, split_dims, leaf_types, leaf_names)
-
-
-def _capture(model: nn.Module, root: nn.Module, flat: list[Any], names: list[str], in_spec: pytree.TreeSpec,
-             out_specs: list[pytree.TreeSpec], specialized: dict[int, object], split_dims: list[int | None] | None,
-             leaf_types: tuple[type, ...], leaf_names: set[str]) -> Capture:
-    fx_res = _trace_fx(model, root, leaf_types, leaf_names)
+    with refusing_reentrant_checkpoint():  # while tracing only: the checks run the real one
+        fx_res = _trace_fx(model, root, leaf_types, leaf_names)
     if not isinstance(fx_res, _Failure):
         graph, opaque, auto = fx_res
         fx_out_spec = out_specs[-1]
         if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
             return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
-    ex_res = export_graph(model, root, flat, names, split_dims, leaf_paths(model, [*leaf_types, *leaf_names]))
+    with refusing_reentrant_checkpoint():
+        ex_res = export_graph(model, root, flat, names, split_dims, leaf_paths(model, [*leaf_types, *leaf_names]))
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
         gm.training = model.training
