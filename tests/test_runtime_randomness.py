@@ -63,9 +63,29 @@ def test_random_ops_in_a_graph_are_found(module):
     nn.Sequential(nn.Sequential(nn.RReLU())),
     nn.MultiheadAttention(4, 2),
     nn.Sequential(Opaque()),  # user code: unknown, so it may
-], ids=["dropout", "nested-rrelu", "mha", "user-module"])
+    nn.LSTM(4, 4, num_layers=2, dropout=0.5),  # draws inside the RNN kernel
+    nn.GRU(4, 4, num_layers=2, dropout=0.1),
+    nn.RNN(4, 4, num_layers=2, dropout=0.1),
+    nn.TransformerEncoderLayer(4, 2, dim_feedforward=8),
+    nn.FractionalMaxPool2d(2, output_ratio=0.5),
+], ids=["dropout", "nested-rrelu", "mha", "user-module", "lstm", "gru", "rnn", "transformer-layer",
+        "fractional-max-pool"])
 def test_modules_that_may_draw(module):
     assert may_draw_random(module)
+
+
+def test_rnns_without_dropout_draw_nothing():
+    assert not may_draw_random(nn.Sequential(nn.LSTM(4, 4, num_layers=2), nn.GRU(4, 4, dropout=0.0)))
+
+
+def test_export_rnn_ops_may_draw():
+    """torch.export graphs call the RNN kernels (which draw their dropout masks) as aten ops."""
+    for op in (torch.ops.aten.lstm.input, torch.ops.aten.gru.data, torch.ops.aten.rnn_tanh.input,
+               torch.ops.aten.rnn_relu.data):
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        graph.output(graph.call_function(op, (x,)))
+        assert may_draw_random(fx.GraphModule(nn.Module(), graph)), op
 
 
 def test_an_opaque_leaf_in_a_graph_may_draw():
