@@ -227,3 +227,81 @@ def test_recompute_ahead_only_where_a_gradient_copy_comes_from_another_device():
     assert policy("cuda:0", "cpu") == [True, False]
     assert policy("cpu", "cpu", setting=True) == [True, True]
     assert policy("cuda:0", "cuda:1", setting=False) == [False, False]
+
+
+def bn_dropout_model():
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.3),
+                         nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+@pytest.mark.parametrize("between", ["eval", "freeze"])
+def test_modes_changed_between_forward_and_backward_do_not_reach_the_recomputation(mode, between):
+    """``model.eval()`` (BatchNorm in eval mode saved tensors of other shapes: the autograd engine
+    crashed) or ``requires_grad_(False)`` between forward and backward: eager differentiates the
+    graph its forward recorded, so the recomputation must run with the forward's flags."""
+    import copy
+
+    import fxpipe
+    from exact import assert_grads_equal
+
+    def switch(model):
+        if between == "eval":
+            model.eval()
+        else:
+            model[3].requires_grad_(False)
+
+    torch.manual_seed(0)
+    ref = bn_dropout_model()
+    x = torch.randn(8, 8)
+    model = copy.deepcopy(ref)
+    pipe = fxpipe.pipeline(model, x, 3, chunks=2, checkpoint=mode, balance_by="params", progress=False,
+                           devices=["cpu"] * 3)
+    torch.manual_seed(1)
+    out = pipe(x)
+    switch(model)
+    out.sum().backward()
+    torch.manual_seed(1)
+    expected = torch.cat([ref(c) for c in x.chunk(2)])
+    switch(ref)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    assert_grads_equal(model, ref, rtol=1e-4, atol=1e-5)
+    assert [m.training for m in model.modules()] == [m.training for m in ref.modules()]
+    assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in ref.parameters()]
+
+
+def test_a_parameter_modified_between_forward_and_backward_is_refused():
+    """Eager refuses it ("modified by an inplace operation"); a recomputation would silently use
+    the new weights."""
+    import fxpipe
+    from fxpipe.errors import CheckpointBackwardError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(4, 4)
+    pipe = fxpipe.pipeline(model, x, 3, chunks=2, checkpoint="always", balance_by="params", progress=False,
+                           devices=["cpu"] * 3)
+    out = pipe(x)
+    with torch.no_grad():
+        model[2].weight.mul_(0.5)  # e.g. optimizer.step() before backward
+    with pytest.raises(CheckpointBackwardError, match=r"parameter '2\.weight' of partition 1 was modified in place"):
+        out.sum().backward()
+
+
+def test_a_recomputation_saving_other_shapes_is_refused():
+    """Same count of saved tensors, other shapes: refused, never handed to autograd."""
+    from fxpipe.errors import CheckpointBackwardError
+
+    class Grows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.runs = 0
+
+        def forward(self, x):
+            self.runs += 1
+            return torch.tanh(torch.cat([x] * self.runs, 1)).sum(1, keepdim=True)
+
+    pipe = GPipe(nn.Sequential(nn.Linear(2, 2), Grows()), [1, 1], devices=["cpu"] * 2, chunks=1, checkpoint="always")
+    with pytest.raises(CheckpointBackwardError, match="saved tensors of other shapes"):
+        pipe(torch.randn(4, 2)).sum().backward()
+

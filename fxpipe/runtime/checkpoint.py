@@ -28,7 +28,11 @@ hooks only look the tensors up.
 saved only for partitions that may draw, see :mod:`~fxpipe.runtime.randomness`), the
 autocast state (recomputation runs in backward, outside the user's ``torch.autocast``), and
 the buffers the partition updates in forward (see ``_state_swapped``): the recomputation
-sees them as the first pass did, and its own updates are dropped. ``is_checkpointing()`` /
+sees them as the first pass did, and its own updates are dropped; and the modules' training
+flags and parameters' ``requires_grad`` as the forward ran with them (``model.eval()``
+between forward and backward), while a parameter modified in place since the forward is
+refused (see :mod:`~fxpipe.runtime.forward_modes`). A recomputation that saves other tensors
+(count or shapes) than the forward is refused rather than handed to autograd. ``is_checkpointing()`` /
 ``is_recomputing()`` tell a layer which pass runs.
 """
 
@@ -46,6 +50,7 @@ from ..tree import flatten_values, unflatten_values
 from .autocast import AutocastState, autocast_state
 from .autocast import entered as entered_autocast
 from .dependency import fork, join
+from .forward_modes import ForwardModes
 from .microbatch import Batch
 from .randomness import RNGStates, restored_rng_states, save_rng_states
 
@@ -147,11 +152,13 @@ class Checkpointing:
     rather than at the first unpacked tensor. ``where`` names the task in errors.
     """
 
-    __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "snapshot", "autocast",
-                 "rng_states", "versions", "count", "recomputed", "left", "kept", "__weakref__")
+    __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "modes", "snapshot",
+                 "autocast", "rng_states", "versions", "count", "shapes", "recomputed", "left", "kept",
+                 "__weakref__")
 
     def __init__(self, function: Function, batch: Batch, device: torch.device, *, random: bool = True,
-                 state: Sequence[StateSlot] = (), ahead: bool = False, where: str = "a checkpointed stage") -> None:
+                 state: Sequence[StateSlot] = (), ahead: bool = False, where: str = "a checkpointed stage",
+                 modes: Optional[ForwardModes] = None) -> None:
         self.function = function
         self.inputs = batch
         self.device = device
@@ -159,11 +166,13 @@ class Checkpointing:
         self.state = state
         self.ahead = ahead
         self.where = where
+        self.modes = modes
         self.snapshot: List[Tensor] = []
         self.autocast: AutocastState = autocast_state()
         self.rng_states: Optional[RNGStates] = None
         self.versions: List[int] = []
         self.count = 0  # tensors saved by the first pass
+        self.shapes: List[torch.Size] = []  # their shapes: a recomputation must save the same
         self.recomputed: Optional[List[Optional[Tensor]]] = None
         self.left = 0  # recomputed tensors not handed out yet
         self.kept: Optional[Dict[Any, Any]] = None
@@ -195,6 +204,7 @@ class Checkpointing:
     def _pack(self, x: Tensor) -> int:
         n = self.count
         self.count = n + 1
+        self.shapes.append(x.shape)
         return n
 
     def _unpack(self, n: int) -> Tensor:
@@ -219,6 +229,9 @@ class Checkpointing:
             raise CheckpointBackwardError(
                 f"the inputs of {self.where} were modified in place after its forward, so it cannot be "
                 "recomputed for backward. Modify a copy instead, or build the pipeline with checkpoint='never'.")
+        modes = self.modes
+        if modes is not None:
+            modes.check(self.where)
         saved: List[Optional[Tensor]] = []
 
         def pack(x: Tensor) -> Tensor:
@@ -235,11 +248,11 @@ class Checkpointing:
         torch._C._set_grad_enabled(True)
         _push_hooks(pack, _identity)
         try:
-            if self.autocast == autocast_state():
-                self._rerun(batch)
-            else:
-                with entered_autocast(self.autocast):
-                    self._rerun(batch)
+            if modes is None or not modes.changed():
+                self._rerun_autocast(batch)
+            else:  # model.eval() / requires_grad_(False) since the forward: rerun as it ran
+                with modes.restored():
+                    self._rerun_autocast(batch)
         finally:
             _pop_hooks()
             torch._C._set_grad_enabled(grad_mode)
@@ -250,9 +263,23 @@ class Checkpointing:
                 f"saved {self.count}: the stage did not run the same operations twice (its control flow "
                 "depends on something that changed between forward and backward). Build the pipeline with "
                 "checkpoint='never', or make the stage's forward depend only on its inputs and parameters.")
+        if [x.shape for x in saved] != self.shapes:
+            raise CheckpointBackwardError(
+                f"the recomputation of {self.where} saved tensors of other shapes for backward than its forward "
+                "did: the stage did not run the same operations twice (its control flow depends on something "
+                "that changed between forward and backward). Build the pipeline with checkpoint='never', or "
+                "make the stage's forward depend only on its inputs, parameters and training mode.")
         self.recomputed = saved
         self.left = len(saved)
         return saved
+
+    def _rerun_autocast(self, batch: Batch) -> None:
+        """:meth:`_rerun` under the forward's autocast state."""
+        if self.autocast == autocast_state():
+            self._rerun(batch)
+        else:
+            with entered_autocast(self.autocast):
+                self._rerun(batch)
 
     def _rerun(self, batch: Batch) -> None:
         """The partition on ``batch`` with the first pass's buffers and RNG states."""

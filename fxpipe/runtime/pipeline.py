@@ -21,6 +21,7 @@ from ..errors import PipelineClosedError
 from .checkpoint import Checkpointing
 from .copy import copy, wait
 from .dependency import depend_tensors
+from .forward_modes import ForwardModes
 from .microbatch import Batch
 from .randomness import may_draw_random
 from .skip_layout import SkipLayout
@@ -188,9 +189,12 @@ class PipelineRunner:
         results: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         ahead = self._recompute_ahead()
         order = not self.workers.inline if self.order_backward is None else self.order_backward
+        # Once per stage per forward: the modes and weights its recomputations must match.
+        modes = [ForwardModes(p, [m.__dict__[w][k] for m, w, k in s if w == "_parameters"])
+                 for p, s in zip(self.partitions, self._states)] if checkpoint_stop > 0 else None
         for schedule in clock_cycles(m, len(self.partitions)):
             self._fence(batches, schedule, skip_trackers, copy_streams, order)
-            self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead)
+            self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead, modes)
 
     def _recompute_ahead(self) -> List[bool]:
         """Per partition: recompute ahead of its backward? (see ``recompute_ahead``)."""
@@ -244,6 +248,7 @@ class PipelineRunner:
         self, batches: List[Batch], schedule: Schedule,
         skip_trackers: List[Tracker], copy_streams: List[List[AbstractStream]],
         checkpoint_stop: int, results: "queue.SimpleQueue[Any]", ahead: List[bool],
+        modes: Optional[List[ForwardModes]],
     ) -> None:
         n = len(self.partitions)
         streams = [current_stream(d) for d in self.devices]
@@ -257,7 +262,8 @@ class PipelineRunner:
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
                 chk = Checkpointing(function, batch, self.devices[j], random=self._random[j],
-                                    state=self._states[j], ahead=ahead[j], where=f"partition {j}")
+                                    state=self._states[j], ahead=ahead[j], where=f"partition {j}",
+                                    modes=modes[j] if modes is not None else None)
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute if ahead[j] else None,
                             result_queue=results, key=(i, j))
                 del chk
