@@ -107,3 +107,22 @@ def test_restored_rng_states_replay_and_leave_the_caller_alone():
         again = torch.rand(3)
     assert torch.equal(first, again)
     assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_stage_generators_are_found_in_graph_constants_and_module_attributes():
+    from fxpipe.runtime.randomness import stage_generators
+
+    g, h = torch.Generator(), torch.Generator()
+
+    class Uses(nn.Module):
+        def forward(self, x):
+            return x * torch.rand(x.shape, generator=g)
+
+    class Keeps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = h
+
+    assert stage_generators(traced(Uses())) == (g,)
+    assert stage_generators(nn.Sequential(Keeps())) == (h,)
+    assert stage_generators(traced(Plain())) == ()

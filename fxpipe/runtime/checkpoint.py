@@ -25,7 +25,8 @@ which autograd reaches before the ``Wait`` for the gradient copy, recomputes ahe
 hooks only look the tensors up.
 
 **What the recomputation reproduces.** The RNG states (dropout draws the same numbers;
-saved only for partitions that may draw, see :mod:`~fxpipe.runtime.randomness`), the
+saved only for partitions that may draw, see :mod:`~fxpipe.runtime.randomness`; a
+``torch.Generator`` the stage uses itself is saved and put back alike), the
 autocast state (recomputation runs in backward, outside the user's ``torch.autocast``), and
 the buffers the partition updates in forward (see ``_state_swapped``): the recomputation
 sees them as the first pass did, and its own updates are dropped; and the modules' training
@@ -52,7 +53,7 @@ from .autocast import entered as entered_autocast
 from .dependency import fork, join
 from .forward_modes import ForwardModes
 from .microbatch import Batch
-from .randomness import RNGStates, restored_rng_states, save_rng_states
+from .randomness import RNGStates, restored_generators, restored_rng_states, save_rng_states
 
 __all__ = ["is_checkpointing", "is_recomputing", "recomputing_task", "Checkpointing", "Recompute"]
 
@@ -152,13 +153,14 @@ class Checkpointing:
     rather than at the first unpacked tensor. ``where`` names the task in errors.
     """
 
-    __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "modes", "snapshot",
+    __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "modes", "generators",
+                 "generator_states", "snapshot",
                  "autocast", "rng_states", "versions", "count", "shapes", "recomputed", "left", "kept",
                  "__weakref__")
 
     def __init__(self, function: Function, batch: Batch, device: torch.device, *, random: bool = True,
                  state: Sequence[StateSlot] = (), ahead: bool = False, where: str = "a checkpointed stage",
-                 modes: Optional[ForwardModes] = None) -> None:
+                 modes: Optional[ForwardModes] = None, generators: Sequence[torch.Generator] = ()) -> None:
         self.function = function
         self.inputs = batch
         self.device = device
@@ -167,6 +169,8 @@ class Checkpointing:
         self.ahead = ahead
         self.where = where
         self.modes = modes
+        self.generators = generators
+        self.generator_states: List[Tensor] = []
         self.snapshot: List[Tensor] = []
         self.autocast: AutocastState = autocast_state()
         self.rng_states: Optional[RNGStates] = None
@@ -181,6 +185,8 @@ class Checkpointing:
         """Runs the partition, recording its graph but keeping none of its saved tensors."""
         if self.random:
             self.rng_states = save_rng_states(self.device)
+        if self.generators:
+            self.generator_states = [g.get_state() for g in self.generators]
         if self.state:
             self.snapshot = [module.__dict__[where][key].detach().clone() for module, where, key in self.state]
         batch = self.inputs
@@ -283,6 +289,13 @@ class Checkpointing:
 
     def _rerun(self, batch: Batch) -> None:
         """The partition on ``batch`` with the first pass's buffers and RNG states."""
+        if self.generator_states:  # the stage's own generators, as the first pass found them
+            with restored_generators(self.generators, self.generator_states):
+                self._rerun_buffers(batch)
+        else:
+            self._rerun_buffers(batch)
+
+    def _rerun_buffers(self, batch: Batch) -> None:
         if not self.state and self.rng_states is None:
             self.function(batch)
             return

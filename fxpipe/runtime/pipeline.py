@@ -23,7 +23,7 @@ from .copy import copy, wait
 from .dependency import depend_tensors
 from .forward_modes import ForwardModes
 from .microbatch import Batch
-from .randomness import may_draw_random
+from .randomness import may_draw_random, stage_generators
 from .skip_layout import SkipLayout
 from .skip_tracker import SkipTrackerThroughPortals, merge_phony
 from .stage_portals import StagePortals
@@ -120,6 +120,8 @@ class PipelineRunner:
         # Whether each may draw random numbers: only those get their RNG states saved for
         # the recomputation of a checkpointed task (also decided once, from the graph).
         self._random = [may_draw_random(p) for p in self.partitions]
+        # torch.Generator objects of their own they draw from (saved and restored alike).
+        self._generators = [stage_generators(p) for p in self.partitions]
         self.devices = list(devices)
         self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(partitions), {})
         self._tracker = StagePortals if stage_portals else SkipTrackerThroughPortals
@@ -263,7 +265,7 @@ class PipelineRunner:
             if i < checkpoint_stop:
                 chk = Checkpointing(function, batch, self.devices[j], random=self._random[j],
                                     state=self._states[j], ahead=ahead[j], where=f"partition {j}",
-                                    modes=modes[j] if modes is not None else None)
+                                    modes=modes[j] if modes is not None else None, generators=self._generators[j])
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute if ahead[j] else None,
                             result_queue=results, key=(i, j))
                 del chk

@@ -19,12 +19,13 @@ hence the conservative rule.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Generator, Optional, Tuple
+from typing import Any, Dict, Generator, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
 
-__all__ = ["RNGStates", "may_draw_random", "save_rng_states", "restored_rng_states"]
+__all__ = ["RNGStates", "may_draw_random", "save_rng_states", "restored_rng_states", "stage_generators",
+           "restored_generators"]
 
 #: (CPU generator state, the device's CUDA generator state or None)
 RNGStates = Tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -165,3 +166,48 @@ def restored_rng_states(device: torch.device, states: RNGStates) -> Generator[No
         torch.set_rng_state(cpu_state)
         torch.cuda.set_rng_state(gpu_state, device)
         yield
+
+
+def stage_generators(partition: Any) -> Tuple[torch.Generator, ...]:
+    """The ``torch.Generator`` objects ``partition`` draws from besides the default ones:
+    constants in its graph's calls (``torch.rand(..., generator=self.g)`` traced by fx) and
+    generators its modules keep as attributes (an opaque layer's own). A recomputation must
+    draw from them as the first pass did, so their states are saved with the RNG states."""
+    found: Dict[int, torch.Generator] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Generator):
+            if value is not torch.default_generator:  # saved with the CPU RNG state already
+                found.setdefault(id(value), value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+
+    if isinstance(partition, nn.Module):
+        for module in partition.modules():
+            for value in module.__dict__.values():
+                if isinstance(value, torch.Generator):
+                    visit(value)
+            if isinstance(module, fx.GraphModule):
+                for node in module.graph.nodes:
+                    visit(node.args)
+                    visit(node.kwargs)
+    return tuple(found.values())
+
+
+@contextmanager
+def restored_generators(generators: Sequence[torch.Generator],
+                        states: Sequence[torch.Tensor]) -> Generator[None, None, None]:
+    """Runs the block with each generator at its saved state, then puts each back where it was
+    (where the first pass, and later micro-batches, left it)."""
+    outer = [g.get_state() for g in generators]
+    for g, s in zip(generators, states):
+        g.set_state(s)
+    try:
+        yield
+    finally:
+        for g, s in zip(generators, outer):
+            g.set_state(s)
