@@ -21,7 +21,7 @@ from ..errors import PipelineClosedError
 from .checkpoint import Checkpointing
 from .copy import copy, wait
 from .dependency import depend_tensors
-from .forward_modes import ForwardModes
+from .forward_modes import ForwardModes, StageLayout
 from .microbatch import Batch
 from .randomness import may_draw_random, stage_generators
 from .skip_layout import SkipLayout
@@ -122,6 +122,9 @@ class PipelineRunner:
         self._random = [may_draw_random(p) for p in self.partitions]
         # torch.Generator objects of their own they draw from (saved and restored alike).
         self._generators = [stage_generators(p) for p in self.partitions]
+        # Their modules and parameters, whose flags and versions each forward records.
+        self._layouts = [StageLayout(p, [m.__dict__[w][k] for m, w, k in s if w == "_parameters"])
+                         for p, s in zip(self.partitions, self._states)]
         self.devices = list(devices)
         self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(partitions), {})
         self._tracker = StagePortals if stage_portals else SkipTrackerThroughPortals
@@ -192,8 +195,7 @@ class PipelineRunner:
         ahead = self._recompute_ahead()
         order = not self.workers.inline if self.order_backward is None else self.order_backward
         # Once per stage per forward: the modes and weights its recomputations must match.
-        modes = [ForwardModes(p, [m.__dict__[w][k] for m, w, k in s if w == "_parameters"])
-                 for p, s in zip(self.partitions, self._states)] if checkpoint_stop > 0 else None
+        modes = [ForwardModes(layout) for layout in self._layouts] if checkpoint_stop > 0 else None
         for schedule in clock_cycles(m, len(self.partitions)):
             self._fence(batches, schedule, skip_trackers, copy_streams, order)
             self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead, modes)
