@@ -150,7 +150,10 @@ class Checkpointing:
     saved). ``state`` lists the buffers the partition updates in forward; they are
     snapshotted before the first pass and swapped in for the recomputation. ``ahead``:
     recompute from a :class:`Recompute` node before the stage's backward (accelerators)
-    rather than at the first unpacked tensor. ``where`` names the task in errors.
+    rather than at the first unpacked tensor. ``where`` names the task in errors. ``modes``:
+    the stage's flags and parameter versions at this forward (shared by its tasks), which the
+    recomputation runs with and checks. ``generators``: the stage's own ``torch.Generator``
+    objects, whose states are saved and put back like the RNG states.
     """
 
     __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "modes", "generators",
