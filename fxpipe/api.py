@@ -25,7 +25,8 @@ from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_s
 from .meta import is_meta_model, refuse_running, refuse_timing, to_meta
 from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
-from .mutation import check_kept_together, mutable_state
+from .mutation import check_kept_together
+from .stage_state import mutable_state
 from .plan import Plan
 from .mode_checks import check_modes
 from .prepare import Prepared, preserved, prepare

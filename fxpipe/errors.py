@@ -141,9 +141,10 @@ class PipelinePicklingError(FxpipeError, TypeError):
 
 class CheckpointBackwardError(FxpipeError, RuntimeError):
     """A checkpointed stage that cannot be recomputed exactly for backward: it modifies its
-    input in place, its input was modified in place after its forward, or its recomputation
-    saved other tensors than its forward did. The message names the partition and says to
-    make the operation out of place or to build the pipeline with ``checkpoint='never'``."""
+    input in place, its input or a parameter was modified in place after its forward (the
+    message names the parameter), or its recomputation saved other tensors than its forward
+    did. The message names the partition and says to make the operation out of place, to
+    call backward before changing the weights, or to build with ``checkpoint='never'``."""
 
 
 class PipelineClosedError(FxpipeError, RuntimeError):

@@ -409,19 +409,3 @@ def check_kept_together(gm: fx.GraphModule, assignment: Dict[str, int]) -> None:
                     f"{assignment[other]}, but they must share a stage: {why} ({_where(node)}). "
                     "What to do: make a new plan (omit plan=), or choose split points outside that group.",
                     node=node.name)
-
-
-def mutable_state(model: nn.Module, stage: fx.GraphModule) -> List[Tuple[nn.Module, str, str]]:
-    """``(module, '_buffers' | '_parameters', key)`` of every tensor ``stage`` updates in forward."""
-    names: List[str] = []
-    for node in stage.graph.nodes:
-        for name in node.meta.get(MUTATES_STATE, ()):
-            if name not in names:
-                names.append(name)
-    slots = []
-    for name in names:
-        owner_name, _, key = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        where = "_buffers" if key in owner._buffers else "_parameters"
-        slots.append((owner, where, key))
-    return slots

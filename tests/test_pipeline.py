@@ -427,3 +427,27 @@ def test_model_made_inside_inference_mode_is_refused():
                                             r"torch.inference_mode\(\)") as info:
         fxpipe.pipeline(model, torch.randn(2, 4), 2, devices=["cpu"] * 2)
     assert isinstance(info.value, ValueError) and info.value.argument == "model"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_running_stats_updated_once_when_built_in_eval_and_trained(mode):
+    """The sample run (which finds buffers updated in forward) saw eval mode, where BatchNorm
+    updates nothing; trained afterwards, a checkpointed stage's recomputation must still run on
+    a snapshot of the running statistics, not update them a second time."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8),
+                        nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(8, 8)
+    model = copy.deepcopy(ref).eval()
+    pipe = fxpipe.pipeline(model, x, 3, chunks=2, checkpoint=mode, balance_by="params", progress=False,
+                           devices=["cpu"] * 3)
+    model.train()
+    out = pipe(x)
+    out.sum().backward()
+    expected = torch.cat([ref(c) for c in x.chunk(2)])  # BatchNorm per micro-batch
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, **GRAD_TOL, msg=name)
+    for name, b in ref.named_buffers():
+        torch.testing.assert_close(model.get_buffer(name), b, msg=name)

@@ -63,9 +63,29 @@ def test_random_ops_in_a_graph_are_found(module):
     nn.Sequential(nn.Sequential(nn.RReLU())),
     nn.MultiheadAttention(4, 2),
     nn.Sequential(Opaque()),  # user code: unknown, so it may
-], ids=["dropout", "nested-rrelu", "mha", "user-module"])
+    nn.LSTM(4, 4, num_layers=2, dropout=0.5),  # draws inside the RNN kernel
+    nn.GRU(4, 4, num_layers=2, dropout=0.1),
+    nn.RNN(4, 4, num_layers=2, dropout=0.1),
+    nn.TransformerEncoderLayer(4, 2, dim_feedforward=8),
+    nn.FractionalMaxPool2d(2, output_ratio=0.5),
+], ids=["dropout", "nested-rrelu", "mha", "user-module", "lstm", "gru", "rnn", "transformer-layer",
+        "fractional-max-pool"])
 def test_modules_that_may_draw(module):
     assert may_draw_random(module)
+
+
+def test_rnns_without_dropout_draw_nothing():
+    assert not may_draw_random(nn.Sequential(nn.LSTM(4, 4, num_layers=2), nn.GRU(4, 4, dropout=0.0)))
+
+
+def test_export_rnn_ops_may_draw():
+    """torch.export graphs call the RNN kernels (which draw their dropout masks) as aten ops."""
+    for op in (torch.ops.aten.lstm.input, torch.ops.aten.gru.data, torch.ops.aten.rnn_tanh.input,
+               torch.ops.aten.rnn_relu.data):
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        graph.output(graph.call_function(op, (x,)))
+        assert may_draw_random(fx.GraphModule(nn.Module(), graph)), op
 
 
 def test_an_opaque_leaf_in_a_graph_may_draw():
@@ -87,3 +107,22 @@ def test_restored_rng_states_replay_and_leave_the_caller_alone():
         again = torch.rand(3)
     assert torch.equal(first, again)
     assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_stage_generators_are_found_in_graph_constants_and_module_attributes():
+    from fxpipe.runtime.randomness import stage_generators
+
+    g, h = torch.Generator(), torch.Generator()
+
+    class Uses(nn.Module):
+        def forward(self, x):
+            return x * torch.rand(x.shape, generator=g)
+
+    class Keeps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = h
+
+    assert stage_generators(traced(Uses())) == (g,)
+    assert stage_generators(nn.Sequential(Keeps())) == (h,)
+    assert stage_generators(traced(Plain())) == ()

@@ -25,10 +25,15 @@ which autograd reaches before the ``Wait`` for the gradient copy, recomputes ahe
 hooks only look the tensors up.
 
 **What the recomputation reproduces.** The RNG states (dropout draws the same numbers;
-saved only for partitions that may draw, see :mod:`~fxpipe.runtime.randomness`), the
+saved only for partitions that may draw, see :mod:`~fxpipe.runtime.randomness`; a
+``torch.Generator`` the stage uses itself is saved and put back alike), the
 autocast state (recomputation runs in backward, outside the user's ``torch.autocast``), and
 the buffers the partition updates in forward (see ``_state_swapped``): the recomputation
-sees them as the first pass did, and its own updates are dropped. ``is_checkpointing()`` /
+sees them as the first pass did, and its own updates are dropped; and the modules' training
+flags and parameters' ``requires_grad`` as the forward ran with them (``model.eval()``
+between forward and backward), while a parameter modified in place since the forward is
+refused (see :mod:`~fxpipe.runtime.forward_modes`). A recomputation that saves other tensors
+(count or shapes) than the forward is refused rather than handed to autograd. ``is_checkpointing()`` /
 ``is_recomputing()`` tell a layer which pass runs.
 """
 
@@ -46,8 +51,9 @@ from ..tree import flatten_values, unflatten_values
 from .autocast import AutocastState, autocast_state
 from .autocast import entered as entered_autocast
 from .dependency import fork, join
+from .forward_modes import ForwardModes
 from .microbatch import Batch
-from .randomness import RNGStates, restored_rng_states, save_rng_states
+from .randomness import RNGStates, restored_generators, restored_rng_states, save_rng_states
 
 __all__ = ["is_checkpointing", "is_recomputing", "recomputing_task", "Checkpointing", "Recompute"]
 
@@ -144,14 +150,20 @@ class Checkpointing:
     saved). ``state`` lists the buffers the partition updates in forward; they are
     snapshotted before the first pass and swapped in for the recomputation. ``ahead``:
     recompute from a :class:`Recompute` node before the stage's backward (accelerators)
-    rather than at the first unpacked tensor. ``where`` names the task in errors.
+    rather than at the first unpacked tensor. ``where`` names the task in errors. ``modes``:
+    the stage's flags and parameter versions at this forward (shared by its tasks), which the
+    recomputation runs with and checks. ``generators``: the stage's own ``torch.Generator``
+    objects, whose states are saved and put back like the RNG states.
     """
 
-    __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "snapshot", "autocast",
-                 "rng_states", "versions", "count", "recomputed", "left", "kept", "__weakref__")
+    __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "modes", "generators",
+                 "generator_states", "snapshot",
+                 "autocast", "rng_states", "versions", "count", "shapes", "recomputed", "left", "kept",
+                 "__weakref__")
 
     def __init__(self, function: Function, batch: Batch, device: torch.device, *, random: bool = True,
-                 state: Sequence[StateSlot] = (), ahead: bool = False, where: str = "a checkpointed stage") -> None:
+                 state: Sequence[StateSlot] = (), ahead: bool = False, where: str = "a checkpointed stage",
+                 modes: Optional[ForwardModes] = None, generators: Sequence[torch.Generator] = ()) -> None:
         self.function = function
         self.inputs = batch
         self.device = device
@@ -159,11 +171,15 @@ class Checkpointing:
         self.state = state
         self.ahead = ahead
         self.where = where
+        self.modes = modes
+        self.generators = generators
+        self.generator_states: List[Tensor] = []
         self.snapshot: List[Tensor] = []
         self.autocast: AutocastState = autocast_state()
         self.rng_states: Optional[RNGStates] = None
         self.versions: List[int] = []
         self.count = 0  # tensors saved by the first pass
+        self.shapes: List[torch.Size] = []  # their shapes: a recomputation must save the same
         self.recomputed: Optional[List[Optional[Tensor]]] = None
         self.left = 0  # recomputed tensors not handed out yet
         self.kept: Optional[Dict[Any, Any]] = None
@@ -172,6 +188,8 @@ class Checkpointing:
         """Runs the partition, recording its graph but keeping none of its saved tensors."""
         if self.random:
             self.rng_states = save_rng_states(self.device)
+        if self.generators:
+            self.generator_states = [g.get_state() for g in self.generators]
         if self.state:
             self.snapshot = [module.__dict__[where][key].detach().clone() for module, where, key in self.state]
         batch = self.inputs
@@ -195,6 +213,7 @@ class Checkpointing:
     def _pack(self, x: Tensor) -> int:
         n = self.count
         self.count = n + 1
+        self.shapes.append(x.shape)
         return n
 
     def _unpack(self, n: int) -> Tensor:
@@ -219,6 +238,9 @@ class Checkpointing:
             raise CheckpointBackwardError(
                 f"the inputs of {self.where} were modified in place after its forward, so it cannot be "
                 "recomputed for backward. Modify a copy instead, or build the pipeline with checkpoint='never'.")
+        modes = self.modes
+        if modes is not None:
+            modes.check(self.where)
         saved: List[Optional[Tensor]] = []
 
         def pack(x: Tensor) -> Tensor:
@@ -235,11 +257,11 @@ class Checkpointing:
         torch._C._set_grad_enabled(True)
         _push_hooks(pack, _identity)
         try:
-            if self.autocast == autocast_state():
-                self._rerun(batch)
-            else:
-                with entered_autocast(self.autocast):
-                    self._rerun(batch)
+            if modes is None or not modes.changed():
+                self._rerun_autocast(batch)
+            else:  # model.eval() / requires_grad_(False) since the forward: rerun as it ran
+                with modes.restored():
+                    self._rerun_autocast(batch)
         finally:
             _pop_hooks()
             torch._C._set_grad_enabled(grad_mode)
@@ -250,12 +272,33 @@ class Checkpointing:
                 f"saved {self.count}: the stage did not run the same operations twice (its control flow "
                 "depends on something that changed between forward and backward). Build the pipeline with "
                 "checkpoint='never', or make the stage's forward depend only on its inputs and parameters.")
+        if [x.shape for x in saved] != self.shapes:
+            raise CheckpointBackwardError(
+                f"the recomputation of {self.where} saved tensors of other shapes for backward than its forward "
+                "did: the stage did not run the same operations twice (its control flow depends on something "
+                "that changed between forward and backward). Build the pipeline with checkpoint='never', or "
+                "make the stage's forward depend only on its inputs, parameters and training mode.")
         self.recomputed = saved
         self.left = len(saved)
         return saved
 
+    def _rerun_autocast(self, batch: Batch) -> None:
+        """:meth:`_rerun` under the forward's autocast state."""
+        if self.autocast == autocast_state():
+            self._rerun(batch)
+        else:
+            with entered_autocast(self.autocast):
+                self._rerun(batch)
+
     def _rerun(self, batch: Batch) -> None:
         """The partition on ``batch`` with the first pass's buffers and RNG states."""
+        if self.generator_states:  # the stage's own generators, as the first pass found them
+            with restored_generators(self.generators, self.generator_states):
+                self._rerun_buffers(batch)
+        else:
+            self._rerun_buffers(batch)
+
+    def _rerun_buffers(self, batch: Batch) -> None:
         if not self.state and self.rng_states is None:
             self.function(batch)
             return

@@ -21,8 +21,9 @@ from ..errors import PipelineClosedError
 from .checkpoint import Checkpointing
 from .copy import copy, wait
 from .dependency import depend_tensors
+from .forward_modes import ForwardModes, StageLayout
 from .microbatch import Batch
-from .randomness import may_draw_random
+from .randomness import may_draw_random, stage_generators
 from .skip_layout import SkipLayout
 from .skip_tracker import SkipTrackerThroughPortals, merge_phony
 from .stage_portals import StagePortals
@@ -119,6 +120,11 @@ class PipelineRunner:
         # Whether each may draw random numbers: only those get their RNG states saved for
         # the recomputation of a checkpointed task (also decided once, from the graph).
         self._random = [may_draw_random(p) for p in self.partitions]
+        # torch.Generator objects of their own they draw from (saved and restored alike).
+        self._generators = [stage_generators(p) for p in self.partitions]
+        # Their modules and parameters, whose flags and versions each forward records.
+        self._layouts = [StageLayout(p, [m.__dict__[w][k] for m, w, k in s if w == "_parameters"])
+                         for p, s in zip(self.partitions, self._states)]
         self.devices = list(devices)
         self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(partitions), {})
         self._tracker = StagePortals if stage_portals else SkipTrackerThroughPortals
@@ -188,9 +194,11 @@ class PipelineRunner:
         results: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         ahead = self._recompute_ahead()
         order = not self.workers.inline if self.order_backward is None else self.order_backward
+        # Once per stage per forward: the modes and weights its recomputations must match.
+        modes = [ForwardModes(layout) for layout in self._layouts] if checkpoint_stop > 0 else None
         for schedule in clock_cycles(m, len(self.partitions)):
             self._fence(batches, schedule, skip_trackers, copy_streams, order)
-            self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead)
+            self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead, modes)
 
     def _recompute_ahead(self) -> List[bool]:
         """Per partition: recompute ahead of its backward? (see ``recompute_ahead``)."""
@@ -244,6 +252,7 @@ class PipelineRunner:
         self, batches: List[Batch], schedule: Schedule,
         skip_trackers: List[Tracker], copy_streams: List[List[AbstractStream]],
         checkpoint_stop: int, results: "queue.SimpleQueue[Any]", ahead: List[bool],
+        modes: Optional[List[ForwardModes]],
     ) -> None:
         n = len(self.partitions)
         streams = [current_stream(d) for d in self.devices]
@@ -257,7 +266,8 @@ class PipelineRunner:
             function = _partition_function(self.partitions[j], skip_trackers[i], self.spread, i, j, self.devices[j])
             if i < checkpoint_stop:
                 chk = Checkpointing(function, batch, self.devices[j], random=self._random[j],
-                                    state=self._states[j], ahead=ahead[j], where=f"partition {j}")
+                                    state=self._states[j], ahead=ahead[j], where=f"partition {j}",
+                                    modes=modes[j] if modes is not None else None, generators=self._generators[j])
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute if ahead[j] else None,
                             result_queue=results, key=(i, j))
                 del chk

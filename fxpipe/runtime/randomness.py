@@ -8,8 +8,9 @@ a partition that draws nothing does not need.
 
 :func:`may_draw_random` decides that once per partition, from what the partition is made
 of, and errs on the side of saving: a ``GraphModule``'s graph names every operation it
-runs, so a graph without a random operation draws nothing; torch's own layers are known
-one by one; anything else -- a module whose ``forward`` is user code the graph does not
+runs (aten RNN kernels included: their dropout draws), so a graph without a random
+operation draws nothing; torch's own layers are known one by one, and any torch layer with a
+positive dropout probability (``nn.LSTM(dropout=0.5)``) may draw; anything else -- a module whose ``forward`` is user code the graph does not
 show, a Python function called from the graph, a higher-order op -- may draw, and keeps its
 RNG states. A wrong "no" would make dropout differ between forward and recomputation,
 hence the conservative rule.
@@ -18,12 +19,13 @@ hence the conservative rule.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Generator, Optional, Tuple
+from typing import Any, Dict, Generator, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
 
-__all__ = ["RNGStates", "may_draw_random", "save_rng_states", "restored_rng_states"]
+__all__ = ["RNGStates", "may_draw_random", "save_rng_states", "restored_rng_states", "stage_generators",
+           "restored_generators"]
 
 #: (CPU generator state, the device's CUDA generator state or None)
 RNGStates = Tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -41,7 +43,22 @@ _RANDOM_OPS = frozenset("""
     scaled_dot_product_attention multi_head_attention_forward
     trunc_normal_ kaiming_uniform_ kaiming_normal_ xavier_uniform_ xavier_normal_
     orthogonal_ sparse_
+    lstm gru rnn_tanh rnn_relu cudnn_rnn miopen_rnn mkldnn_rnn mkldnn_rnn_layer
+    scaled_dot_product_flash_attention scaled_dot_product_flash_attention_for_cpu
+    scaled_dot_product_efficient_attention scaled_dot_product_cudnn_attention
+    scaled_dot_product_attention_math scaled_dot_product_fused_attention_overrideable
+    flash_attention_forward efficient_attention_forward native_multi_head_attention
+    transformer_encoder_layer_fwd
 """.split())
+
+# torch.nn layers that draw whatever their settings (RReLU in training, FractionalMaxPool
+# without fixed samples); any other torch.nn layer draws when it keeps a positive dropout
+# probability (RNNBase, Transformer*Layer, ...): see _has_dropout.
+_RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d,
+                   nn.MultiheadAttention)
+
+# The attributes torch.nn layers keep a dropout probability in.
+_DROPOUT_ATTRS = ("dropout", "p", "dropout_p", "dropout_prob")
 
 # Modules whose class lives here run torch's own code; only these are known not to draw.
 _TORCH_MODULES = ("torch.nn.modules.", "fxpipe.runtime.batchnorm", "fxpipe.batchnorm")
@@ -65,8 +82,21 @@ def _module_may_draw(module: nn.Module) -> bool:
         cls = type(sub)
         if not cls.__module__.startswith(_TORCH_MODULES):
             return True  # user code in forward: it may draw
-        if isinstance(sub, (nn.modules.dropout._DropoutNd, nn.RReLU, nn.FractionalMaxPool2d,
-                            nn.FractionalMaxPool3d, nn.MultiheadAttention)):
+        if isinstance(sub, _RANDOM_MODULES) or _has_dropout(sub):
+            return True
+    return False
+
+
+def _has_dropout(module: nn.Module) -> bool:
+    """Whether a torch.nn layer keeps a positive number under a dropout-like name: its torch
+    code may then draw (``nn.LSTM(num_layers=2, dropout=0.5)`` draws inside the RNN kernel,
+    which no Dropout submodule shows). Errs on the side of "yes": ``nn.PairwiseDistance.p``
+    is a norm, and its partition keeps RNG states it does not need (a copy, not a wrong
+    result)."""
+    attrs = module.__dict__
+    for name in _DROPOUT_ATTRS:
+        value = attrs.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return True
     return False
 
@@ -136,3 +166,48 @@ def restored_rng_states(device: torch.device, states: RNGStates) -> Generator[No
         torch.set_rng_state(cpu_state)
         torch.cuda.set_rng_state(gpu_state, device)
         yield
+
+
+def stage_generators(partition: Any) -> Tuple[torch.Generator, ...]:
+    """The ``torch.Generator`` objects ``partition`` draws from besides the default ones:
+    constants in its graph's calls (``torch.rand(..., generator=self.g)`` traced by fx) and
+    generators its modules keep as attributes (an opaque layer's own). A recomputation must
+    draw from them as the first pass did, so their states are saved with the RNG states."""
+    found: Dict[int, torch.Generator] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Generator):
+            if value is not torch.default_generator:  # saved with the CPU RNG state already
+                found.setdefault(id(value), value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+
+    if isinstance(partition, nn.Module):
+        for module in partition.modules():
+            for value in module.__dict__.values():
+                if isinstance(value, torch.Generator):
+                    visit(value)
+            if isinstance(module, fx.GraphModule):
+                for node in module.graph.nodes:
+                    visit(node.args)
+                    visit(node.kwargs)
+    return tuple(found.values())
+
+
+@contextmanager
+def restored_generators(generators: Sequence[torch.Generator],
+                        states: Sequence[torch.Tensor]) -> Generator[None, None, None]:
+    """Runs the block with each generator at its saved state, then puts each back where it was
+    (where the first pass, and later micro-batches, left it)."""
+    outer = [g.get_state() for g in generators]
+    for g, s in zip(generators, states):
+        g.set_state(s)
+    try:
+        yield
+    finally:
+        for g, s in zip(generators, outer):
+            g.set_state(s)
