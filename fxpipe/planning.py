@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import networkx as nx
 import torch
-import torch.utils._pytree as pytree
 
 from .batching import Batching
 from .capture import Capture

@@ -36,6 +36,7 @@ from .errors import MutationError, TraceError
 from .mutation import Mutations, find_and_fix_mutations
 from .open_outputs import open_output_containers
 from .progress import Progress
+from .random_ops import generator_states, set_generator_states
 from .tree import flatten
 from .user_code import is_user_file
 
@@ -56,8 +57,7 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
     modes = [(m, m.training) for m in model.modules()]
     scalars = [(m, {k: v for k, v in vars(m).items() if v is None or type(v) in _PLAIN})
                for m in model.modules()]
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    rng = generator_states()
     try:
         yield
     finally:
@@ -78,9 +78,7 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
             for key, value in attrs.items():
                 if m.__dict__.get(key, value) is not value:
                     m.__dict__[key] = value
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        set_generator_states(rng)
 
 
 _PLAIN = (int, float, bool, str, complex)

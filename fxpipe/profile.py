@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from .cost_keys import cost_key
 from .partition import COMPUTE_OPS
+from .random_ops import generator_states, set_generator_states
 from .runtime.stream import synchronize
 
 __all__ = ["NodeCost", "profile_graph", "count_params_only", "tensor_bytes", "shape_str"]
@@ -197,8 +198,7 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
         dev = _cuda_device_of(gm, flat_inputs) if timed else None
     inputs = [x.to(dev) if dev is not None and isinstance(x, torch.Tensor) else x for x in flat_inputs]
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    rng = generator_states()
     prof = _Profiler(gm, repeat, dev, timed, on_node)
     try:
         with torch.no_grad():
@@ -208,9 +208,7 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
             for name, b in gm.named_buffers():
                 if name in buffers:
                     b.data.copy_(buffers[name])  # .data: no version bump (see prepare.preserved)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        set_generator_states(rng)
     return prof.costs
 
 

@@ -18,7 +18,7 @@ from typing import List
 
 import torch
 
-__all__ = ["generator_states", "drew_random"]
+__all__ = ["generator_states", "set_generator_states", "drew_random"]
 
 
 def generator_states() -> List[torch.Tensor]:
@@ -27,6 +27,13 @@ def generator_states() -> List[torch.Tensor]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states += torch.cuda.get_rng_state_all()
     return states
+
+
+def set_generator_states(states: List[torch.Tensor]) -> None:
+    """Puts back states taken by :func:`generator_states`."""
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1:])
 
 
 def drew_random(seed: int) -> bool:

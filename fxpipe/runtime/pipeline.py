@@ -132,7 +132,6 @@ class PipelineRunner:
         # None: worker threads when a partition is on an accelerator; inline on CPU.
         self.threads = threads
         self._pool: Optional[WorkerPool] = None
-        self._cpu_only = all(d.type == "cpu" for d in self.devices)
         self._copy_streams: List[List[AbstractStream]] = [[] for _ in self.devices]
         self.closed = False
         #: how errors name the pipeline; front ends set their own class name
