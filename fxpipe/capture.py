@@ -340,8 +340,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         fx_out_spec = out_specs[-1]
         if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
             return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
+    opaque_paths = leaf_paths(model, [*leaf_types, *leaf_names])
     with refusing_reentrant_checkpoint():
-        ex_res = export_graph(model, root, flat, names, split_dims, leaf_paths(model, [*leaf_types, *leaf_names]))
+        ex_res = export_graph(model, root, _unaliased(flat), names, split_dims, opaque_paths)
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
         gm.training = model.training
@@ -364,6 +365,26 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
         raise ex_res.refusal from fx_res.error
     raise _trace_error(model, fx_res, ex_res) from fx_res.error
+
+
+def _unaliased(flat: list[Any]) -> list[Any]:
+    """``flat`` with every tensor that repeats an earlier one (by identity) cloned.
+
+    torch.export merges arguments that are the same tensor object into one graph input (the
+    transformers idiom ``model(input_ids=ids, labels=ids)``); the rebuilt graph would then read
+    one argument where the model reads the other, and every later call with different values
+    would silently use the wrong one. A clone gives each argument its own placeholder, which
+    the graph reads exactly as the model does.
+    """
+    seen: set[int] = set()
+    out = []
+    for v in flat:
+        if isinstance(v, torch.Tensor):
+            if id(v) in seen:
+                v = v.clone()
+            seen.add(id(v))
+        out.append(v)
+    return out
 
 
 def _output_error(model: nn.Module, bad: str) -> TraceError:
