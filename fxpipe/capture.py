@@ -30,6 +30,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from .augmented import AugmentedProxy
+from .custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
 from .call_check import call_signature, fixed_dims, flatten_call
 from .capture_export import _Failure, compose_out_spec, export_graph
 from .export_leaves import leaf_paths
@@ -189,7 +190,8 @@ class _Tracer(fx.Tracer):
         self.regions = RegionRecorder()  # grad-mode / autocast `with` blocks (fxpipe.grad_regions)
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        with self.regions:
+        # custom autograd.Functions kept whole, one node each (fxpipe.custom_functions)
+        with self.regions, applying_as_nodes(self):
             return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -341,7 +343,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
             return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
     opaque_paths = leaf_paths(model, [*leaf_types, *leaf_names])
-    with refusing_reentrant_checkpoint():
+    with refusing_reentrant_checkpoint(), refusing_in_export([model.get_submodule(p) for p in opaque_paths]):
         ex_res = export_graph(model, root, _unaliased(flat), names, split_dims, opaque_paths)
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
@@ -359,7 +361,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
         return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
     for failure in (ex_res, fx_res):  # said plainly rather than as a capture failure
-        refusal = reentrant_checkpoint_in(failure.error)
+        refusal = reentrant_checkpoint_in(failure.error) or autograd_function_in(failure.error)
         if refusal is not None:
             raise refusal from None
     if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
