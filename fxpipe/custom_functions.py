@@ -13,7 +13,8 @@ hand-written backward is replaced -- silently. So while fxpipe captures:
 * under torch.export (used when fx cannot trace the root), the graph is aten operations and
   cannot hold the call, so a Function applied outside a module kept opaque is refused with
   :class:`AutogradFunctionError`, naming it, its line and what to do. Inside an opaque module
-  (``leaf_modules``) the module's own forward runs at call time: exact, so allowed.
+  (``leaf_modules``) the module's own forward runs at call time: exact, so allowed. torch's
+  own Functions, which torch.export applies while it traces higher-order ops, are left to it.
 
 Subclasses that define their own ``apply`` (torch's re-entrant checkpoint, handled by
 :mod:`fxpipe.reentrant`) are not affected. The patch is thread-local in effect: other threads
@@ -82,6 +83,12 @@ def function_of(target: Any) -> type | None:
     return getattr(target, "fxpipe_autograd_function", None)
 
 
+def _from_torch(cls: type) -> bool:
+    """torch's own Functions (the autograd wrappers of higher-order ops such as ``cond``, which
+    torch.export applies while it traces them) are torch.export's to capture, not the model's."""
+    return cls.__module__.partition(".")[0] == "torch"
+
+
 def _location() -> str:
     where = user_stack().splitlines()
     return where[-2].strip() + " " + where[-1].strip() if len(where) >= 2 else ""
@@ -117,7 +124,7 @@ def _patched_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     if mode is not None and mode[0] == "fx":
         if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
             return mode[1].create_proxy("call_function", _node_target(cls), args, kwargs)
-    elif mode is not None and mode[0] == "export" and not _inside(mode[1]):
+    elif mode is not None and mode[0] == "export" and not _from_torch(cls) and not _inside(mode[1]):
         raise _refusal(cls)
     return _call_original(cls, *args, **kwargs)
 
