@@ -210,6 +210,7 @@ class Pipeline(PlacedModule):
         self.batching.refuse_mode(self.training)  # the build's training-mode check failed: eval only
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
         micro, sizes = self.batching.split(flat, self.chunks)
+        weights = self.batching.weights(flat, micro)  # refuses ignored labels a 'mean' loss cannot weigh
         first = self.devices[0]
         batches = [
             Batch(tuple(x.to(first, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in leaves), atomic=False)
@@ -219,7 +220,7 @@ class Pipeline(PlacedModule):
         self._runtime.run(batches, stop)
         if self.training:  # as eager BatchNorm: training mode updates statistics, grad or not
             commit_deferred_batch_norm(self._deferred)
-        merged = self.batching.merge([b.values for b in batches], sizes)
+        merged = self.batching.merge([b.values for b in batches], sizes, weights)
         return self.capture.unflatten_output(merged)
 
     def extra_repr(self) -> str:

@@ -14,8 +14,8 @@ build is refused naming the input or output and the option to set.
 
 Merges: an ``int`` concatenates along that dim (default 0); ``'sum'``; ``'mean'`` (weighted by
 micro-batch sizes, so it equals the batch mean of per-sample values even for uneven
-splits); ``'first'`` (a value every micro-batch shares); or a callable taking the list of
-per-micro-batch values.
+splits; a cross entropy mean over counted labels by their counts, :mod:`fxpipe.counted_labels`);
+``'first'`` (a value every micro-batch shares); or a callable taking the per-micro-batch values.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 from .capture import positional_names
+from .counted_labels import CountedLabels, weighted_mean
 from .errors import MicroBatchError
 from .loss_check import gradient_mismatch
 from .runtime.microbatch import split_sizes as _split_sizes
@@ -53,10 +54,13 @@ def _merge_hint(name: str) -> str:
 # When a merged loss is the full batch's: said in every refusal that concerns a 0-dim output.
 _LOSS_NOTE = (
     "'mean' gives exactly the full batch's value when each micro-batch's value is a mean over as many "
-    "items as the others' (a mean over samples of equal-sized micro-batches; uneven sizes are weighted), "
-    "which labels= losses of transformers models are when no label is ignored. A token mean with "
-    "ignore_index (-100 labels) or padding counts other numbers of tokens per micro-batch, and its merge "
-    "is not the full batch's: compute that loss outside the pipeline from the logits.")
+    "items as the others' (a mean over samples of equal-sized micro-batches; uneven sizes are weighted). "
+    "A loss fxpipe recognises as a mean over counted labels (F.cross_entropy, F.nll_loss or "
+    "nn.CrossEntropyLoss with reduction='mean' and no class weights, as transformers' labels= losses are) "
+    "is weighted by each micro-batch's number of labels that are not ignore_index (-100 labels), exactly. "
+    "Another mean over a varying number of items (an ignore index, padding) is not the full batch's once "
+    "merged: return its sum and its count, both merged with 'sum', and divide after the pipeline, or "
+    "compute that loss outside the pipeline from the logits.")
 
 
 def _output_label(name: str) -> str:
@@ -122,6 +126,9 @@ class Batching:
     #: why training mode is refused at call time ('' if it is not): a pipeline built in eval
     #: mode whose training-mode check failed (:mod:`fxpipe.mode_checks`) runs in eval only
     train_refusal: str = ""
+    #: how the 0-dim outputs merged by 'mean' are weighed (:mod:`fxpipe.counted_labels`):
+    #: found on the captured graph by the first :meth:`check` (None: not looked for)
+    counted: Optional[CountedLabels] = None
 
     @classmethod
     def build(cls, model: nn.Module, args: tuple, kwargs: dict, out_structure: Any,
@@ -175,12 +182,24 @@ class Batching:
                     m.append(x)
         return micro, sizes
 
-    # -- merging ---------------------------------------------------------------------------
-    def merge(self, outputs: Sequence[Sequence[Any]], sizes: Sequence[int]) -> List[Any]:
-        """Flat output leaves of the mini-batch from each micro-batch's flat outputs."""
-        return [self._merge_leaf(i, list(column), sizes) for i, column in enumerate(zip(*outputs))]
+    def weights(self, flat: Sequence[Any], micro: Sequence[Sequence[Any]],
+                where: str = "this call") -> Dict[int, List[Tensor]]:
+        """Per 'mean' loss over counted labels, each micro-batch's count of them; refuses ignored
+        labels a 'mean' loss cannot weigh (:mod:`fxpipe.counted_labels`). Call before running."""
+        if self.counted is None:
+            return {}
+        return self.counted.weights(flat, micro, self.out_names, self.in_names, where)
 
-    def _merge_leaf(self, i: int, parts: List[Any], sizes: Sequence[int]) -> Any:
+    # -- merging ---------------------------------------------------------------------------
+    def merge(self, outputs: Sequence[Sequence[Any]], sizes: Sequence[int],
+              weights: Optional[Mapping[int, List[Tensor]]] = None) -> List[Any]:
+        """Flat output leaves of the mini-batch from each micro-batch's flat outputs
+        (``weights``: :meth:`weights` of the same micro-batches)."""
+        weights = weights or {}
+        return [self._merge_leaf(i, list(column), sizes, weights.get(i)) for i, column in enumerate(zip(*outputs))]
+
+    def _merge_leaf(self, i: int, parts: List[Any], sizes: Sequence[int],
+                    counts: Optional[List[Tensor]] = None) -> Any:
         merge = self.merges[i] if i < len(self.merges) else None
         name = self.out_names[i] if i < len(self.out_names) else str(i)
         first = parts[0]
@@ -201,6 +220,8 @@ class Batching:
         if merge == "sum":
             return torch.stack(parts).sum(0) if isinstance(first, Tensor) else sum(parts)
         if merge == "mean":
+            if counts is not None and isinstance(first, Tensor):  # a mean over counted labels
+                return weighted_mean(parts, counts)
             total = sum(sizes)
             if isinstance(first, Tensor):
                 if len(set(sizes)) == 1:
@@ -235,6 +256,8 @@ class Batching:
         deterministic on the sample.
         """
         mode = mode or evaluating
+        if self.counted is None:
+            self.counted = CountedLabels.find(gm, whole, [m == "mean" for m in self.merges], self.in_dims)
         deterministic = True if random is False else self.reruns_same(gm, model, flat, whole, mode)
         provisional = random is False  # not yet confirmed by a second run
         compare = deterministic and values
@@ -244,6 +267,7 @@ class Batching:
         k = 2
         with mode(model), torch.no_grad():
             micro, sizes = self.split(flat, k)
+            weights = self.weights(flat, micro, "the sample")  # decided as for a call
             try:
                 outs = [list(gm(*m)) for m in micro]
             except Exception as e:  # noqa: BLE001 - the split inputs are what broke it
@@ -253,7 +277,7 @@ class Batching:
                     "input, say so with chunk_dims={'<argument>': dim} (None for an argument that must not "
                     "be split).") from e
         for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
-            b = self._merge_leaf(i, list(column), sizes)
+            b = self._merge_leaf(i, list(column), sizes, weights.get(i))
             if compare and provisional and not same_value(a, b):
                 provisional = False
                 deterministic = self.reruns_same(gm, model, flat, whole, mode)
@@ -267,7 +291,7 @@ class Batching:
             with mode(model):
                 torch.manual_seed(1)
                 bad = gradient_mismatch(gm, flat, micro, reduced,
-                                        lambda i, parts: self._merge_leaf(i, parts, sizes))
+                                        lambda i, parts: self._merge_leaf(i, parts, sizes, weights.get(i)))
             if bad is not None and provisional and not self.reruns_same(gm, model, flat, whole, mode):
                 bad, deterministic = None, False  # random after all: values are not compared
             if bad is not None:

@@ -3,10 +3,12 @@
 The build-time check (:meth:`fxpipe.batching.Batching.check`) compares values, with a
 tolerance made for ordinary float differences between a batch and its micro-batches. A
 loss that weighs its items wrongly after merging can still land inside that tolerance: a
-token mean with ``ignore_index`` merged by ``'mean'`` weighs each micro-batch's tokens by
+token mean over a padding mask merged by ``'mean'`` weighs each micro-batch's tokens by
 that micro-batch's count, and with a freshly initialised model every token costs about
 ``log(vocab)``, so the value moves by 1e-4 while the gradient weight of every token is off
-by a factor of two or more. Training on it would silently differ from eager.
+by a factor of two or more. Training on it would silently differ from eager. (A cross
+entropy mean over labels that are not ``ignore_index`` is merged weighted by those counts,
+:mod:`fxpipe.counted_labels`, and so passes.)
 
 So for every 0-dim floating output with a declared merge, the captured graph runs forward
 and backward once on the whole sample and once split and merged, and the two gradients
