@@ -28,9 +28,9 @@ Not recorded: the names ``nn.Module`` itself uses (``training`` -- a mode flip i
 checks' business (:mod:`fxpipe.prepare`'s ``mode_sensitivity``) --, hook dicts,
 ``_compiled_call_impl``, ...), methods, parameters, buffers and submodules (the identity of
 those is checked by :mod:`fxpipe.model_check` from the graph itself), attributes the traced
-code also wrote (a forward keeping Python state such as a call counter: its value is the
-forward's own, not the user's), and reads made inside a module kept opaque, which runs its
-own code at each call.
+code also wrote or changed in place (a forward keeping Python state such as a call counter:
+its value is the forward's own, not the user's), and reads made inside a module kept opaque,
+which runs its own code at each call.
 """
 
 from __future__ import annotations
@@ -159,8 +159,10 @@ class AttributeReads:
         self._classes = []
 
     def reads(self) -> List[AttrRead]:
-        """The reads recorded, first read of each attribute, less those the code wrote."""
-        return [r for key, r in self._reads.items() if key not in self._written]
+        """The reads recorded, first read of each attribute, less those the code wrote: set
+        anew, or a container it changed in place (``self.stats['calls'] += 1``)."""
+        return [r for key, r in self._reads.items()
+                if key not in self._written and not (r.how == MUTABLE and _changed(r))]
 
     def _watch_class(self, cls: type) -> None:
         if cls not in self._classes:
@@ -235,6 +237,14 @@ class AttributeReads:
 
     def _add(self, read: AttrRead) -> None:
         self._reads[(id(read.owner), read.name)] = read
+
+
+def _changed(read: AttrRead) -> bool:
+    try:
+        now = getattr(read.owner, read.name)
+        return type(now) is not type(read.value) or bool(now != read.value)
+    except Exception:  # noqa: BLE001 - gone, or not comparable any more
+        return True
 
 
 # -- the patched classes, shared by the sessions running at a time ------------------------------
