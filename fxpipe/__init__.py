@@ -19,8 +19,8 @@ from typing import Any, List
 
 from . import errors
 from .errors import (
-    CompileError, FxpipeError, InputMismatchError, MicroBatchError, MutationError, PipelineClosedError,
-    PlanError, TraceError,
+    CompileError, FxpipeError, InputMismatchError, MicroBatchError, ModelChangedError, MutationError,
+    PipelineClosedError, PlanError, TraceError,
 )
 
 __version__ = "0.1.0"
@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "pipeline", "Pipeline", "Plan", "GPipe", "is_checkpointing", "is_recomputing", "balance", "skip",
     "errors", "FxpipeError", "TraceError", "MicroBatchError", "MutationError", "InputMismatchError",
-    "PlanError", "PipelineClosedError", "CompileError", "__version__",
+    "PlanError", "PipelineClosedError", "CompileError", "ModelChangedError", "__version__",
 ]
 
 # name -> the module defining it; a name mapped to None is a submodule of its own.

@@ -23,6 +23,7 @@ from .errors import (ArgumentError, DevicesError, ModeError, PipelinePicklingErr
                      StagesError)
 from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .meta import is_meta_model, refuse_running, refuse_timing, to_meta
+from .model_check import ModelCheck
 from .placement import place_stages
 from .planning import BALANCE_BY, make_plan
 from .mutation import check_kept_together
@@ -153,6 +154,8 @@ class Pipeline(PlacedModule):
         # The plan's portals, which are also the stash/pop pairs in the stage code.
         layout = SkipLayout.from_names(len(stages), {p.name: (p.src, p.dst) for p in plan.portals})
         runtime = PipelineRunner(list(stages.modules), devices, skip_layout=layout, stage_portals=True, spread=True)
+        #: what the stages hold from the model, compared at each call (fxpipe.model_check)
+        self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages)
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
     @property
@@ -179,6 +182,19 @@ class Pipeline(PlacedModule):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:  # type: ignore[override]
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
+        # pipe.to(dtype): nn.Module converts parameters in place (.data) but gives buffers new
+        # tensors, and the stages hold the buffers they were built with (fxpipe.model_check):
+        # the converted values go into those same objects.
+        held = [(m._buffers, k, b) for m in self.module.modules() for k, b in m._buffers.items() if b is not None]
+        super()._apply(fn, recurse)
+        for buffers, key, old in held:
+            new = buffers.get(key)
+            if new is not None and new is not old:
+                old.data = new
+                buffers[key] = old
+        return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # fx unpickles a GraphModule by re-tracing its code, which would run the stages'
@@ -208,6 +224,7 @@ class Pipeline(PlacedModule):
                 "the same parameters."
             )
         self.batching.refuse_mode(self.training)  # the build's training-mode check failed: eval only
+        self._model_check.check()  # a submodule, parameter or traced attribute replaced since the build
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
         micro, sizes = self.batching.split(flat, self.chunks)
         weights = self.batching.weights(flat, micro)  # refuses ignored labels a 'mean' loss cannot weigh

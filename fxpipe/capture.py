@@ -29,6 +29,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from .attr_reads import AttrRead, AttributeReads, plain_attributes
 from .augmented import AugmentedProxy
 from .custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
 from .call_check import call_signature, fixed_dims, flatten_call
@@ -71,6 +72,8 @@ class Capture:
     - ``signature``: the model's forward signature, to name arguments in call errors.
     - ``fixed``: flat input index -> its size per dim where the graph is specialised on it
       (``None``: any size). torch.export fixes every dim but the split dim; fx none (empty).
+    - ``reads``: the plain attributes the traced code read, baked into the graph
+      (:mod:`fxpipe.attr_reads`); :mod:`fxpipe.model_check` checks them at each call.
     """
 
     graph_module: fx.GraphModule
@@ -81,6 +84,7 @@ class Capture:
     leaves: list[str] = field(default_factory=list)
     signature: inspect.Signature | None = field(default=None, repr=False, compare=False)
     fixed: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
+    reads: list[AttrRead] = field(default_factory=list, repr=False, compare=False)
 
     def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
         """Flatten a call's inputs, checking them against the captured sample.
@@ -228,13 +232,14 @@ class _Tracer(fx.Tracer):
 
 
 def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
-              leaf_names: set[str]) -> tuple[fx.Graph, list[str], list[_Failure]] | _Failure:
+              leaf_names: set[str]) -> tuple[fx.Graph, list[str], list[_Failure], list[AttrRead]] | _Failure:
     auto: list[_Failure] = []
     for _ in range(_MAX_RETRIES):
         tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
         try:
-            graph = tracer.trace(root)
-            return graph, tracer.opaque, auto
+            with AttributeReads(model) as reads:  # fx runs no leaf: every read is the traced code's
+                graph = tracer.trace(root)
+            return graph, tracer.opaque, auto, reads.reads()
         except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
             stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
             if not stack:
@@ -338,13 +343,23 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     with refusing_reentrant_checkpoint():  # while tracing only: the checks run the real one
         fx_res = _trace_fx(model, root, leaf_types, leaf_names)
     if not isinstance(fx_res, _Failure):
-        graph, opaque, auto = fx_res
+        graph, opaque, auto, fx_reads = fx_res
         fx_out_spec = out_specs[-1]
         if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
-            return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
-    opaque_paths = leaf_paths(model, [*leaf_types, *leaf_names])
-    with refusing_reentrant_checkpoint(), refusing_in_export([model.get_submodule(p) for p in opaque_paths]):
-        ex_res = export_graph(model, root, _unaliased(flat), names, split_dims, opaque_paths)
+            return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
+    kept = leaf_paths(model, [*leaf_types, *leaf_names])  # export traces them too: their reads are their own
+    kept_modules = [model.get_submodule(p) for p in kept]
+    with refusing_reentrant_checkpoint(), refusing_in_export(kept_modules), \
+            AttributeReads(model, kept_modules) as ex_reads:
+        ex_res = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
+    reads = ex_reads.reads()
+    if isinstance(ex_res, _Failure) and not ex_res.bad_output and ex_res.refusal is None:
+        # dynamo-traced regions (torch.cond's branches) cannot run the recording: export again
+        # unrecorded, and check every plain attribute of the traced modules instead
+        with refusing_reentrant_checkpoint(), refusing_in_export(kept_modules):
+            unrecorded = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
+        if not isinstance(unrecorded, _Failure) or unrecorded.refusal is not None:
+            ex_res, reads = unrecorded, plain_attributes(model, kept_modules)
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
         gm.training = model.training
@@ -353,13 +368,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         # caches in the output (past_key_values) come out as their tensors; the spec rebuilds them
         out_spec = compose_out_spec(out_specs[-1], ex_res.leaf_specs)
         return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model),
-                       fixed_dims(gm, flat, split_dims))
+                       fixed_dims(gm, flat, split_dims), reads)
     if ex_res.bad_output:
         # The fx graph returns the same object, from an opaque node: each micro-batch would
         # make one and only the first could be returned. Refuse rather than mislead.
         raise _output_error(model, ex_res.bad_output) from ex_res.error
     if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
-        return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto)
+        return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
     for failure in (ex_res, fx_res):  # said plainly rather than as a capture failure
         refusal = reentrant_checkpoint_in(failure.error) or autograd_function_in(failure.error)
         if refusal is not None:
@@ -401,7 +416,8 @@ def _output_error(model: nn.Module, bad: str) -> TraceError:
 
 
 def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytree.TreeSpec,
-               out_spec: pytree.TreeSpec, specialized: dict[int, object], opaque: list[str], auto: list[_Failure]) -> Capture:
+               out_spec: pytree.TreeSpec, specialized: dict[int, object], opaque: list[str], auto: list[_Failure],
+               reads: list[AttrRead]) -> Capture:
     for f in auto:
         warnings.warn(f"fxpipe: {_describe(model, f.module)} could not be traced by torch.fx "
                       f"({_reason(f.error)} at {_user_frame(f.error) or '?'}); kept opaque", stacklevel=3)
@@ -418,7 +434,7 @@ def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytr
     # running it enters the grad-mode/autocast regions recorded on its nodes
     gm = RegionGraphModule(root, graph, class_name=type(model).__name__)
     gm.training = model.training
-    return Capture(gm, in_spec, out_spec, "fx", specialized, list(opaque), call_signature(model))
+    return Capture(gm, in_spec, out_spec, "fx", specialized, list(opaque), call_signature(model), reads=reads)
 
 
 def _opaque_share(model: nn.Module, names: list[str]) -> float:

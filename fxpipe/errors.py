@@ -196,3 +196,17 @@ class ModeError(FxpipeError, RuntimeError):
     """A pipeline called in a training/eval mode its captured graph cannot run in: the capture
     baked the other mode in (a traced ``self.training`` branch). The message says to build one
     pipeline per mode."""
+
+
+class ModelChangedError(FxpipeError, RuntimeError):
+    """The model changed after its pipeline was built in a way the stages cannot see: a
+    submodule they call or a parameter they hold was replaced (a LoRA wrapper put in place of
+    a layer, ``model.lin.weight = nn.Parameter(...)``), a plain attribute the traced forward
+    read has another value (``model.temperature = 0.5``: the graph has the old one baked in),
+    or a module whose code was traced got hooks. The message names each change and says to
+    rebuild the pipeline; ``changes`` lists them."""
+
+    def __init__(self, message: str, *, changes: "list[str] | None" = None) -> None:
+        super().__init__(message)
+        #: one line per change, as in the message
+        self.changes = list(changes or [])

@@ -10,6 +10,9 @@ sending and the scheduling; this class adds what makes a step exact against eage
   accumulation), so a mean-reduced ``loss_fn`` gives eager's loss and gradients;
 * tied parameters used on several ranks have their gradients summed (:mod:`.ties`);
 * ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank);
+* a step after the model changed in a way the stages cannot see (a submodule or parameter
+  replaced, a traced attribute set anew) is refused on every rank
+  (:class:`~fxpipe.errors.ModelChangedError`, :mod:`fxpipe.model_check`);
 * a step under another autocast state than the build's is refused: the stages exchange
   buffers of the dtypes the build's fake run found (bf16 sent into a float32 buffer gave
   garbage, measured), so build and step under the same ``torch.autocast``.
@@ -26,6 +29,7 @@ from torch import nn
 from fxpipe.capture import Capture
 from fxpipe.emit import Stages
 from fxpipe.errors import BatchShapeError, DistributedError, PipelineClosedError
+from fxpipe.model_check import ModelCheck
 from fxpipe.plan import Plan
 
 from .ties import TiedGradients, parameters_of
@@ -78,6 +82,8 @@ class DistributedPipeline:
         self._closed = False
         self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
         self._autocast = _autocast()  # the state pipeline() ran the fake metadata run under
+        # what the stages hold from the model (all of them: every rank refuses the same change)
+        self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages.modules)
 
     @property
     def n_stages(self) -> int:
@@ -108,7 +114,9 @@ class DistributedPipeline:
 
     # -- running -------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        """The tensors of a call, checked against the sample's shapes on every rank."""
+        """The tensors of a call, checked against the sample's shapes on every rank, after
+        checking that the model did not change since the build (:mod:`fxpipe.model_check`)."""
+        self._model_check.check()
         if _autocast() != self._autocast:
             raise DistributedError(
                 f"this call runs under {_autocast_text(_autocast())}, but the pipeline was built under "

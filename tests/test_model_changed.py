@@ -1,0 +1,366 @@
+"""A model changed after its pipeline was built: exact where the stages see it, refused otherwise.
+
+The stages hold the submodules, parameters and buffers they were built with, and a traced
+forward's plain attributes (``self.temperature``) are constants in their code. Replacing one
+of those after the build -- a LoRA wrapper in place of a layer, ``model.temperature = 0.5``,
+a new ``nn.Parameter`` -- used to be silently ignored (off by 2x, no gradient to the
+adapter); it is refused with :class:`fxpipe.ModelChangedError` naming the change. Everything
+that changes values in place or that the stages follow (optimizer steps, ``load_state_dict``,
+``requires_grad_``, ``train()``/``eval()`` of a mode-insensitive model, ``.to()`` the same
+device, a new attribute nothing reads, ``model.compile()``) stays exact against eager,
+outputs and every gradient, for torch.fx and torch.export captures alike.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import ModelChangedError, ModeError
+
+CHUNKS = 3
+BATCH = 6
+
+
+@dataclass
+class Settings:
+    """A config object: its fields read in a traced forward are baked in too."""
+
+    mult: float = 1.5
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 8))  # read directly: a get_attr
+        self.shift = 0.25
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.q_proj(x)) * self.gain + self.shift
+
+
+class Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = Block()
+        self.out = nn.Linear(8, 4)
+        self.register_buffer("offset", torch.linspace(-1, 1, 4))
+        self.temperature = 1.0
+        self.settings = Settings()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layer(x) * self.settings.mult
+        return self.out(h) / self.temperature + self.offset
+
+
+class TemperedExport(Tempered):
+    """The same model, captured by torch.export: the shape check below stops torch.fx."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError("expected a 2-d input")
+        return super().forward(x)
+
+
+class LoraWrapper(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.up.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+MODELS = {"fx": Tempered, "export": TemperedExport}
+captures = pytest.mark.parametrize("method", list(MODELS))
+
+
+def build(model: nn.Module, method: str) -> fxpipe.Pipeline:
+    pipe = fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2,
+                           balance_by="params", progress=False)
+    assert pipe.capture.method == method
+    return pipe
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum()
+
+
+def eager_step(ref: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The eager model on the pipeline's micro-batches (the same sums, in turn)."""
+    out = torch.cat([ref(c) for c in x.chunk(CHUNKS)])
+    loss_of(out).backward()
+    return out
+
+
+def assert_same(model: nn.Module, ref: nn.Module, out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same output and, name by name, the same parameters and gradients (a tolerance scaled
+    to each gradient's magnitude: micro-batch gradients are summed in another order)."""
+    torch.testing.assert_close(out, expected)
+    named, ref_named = list(model.named_parameters()), list(ref.named_parameters())
+    assert [n for n, _ in named] == [n for n, _ in ref_named]
+    for (name, p), (_, q) in zip(named, ref_named):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            scale = q.grad.abs().max().item()
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * scale + 1e-12,
+                                       msg=lambda m: f"grad of {name}: {m}")
+
+
+def refused(pipe: fxpipe.Pipeline, x: torch.Tensor) -> ModelChangedError:
+    with pytest.raises(ModelChangedError) as info:
+        pipe(x)
+    e = info.value
+    assert isinstance(e, RuntimeError) and isinstance(e, fxpipe.FxpipeError)
+    assert "the model changed after the pipeline was built: rebuild it" in str(e)
+    return e
+
+
+# -- refused: what the stages cannot see --------------------------------------------------------
+
+@captures
+def test_a_traced_attribute_set_anew_is_refused_naming_it(method):
+    model = MODELS[method]()
+    pipe = build(model, method)
+    x = torch.randn(BATCH, 8)
+    torch.testing.assert_close(pipe(x), model(x))
+    model.temperature = 0.5
+    e = refused(pipe, x)
+    assert "'temperature' is 0.5, was 1.0" in str(e) and len(e.changes) == 1
+    model.temperature = float("1.0")  # the same value again (another float object): runs
+    torch.testing.assert_close(pipe(x), model(x))
+    model.layer.shift = 0.0
+    model.settings.mult = 2.0  # a field of a config object the forward reads
+    e = refused(pipe, x)
+    assert "'layer.shift' is 0.0, was 0.25" in str(e) and "'settings.mult' is 2.0, was 1.5" in str(e)
+    del model.layer.shift
+    assert "'layer.shift' was deleted (was 0.25" in str(refused(pipe, x))
+
+
+@captures
+def test_a_lora_wrapper_put_in_after_the_build_is_refused(method):
+    model = MODELS[method]()
+    pipe = build(model, method)
+    x = torch.randn(BATCH, 8)
+    model.layer.q_proj = LoraWrapper(model.layer.q_proj)
+    e = refused(pipe, x)
+    assert "'layer.q_proj' is now a LoraWrapper, was a Linear" in str(e)
+    # built again, the pipeline trains the adapter exactly
+    ref = copy.deepcopy(model)
+    pipe = build(model, method)
+    out = pipe(x)
+    loss_of(out).backward()
+    assert_same(model, ref, out, eager_step(ref, x))
+    assert model.layer.q_proj.up.weight.grad is not None
+
+
+@captures
+def test_a_replaced_parameter_or_buffer_is_refused(method):
+    model = MODELS[method]()
+    pipe = build(model, method)
+    x = torch.randn(BATCH, 8)
+    model.layer.gain = nn.Parameter(torch.ones(8))  # read directly by the traced code
+    e = refused(pipe, x)
+    assert "parameter 'layer.gain' was replaced" in str(e) and "in place" in str(e)
+    model = MODELS[method]()
+    pipe = build(model, method)
+    model.out.weight = nn.Parameter(model.out.weight.detach().clone())  # inside a called layer
+    assert "parameter 'out.weight' was replaced" in str(refused(pipe, x))
+    model = MODELS[method]()
+    pipe = build(model, method)
+    model.offset = torch.zeros(4)  # a registered buffer given a new tensor
+    assert "buffer 'offset' was replaced" in str(refused(pipe, x))
+    model = MODELS[method]()
+    pipe = build(model, method)
+    model.double()  # buffers get new tensors
+    assert "buffer 'offset' was replaced" in str(refused(pipe, x.double()))
+
+
+def test_a_hook_on_a_traced_module_is_refused_one_on_a_layer_runs():
+    model = Tempered()
+    pipe = build(model, "fx")
+    x = torch.randn(BATCH, 8)
+    calls = []
+    handle = model.out.register_forward_hook(lambda m, i, o: calls.append(len(o)))  # a torch layer: it runs
+    torch.testing.assert_close(pipe(x), model(x))
+    assert calls == [BATCH // CHUNKS] * CHUNKS + [BATCH]
+    handle.remove()
+    model.layer.register_forward_hook(lambda m, i, o: None)  # traced into the stages: never called
+    e = refused(pipe, x)
+    assert "'layer' has forward hooks now" in str(e)
+
+
+# -- exact: what the stages see, or what does not matter -----------------------------------------
+
+@captures
+def test_harmless_changes_stay_exact_over_several_steps(method):
+    model = MODELS[method]()
+    ref = copy.deepcopy(model)
+    pipe = build(model, method)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    other = MODELS[method]().state_dict()
+
+    def both(change):
+        change(model)
+        change(ref)
+
+    changes = [
+        lambda m: m.load_state_dict(other),  # in place
+        lambda m: m.layer.q_proj.weight.requires_grad_(False),
+        lambda m: setattr(m, "note", "a new attribute nothing reads"),
+        lambda m: setattr(m, "temperature", float("1.0")),  # the same value, another object
+        lambda m: m.to("cpu"),
+        lambda m: m.compile() if m is model else None,  # torch.compile's attribute: the stages never call it
+        lambda m: m.layer.q_proj.weight.requires_grad_(True),
+    ]
+    x = torch.randn(BATCH, 8)
+    for step, change in enumerate(changes):
+        both(change)
+        if method == "fx":  # mode-insensitive: an eval pass in between follows model.eval()
+            both(lambda m: m.eval())
+            with torch.no_grad():
+                torch.testing.assert_close(pipe(x), ref(x))
+            both(lambda m: m.train())
+        y = x + step
+        out = pipe(y)
+        loss_of(out).backward()
+        assert_same(model, ref, out, eager_step(ref, y))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def test_the_mode_flip_of_a_mode_sensitive_graph_stays_a_mode_error():
+    model = TemperedExport()
+    pipe = build(model, "export")
+    model.eval()
+    with pytest.raises(ModeError):
+        pipe(torch.randn(BATCH, 8))
+
+
+class Counting(nn.Module):
+    """A traced forward keeping Python state: the count is its own, not a setting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+        self.calls = 0
+        self.stats = {"calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.stats["calls"] += 1
+        return self.out(torch.relu(self.lin(x)))
+
+
+def test_state_the_traced_forward_writes_is_not_a_change():
+    model = Counting()
+    pipe = build(model, "fx")
+    x = torch.randn(BATCH, 8)
+    ref = copy.deepcopy(model)
+    model(x)  # eager runs count on
+    model(x)
+    assert model.calls == 2 and model.stats["calls"] > 2  # the dict is not put back after the build
+    torch.testing.assert_close(pipe(x), ref(x))
+    model.lin.scale = 2.0  # a new attribute on a layer: nothing reads it
+    torch.testing.assert_close(pipe(x), ref(x))
+
+
+def test_pipe_to_dtype_converts_the_buffers_the_stages_hold():
+    model = Tempered()
+    ref = copy.deepcopy(model).double()
+    pipe = build(model, "fx")
+    assert pipe.to(torch.float64) is pipe
+    x = torch.randn(BATCH, 8, dtype=torch.float64)
+    out = pipe(x)
+    assert out.dtype == torch.float64
+    loss_of(out).backward()
+    assert_same(model, ref, out, eager_step(ref, x))
+    with torch.no_grad():
+        model.offset.add_(1.0)  # the stages read the object the model holds
+        ref.offset.add_(1.0)
+    torch.testing.assert_close(pipe(x), ref(x))
+
+
+def test_classes_are_left_as_they_were():
+    model = TemperedExport()
+    build(model, "export")
+    for cls in {type(m) for m in model.modules()} | {Settings}:
+        assert "__getattribute__" not in vars(cls) and "__setattr__" not in vars(cls), cls
+
+
+# -- copies and the distributed pipeline ------------------------------------------------------------
+
+@captures
+def test_a_deep_copy_checks_its_own_model(method):
+    model = MODELS[method]()
+    pipe = build(model, method)
+    twin = copy.deepcopy(pipe)
+    x = torch.randn(BATCH, 8)
+    twin.module.temperature = 0.5
+    assert "'temperature' is 0.5, was 1.0" in str(refused(twin, x))
+    torch.testing.assert_close(pipe(x), model(x))  # the original is not the copy
+    twin.module.temperature = 1.0
+    model.layer.q_proj = LoraWrapper(model.layer.q_proj)
+    assert "'layer.q_proj' is now a LoraWrapper" in str(refused(pipe, x))
+    ref = copy.deepcopy(twin.module)
+    out = twin(x)
+    loss_of(out).backward()
+    assert_same(twin.module, ref, out, eager_step(ref, x))
+    twin.close()
+    pipe.close()
+
+
+def test_the_distributed_pipeline_refuses_a_changed_model():
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    from fxpipe.distributed.launch import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = Tempered()
+        x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 4)
+        pipe = fpd.pipeline(model, x, chunks=2, loss_fn=F.mse_loss, timeout=60, progress=False)
+        torch.testing.assert_close(pipe.step(x, target=y), F.mse_loss(model(x), y).detach())
+        model.temperature = 0.5
+        for call in (lambda: pipe.step(x, target=y), lambda: pipe.eval_step(x)):
+            with pytest.raises(ModelChangedError, match="'temperature' is 0.5, was 1.0"):
+                call()
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_export_that_cannot_be_recorded_checks_every_plain_attribute():
+    """torch.cond's branches are traced by dynamo, which cannot run the recording: the
+    capture is exported unrecorded and every plain attribute is checked instead."""
+    from test_export_hops import WithBranchy
+
+    torch.manual_seed(0)
+    model = WithBranchy()
+    model.scale = 2.0  # never read by forward: refused all the same (rebuild, never silent)
+    pipe = fxpipe.pipeline(model, torch.randn(6, 8), 2, chunks=2, devices=["cpu"] * 2, balance_by="params",
+                           leaf_modules=["branchy"], progress=False)
+    assert pipe.capture.method == "export"
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(pipe(x), model(x))
+    model.scale = 3.0
+    with pytest.raises(ModelChangedError, match="'scale' is 3.0, was 2.0"):
+        pipe(x)
