@@ -17,7 +17,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.runtime.pipeline import PipelineRunner
-from tests.exact import GRAD_TOL, assert_grads_equal
+from tests.exact import assert_all_close, assert_close_scaled, assert_grads_equal
 from tests.zoo import ZOO
 
 CHECKPOINTED = ["always", "except_last"]
@@ -36,6 +36,13 @@ def _pair(checkpoint: str, chunks: int = 2):
     pipe = fxpipe.pipeline(model, x, 3, chunks=chunks, checkpoint=checkpoint, devices=["cpu"] * 3,
                            balance_by="params")
     return model, ref, pipe, x
+
+
+def _assert_grads(model: nn.Module, got, want) -> None:
+    """Gradients returned by ``torch.autograd.grad``, in ``model.parameters()`` order."""
+    names = [name for name, _ in model.named_parameters()]
+    assert len(got) == len(want) == len(names)
+    assert_all_close([(f"grad of {n}", a, b) for n, a, b in zip(names, got, want)])
 
 
 def _eager_like(pipe, ref, model, x, run):
@@ -84,8 +91,7 @@ def test_autograd_grad_and_backward_inputs_are_exact(checkpoint, chunks):
         out["grad"] = torch.autograd.grad(forward(x).pow(2).sum(), params if forward is pipe else ref_params)
 
     _eager_like(pipe, ref, model, x, run)
-    for a, b in zip(got["grad"], want["grad"]):
-        torch.testing.assert_close(a, b)
+    _assert_grads(model, got["grad"], want["grad"])
     assert all(p.grad is None for p in params), "torch.autograd.grad must not accumulate into .grad"
 
     def run_inputs(forward):
@@ -109,7 +115,7 @@ def test_double_backward_is_exact(checkpoint):
         grads[forward is pipe] = g.detach()
 
     _eager_like(pipe, ref, model, x, run)
-    torch.testing.assert_close(grads[True], grads[False])
+    assert_close_scaled(grads[True], grads[False], what="input gradient")
     assert_grads_equal(model, ref)
 
 
@@ -132,19 +138,18 @@ def test_every_backward_call_through_portals_is_exact(monkeypatch, checkpoint, a
         loss = forward(x).pow(2).sum()
         loss.backward(retain_graph=True)
         loss.backward()
-    assert_grads_equal(model, ref, **GRAD_TOL)
+    assert_grads_equal(model, ref)
     got = torch.autograd.grad(pipe(x).pow(2).sum(), list(model.parameters()))
     want = torch.autograd.grad(eager(x).pow(2).sum(), list(ref.parameters()))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **GRAD_TOL)
+    _assert_grads(model, got, want)
     gs = []
     for forward in (pipe, eager):
         xi = x.clone().requires_grad_()
         (g,) = torch.autograd.grad(forward(xi).pow(2).sum(), xi, create_graph=True)
         g.pow(2).sum().backward()
         gs.append(g.detach())
-    torch.testing.assert_close(gs[0], gs[1], **GRAD_TOL)
-    assert_grads_equal(model, ref, **GRAD_TOL)
+    assert_close_scaled(gs[0], gs[1], what="input gradient")
+    assert_grads_equal(model, ref)
 
 
 class _ReturnsItsWeight(nn.Module):
@@ -183,5 +188,4 @@ def test_the_gpipe_front_end_serves_autograd_grad():
     got = torch.autograd.grad(gpipe(x).pow(2).sum(), list(model.parameters()))
     torch.set_rng_state(state)
     want = torch.autograd.grad(torch.cat([ref(c) for c in x.chunk(2)]).pow(2).sum(), list(ref.parameters()))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    _assert_grads(model, got, want)

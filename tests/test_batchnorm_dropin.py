@@ -18,6 +18,8 @@ import fxpipe
 from fxpipe.batchnorm import BatchNormConversionError, DeferredBatchNorm
 from fxpipe.errors import FxpipeError
 
+from exact import assert_all_close, assert_grads_equal
+
 BATCH = 12
 
 
@@ -46,15 +48,15 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
 
 
 def assert_grads(model: nn.Module, ref: nn.Module) -> None:
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"grad of {name}: {m}")
+    assert_grads_equal(model, ref)
 
 
 def assert_stats(model: nn.Module, ref: nn.Module) -> None:
-    for (name, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
-        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+    """Running statistics: deferred ones are sums over micro-batches, rounded in another order
+    than the whole batch's (tests/exact.py's tolerance); counts exactly."""
+    named, ref_named = list(model.named_buffers()), list(ref.named_buffers())
+    assert [n for n, _ in named] == [n for n, _ in ref_named]
+    assert_all_close((name, a, b) for (name, a), (_, b) in zip(named, ref_named))
 
 
 def test_conversion_replaces_layers_sharing_their_tensors():
@@ -191,5 +193,5 @@ def test_training_call_under_no_grad_commits_its_own_statistics():
         reference(first)
     pipe(second).sum().backward()
     reference(second).sum().backward()
-    for key, value in reference[1].state_dict().items():
-        torch.testing.assert_close(model[1].state_dict()[key], value, msg=lambda m: f"{key}: {m}")
+    got = model[1].state_dict()
+    assert_all_close((key, got[key], value) for key, value in reference[1].state_dict().items())

@@ -16,8 +16,10 @@ from fxpipe.capture import Capture, TraceError, capture, flatten_output, retarge
 from fxpipe.errors import ModeError
 try:
     import zoo  # tests/ on sys.path (pytest rootdir-less layout)
+    from exact import assert_all_close
 except ImportError:  # pragma: no cover - tests imported as a package
     from tests import zoo
+    from tests.exact import assert_all_close
 
 
 def _float_leaves(out: object) -> list[torch.Tensor]:
@@ -50,8 +52,7 @@ def check_matches_eager(model: nn.Module, args: tuple, kwargs: dict, c: Capture,
     _loss(ref).backward()
     got, want = _grads(model), _grads(ref_model)
     assert got.keys() == want.keys() and got, "no gradient reached the model's parameters"
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], msg=name)
+    assert_all_close((f"grad of {name}", got[name], want[name]) for name in want)
     for (name, a), (_, b) in zip(model.named_buffers(), ref_model.named_buffers()):
         torch.testing.assert_close(a, b, msg=name)
 

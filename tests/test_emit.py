@@ -23,6 +23,8 @@ from fxpipe.graph import build_opgraph
 from fxpipe.plan import Plan
 from fxpipe.routes import portal_name
 
+from exact import assert_all_close
+
 THIS_FILE = __file__
 
 
@@ -226,8 +228,7 @@ def check_equivalence(model, inputs, stages):
     loss_of(out).backward()
     got = grads(model, stage_inputs)
     assert got.keys() == eager_grads.keys()
-    for name in eager_grads:
-        torch.testing.assert_close(got[name], eager_grads[name], msg=name)
+    assert_all_close((f"grad of {name}", got[name], eager_grads[name]) for name in eager_grads)
 
 
 def expected_routes(gm, assignment, n_stages):

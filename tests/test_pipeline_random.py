@@ -43,7 +43,8 @@ from torch import nn
 
 import fxpipe
 import random_models as rm
-from exact import assert_exact, weighted_loss
+from exact import (BF16, GRAD_TOL, Tol, assert_all_close, assert_close_scaled, assert_exact, assert_grads_equal,
+                   weighted_loss)
 from fxpipe.capture import capture
 from fxpipe.errors import MutationError
 from fxpipe.partition import COMPUTE_OPS, partition, stage_costs, topological_order
@@ -54,8 +55,8 @@ from fxpipe.tree import flatten
 
 D = 6
 MODES = ["always", "except_last", "never"]
-# Gradients sum over micro-batches in another order than over the batch: float32 rounding.
-GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
+# Gradients sum over micro-batches in another order than over the batch: float32 rounding,
+# GRAD_TOL of tests/exact.py (scaled to the gradients' magnitude).
 # Parameters and inputs that get no gradient in eager must get none here either, also under
 # checkpointing: None, not zeros.
 
@@ -324,10 +325,7 @@ def test_random_dag_matches_eager(spec, n_stages, chunks, checkpoint, batch, for
     loss_of(expected).backward()
     named = [(f"input {k}", x, rx) for k, (x, rx) in enumerate(zip(xs, ref_xs))]
     named += [(name, p, q) for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]
-    for name, p, q in named:
-        assert (p.grad is None) == (q.grad is None), f"grad of {name}: {p.grad} vs eager {q.grad}"
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"grad of {name}: {s}", **GRAD_TOL)
+    assert_all_close((f"grad of {name}", p.grad, q.grad) for name, p, q in named)
     assert list(pipe.state_dict()) == list(ref.state_dict())
 
 
@@ -347,9 +345,8 @@ def test_long_skip_crosses_every_stage_and_input_is_an_output():
         torch.testing.assert_close(a, b)
     loss_of(out).backward()
     loss_of(expected).backward()
-    torch.testing.assert_close(x.grad, rx.grad, **GRAD_TOL)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **GRAD_TOL)
+    named = [(name, p, q) for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]
+    assert_all_close([("grad of the input", x.grad, rx.grad)] + [(f"grad of {n}", p.grad, q.grad) for n, p, q in named])
 
 
 class _AuxOutput(nn.Module):
@@ -394,7 +391,7 @@ def test_stage_without_boundary_output_keeps_gradients(checkpoint):
     loss_of(out).backward()
     loss_of(expected).backward()
     assert x.grad is not None, "gradient of the input lost"
-    torch.testing.assert_close(x.grad, rx.grad, **GRAD_TOL)
+    assert_close_scaled(x.grad, rx.grad, what="grad of the input")
 
 
 def test_unused_input_grad_none_under_checkpoint():
@@ -429,8 +426,7 @@ def test_non_tensor_portal_value_survives_recomputation(checkpoint):
     torch.testing.assert_close(out, ref(x))
     loss_of(out).backward()
     loss_of(ref(x)).backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **GRAD_TOL)
+    assert_grads_equal(model, ref)
 
 
 # -- partitioner vs brute force on real captured graphs -----------------------------------
@@ -488,7 +484,7 @@ def test_partition_matches_brute_force_on_captured_graphs(spec, batch, cost):
 # in-place rewrite, which adds the copies); every checkpoint mode runs on the same cut.
 
 LEAVES = [rm.Producer]
-BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+BF16_TOL = BF16
 
 
 def prepared(model: nn.Module, args: tuple):
@@ -547,34 +543,30 @@ def draw_plan(data, graph, n_stages: int) -> tuple[Plan, bool]:
     return plan, separated
 
 
-def assert_outputs(got: Any, expected: Any, tol: dict) -> None:
+def assert_outputs(got: Any, expected: Any, tol: Tol) -> None:
     """Same structure (container types included), dtypes and values; indices, masks and
     Python values exactly."""
     la, sa = flatten(got)
     lb, sb = flatten(expected)
     assert sa == sb, f"output structures differ:\n{sa}\nvs\n{sb}"
+    floats = []
     for k, (a, b) in enumerate(zip(la, lb)):
         if isinstance(b, torch.Tensor):
             assert isinstance(a, torch.Tensor) and a.dtype == b.dtype, (k, a, b)
             if b.is_floating_point():
-                torch.testing.assert_close(a, b, msg=lambda m: f"output leaf {k}: {m}", **tol)
+                floats.append((f"output leaf {k}", a, b))
             else:  # indices, masks: exactly
                 assert torch.equal(a, b), f"output leaf {k}: {a} vs {b}"
         else:
             assert a == b, f"output leaf {k}: {a!r} vs {b!r}"
+    assert_all_close(floats, tol)
 
 
-def assert_grads(named: list, tol: dict, scaled: bool = False) -> None:
+def assert_grads(named: list, tol: Tol) -> None:
     """``(name, tensor, reference tensor)``: the same gradient, or None on both sides (a
-    parameter no gradient reaches keeps grad None: zeros are a different result)."""
-    for name, p, q in named:
-        assert (p.grad is None) == (q.grad is None), \
-            f"grad of {name}: {'None' if p.grad is None else 'a tensor'} vs {'None' if q.grad is None else 'a tensor'}"
-        if q.grad is not None:
-            t = dict(tol)
-            if scaled:  # bf16: errors scale with the largest gradient entry
-                t["atol"] = tol["atol"] * max(1.0, float(q.grad.abs().max()))
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"grad of {name}: {m}", **t)
+    parameter no gradient reaches keeps grad None: zeros are a different result); errors
+    scale with the largest gradient entry (tests/exact.py)."""
+    assert_all_close(((f"grad of {name}", p.grad, q.grad) for name, p, q in named), tol)
 
 
 def run_modes(model: nn.Module, args: tuple, n_stages: int, build: dict, modes, ctx, seed=None) -> list:
@@ -597,15 +589,14 @@ def run_modes(model: nn.Module, args: tuple, n_stages: int, build: dict, modes, 
     return runs
 
 
-def assert_modes_agree(runs: list, tol: dict = GRAD_TOL) -> None:
+def assert_modes_agree(runs: list, tol: Tol = GRAD_TOL) -> None:
     """Checkpointing recomputes the forward exactly (dtypes and random numbers included):
     every mode gives the same outputs and gradients, to float32 rounding."""
     first_mode, first, first_grads = runs[0]
     for mode, out, grads in runs[1:]:
         try:
             assert_outputs(out, first, GRAD_TOL)
-            assert_grads([(name, p, q) for (name, p), (_, q) in zip(grads, first_grads)], tol,
-                         scaled=tol is BF16_TOL)
+            assert_grads([(name, p, q) for (name, p), (_, q) in zip(grads, first_grads)], tol)
         except AssertionError as e:
             raise AssertionError(f"checkpoint={mode!r} vs {first_mode!r}: {e}") from None
 
@@ -644,7 +635,7 @@ def sweep_cut(model: nn.Module, args: tuple, graph, n_stages: int, chunks: int, 
     for mode, out, grads in runs:
         try:
             assert_outputs(out, expected, tol)
-            assert_grads([(name, p, q) for (name, p), (_, q) in zip(grads, eager)], tol, scaled=autocast)
+            assert_grads([(name, p, q) for (name, p), (_, q) in zip(grads, eager)], tol)
         except AssertionError as e:
             raise AssertionError(f"checkpoint={mode!r}: {e}") from None
     assert_modes_agree(runs, BF16_TOL if autocast else GRAD_TOL)
