@@ -196,6 +196,19 @@ def test_batch_mixing_is_refused_at_low_precision(setting, norm, leaves):
             fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, leaf_modules=leaves)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("setting", ["tf32", "bf16 autocast"])
+@pytest.mark.parametrize("norm, leaves", [(CenterInTraining, ["n"]), (lambda: CountingNorm(16), ())])
+def test_batch_mixing_is_refused_on_a_gpu(setting, norm, leaves, restore_flags):
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    model, x = Mixer(norm()).cuda(), torch.randn(6, 8, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setting == "bf16 autocast"):
+        with pytest.raises(MicroBatchError, match=r"(?s)in training mode.*module whose output differs.*'n'"):
+            fxpipe.pipeline(model, x, 2, chunks=2, devices=["cuda:0"] * 2, leaf_modules=leaves)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # put back
+
+
 class TokenMean(nn.Module):
     """A next-token loss, a token mean with ignore_index: merged by 'mean' over micro-batches
     that hold other numbers of counted tokens, it is not the batch's loss."""
