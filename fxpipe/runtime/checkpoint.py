@@ -28,8 +28,9 @@ hooks only look the tensors up.
 saved only for partitions that may draw, see :mod:`~fxpipe.runtime.randomness`; a
 ``torch.Generator`` the stage uses itself is saved and put back alike), the
 autocast state (recomputation runs in backward, outside the user's ``torch.autocast``), and
-the buffers the partition updates in forward (see ``_state_swapped``): the recomputation
-sees them as the first pass did, and its own updates are dropped; and the modules' training
+the buffers and parameters the partition updates in forward (see ``_state_swapped``;
+``nn.Embedding(max_norm=...)`` renormalises its weight): the recomputation sees them as the
+first pass did, and its own updates are dropped; and the modules' training
 flags and parameters' ``requires_grad`` as the forward ran with them (``model.eval()``
 between forward and backward), while a parameter modified in place since the forward is
 refused (see :mod:`~fxpipe.runtime.forward_modes`). A recomputation that saves other tensors
@@ -112,6 +113,14 @@ def _state_swapped(slots: Sequence[StateSlot], snapshot: Sequence[Tensor]) -> Ge
             module.__dict__[where][key] = tensor
 
 
+def _snapshot(live: Tensor) -> Tensor:
+    """A copy of a buffer or parameter the stage updates in forward, for its recomputation. A
+    parameter's copy requires grad as the parameter does, so that the recomputation records
+    (and saves for backward) what the forward did with it: ``nn.Embedding(max_norm=...)``
+    renormalises its weight in place under no_grad, then looks rows up in it."""
+    return live.detach().clone().requires_grad_(live.requires_grad)
+
+
 def _detached(batch: Batch) -> Batch:
     """``batch`` with every tensor detached, keeping whether it requires grad: the inputs
     of a recomputation, which must save the same tensors the first pass saved."""
@@ -191,7 +200,7 @@ class Checkpointing:
         if self.generators:
             self.generator_states = [g.get_state() for g in self.generators]
         if self.state:
-            self.snapshot = [module.__dict__[where][key].detach().clone() for module, where, key in self.state]
+            self.snapshot = [_snapshot(module.__dict__[where][key]) for module, where, key in self.state]
         batch = self.inputs
         versions = _versions(batch)
         orig = _local.is_checkpointing
@@ -304,7 +313,7 @@ class Checkpointing:
             return
         # A fresh copy of the snapshot each time: a second backward (retain_graph=True)
         # recomputes again and must see the buffers as the first pass saw them.
-        snapshot = [s.clone() for s in self.snapshot]
+        snapshot = [_snapshot(s) for s in self.snapshot]
         with _state_swapped(self.state, snapshot):
             if self.rng_states is None:
                 self.function(batch)
