@@ -35,6 +35,7 @@ from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
 from .runtime.pipeline import PipelineRunner
 from .runtime.skip_layout import SkipLayout
+from .signature import sample_mismatch
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -349,6 +350,12 @@ def checked_capture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict,
     :func:`fxpipe.distributed.pipeline` so both build on the same checked graph. Call it
     inside ``preserved(model)``: it runs the model."""
     report = report if report is not None else Progress(enabled=False)
+    mismatch = sample_mismatch(model, args, kwargs)
+    if mismatch:  # else the capture fails on the call and advises about untraceable code
+        raise ArgumentError(
+            f"the sample does not fit the model: {mismatch}. What to do: pass the sample as the model is "
+            "called: sample= its positional input (a tuple for several), sample_kwargs= its keyword "
+            "arguments.", argument="sample")
     _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
     prepared = prepare(model, args, kwargs, leaf_modules, split_dims, report)
     with report.phase("checking micro-batches against the whole batch"):
