@@ -261,6 +261,9 @@ def pipeline(
             parameter bytes) or ``'params'`` (parameter bytes; deterministic, no profiling).
             A model built on the meta device is planned by ``'params'`` or ``'memory'``
             (sizes from shapes, nothing allocated); the pipeline returned cannot run.
+            ``'time'`` measures, so two builds may split the model differently (timing
+            noise), and another split draws other dropout masks per micro-batch from the
+            same seed: to reproduce a run, reuse the plan (``plan=``) or use ``'params'``.
         leaf_modules: module classes or qualified names kept opaque.
         split_points: qualified module names to cut before (``n_stages - 1`` of them);
             overrides balancing.
