@@ -295,6 +295,7 @@ def pipeline(
         fxpipe.errors.DevicesError: fewer devices than stages (an ``IndexError``).
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, plan)
+    chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
     compile_options = check_compile_option(compile)
     report = as_progress(progress)
     device_list = _devices(devices, n_stages)
