@@ -56,12 +56,14 @@ from .forward_modes import ForwardModes
 from .microbatch import Batch
 from .randomness import RNGStates, restored_generators, restored_rng_states, save_rng_states
 
-__all__ = ["is_checkpointing", "is_recomputing", "recomputing_task", "Checkpointing", "Recompute"]
+__all__ = ["is_checkpointing", "is_recomputing", "checkpointing_task", "recomputing_task", "Checkpointing",
+           "Recompute"]
 
 
 class _ThreadLocal(threading.local):
     def __init__(self) -> None:
         self.is_checkpointing = False
+        self.checkpointing: Optional[Checkpointing] = None
         self.recomputing: Optional[Checkpointing] = None
 
 
@@ -76,6 +78,12 @@ def is_checkpointing() -> bool:
 def is_recomputing() -> bool:
     """True while the current forward is a recomputation; use it to skip repeated side effects."""
     return _local.recomputing is not None
+
+
+def checkpointing_task() -> Optional["Checkpointing"]:
+    """The checkpointed task whose first pass this thread runs now, if any (a portal popped
+    there tells it: see :meth:`Checkpointing.popped`)."""
+    return _local.checkpointing
 
 
 def recomputing_task() -> Optional["Checkpointing"]:
@@ -167,7 +175,7 @@ class Checkpointing:
 
     __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "modes", "generators",
                  "generator_states", "snapshot",
-                 "autocast", "rng_states", "versions", "count", "shapes", "recomputed", "left", "kept",
+                 "autocast", "rng_states", "versions", "count", "shapes", "recomputed", "left", "kept", "portals",
                  "__weakref__")
 
     def __init__(self, function: Function, batch: Batch, device: torch.device, *, random: bool = True,
@@ -192,6 +200,7 @@ class Checkpointing:
         self.recomputed: Optional[List[Optional[Tensor]]] = None
         self.left = 0  # recomputed tensors not handed out yet
         self.kept: Optional[Dict[Any, Any]] = None
+        self.portals: Optional[List[Any]] = None  # portals popped by the first pass
 
     def checkpoint(self) -> Batch:
         """Runs the partition, recording its graph but keeping none of its saved tensors."""
@@ -203,14 +212,22 @@ class Checkpointing:
             self.snapshot = [_snapshot(module.__dict__[where][key]) for module, where, key in self.state]
         batch = self.inputs
         versions = _versions(batch)
-        orig = _local.is_checkpointing
+        orig, orig_task = _local.is_checkpointing, _local.checkpointing
         _local.is_checkpointing = True
+        _local.checkpointing = self
         _push_hooks(self._pack, self._unpack)
         try:
             output = self.function(batch)
         finally:
             _pop_hooks()
             _local.is_checkpointing = orig
+            _local.checkpointing = orig_task
+        portals, self.portals = self.portals, None
+        if portals is not None and not self.count:
+            # Nothing saved: no recomputation will pop these portals again, so the use each
+            # kept for it is spent now, and the skip tensor freed before backward reaches it.
+            for portal in portals:
+                portal.skip_recomputation()
         self.versions = _versions(batch)
         if self.versions != versions:
             raise CheckpointBackwardError(
@@ -320,6 +337,13 @@ class Checkpointing:
             else:
                 with restored_rng_states(self.device, self.rng_states):
                     self.function(batch)
+
+    def popped(self, portal: Any) -> None:
+        """The first pass popped ``portal``, which keeps its value for this task's
+        recomputation (see :mod:`~fxpipe.runtime.portal`)."""
+        if self.portals is None:
+            self.portals = []
+        self.portals.append(portal)
 
     def keep(self, key: Any, value: Any) -> Any:
         """``value`` as first kept under ``key`` by this task's recomputations.
