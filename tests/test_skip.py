@@ -613,6 +613,12 @@ def test_skip_layout_rejects_backward_routes():
     assert layout.requires_copy(None, "a") and not layout.requires_copy(None, "b")
 
 
+def test_copy_policy_is_ordered_by_source_partition():
+    """As torchgpipe's: whatever order the skips were stashed in (skip/test_inspect_skip_layout.py)."""
+    layout = SkipLayout.from_names(4, {"c": (2, 3), "a": (0, 3), "b": (1, 3), "d": (0, 3)})
+    assert list(layout.copy_policy(3)) == [(0, None, "a"), (0, None, "d"), (1, None, "b"), (2, None, "c")]
+
+
 # ------------------------------------------------------------------------ is_checkpointing / is_recomputing
 
 
