@@ -20,8 +20,8 @@ Two things keep the check tight where it can be and fair where it cannot:
   whole-batch ones as eager's own do between batch sizes).
 * What cannot be switched off sets the tolerance (:func:`tolerance`): the dtype of the
   values compared, of the model's parameters and buffers and of the inputs, the dtype of an
-  autocast in effect on a device the model uses, and reduced float32 math that was left on
-  (a flag torch refuses to read because its legacy and new TF32 APIs were mixed). Genuine
+  autocast in effect on a device the model uses, and reduced float32 math still in effect
+  (:func:`compute_eps` reads the flags, so it also holds outside :func:`full_precision`). Genuine
   mixing (a batch statistic, in-batch negatives, a loss weighted per micro-batch) moves values
   by a sizeable fraction of themselves and is still refused at bf16's tolerance.
 """
@@ -56,7 +56,7 @@ _check_eps: ContextVar[float] = ContextVar("fxpipe_check_eps", default=0.0)
 def dtype_eps(dtype: torch.dtype) -> float:
     """Machine epsilon of a floating (or complex) dtype; 0 for any other."""
     if dtype.is_complex:
-        dtype = torch.float32 if dtype == torch.complex64 else torch.float64
+        dtype = {torch.complex32: torch.float16, torch.complex64: torch.float32}.get(dtype, torch.float64)
     return float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 
 
