@@ -177,7 +177,7 @@ def tf32_on():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def reduced_precision_matches_eager(name: str, labels: bool, setting: str, device: str = "cuda") -> None:
+def reduced_precision_matches_eager(name: str, labels: bool, setting: str, device: str = "cuda:0") -> None:
     """The family built on ``device`` under ``setting`` (with TF32 on where the device has it),
     against eager in the same setting: outputs and every gradient within a few epsilons of the
     reduced precision (tests/test_numerics.py's assert_close_at)."""
@@ -187,7 +187,7 @@ def reduced_precision_matches_eager(name: str, labels: bool, setting: str, devic
     if labels:
         kwargs["labels"] = fam.labels().to(device)
     ref = copy.deepcopy(model)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=setting == "bf16 autocast"):
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=setting == "bf16 autocast"):
         pipe = fxpipe.pipeline(model, (), STAGES, sample_kwargs=kwargs, chunks=CHUNKS, devices=[device] * STAGES,
                                balance_by="params", output_merge={"loss": "mean"} if labels else None)
         got, expected = pipe(**kwargs), ref(**kwargs)
