@@ -36,6 +36,7 @@ from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
 from .runtime.pipeline import PipelineRunner
 from .runtime.skip_layout import SkipLayout
+from .signature import sample_mismatch
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -278,6 +279,9 @@ def pipeline(
             parameter bytes) or ``'params'`` (parameter bytes; deterministic, no profiling).
             A model built on the meta device is planned by ``'params'`` or ``'memory'``
             (sizes from shapes, nothing allocated); the pipeline returned cannot run.
+            ``'time'`` measures, so two builds may split the model differently (timing
+            noise), and another split draws other dropout masks per micro-batch from the
+            same seed: to reproduce a run, reuse the plan (``plan=``) or use ``'params'``.
         leaf_modules: module classes or qualified names kept opaque.
         split_points: qualified module names to cut before (``n_stages - 1`` of them);
             overrides balancing.
@@ -309,6 +313,7 @@ def pipeline(
         fxpipe.errors.DevicesError: fewer devices than stages (an ``IndexError``).
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, plan)
+    chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
     compile_options = check_compile_option(compile)
     report = as_progress(progress)
     device_list = _devices(devices, n_stages)
@@ -367,6 +372,12 @@ def checked_capture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict,
     :func:`fxpipe.distributed.pipeline` so both build on the same checked graph. Call it
     inside ``preserved(model)``: it runs the model."""
     report = report if report is not None else Progress(enabled=False)
+    mismatch = sample_mismatch(model, args, kwargs)
+    if mismatch:  # else the capture fails on the call and advises about untraceable code
+        raise ArgumentError(
+            f"the sample does not fit the model: {mismatch}. What to do: pass the sample as the model is "
+            "called: sample= its positional input (a tuple for several), sample_kwargs= its keyword "
+            "arguments.", argument="sample")
     _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
     prepared = prepare(model, args, kwargs, leaf_modules, split_dims, report)
     with report.phase("checking micro-batches against the whole batch"):

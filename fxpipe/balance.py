@@ -2,7 +2,8 @@
 
 Both functions profile each layer on a sample and then choose the *optimal* contiguous
 split that minimises the largest partition cost (torchgpipe's block-partition heuristic is
-not optimal). Profiling runs on copies of the layers, so the module is left untouched.
+not optimal). Profiling runs on copies of the layers in training mode, so the module is
+left untouched.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def _detached(batch: Batch) -> Batch:
 
 
 def _layers(module: nn.Sequential, device: torch.device) -> List[nn.Module]:
-    """Copies of the layers on ``device``, so profiling never touches the real module."""
+    """Copies of the layers on ``device`` in training mode, as they will be trained (and as
+    torchgpipe profiles them, whatever mode the module is in); profiling never touches the
+    real module."""
     if not isinstance(module, nn.Sequential):
         raise TypeError("module must be nn.Sequential to be partitioned")
-    return [copy.deepcopy(layer).to(device) for layer in module]
+    return [copy.deepcopy(layer).to(device).train() for layer in module]
 
 
 def balance_cost(cost: List[float], partitions: int) -> List[int]:

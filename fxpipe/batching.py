@@ -32,6 +32,7 @@ from .capture import positional_names
 from .counted_labels import CountedLabels, weighted_mean
 from .errors import MicroBatchError
 from .loss_check import gradient_mismatch
+from .numerics import tolerance
 from .runtime.microbatch import split_sizes as _split_sizes
 from .tree import leaf_names
 
@@ -412,7 +413,8 @@ def _same(a: Any, b: Any, *, exact: bool, values: bool = True) -> bool:
         return bool(torch.equal(a, b))
     a64, b64 = a.detach().double(), b.detach().double()  # a comparison: no graph
     scale = float(a64.abs().max()) if a.numel() else 0.0
-    return bool(torch.allclose(a64, b64, rtol=1e-3, atol=1e-4 * max(scale, 1.0)))
+    rtol, atol = tolerance(a.dtype)  # follows the precision in effect (fxpipe.numerics)
+    return bool(torch.allclose(a64, b64, rtol=rtol, atol=atol * max(scale, 1.0)))
 
 
 def _short(x: Any) -> str:

@@ -39,11 +39,17 @@ def checkpoint_stop(mode: str, num_microbatches: int, training: bool) -> int:
 
 
 def check_chunks(chunks: object) -> int:
-    """``chunks`` as an int; bools, fractions and values below 1 are refused."""
+    """``chunks`` as an int. A float with an integral value is taken as that int, as torchgpipe
+    does (``GPipe(..., chunks=42.0).chunks == 42``); bools, fractions and values below 1 are
+    refused."""
+    given = chunks
+    if isinstance(chunks, numbers.Real) and not isinstance(chunks, (bool, numbers.Integral)) \
+            and float(chunks).is_integer():
+        chunks = int(chunks)
     if isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral) or chunks < 1:
         raise ChunksError(
             "number of chunks must be positive integer (chunks is the number of micro-batches "
-            f"per mini-batch), got chunks={chunks!r}"
+            f"per mini-batch), got chunks={given!r}"
         )
     return int(chunks)
 

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from .batching import SAMPLE_SEED, Batching, ChunkDims, OutputMerge, evaluating, same_value
 from .errors import MicroBatchError, TraceError
 from .meta import is_meta_model
+from .numerics import checking
 from .prepare import Prepared, check_capture, preserved
 from .random_ops import drew_random
 
@@ -79,9 +80,17 @@ def training(model: nn.Module, exempt: bool = True) -> Iterator[None]:
 def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, chunk_dims: ChunkDims,
                 output_merge: Optional[OutputMerge]) -> Batching:
     """The split/merge checked in each mode the graph runs in, and the graph against eager
-    in the mode(s) it is compared in. Call inside ``preserved(model)``."""
+    in the mode(s) it is compared in. Call inside ``preserved(model)``. The checks run at
+    full float32 precision, with tolerances that follow what stays reduced (bf16 weights,
+    autocast): :mod:`fxpipe.numerics`."""
+    flat = prepared.capture.flatten_inputs(args, kwargs)
+    with checking(model, flat):
+        return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge)
+
+
+def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, flat: List[Any],
+                 chunk_dims: ChunkDims, output_merge: Optional[OutputMerge]) -> Batching:
     captured = prepared.capture
-    flat = captured.flatten_inputs(args, kwargs)
     gm = captured.graph_module
     meta = is_meta_model(model)
     fx_graph = captured.method != "export"

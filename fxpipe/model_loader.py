@@ -127,6 +127,8 @@ def load_model(spec: str, inputs: Sequence[str], vocab: int = 100) -> Tuple[Any,
     import torch
     from torch import nn
 
+    from .signature import inputs_text, sample_mismatch
+
     factory = load_factory(spec)
     try:
         made = factory()
@@ -148,6 +150,9 @@ def load_model(spec: str, inputs: Sequence[str], vocab: int = 100) -> Tuple[Any,
                          "(module, args)")
     if inputs:
         args, kwargs = make_inputs(inputs, vocab), {}
+        if sample_mismatch(model, args, kwargs):
+            raise UsageError(f"{type(model).__name__}.forward {inputs_text(model)}, but {len(inputs)} --input "
+                             "were given: give one --input per positional input of forward")
     elif args is None:
         raise UsageError(f"factory {spec} returns no sample input: pass --input SHAPE (e.g. --input 8x3x32x32)")
     if isinstance(args, torch.Tensor):

@@ -77,3 +77,29 @@ def test_balance_errors():
     model(torch.randn(1, 2)).sum().backward()
     with pytest.raises(ValueError, match="already has gradient"):
         balance_by_time(2, model, torch.randn(2, 2), device="cpu")
+
+
+class Training(nn.Module):
+    """Records the mode each call ran in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(self.training)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("balance_by", [balance_by_time, balance_by_size])
+def test_layers_are_profiled_in_training_mode_and_the_model_stays_in_eval(balance_by):
+    """As torchgpipe profiles them (its test_not_training): the layers will be trained, and
+    dropout or BatchNorm cost other time and memory in eval mode."""
+    model = nn.Sequential(Training(), Training()).eval()
+    probe = []
+    model[0].register_forward_pre_hook(lambda m, args: probe.append(m.training))
+    balance_by(2, model, torch.randn(2, 4), device="cpu")
+    assert probe and all(probe)  # the copies (hooks are copied with them) ran in training mode
+    assert not model.training and not any(m.training for m in model.modules())
+    assert model[0].seen == [] and model[1].seen == []  # the model itself never ran

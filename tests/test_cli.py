@@ -257,6 +257,14 @@ def test_errors_are_one_line_exit_2(capsys, model_file, args, needle):
     assert needle.lower() in line.lower(), line
 
 
+def test_too_many_inputs_say_how_many_the_model_takes(capsys, model_file):
+    """Two --input for a one-input model: not the capture's advice about control flow."""
+    rc = main(["plan", f"{model_file}:factory", "-n", "2", "--input", "8x8", "--input", "8x8"])
+    line = one_line_error((rc, capsys.readouterr().err))
+    assert "Tiny.forward takes 1 positional input (x), but 2 --input were given" in line, line
+    assert "one --input per positional input" in line and "control flow" not in line
+
+
 def test_debug_shows_traceback(capsys, model_file):
     rc = main(["plan", f"{model_file}:untraceable", "-n", "2", "--debug"])
     err = capsys.readouterr().err

@@ -13,9 +13,14 @@ outputs and every parameter gradient (None vs tensor included):
 
 A token mean that counts other numbers of tokens per micro-batch (``-100`` labels) is
 weighted by those counts: see test_ignored_labels.py.
+
+On a GPU (tests marked ``cuda``), every family also builds and matches eager with TF32 on and
+under bf16 autocast: the build-time checks follow the numerics in effect (issue #18).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -25,7 +30,8 @@ transformers = pytest.importorskip("transformers")
 import fxpipe  # noqa: E402
 from fxpipe.errors import MicroBatchError  # noqa: E402
 
-from exact import assert_exact  # noqa: E402
+from exact import assert_exact, weighted_loss  # noqa: E402
+from test_numerics import assert_close_at  # noqa: E402
 from hf_families import BY_NAME, FAMILIES, ids  # noqa: E402
 
 STAGES, CHUNKS = 3, 2
@@ -140,3 +146,51 @@ def test_clip_contrastive_logits_are_refused():
     kwargs = {"input_ids": ids(), "pixel_values": torch.randn(4, 3, 16, 16)}
     with pytest.raises(MicroBatchError, match="logits_per_image"):
         fxpipe.pipeline(model, (), 2, sample_kwargs=kwargs, chunks=2, balance_by="params")
+
+
+# -- on a GPU with the usual reduced-precision settings (issue #18) ----------------------------
+
+REDUCED = {"tf32": 2.0 ** -10, "bf16 autocast": torch.finfo(torch.bfloat16).eps}
+
+
+@pytest.fixture
+def tf32_on():
+    """TF32 for cuBLAS and cuDNN, as GPU training scripts set it; put back after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def reduced_precision_matches_eager(name: str, labels: bool, setting: str, device: str = "cuda:0") -> None:
+    """The family built on ``device`` under ``setting`` (with TF32 on where the device has it),
+    against eager in the same setting: outputs and every gradient within a few epsilons of the
+    reduced precision (tests/test_numerics.py's assert_close_at)."""
+    fam = BY_NAME[name]
+    model = fam.model().to(device)
+    kwargs = {k: v.to(device) for k, v in fam.inputs().items()}
+    if labels:
+        kwargs["labels"] = fam.labels().to(device)
+    ref = copy.deepcopy(model)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=setting == "bf16 autocast"):
+        pipe = fxpipe.pipeline(model, (), STAGES, sample_kwargs=kwargs, chunks=CHUNKS, devices=[device] * STAGES,
+                               balance_by="params", output_merge={"loss": "mean"} if labels else None)
+        got, expected = pipe(**kwargs), ref(**kwargs)
+        got_loss, ref_loss = (got.loss, expected.loss) if labels else (weighted_loss(got), weighted_loss(expected))
+    eps = REDUCED[setting]
+    assert_close_at(eps, got, expected)
+    got_loss.backward()
+    ref_loss.backward()
+    assert [(n, p.grad is None) for n, p in model.named_parameters()] == \
+        [(n, p.grad is None) for n, p in ref.named_parameters()]
+    assert_close_at(eps, [p.grad for p in model.parameters()], [p.grad for p in ref.parameters()], grads=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("setting", sorted(REDUCED))
+@pytest.mark.parametrize("name, labels", [(f.name, False) for f in FAMILIES]
+                         + [(f.name, True) for f in FAMILIES if f.labels is not None])
+def test_family_builds_on_a_gpu_with_tf32_and_under_bf16_autocast(name, labels, setting, tf32_on):
+    """A 1B Llama with TF32 on was refused: the micro-batch check saw the matmul's own rounding
+    at another batch size. bf16/fp16 with labels= was refused by the loss's gradient check."""
+    reduced_precision_matches_eager(name, labels, setting)

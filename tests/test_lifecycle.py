@@ -366,11 +366,20 @@ def test_fxpipe_pipeline_refuses_pickling_with_what_to_save():
 
 # -- settings -----------------------------------------------------------------------------
 
-def test_pipeline_refuses_bool_chunks():
-    for bad in (True, 0, 2.0):
+def test_pipeline_refuses_bool_and_fractional_chunks():
+    for bad in (True, 0, 2.5, float("nan"), float("inf")):
         with pytest.raises(ChunksError, match=f"chunks={bad!r}") as info:
             build_fx(make_model(), chunks=bad)
         assert isinstance(info.value, ValueError)
+
+
+@front_ends
+def test_integral_float_chunks_are_taken_as_int(build):
+    """torchgpipe stores GPipe(..., chunks=42.000) as 42; so do both front ends."""
+    pipe = build(make_model(), chunks=2.0)
+    assert pipe.chunks == 2 and type(pipe.chunks) is int
+    pipe.chunks = 4.0
+    assert pipe.chunks == 4 and type(pipe.chunks) is int
 
 
 class CountCalls(nn.Module):

@@ -453,3 +453,36 @@ def test_deep_copied_pipeline_still_names_the_argument(pipes):
         clone(X, mask=None)
     with pytest.raises(InputMismatchError, match="forward has no parameter 'foo'"):
         clone(X, foo=1)
+
+
+# -- issue #18: a sample that does not fit the forward signature ------------------------------
+@pytest.mark.parametrize("args, kwargs, words", [
+    ((torch.randn(4, 4), torch.randn(4, 4)), {}, ["Net.forward takes 1 to 6 positional inputs (x, y=None",
+                                                  "was given 7 positional inputs"]),
+    ((torch.randn(4, 4),), {"labels": torch.randn(4)}, ["keyword labels", "unexpected keyword argument 'labels'"]),
+    ((), {}, ["was given 0 positional inputs", "missing a required argument: 'x'"]),
+], ids=["too many", "unknown keyword", "none"])
+def test_sample_that_does_not_fit_forward_says_what_it_takes(args, kwargs, words):
+    """Two inputs for a one-input model were refused by the capture with advice about control
+    flow ('move it into a submodule'): it says how many inputs the model takes instead."""
+    if len(args) == 2:
+        args = args * 3 + args[:1]  # 7 inputs: one more than Net takes
+    with pytest.raises(ArgumentError) as info:
+        fxpipe.pipeline(Net(), args, 2, sample_kwargs=kwargs, devices=["cpu"] * 2, balance_by="params")
+    e = info.value
+    assert e.argument == "sample" and isinstance(e, ValueError)
+    for word in ["the sample does not fit the model", *words, "sample_kwargs="]:
+        assert word in str(e), str(e)
+    assert "control flow" not in str(e) and "submodule" not in str(e)
+
+
+def test_forward_pre_hook_is_refused_for_itself_not_for_the_sample():
+    """A forward pre-hook can change what forward receives, so the signature does not decide;
+    hooks on the model itself are refused with their own message (fxpipe.hooks)."""
+    from fxpipe.errors import TraceError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model.register_forward_pre_hook(lambda m, args: (args[0] + args[1],))
+    x = torch.randn(4, 4)
+    with pytest.raises(TraceError, match="itself has forward or backward hooks"):
+        fxpipe.pipeline(model, (x, x), 2, devices=["cpu"] * 2, balance_by="params")

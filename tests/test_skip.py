@@ -8,6 +8,7 @@ skippable modules run as a plain ``nn.Sequential`` (no pipeline).
 from __future__ import annotations
 
 import copy
+import importlib
 import itertools
 
 import pytest
@@ -612,6 +613,12 @@ def test_skip_layout_rejects_backward_routes():
     assert layout.requires_copy(None, "a") and not layout.requires_copy(None, "b")
 
 
+def test_copy_policy_is_ordered_by_source_partition():
+    """As torchgpipe's: whatever order the skips were stashed in (skip/test_inspect_skip_layout.py)."""
+    layout = SkipLayout.from_names(4, {"c": (2, 3), "a": (0, 3), "b": (1, 3), "d": (0, 3)})
+    assert list(layout.copy_policy(3)) == [(0, None, "a"), (0, None, "d"), (1, None, "b"), (2, None, "c")]
+
+
 # ------------------------------------------------------------------------ is_checkpointing / is_recomputing
 
 
@@ -652,3 +659,53 @@ def test_is_checkpointing_and_is_recomputing_in_skippables(mode, chunks):
     pipe.eval()
     pipe(_input())
     assert len(calls) == 12 * m and all(not chk and not rec for _, _, chk, rec in calls)
+
+
+# -- torchgpipe's import paths (issue #18) ------------------------------------------------------
+
+def test_torchgpipe_skip_paths_reexport_the_runtime():
+    """``torchgpipe.skip.tracker`` / ``.portal`` / ``.layout`` with torchgpipe renamed to fxpipe:
+    the runtime's own objects, torchgpipe's names (its misspelt tracker class included)."""
+    from fxpipe.runtime import portal, skip_layout, skip_tracker
+    from fxpipe.skip import layout as t_layout
+    from fxpipe.skip import portal as t_portal
+    from fxpipe.skip import tracker as t_tracker
+
+    skippable_module = importlib.import_module("fxpipe.skip.skippable")  # fxpipe.skip.skippable is the decorator
+
+    assert t_tracker.SkipTracker is skip_tracker.SkipTracker
+    assert t_tracker.SkipTrackerThroughPotals is t_tracker.SkipTrackerThroughPortals \
+        is skip_tracker.SkipTrackerThroughPortals
+    assert t_tracker.use_skip_tracker is skip_tracker.use_skip_tracker
+    assert t_tracker.current_skip_tracker is skip_tracker.current_skip_tracker
+    assert isinstance(t_tracker.thread_local, t_tracker.ThreadLocal)
+    for name in ("Portal", "PortalBlue", "PortalOrange", "PortalCopy"):
+        assert getattr(t_portal, name) is getattr(portal, name)
+    assert t_layout.SkipLayout is skip_layout.SkipLayout
+    assert t_layout.inspect_skip_layout is skippable_module.inspect_skip_layout
+    for module in (t_tracker, t_portal, t_layout):
+        assert all(hasattr(module, name) for name in module.__all__)
+
+
+def test_stash_and_pop_through_a_tracker_of_the_torchgpipe_path():
+    from fxpipe.skip.tracker import SkipTracker, current_skip_tracker, use_skip_tracker
+
+    @skippable(stash=["skip"])
+    class Stash(nn.Module):
+        def forward(self, x):
+            yield stash("skip", x)
+            return x * 2
+
+    @skippable(pop=["skip"])
+    class Pop(nn.Module):
+        def forward(self, x):
+            return x + (yield pop("skip"))
+
+    tracker = SkipTracker()
+    x = torch.ones(2)
+    with use_skip_tracker(tracker):
+        assert current_skip_tracker() is tracker
+        Stash()(x)
+        assert len(tracker.tensors) == 1
+        assert_close(Pop()(x), x * 2)
+    assert not tracker.tensors

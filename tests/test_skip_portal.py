@@ -10,6 +10,7 @@ partition boundaries.
 from __future__ import annotations
 
 import collections
+import copy
 import gc
 
 import pytest
@@ -338,3 +339,48 @@ def test_stale_worker_reference_is_released_by_the_next_call():
         pipe(_input()[:1])
     gc.collect()
     assert len(rec.refs) == 9 + 3 and rec.alive() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pop_partition_that_saves_nothing_frees_the_skip_after_forward(monkeypatch, mode):
+    """A checkpointed pop partition that saves nothing for backward (``x + skip``) is never
+    recomputed: the use its portal kept for the recomputation is given up when its forward
+    ends, so the skip tensor is not held until the whole backward is over (torchgpipe's
+    tests/skip/test_leak.py checks this from inside the backward)."""
+    from torch import nn
+
+    from fxpipe.skip import pop, skippable, stash
+
+    @skippable(stash=["skip"])
+    class Stash(nn.Module):
+        def forward(self, x):
+            yield stash("skip", x)
+            return x
+
+    @skippable(pop=["skip"])
+    class Pop(nn.Module):
+        def forward(self, x):
+            return x + (yield pop("skip"))
+
+    portals = []
+    real_init = Portal.__init__
+
+    def init(self, tensor, tensor_life):
+        portals.append(self)
+        real_init(self, tensor, tensor_life)
+
+    monkeypatch.setattr(Portal, "__init__", init)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Stash(), Pop())
+    ref = copy.deepcopy(model[0])
+    pipe = GPipe(model, [2, 1], devices=["cpu"] * 2, chunks=3, checkpoint=mode)
+    x = torch.randn(6, 4)
+    y = pipe(x)
+    assert len(portals) == 3
+    for p in portals:
+        assert p.tensor is None and p.tensor_life == 0
+    y.sum().backward()
+    h = ref(x)
+    (h + h).sum().backward()
+    assert_close(model[0].weight.grad, ref.weight.grad)
+    assert_close(model[0].bias.grad, ref.bias.grad)

@@ -92,7 +92,7 @@ def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stag
                                "torch.distributed.init_process_group('gloo') first (torchrun sets the environment)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    check_chunks(chunks)
+    chunks = check_chunks(chunks)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
     check_schedule(schedule, stages_per_rank, chunks, dist.get_world_size())
@@ -186,6 +186,7 @@ def pipeline(
         and every error :func:`fxpipe.pipeline` raises for the model.
     """
     _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout, checkpoint)
+    chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
     check_on_cpu(dist.get_backend(), model, (sample, sample_kwargs))
     check_split_points(split_points, plan)
     report = as_progress(progress) if dist.get_rank() == 0 else Progress(enabled=False)

@@ -28,8 +28,9 @@ hooks only look the tensors up.
 saved only for partitions that may draw, see :mod:`~fxpipe.runtime.randomness`; a
 ``torch.Generator`` the stage uses itself is saved and put back alike), the
 autocast state (recomputation runs in backward, outside the user's ``torch.autocast``), and
-the buffers the partition updates in forward (see ``_state_swapped``): the recomputation
-sees them as the first pass did, and its own updates are dropped; and the modules' training
+the buffers and parameters the partition updates in forward (see ``_state_swapped``;
+``nn.Embedding(max_norm=...)`` renormalises its weight): the recomputation sees them as the
+first pass did, and its own updates are dropped; and the modules' training
 flags and parameters' ``requires_grad`` as the forward ran with them (``model.eval()``
 between forward and backward), while a parameter modified in place since the forward is
 refused (see :mod:`~fxpipe.runtime.forward_modes`). A recomputation that saves other tensors
@@ -55,12 +56,14 @@ from .forward_modes import ForwardModes
 from .microbatch import Batch
 from .randomness import RNGStates, restored_generators, restored_rng_states, save_rng_states
 
-__all__ = ["is_checkpointing", "is_recomputing", "recomputing_task", "Checkpointing", "Recompute"]
+__all__ = ["is_checkpointing", "is_recomputing", "checkpointing_task", "recomputing_task", "Checkpointing",
+           "Recompute"]
 
 
 class _ThreadLocal(threading.local):
     def __init__(self) -> None:
         self.is_checkpointing = False
+        self.checkpointing: Optional[Checkpointing] = None
         self.recomputing: Optional[Checkpointing] = None
 
 
@@ -75,6 +78,12 @@ def is_checkpointing() -> bool:
 def is_recomputing() -> bool:
     """True while the current forward is a recomputation; use it to skip repeated side effects."""
     return _local.recomputing is not None
+
+
+def checkpointing_task() -> Optional["Checkpointing"]:
+    """The checkpointed task whose first pass this thread runs now, if any (a portal popped
+    there tells it: see :meth:`Checkpointing.popped`)."""
+    return _local.checkpointing
 
 
 def recomputing_task() -> Optional["Checkpointing"]:
@@ -110,6 +119,14 @@ def _state_swapped(slots: Sequence[StateSlot], snapshot: Sequence[Tensor]) -> Ge
     finally:
         for (module, where, key), tensor in zip(slots, live):
             module.__dict__[where][key] = tensor
+
+
+def _snapshot(live: Tensor) -> Tensor:
+    """A copy of a buffer or parameter the stage updates in forward, for its recomputation. A
+    parameter's copy requires grad as the parameter does, so that the recomputation records
+    (and saves for backward) what the forward did with it: ``nn.Embedding(max_norm=...)``
+    renormalises its weight in place under no_grad, then looks rows up in it."""
+    return live.detach().clone().requires_grad_(live.requires_grad)
 
 
 def _detached(batch: Batch) -> Batch:
@@ -158,7 +175,7 @@ class Checkpointing:
 
     __slots__ = ("function", "inputs", "device", "random", "state", "ahead", "where", "modes", "generators",
                  "generator_states", "snapshot",
-                 "autocast", "rng_states", "versions", "count", "shapes", "recomputed", "left", "kept",
+                 "autocast", "rng_states", "versions", "count", "shapes", "recomputed", "left", "kept", "portals",
                  "__weakref__")
 
     def __init__(self, function: Function, batch: Batch, device: torch.device, *, random: bool = True,
@@ -183,6 +200,7 @@ class Checkpointing:
         self.recomputed: Optional[List[Optional[Tensor]]] = None
         self.left = 0  # recomputed tensors not handed out yet
         self.kept: Optional[Dict[Any, Any]] = None
+        self.portals: Optional[List[Any]] = None  # portals popped by the first pass
 
     def checkpoint(self) -> Batch:
         """Runs the partition, recording its graph but keeping none of its saved tensors."""
@@ -191,17 +209,25 @@ class Checkpointing:
         if self.generators:
             self.generator_states = [g.get_state() for g in self.generators]
         if self.state:
-            self.snapshot = [module.__dict__[where][key].detach().clone() for module, where, key in self.state]
+            self.snapshot = [_snapshot(module.__dict__[where][key]) for module, where, key in self.state]
         batch = self.inputs
         versions = _versions(batch)
-        orig = _local.is_checkpointing
+        orig, orig_task = _local.is_checkpointing, _local.checkpointing
         _local.is_checkpointing = True
+        _local.checkpointing = self
         _push_hooks(self._pack, self._unpack)
         try:
             output = self.function(batch)
         finally:
             _pop_hooks()
             _local.is_checkpointing = orig
+            _local.checkpointing = orig_task
+        portals, self.portals = self.portals, None
+        if portals is not None and not self.count:
+            # Nothing saved: no recomputation will pop these portals again, so the use each
+            # kept for it is spent now, and the skip tensor freed before backward reaches it.
+            for portal in portals:
+                portal.skip_recomputation()
         self.versions = _versions(batch)
         if self.versions != versions:
             raise CheckpointBackwardError(
@@ -304,13 +330,20 @@ class Checkpointing:
             return
         # A fresh copy of the snapshot each time: a second backward (retain_graph=True)
         # recomputes again and must see the buffers as the first pass saw them.
-        snapshot = [s.clone() for s in self.snapshot]
+        snapshot = [_snapshot(s) for s in self.snapshot]
         with _state_swapped(self.state, snapshot):
             if self.rng_states is None:
                 self.function(batch)
             else:
                 with restored_rng_states(self.device, self.rng_states):
                     self.function(batch)
+
+    def popped(self, portal: Any) -> None:
+        """The first pass popped ``portal``, which keeps its value for this task's
+        recomputation (see :mod:`~fxpipe.runtime.portal`)."""
+        if self.portals is None:
+            self.portals = []
+        self.portals.append(portal)
 
     def keep(self, key: Any, value: Any) -> Any:
         """``value`` as first kept under ``key`` by this task's recomputations.

@@ -13,7 +13,8 @@ three autograd functions around it:
 
 "Tensor life" counts the remaining uses so the portal drops its reference as soon as the
 last one happened: 2 without checkpointing (blue, orange), 3 with it (the recomputation's
-orange needs the tensor once more), reset to 1 when the stash partition recomputes. The
+orange needs the tensor once more; given up when that partition saved nothing for backward,
+so is never recomputed), reset to 1 when the stash partition recomputes. The
 recomputation of a pop partition also leaves the value with the recomputed task (see
 ``Checkpointing.keep``), which lives as long as that partition's graph: a second backward
 through a retained graph recomputes from it again, and a freed graph frees it.
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..tree import TreeSpec, flatten, unflatten
-from .checkpoint import recomputing_task
+from .checkpoint import checkpointing_task, recomputing_task
 from .copy import move
 from .phony import get_phony
 from .stream import AbstractStream, get_device
@@ -73,6 +74,10 @@ class Portal:
             value = task.keep(self, self.tensor if self.tensor_life > 0 else None)
             if self.tensor_life <= 0 and value is not None:
                 self.put_tensor(value, 1)
+        else:
+            first_pass = checkpointing_task()
+            if first_pass is not None:  # a use is kept for its recomputation, if it has one
+                first_pass.popped(self)
         self.check_tensor_life()
         tensors, leaves, spec = _split(self.tensor)
         if not tensors or not torch.is_grad_enabled():
@@ -90,6 +95,12 @@ class Portal:
     def check_tensor_life(self) -> None:
         if self.tensor_life <= 0:
             raise RuntimeError("tensor in portal has been removed")
+
+    def skip_recomputation(self) -> None:
+        """The checkpointed pop partition saved nothing for backward, so it is never recomputed:
+        the use kept for its recomputation's ``orange`` is given up, freeing the tensor."""
+        if self.tensor_life > 0:
+            self.use_tensor()
 
     def put_tensor(self, tensor: Any, tensor_life: int) -> None:
         """Keeps ``tensor`` (a value) for ``tensor_life`` uses, detached from autograd.

@@ -33,6 +33,8 @@ class SkipLayout:
                     f"in the same or a later partition of 0..{num_partitions - 1}"
                 )
             self.by_partition[next_j].append((prev_j, ns, name))
+        for routes in self.by_partition:  # by source partition, as torchgpipe orders them
+            routes.sort(key=lambda route: route[0])
 
     @classmethod
     def from_names(cls, num_partitions: int, routes: Dict[str, Tuple[int, int]]) -> "SkipLayout":
@@ -40,7 +42,8 @@ class SkipLayout:
         return cls(num_partitions, {(None, name): route for name, route in routes.items()})
 
     def copy_policy(self, next_j: int) -> Iterable[Tuple[int, Optional[Hashable], str]]:
-        """The skips to carry into partition ``next_j`` from an earlier partition."""
+        """The skips to carry into partition ``next_j`` from an earlier partition, nearest
+        source last (ascending source partition; stashing order among those of one source)."""
         for prev_j, ns, name in self.by_partition[next_j]:
             if prev_j != next_j:
                 yield prev_j, ns, name
