@@ -9,7 +9,7 @@
   the builtin a caller would catch).
 
 Everything that needs torch is imported on first use (module ``__getattr__``), so the pure
-planning modules (``import fxpipe.partition``) load on a machine without torch.
+planning modules (``import fxpipe.plan.partition``) load on a machine without torch.
 """
 
 from __future__ import annotations

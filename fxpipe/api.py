@@ -14,29 +14,29 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .batching import Batching, ChunkDims, OutputMerge, input_split_dims
-from .capture import Capture
-from .compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
-from .devices import Device, default_devices
-from .emit import Stages, emit_stages
+from .checks.batching import Batching, ChunkDims, OutputMerge, input_split_dims
+from .capture.tracing import Capture
+from .emit.compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
+from .runtime.devices import Device, default_devices
+from .emit.stages import Stages, emit_stages
 from .errors import (ArgumentError, DevicesError, ModeError, PipelinePicklingError, PlanModelError, SplitPointsError,
                      StagesError)
-from .frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
-from .meta import is_meta_model, refuse_running, refuse_timing, to_meta
-from .model_check import ModelCheck
-from .placement import place_stages
-from .planning import BALANCE_BY, make_plan
-from .mutation import check_kept_together
-from .stage_state import mutable_state
-from .plan import Plan
-from .mode_checks import check_modes
-from .prepare import Prepared, preserved, prepare
+from .runtime.frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
+from .capture.meta import is_meta_model, refuse_running, refuse_timing, to_meta
+from .capture.model_check import ModelCheck
+from .emit.placement import place_stages
+from .plan.make import BALANCE_BY, make_plan
+from .capture.mutation import check_kept_together
+from .emit.stage_state import mutable_state
+from .plan.value import Plan
+from .checks.modes import check_modes
+from .capture.prepare import Prepared, preserved, prepare
 from .progress import Progress, ProgressOption, as_progress
 from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.microbatch import Batch
 from .runtime.pipeline import PipelineRunner
 from .runtime.skip_layout import SkipLayout
-from .signature import sample_mismatch
+from .capture.signature import sample_mismatch
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -93,7 +93,7 @@ def _normal_tensors(args: Tuple[Any, ...], kwargs: dict) -> Tuple[Tuple[Any, ...
 
     A sample made under ``torch.inference_mode()`` is an inference tensor: the build, which
     runs outside inference mode, could not save it for the profiled backward nor track its
-    versions (fxpipe.mutation). The caller's tensors are left as they are.
+    versions (fxpipe.capture.mutation). The caller's tensors are left as they are.
     """
     def normal(v: Any) -> Any:
         return v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
@@ -123,10 +123,10 @@ class Pipeline(PlacedModule):
 
     Attributes:
         module: the model.
-        stages: the emitted :class:`~fxpipe.emit.Stages`: ``stages[k]`` is stage ``k``'s
+        stages: the emitted :class:`~fxpipe.emit.stages.Stages`: ``stages[k]`` is stage ``k``'s
             ``torch.fx.GraphModule`` (readable ``.code``); ``print(stages)`` shows them all
             with their inputs, outputs, stashes and pops.
-        plan: the :class:`~fxpipe.plan.Plan` (print it; ``plan.save(path)`` to reuse it).
+        plan: the :class:`~fxpipe.plan.value.Plan` (print it; ``plan.save(path)`` to reuse it).
         devices, chunks, checkpoint: as given.
         meta: built from a model on the meta device: planned and emitted, but calling it
             raises :class:`~fxpipe.errors.MetaDeviceError` (there are no values to run on).
@@ -155,7 +155,7 @@ class Pipeline(PlacedModule):
         # The plan's portals, which are also the stash/pop pairs in the stage code.
         layout = SkipLayout.from_names(len(stages), {p.name: (p.src, p.dst) for p in plan.portals})
         runtime = PipelineRunner(list(stages.modules), devices, skip_layout=layout, stage_portals=True, spread=True)
-        #: what the stages hold from the model, compared at each call (fxpipe.model_check)
+        #: what the stages hold from the model, compared at each call (fxpipe.capture.model_check)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages)
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
@@ -186,7 +186,7 @@ class Pipeline(PlacedModule):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
         # pipe.to(dtype): nn.Module converts parameters in place (.data) but gives buffers new
-        # tensors, and the stages hold the buffers they were built with (fxpipe.model_check):
+        # tensors, and the stages hold the buffers they were built with (fxpipe.capture.model_check):
         # the converted values go into those same objects.
         held = [(m._buffers, k, b) for m in self.module.modules() for k, b in m._buffers.items() if b is not None]
         super()._apply(fn, recurse)
@@ -368,7 +368,7 @@ def checked_capture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict,
                     report: Optional[Progress] = None) -> Tuple[Prepared, Batching]:
     """The model captured exactly, and its split/merge verified on the sample (whole run vs
     split into micro-batches and merged; graph vs eager), in eval and in training mode
-    (:mod:`fxpipe.mode_checks`). Shared by :func:`pipeline` and
+    (:mod:`fxpipe.checks.modes`). Shared by :func:`pipeline` and
     :func:`fxpipe.distributed.pipeline` so both build on the same checked graph. Call it
     inside ``preserved(model)``: it runs the model."""
     report = report if report is not None else Progress(enabled=False)

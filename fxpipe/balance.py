@@ -15,8 +15,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
-from .devices import Device, default_devices
-from .chain_cut import split_chain
+from .runtime.devices import Device, default_devices
+from .plan.chain_cut import split_chain
 from .runtime.microbatch import Batch, TensorOrTensors
 from .runtime.stream import synchronize
 

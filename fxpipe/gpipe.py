@@ -13,9 +13,9 @@ from typing import Iterable, Iterator, List, Optional, Tuple, cast
 import torch
 from torch import nn
 
-from .devices import default_devices
+from .runtime.devices import default_devices
 from .errors import ChunksError, PipelinePicklingError, PlacementError
-from .frontend import CHECKPOINT_MODES, Device, PlacedModule, checkpoint_stop
+from .runtime.frontend import CHECKPOINT_MODES, Device, PlacedModule, checkpoint_stop
 from .runtime import microbatch
 from .runtime.batchnorm import commit_deferred_batch_norm
 from .runtime.pipeline import PipelineClosedError, PipelineRunner

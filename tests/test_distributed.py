@@ -244,12 +244,12 @@ def test_time_balance_profiles_one_micro_batch(monkeypatch: pytest.MonkeyPatch) 
     """balance_by='time' times what every stage runs, one micro-batch (a weight-bound layer
     costs nearly as much on a micro-batch as on the whole batch), and 'params' sizes it;
     'memory' plans on the whole sample (a pipeline holds every micro-batch's activations).
-    The one decision is fxpipe.planning.profiled_inputs, shared with fxpipe.pipeline. One
+    The one decision is fxpipe.plan.make.profiled_inputs, shared with fxpipe.pipeline. One
     rank, in-process."""
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
-    import fxpipe.planning as planning
+    import fxpipe.plan.make as planning
 
     seen: list[tuple[str, tuple[int, ...]]] = []
     original = planning.profiled_inputs

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.cli import main
+from fxpipe.cli.main import main
 from fxpipe.distributed.trace import Span, bubble_fractions
 
 ROOT = Path(__file__).resolve().parent.parent

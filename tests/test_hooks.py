@@ -1,4 +1,4 @@
-"""Module hooks: a captured graph would run them once, while tracing (fxpipe.hooks)."""
+"""Module hooks: a captured graph would run them once, while tracing (fxpipe.capture.hooks)."""
 
 from __future__ import annotations
 

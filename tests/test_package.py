@@ -31,7 +31,7 @@ NO_TORCH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("module", ["fxpipe.partition", "fxpipe.routes", "fxpipe.plan"])
+@pytest.mark.parametrize("module", ["fxpipe.plan.partition", "fxpipe.plan.routes", "fxpipe.plan.value"])
 def test_pure_module_imports_without_torch(module):
     root = os.path.dirname(os.path.dirname(os.path.abspath(fxpipe.__file__)))  # this checkout's fxpipe
     result = subprocess.run([sys.executable, "-c", NO_TORCH.replace("MODULE", module)], cwd=root,
@@ -42,7 +42,7 @@ def test_pure_module_imports_without_torch(module):
 def test_lazy_names_resolve_to_their_definitions():
     from fxpipe.api import Pipeline, pipeline
     from fxpipe.gpipe import GPipe
-    from fxpipe.plan import Plan
+    from fxpipe.plan.value import Plan
     from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 
     assert (fxpipe.pipeline, fxpipe.Pipeline, fxpipe.Plan, fxpipe.GPipe) == (pipeline, Pipeline, Plan, GPipe)

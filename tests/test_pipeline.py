@@ -364,9 +364,9 @@ def test_mode_baked_graph_refuses_the_other_mode():
 ])
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_awkward_cuts_keep_every_gradient(cut, checkpoint):
-    from fxpipe.capture import capture
-    from fxpipe.partition import partition
-    from fxpipe.planning import opgraph_for
+    from fxpipe.capture.tracing import capture
+    from fxpipe.plan.partition import partition
+    from fxpipe.plan.make import opgraph_for
 
     model, args, _ = ZOO["gpt_tied"]()
     ref = copy.deepcopy(model)

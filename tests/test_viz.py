@@ -1,4 +1,4 @@
-"""fxpipe.viz: graphviz rendering of plans, Chrome traces and PNG timelines (in-process, fast)."""
+"""fxpipe.cli.viz: graphviz rendering of plans, Chrome traces and PNG timelines (in-process, fast)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.capture import capture
-from fxpipe.planning import make_plan, opgraph_for
+from fxpipe.capture.tracing import capture
+from fxpipe.plan.make import make_plan, opgraph_for
 from fxpipe.runtime.timeline import Recorder, Span
-from fxpipe.viz import chrome_trace, lanes, plot_timeline, render_plan, save_chrome_trace, save_graph
+from fxpipe.cli.viz import chrome_trace, lanes, plot_timeline, render_plan, save_chrome_trace, save_graph
 
 HAVE_DOT = shutil.which("dot") is not None
 SVG = "{http://www.w3.org/2000/svg}"
@@ -87,7 +87,7 @@ def test_render_depth_splits_groups_across_stages(planned):
 def test_save_graph_without_dot_writes_dot_file(planned, tmp_path, monkeypatch):
     cap, plan, graph = planned
     dot = render_plan(graph, plan)
-    monkeypatch.setattr("fxpipe.viz.render.shutil.which", lambda name: None)
+    monkeypatch.setattr("fxpipe.cli.viz.render.shutil.which", lambda name: None)
     written, note = save_graph(dot, str(tmp_path / "g.svg"))
     assert written.endswith("g.dot") and (tmp_path / "g.dot").read_text().startswith("digraph")
     assert not (tmp_path / "g.svg").exists()
@@ -96,7 +96,7 @@ def test_save_graph_without_dot_writes_dot_file(planned, tmp_path, monkeypatch):
 
 def test_save_graph_dot_suffix_needs_no_binary(planned, tmp_path, monkeypatch):
     cap, plan, graph = planned
-    monkeypatch.setattr("fxpipe.viz.render.shutil.which", lambda name: None)
+    monkeypatch.setattr("fxpipe.cli.viz.render.shutil.which", lambda name: None)
     written, note = save_graph(render_plan(graph, plan), str(tmp_path / "g.dot"))
     assert note == "" and "cluster_stage0" in (tmp_path / "g.dot").read_text()
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 import torch.distributed as dist
 
 from fxpipe.errors import DistributedError, PlanMismatchError
-from fxpipe.plan import Plan
+from fxpipe.plan.value import Plan
 
 __all__ = ["broadcast_plan", "agree_on_stages", "on_every_rank", "code_hash"]
 

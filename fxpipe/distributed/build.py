@@ -22,13 +22,13 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from fxpipe.api import check_plan, check_split_points, checked_capture
-from fxpipe.emit import Stages, emit_stages
+from fxpipe.emit.stages import Stages, emit_stages
 from fxpipe.errors import BatchShapeError, DistributedError
-from fxpipe.frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
-from fxpipe.mutation import check_kept_together
-from fxpipe.plan import Plan
-from fxpipe.planning import BALANCE_BY, make_plan
-from fxpipe.prepare import preserved
+from fxpipe.runtime.frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
+from fxpipe.capture.mutation import check_kept_together
+from fxpipe.plan.value import Plan
+from fxpipe.plan.make import BALANCE_BY, make_plan
+from fxpipe.capture.prepare import preserved
 from fxpipe.progress import Progress, ProgressOption, as_progress
 
 from .agree import agree_on_stages, broadcast_plan
@@ -207,7 +207,7 @@ def pipeline(
         micro = _micro_batch(captured.flatten_inputs(cap_args, cap_kwargs), chunks)
 
         def make() -> Plan:
-            if plan is None:  # profiled on one micro-batch (fxpipe.planning.profiled_inputs)
+            if plan is None:  # profiled on one micro-batch (fxpipe.plan.make.profiled_inputs)
                 return make_plan(captured, cap_args, cap_kwargs, n_stages, balance_by=balance_by,
                                  split_points=split_points, chunks=chunks, batching=batching, progress=report)
             chosen = plan if isinstance(plan, Plan) else Plan.load(plan)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from fxpipe.graph import build_opgraph
-from fxpipe.plan import Plan
+from fxpipe.plan.op_graph import build_opgraph
+from fxpipe.plan.value import Plan
 
 __all__ = ["carry", "carried_plan"]
 

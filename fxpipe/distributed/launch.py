@@ -2,7 +2,7 @@
 
 The parent (``fxpipe demo --nproc 2``) starts ``python -m torch.distributed.run
 --nproc-per-node=N --master-addr=127.0.0.1 --master-port=<free>`` on
-:mod:`fxpipe.distributed.ranks`, which runs the command on every rank with gloo. The ranks'
+:mod:`fxpipe.cli.ranks`, which runs the command on every rank with gloo. The ranks'
 standard output is copied through as it comes (rank 0 prints the report); their standard
 error is kept, so a failure is shown as each rank's one-line error
 (``fxpipe rank R: error: ...``) rather than torchrun's tracebacks. Rank 0 writes the
@@ -28,7 +28,7 @@ from typing import IO, Any, Callable, Optional
 __all__ = ["Finished", "run_ranks", "free_port", "RANK_ENTRY", "error_line_of_rank", "RESULT_FILE"]
 
 #: the module torchrun runs on each rank
-RANK_ENTRY = "fxpipe.distributed.ranks"
+RANK_ENTRY = "fxpipe.cli.ranks"
 RESULT_FILE = "result.json"
 _RANK_ERROR = re.compile(r"^fxpipe rank (\d+): error: (.*)$")
 _GRACE_SECONDS = 10.0

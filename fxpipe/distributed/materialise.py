@@ -2,7 +2,7 @@
 
 Every rank builds the model under ``with torch.device('meta'):`` (shapes, no storage) and
 calls :func:`fxpipe.distributed.pipeline` with ``state_dict=``. Capture, rank 0's planning
-(``balance_by='params'`` or ``'memory'``, from shapes: :mod:`fxpipe.meta`) and emission run
+(``balance_by='params'`` or ``'memory'``, from shapes: :mod:`fxpipe.capture.meta`) and emission run
 on meta. Then each rank gives real values to exactly the tensors its own stages use
 (:func:`local_weights`), and nothing else:
 
@@ -53,9 +53,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.capture import retarget_devices
+from fxpipe.capture.tracing import retarget_devices
 from fxpipe.errors import MaterialiseError, MetaDeviceError
-from fxpipe.meta import is_meta_model, refuse_timing, to_meta
+from fxpipe.capture.meta import is_meta_model, refuse_timing, to_meta
 
 from .agree import on_every_rank
 from .sources import StateDictSource, missing_message, open_source
@@ -72,7 +72,7 @@ def capture_sample(model: nn.Module, args: tuple, kwargs: dict, *, state_dict: O
     """The sample to capture and plan with: the sample itself, or a meta copy for a model on meta.
 
     A meta model's weights are shapes only: it is captured and planned with the sample moved
-    to meta (:mod:`fxpipe.meta`), it cannot be timed, and it needs ``state_dict=`` to run.
+    to meta (:mod:`fxpipe.capture.meta`), it cannot be timed, and it needs ``state_dict=`` to run.
     The sample itself must be real: its tensors give the shapes the ranks exchange, and the
     first stage's constants. Every rank raises the same error here, before any collective.
     """

@@ -8,7 +8,7 @@ read or written, and the run yields each value crossing a boundary, from which
 :func:`stage_metas` derives the static ``input_args`` / ``output_args`` (meta tensors carrying
 the right ``requires_grad``) and the encoding of non-tensor values (:mod:`.values`).
 Not quite no writes: an in-place op on a real buffer (BatchNorm's ``num_batches_tracked += 1``)
-still lands, so callers run it inside :func:`fxpipe.prepare.preserved`.
+still lands, so callers run it inside :func:`fxpipe.capture.prepare.preserved`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ sending and the scheduling; this class adds what makes a step exact against eage
 * ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank);
 * a step after the model changed in a way the stages cannot see (a submodule or parameter
   replaced, a traced attribute set anew) is refused on every rank
-  (:class:`~fxpipe.errors.ModelChangedError`, :mod:`fxpipe.model_check`);
+  (:class:`~fxpipe.errors.ModelChangedError`, :mod:`fxpipe.capture.model_check`);
 * a step under another autocast state than the build's is refused: the stages exchange
   buffers of the dtypes the build's fake run found (bf16 sent into a float32 buffer gave
   garbage, measured), so build and step under the same ``torch.autocast``.
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.capture import Capture
-from fxpipe.emit import Stages
+from fxpipe.capture.tracing import Capture
+from fxpipe.emit.stages import Stages
 from fxpipe.errors import BatchShapeError, DistributedError, PipelineClosedError
-from fxpipe.model_check import ModelCheck
-from fxpipe.plan import Plan
+from fxpipe.capture.model_check import ModelCheck
+from fxpipe.plan.value import Plan
 
 from .ties import TiedGradients, parameters_of
 
@@ -115,7 +115,7 @@ class DistributedPipeline:
     # -- running -------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The tensors of a call, checked against the sample's shapes on every rank, after
-        checking that the model did not change since the build (:mod:`fxpipe.model_check`)."""
+        checking that the model did not change since the build (:mod:`fxpipe.capture.model_check`)."""
         self._model_check.check()
         if _autocast() != self._autocast:
             raise DistributedError(

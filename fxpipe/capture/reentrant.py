@@ -1,0 +1,94 @@
+"""``torch.utils.checkpoint(..., use_reentrant=True)`` inside a model being captured.
+
+The re-entrant checkpoint runs its function under ``torch.no_grad()`` inside an autograd
+Function and makes the gradients in its own backward. A graph capture sees only the
+no_grad forward: torch.fx records a no_grad region (every parameter inside would get no
+gradient, silently) and torch.export a graph whose outputs need no grad. Neither can be
+made exact, so while fxpipe captures, ``CheckpointFunction.apply`` raises
+:class:`ReentrantCheckpointError` instead. Under torch.fx that failure keeps the calling
+module opaque (it then runs its own forward, re-entrant checkpoint included, eagerly in its
+stage: exact); where nothing can be opaque (the root forward, a torch.export capture) the
+error reaches the user with what to do. Non-reentrant checkpointing (``use_reentrant=False``,
+saved-tensor hooks) traces like any other code and is not affected.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from torch.utils import checkpoint as torch_checkpoint
+
+from ..errors import TraceError
+from .user_code import user_stack
+
+__all__ = ["ReentrantCheckpointError", "reentrant_checkpoint_in", "refusing_reentrant_checkpoint"]
+
+_capturing = threading.local()
+_lock = threading.Lock()
+_users = 0
+_MISSING = object()
+_original: Any = _MISSING
+
+
+class ReentrantCheckpointError(TraceError):
+    """The model calls ``torch.utils.checkpoint`` with ``use_reentrant=True``."""
+
+
+def _refusing_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    if not getattr(_capturing, "on", False):  # another thread, not capturing: torch's own
+        return _call_original(cls, *args, **kwargs)
+    where = user_stack().splitlines()
+    location = where[-2].strip() + " " + where[-1].strip() if len(where) >= 2 else ""
+    raise ReentrantCheckpointError(
+        "the model calls torch.utils.checkpoint with use_reentrant=True"
+        + (f" ({location})" if location else "")
+        + ": that checkpoint runs its function under no_grad and makes the gradients in a backward "
+        "of its own, which no graph capture can reproduce (the parameters inside would get no "
+        "gradient). What to do: pass use_reentrant=False (transformers: model.gradient_checkpointing_enable("
+        "gradient_checkpointing_kwargs={'use_reentrant': False})), or turn the model's own checkpointing "
+        "off and let the pipeline recompute (fxpipe.pipeline(..., checkpoint='except_last' or 'always')).",
+        location=location, reason="torch.utils.checkpoint(use_reentrant=True)")
+
+
+def reentrant_checkpoint_in(error: BaseException | None) -> ReentrantCheckpointError | None:
+    """The :class:`ReentrantCheckpointError` behind a capture failure, if any (torch.export
+    may wrap or chain it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ReentrantCheckpointError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _call_original(cls: type, *args: Any, **kwargs: Any) -> Any:
+    return super(torch_checkpoint.CheckpointFunction, cls).apply(*args, **kwargs)
+
+
+@contextmanager
+def refusing_reentrant_checkpoint() -> Iterator[None]:
+    """While the block runs, the re-entrant checkpoint raises :class:`ReentrantCheckpointError`
+    on this thread (other threads keep torch's own). Nests; restores torch's class after."""
+    global _users, _original
+    fn = torch_checkpoint.CheckpointFunction
+    with _lock:
+        if _users == 0:
+            _original = fn.__dict__.get("apply", _MISSING)
+            fn.apply = classmethod(_refusing_apply)  # type: ignore[method-assign, assignment]
+        _users += 1
+    outer = getattr(_capturing, "on", False)
+    _capturing.on = True
+    try:
+        yield
+    finally:
+        _capturing.on = outer
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                if _original is _MISSING:
+                    del fn.apply
+                else:
+                    fn.apply = _original  # type: ignore[method-assign]

@@ -1,0 +1,269 @@
+"""A loss that is a mean over the labels it counts: merged exactly, or refused at call time.
+
+``output_merge={'loss': 'mean'}`` weighs each micro-batch's loss by its number of samples. A
+token mean with an ignore index divides by the number of labels it counts instead:
+transformers' ``labels=`` losses skip every ``-100`` (the padding a collator adds, prompt
+tokens) and, for causal LMs, the last position of each row (the shift). Whenever the
+micro-batches count different numbers of labels, the size-weighted mean of their means is
+another loss with other gradients, and whether they do is only known at call time: a clean
+sample then collator batches padded with ``-100`` would train silently wrong.
+
+So the build decides, once, per 0-dim output merged by ``'mean'`` (:meth:`CountedLabels.find`):
+
+* **counted**: the output is the value of a ``cross_entropy`` / ``nll_loss`` with reduction
+  ``'mean'`` and no class weights (``F.cross_entropy``, ``F.nll_loss``, ``nn.CrossEntropyLoss``,
+  ``nn.NLLLoss`` under torch.fx; ``aten.cross_entropy_loss`` and the ``nll_loss`` ops under
+  torch.export; transformers' ``ForCausalLMLoss`` / ``ForMaskedLMLoss`` are these), passed on
+  only through dtype conversions. By definition its value is the sum over the targets that are
+  not ``ignore_index``, divided by their count. The graph's own code that makes the target from
+  the inputs (transformers' pad-and-slice shift, views) is copied out and run on each
+  micro-batch's inputs to count them, and :func:`weighted_mean` merges
+  ``sum_i n_i L_i / sum_i n_i``: the whole batch's sum over its count, in value and, since the
+  counts are constants of the merged loss's graph, in every gradient.
+* **not counted**: any other loss. Before anything runs, each call's labels (the integer
+  inputs a loss op reads its target from, with that op's ignore index; every integer input
+  split into micro-batches, with ``-100``) are checked, and a call holding an ignored label is
+  refused with :class:`~fxpipe.errors.MicroBatchError`, as is such a sample at build time.
+
+One micro-batch (``chunks=1``, a batch of one) merges nothing and is never refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from ..errors import MicroBatchError
+
+__all__ = ["CountedLabels", "TokenCount", "weighted_mean", "IGNORE_INDEX"]
+
+#: the ignore index of torch's losses and of transformers' labels
+IGNORE_INDEX = -100
+
+_aten = torch.ops.aten
+_FUNCTIONS: Dict[Any, Callable[..., Any]] = {F.cross_entropy: F.cross_entropy, F.nll_loss: F.nll_loss}
+_ATEN_LOSSES = {_aten.cross_entropy_loss.default, _aten.nll_loss.default, _aten.nll_loss_nd.default,
+                _aten.nll_loss2d.default}
+_ATEN_PAIRS = {_aten.nll_loss_forward.default, _aten.nll_loss2d_forward.default}  # (loss, total_weight)
+_MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
+# What passes a 0-dim loss on unchanged but for its dtype.
+_PASS_ATEN = {_aten._to_copy.default, _aten.to.dtype, _aten.to.dtype_layout, _aten.to.device, _aten.alias.default,
+              _aten.clone.default, _aten.contiguous.default}
+_PASS_METHODS = {"float", "double", "half", "bfloat16", "to", "type_as", "clone", "contiguous"}
+_MEAN = 1  # at::Reduction::Mean
+
+
+@dataclass
+class TokenCount:
+    """How many labels a micro-batch's loss counts: the graph's code for the loss's target,
+    run on the micro-batch's inputs (``inputs``: their flat indices), and the ignore index."""
+
+    program: fx.GraphModule
+    inputs: List[int]
+    ignore_index: int
+
+    def __call__(self, leaves: Sequence[Any]) -> Tensor:
+        with torch.no_grad():
+            target = self.program(*[leaves[i] for i in self.inputs])
+            return (target != self.ignore_index).sum()
+
+
+@dataclass
+class CountedLabels:
+    """The build's decision for the ``'mean'``-merged 0-dim outputs (see the module docstring)."""
+
+    #: output index -> how its micro-batches' counted labels are counted
+    counts: Dict[int, TokenCount] = field(default_factory=dict)
+    #: outputs merged by 'mean' that are not recognised as a mean over counted labels
+    uncounted: List[int] = field(default_factory=list)
+    #: (flat input index, ignore index) whose presence refuses a call while ``uncounted``
+    checks: List[Tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def find(cls, gm: fx.GraphModule, whole: Sequence[Any], means: Sequence[bool],
+             in_dims: Sequence[Optional[int]]) -> "CountedLabels":
+        """Looks at the 0-dim floating outputs of ``whole`` (the sample's) whose ``means`` entry
+        is set. ``in_dims``: per flat input the dim it is split along (None: not split)."""
+        found = cls()
+        wanted = [i for i, (v, m) in enumerate(zip(whole, means))
+                  if m and isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point()]
+        if not wanted:
+            return found
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        output = next((n for n in gm.graph.nodes if n.op == "output"), None)
+        returned = output.args[0] if output is not None else None
+        if len(placeholders) != len(in_dims) or not isinstance(returned, (tuple, list)) or len(returned) != len(whole):
+            returned = [None] * len(whole)  # not the flat layout this reads: nothing is recognised
+        index = {p: k for k, p in enumerate(placeholders)}
+        for i in wanted:
+            try:
+                count = _token_count(gm, returned[i], index)
+            except Exception:  # noqa: BLE001 - a graph this cannot read: not recognised, so guarded
+                count = None
+            if count is None:
+                found.uncounted.append(i)
+            else:
+                found.counts[i] = count
+        if found.uncounted:
+            checks = {(k, IGNORE_INDEX) for k, d in enumerate(in_dims) if d is not None}
+            for node in gm.graph.nodes:
+                loss = _loss_call(gm, node)
+                if loss is not None and isinstance(loss[0], fx.Node):
+                    checks |= {(index[p], loss[1]) for p in _ancestors(loss[0]) if p in index}
+            found.checks = sorted(checks)
+        return found
+
+    def weights(self, leaves: Sequence[Any], micro: Sequence[Sequence[Any]], out_names: Sequence[str],
+                in_names: Sequence[str], where: str = "this call") -> Dict[int, List[Tensor]]:
+        """Per counted output, each micro-batch's count of counted labels (0-dim tensors, no
+        sync); refuses ``where`` (the call, or the sample) before anything runs when an
+        uncounted output would merge micro-batches whose labels hold an ignore index."""
+        if len(micro) < 2:
+            return {}
+        if self.uncounted:
+            self._refuse_ignored(leaves, out_names, in_names, where)
+        return {i: [count(m) for m in micro] for i, count in self.counts.items()}
+
+    def _refuse_ignored(self, leaves: Sequence[Any], out_names: Sequence[str], in_names: Sequence[str],
+                        where: str) -> None:
+        for k, ignore in self.checks:
+            x = leaves[k] if k < len(leaves) else None
+            if (not isinstance(x, Tensor) or x.is_meta or x.is_floating_point() or x.is_complex()
+                    or x.dtype == torch.bool):
+                continue  # no labels, or no values to look at
+            if bool((x == ignore).any()):
+                names = [repr(out_names[i]) for i in self.uncounted]
+                outputs = (("the output is" if not out_names[self.uncounted[0]] else f"output {names[0]} is")
+                           if len(names) == 1 else f"outputs {', '.join(names)} are")
+                raise MicroBatchError(
+                    f"argument {in_names[k]!r} holds {ignore} (an ignored label) in {where}, and {outputs} merged "
+                    "over micro-batches with 'mean'. fxpipe weighs a loss by each micro-batch's count of counted "
+                    "labels only where it recognises it as a mean over them (F.cross_entropy, F.nll_loss or "
+                    "nn.CrossEntropyLoss with reduction='mean' and no class weights, as transformers' labels= "
+                    "losses are). This loss is not one: with micro-batches that count different numbers of "
+                    "labels, the merged loss and its gradients would silently differ from the model's. What to "
+                    "do: return the loss's sum and its number of counted labels, merge both with 'sum' (e.g. "
+                    "output_merge={'loss_sum': 'sum', 'count': 'sum'}) and divide after the pipeline; or compute "
+                    "the loss outside the pipeline from the logits.")
+
+
+def weighted_mean(parts: Sequence[Tensor], counts: Sequence[Tensor]) -> Tensor:
+    """``sum_i n_i parts_i / sum_i n_i`` in the parts' dtype (weights in float32 at least).
+
+    A micro-batch that counts no label has the mean 0/0 = nan; it enters with weight 0 and a
+    zero gradient (``torch.where``), so every micro-batch stays in the merged loss's graph and
+    its backward runs as usual. No label counted at all gives nan, as the model does.
+    """
+    first = parts[0]
+    dtype = torch.promote_types(first.dtype, torch.float32)
+    n = torch.stack([c.to(first.device) for c in counts]).to(dtype)
+    values = torch.stack([p.to(first.device, dtype) for p in parts])
+    values = torch.where(n > 0, values, torch.zeros_like(values))
+    return ((values * n).sum() / n.sum()).to(first.dtype)
+
+
+def _token_count(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int]) -> Optional[TokenCount]:
+    """The counting of the loss ``node`` returns, or None when it is not a plain mean over labels."""
+    while isinstance(node, fx.Node) and _passes_on(node):
+        node = node.args[0]
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0 \
+            and isinstance(node.args[0], fx.Node) and node.args[0].target in _ATEN_PAIRS:
+        node = node.args[0]
+    loss = _loss_call(gm, node)
+    if loss is None or not loss[2] or not isinstance(loss[0], fx.Node):
+        return None
+    program = _program(gm, loss[0], index)
+    if program is None:
+        return None
+    return TokenCount(program[0], program[1], loss[1])
+
+
+def _passes_on(node: fx.Node) -> bool:
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.op == "call_function":
+        return node.target in _PASS_ATEN
+    return node.op == "call_method" and node.target in _PASS_METHODS
+
+
+def _loss_call(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[Any, int, bool]]:
+    """``(target, ignore_index, plain mean)`` of a cross_entropy / nll_loss node, else None.
+    Plain mean: reduction 'mean', no class weights (the mean divides by the count of targets
+    that are not ignored)."""
+    try:
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            if not isinstance(module, _MODULES):
+                return None
+            target = node.args[1] if len(node.args) > 1 else node.kwargs.get("target")
+            return target, int(module.ignore_index), module.reduction == "mean" and module.weight is None
+        if node.op != "call_function":
+            return None
+        if node.target in _FUNCTIONS:
+            bound = inspect.signature(_FUNCTIONS[node.target]).bind(*node.args, **node.kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            plain = (a["reduction"] == "mean" and a["weight"] is None and a["size_average"] is None
+                     and a["reduce"] is None)
+            return a["target"], int(a["ignore_index"]), plain
+        if node.target in _ATEN_LOSSES or node.target in _ATEN_PAIRS:
+            a = _schema_arguments(node)
+            return a["target"], int(a["ignore_index"]), a["reduction"] == _MEAN and a["weight"] is None
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def _schema_arguments(node: fx.Node) -> Dict[str, Any]:
+    """An aten call's arguments by name, defaults filled in."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    out: Dict[str, Any] = {}
+    for k, arg in enumerate(schema.arguments):
+        if k < len(node.args):
+            out[arg.name] = node.args[k]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def _ancestors(node: fx.Node) -> Set[fx.Node]:
+    seen: Set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _program(gm: fx.GraphModule, target: fx.Node,
+             index: Dict[fx.Node, int]) -> Optional[Tuple[fx.GraphModule, List[int]]]:
+    """The graph's code computing ``target`` from the inputs, as a GraphModule of its own, and
+    the flat indices of the inputs it takes; None when it calls a module (its cost and state
+    are not the label bookkeeping this runs per call) or reads anything but inputs and constants."""
+    needed = _ancestors(target)
+    if any(n.op not in ("placeholder", "call_function", "call_method", "get_attr") for n in needed):
+        return None
+    if any(n.op == "placeholder" and n not in index for n in needed):
+        return None
+    graph = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    inputs: List[int] = []
+    for n in gm.graph.nodes:  # topological: every argument is copied before its user
+        if n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            if n.op == "placeholder":
+                inputs.append(index[n])
+    graph.output(env[target])
+    return fx.GraphModule(gm, graph), inputs
