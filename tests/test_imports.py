@@ -88,3 +88,40 @@ def test_sub_packages_are_layered() -> None:
     """runtime/ knows nothing of skip/ (torchgpipe's @skippable API is built on the runtime)."""
     upward = [(u, v) for u, v in _graph().edges if u.startswith("fxpipe.runtime") and v.startswith("fxpipe.skip")]
     assert not upward, upward
+
+
+# The build's order, low to high: a module imports only its own layer and those below it.
+# Shared values (errors, tree, progress) sit below everything; the front doors (api,
+# distributed, the torchgpipe-compatible gpipe / balance / batchnorm / skip) above the build;
+# the command line on top.
+LAYERS = [
+    ("shared", ("fxpipe.errors", "fxpipe.tree", "fxpipe.progress")),
+    ("runtime", ("fxpipe.runtime",)),
+    ("capture", ("fxpipe.capture",)),
+    ("checks", ("fxpipe.checks",)),
+    ("plan", ("fxpipe.plan",)),
+    ("emit", ("fxpipe.emit", "fxpipe.portals")),
+    ("build", ("fxpipe.build",)),
+    ("front doors", ("fxpipe.api", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance", "fxpipe.batchnorm",
+                     "fxpipe.skip")),
+    ("cli", ("fxpipe.cli", "fxpipe.__main__")),
+]
+
+
+def _layer(module: str) -> int:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return len(LAYERS)  # the package itself: fxpipe/__init__ names the front doors
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in _graph().nodes if _layer(m) == len(LAYERS) and m != "fxpipe")
+    assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+
+
+def test_imports_point_down_the_build_order() -> None:
+    """runtime < capture < checks < plan < emit < build < api / distributed < cli."""
+    upward = sorted(f"{u} ({LAYERS[_layer(u)][0]}) imports {v} ({LAYERS[_layer(v)][0]})"
+                    for u, v in _graph().edges if _layer(v) > _layer(u) and v != "fxpipe")
+    assert not upward, "imports against the build order:\n" + "\n".join(upward)

@@ -31,7 +31,8 @@ NO_TORCH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("module", ["fxpipe.plan.partition", "fxpipe.plan.routes", "fxpipe.plan.value"])
+@pytest.mark.parametrize("module", ["fxpipe.plan", "fxpipe.plan.partition", "fxpipe.plan.routes", "fxpipe.plan.value",
+                                    "fxpipe.capture.node_kinds"])
 def test_pure_module_imports_without_torch(module):
     root = os.path.dirname(os.path.dirname(os.path.abspath(fxpipe.__file__)))  # this checkout's fxpipe
     result = subprocess.run([sys.executable, "-c", NO_TORCH.replace("MODULE", module)], cwd=root,

@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import TraceError
-from ..emit.stage_module import source_location
+from .user_code import source_location
 
 __all__ = ["SUPPORTED_HOPS", "hop_name", "hop_error", "unsupported_hop", "keep_body", "subgraphs"]
 

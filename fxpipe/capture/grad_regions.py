@@ -35,6 +35,7 @@ from torch import fx, nn
 from torch.fx.graph import _format_target
 
 from ..errors import TraceError
+from .node_kinds import COMPUTE_OPS
 
 __all__ = ["REGION", "Region", "RegionError", "RegionGraphModule", "RegionRecorder", "entered",
            "inference_values", "recompile_in_regions", "region_name"]
@@ -46,7 +47,6 @@ REGION = "fxpipe_region"
 #: ``("grad", bool)``, ``("autocast", (device_type, enabled, dtype))``, ``("autocast_cache", bool)``.
 Region = Tuple[Tuple[str, Any], ...]
 
-_COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 
 class RegionError(TraceError):
@@ -220,8 +220,8 @@ def inference_values(graph: fx.Graph) -> List[Tuple[fx.Node, List[fx.Node]]]:
     """
     found = []
     for node in graph.nodes:
-        if node.op in _COMPUTE_OPS and dict(node.meta.get(REGION) or ()).get("inference"):
-            users = [u for u in node.users if u.op in _COMPUTE_OPS]
+        if node.op in COMPUTE_OPS and dict(node.meta.get(REGION) or ()).get("inference"):
+            users = [u for u in node.users if u.op in COMPUTE_OPS]
             if users:
                 found.append((node, users))
     return found
@@ -323,7 +323,7 @@ def _code_graph(graph: fx.Graph) -> Optional[fx.Graph]:
     node), while ``graph`` itself keeps its ``call_module`` nodes and targets for every pass
     that reads them (profiling, placement, planning).
     """
-    if not any(n.meta.get(REGION) and n.op in _COMPUTE_OPS for n in graph.nodes):
+    if not any(n.meta.get(REGION) and n.op in COMPUTE_OPS for n in graph.nodes):
         return None
     copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
     copy._codegen = graph._codegen
@@ -332,7 +332,7 @@ def _code_graph(graph: fx.Graph) -> Optional[fx.Graph]:
         new = copy.node_copy(node, env.__getitem__)
         env[node] = new
         region = node.meta.get(REGION)
-        if not region or node.op not in _COMPUTE_OPS:
+        if not region or node.op not in COMPUTE_OPS:
             continue
         if node.op == "call_function":
             new.target = _function_in(region, node.target)

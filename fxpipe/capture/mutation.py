@@ -36,8 +36,8 @@ import torch
 from torch import fx, nn
 
 from ..errors import MutationError
-from ..plan.partition import COMPUTE_OPS
-from ..emit.stage_module import source_location
+from .node_kinds import COMPUTE_OPS
+from .user_code import source_location
 from ..tree import flatten
 
 __all__ = ["StateMutation", "Mutations", "find_and_fix_mutations", "KEEP_WITH", "KEEP_REASON"]

@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .tracing import Capture, capture
-from ..checks.batching import same_value
+from .values import same_value
 from ..errors import MutationError, TraceError
 from .mutation import Mutations, find_and_fix_mutations
 from .open_outputs import open_output_containers

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import traceback
 
+from typing import Any
+
 import torch
 
-__all__ = ["is_user_file", "user_stack"]
+__all__ = ["is_user_file", "user_stack", "source_location"]
 
+_FRAME_RE = re.compile(r'^File "(.+)", line (\d+), in (.+)$')
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_FXPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 # Models shipped inside the package (the demo's U-Net) are user code for source locations.
-_PACKAGED_MODELS = frozenset({os.path.join(_FXPIPE_DIR, "demo.py")})
+_PACKAGED_MODELS = frozenset({os.path.join(_FXPIPE_DIR, "cli", "demo.py")})
 
 
 def is_user_file(filename: str) -> bool:
@@ -60,3 +64,23 @@ def user_stack() -> str:
     kept = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames[start:]
             if _cached_is_user(f.f_code.co_filename)]
     return "".join(traceback.StackSummary.from_list(kept).format()).strip() if kept else ""
+
+
+def source_location(node: Any) -> str | None:
+    """``File "...", line N, in fn: code`` of the innermost *user* frame in the node's
+    recorded ``stack_trace`` (see :mod:`fxpipe.capture.user_code`), or ``None``."""
+    stack_trace = node.meta.get("stack_trace")
+    if not stack_trace:
+        return None
+    lines = [line.strip() for line in str(stack_trace).strip().splitlines()]
+    frames = []
+    for i, line in enumerate(lines):
+        m = _FRAME_RE.match(line)
+        if m:
+            code = lines[i + 1] if i + 1 < len(lines) and not _FRAME_RE.match(lines[i + 1]) else ""
+            frames.append((m.group(1), m.group(2), m.group(3), code))
+    if not frames:
+        return None
+    user = [f for f in frames if is_user_file(f[0])]
+    file, lineno, fn, code = (user or frames)[-1]
+    return f'File "{file}", line {lineno}, in {fn}: {code}'

@@ -32,11 +32,11 @@ from ..capture.tracing import positional_names
 from .counted_labels import CountedLabels, weighted_mean
 from ..errors import MicroBatchError
 from .loss import gradient_mismatch
-from .numerics import tolerance
+from ..capture.values import exactly_same, same_value
 from ..runtime.microbatch import split_sizes as _split_sizes
 from ..tree import leaf_names
 
-__all__ = ["SAMPLE_SEED", "Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims", "same_value", "evaluating",
+__all__ = ["SAMPLE_SEED", "Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims", "evaluating",
            "concatenated_dim"]
 
 Merge = Union[int, str, Callable[[List[Any]], Any]]
@@ -311,7 +311,7 @@ class Batching:
         with mode(model), torch.no_grad():
             torch.manual_seed(1)
             again = list(gm(*flat))
-        return all(_same(a, b, exact=True) for a, b in zip(whole, again))
+        return all(exactly_same(a, b) for a, b in zip(whole, again))
 
     @staticmethod
     def sample_run(run: Callable[[], Any], model: nn.Module,
@@ -386,35 +386,6 @@ def _check_merge(key: str, merge: Any) -> None:
     if not ok:
         raise MicroBatchError(f"output_merge[{key!r}] must be a dim (int), one of {MERGES} or a callable, "
                               f"got {merge!r}")
-
-
-def same_value(a: Any, b: Any, *, values: bool = True) -> bool:
-    """Whether two outputs agree: same type, shape and dtype, and (with ``values``) close."""
-    return _same(a, b, exact=False, values=values)
-
-
-def _same(a: Any, b: Any, *, exact: bool, values: bool = True) -> bool:
-    if isinstance(a, Tensor) != isinstance(b, Tensor):
-        return False
-    if not isinstance(a, Tensor):
-        try:
-            return bool(a == b)
-        except Exception:  # noqa: BLE001 - values without a boolean ==
-            return a is b
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not values:
-        return True
-    if a.is_meta or b.is_meta:  # no values to compare (a meta-device model): unknown, so not 'exact'
-        return not exact
-    if exact:
-        return bool(torch.equal(a, b))
-    if not (a.is_floating_point() or a.is_complex()):
-        return bool(torch.equal(a, b))
-    a64, b64 = a.detach().double(), b.detach().double()  # a comparison: no graph
-    scale = float(a64.abs().max()) if a.numel() else 0.0
-    rtol, atol = tolerance(a.dtype)  # follows the precision in effect (fxpipe.checks.numerics)
-    return bool(torch.allclose(a64, b64, rtol=rtol, atol=atol * max(scale, 1.0)))
 
 
 def _short(x: Any) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch import Tensor, fx
 
-from .numerics import tolerance
+from ..capture.numerics import tolerance
 
 __all__ = ["gradient_mismatch"]
 
@@ -58,7 +58,7 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
             a, b = _grads(whole[i], params), _grads(merged, params)
             scale = max((float(g.abs().max()) for g in a if g.numel()), default=0.0)
             for (name, p), ga, gb in zip(named, a, b):
-                rtol, atol = tolerance(p.dtype)  # follows the precision in effect (fxpipe.checks.numerics)
+                rtol, atol = tolerance(p.dtype)  # follows the precision in effect (fxpipe.capture.numerics)
                 if not torch.allclose(ga, gb, rtol=rtol, atol=atol * scale):
                     return i, name, float((ga - gb).abs().max()), scale
     return None

@@ -35,10 +35,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils import _pytree as pytree
 
-from .batching import SAMPLE_SEED, Batching, ChunkDims, OutputMerge, evaluating, same_value
+from ..capture.values import same_value
+from .batching import SAMPLE_SEED, Batching, ChunkDims, OutputMerge, evaluating
 from ..errors import MicroBatchError, TraceError
 from ..capture.meta import is_meta_model
-from .numerics import checking
+from ..capture.numerics import checking
 from ..capture.prepare import Prepared, check_capture, preserved
 from ..runtime.random_ops import drew_random
 
@@ -82,7 +83,7 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
     """The split/merge checked in each mode the graph runs in, and the graph against eager
     in the mode(s) it is compared in. Call inside ``preserved(model)``. The checks run at
     full float32 precision, with tolerances that follow what stays reduced (bf16 weights,
-    autocast): :mod:`fxpipe.checks.numerics`."""
+    autocast): :mod:`fxpipe.capture.numerics`."""
     flat = prepared.capture.flatten_inputs(args, kwargs)
     with checking(model, flat):
         return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge)

@@ -96,7 +96,7 @@ def run_demo_on_ranks(ns: argparse.Namespace) -> Optional[dict]:
     import fxpipe
     from fxpipe.cli.demo import make_unet
 
-    from . import pipeline
+    from fxpipe.distributed import pipeline
 
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a: None)

@@ -86,7 +86,7 @@ def run_timeline(ns: argparse.Namespace) -> Optional[dict]:
 
 def _run(ns: argparse.Namespace) -> Optional[dict]:
     if ns.command == "demo":
-        from ..distributed.demo import run_demo_on_ranks
+        from .distributed_demo import run_demo_on_ranks
 
         return run_demo_on_ranks(ns)
     if ns.command == "timeline":

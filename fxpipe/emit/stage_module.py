@@ -19,33 +19,12 @@ import torch
 import torch.fx
 
 from ..capture.grad_regions import recompile_in_regions
-from ..capture.user_code import is_user_file
+from ..capture.user_code import is_user_file, source_location
 
 __all__ = ["StageModule", "annotate_stage_exception", "source_location", "source_comment"]
 
 _NOTE_PREFIX = "in fxpipe stage "
-_FRAME_RE = re.compile(r'^File "(.+)", line (\d+), in (.+)$')
 _DELETE_RE = re.compile(r";\s+(?:[A-Za-z_]\w*\s*=\s*)+None\s*$")
-
-
-def source_location(node: torch.fx.Node) -> str | None:
-    """``File "...", line N, in fn: code`` of the innermost *user* frame in the node's
-    recorded ``stack_trace`` (see :mod:`fxpipe.capture.user_code`), or ``None``."""
-    stack_trace = node.meta.get("stack_trace")
-    if not stack_trace:
-        return None
-    lines = [line.strip() for line in str(stack_trace).strip().splitlines()]
-    frames = []
-    for i, line in enumerate(lines):
-        m = _FRAME_RE.match(line)
-        if m:
-            code = lines[i + 1] if i + 1 < len(lines) and not _FRAME_RE.match(lines[i + 1]) else ""
-            frames.append((m.group(1), m.group(2), m.group(3), code))
-    if not frames:
-        return None
-    user = [f for f in frames if is_user_file(f[0])]
-    file, lineno, fn, code = (user or frames)[-1]
-    return f'File "{file}", line {lineno}, in {fn}: {code}'
 
 
 def _node_at_line(module: torch.fx.GraphModule, lineno: int) -> torch.fx.Node | None:

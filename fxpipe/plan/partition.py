@@ -17,6 +17,7 @@ import networkx as nx
 import numpy as np
 
 from fxpipe.plan.chain_cut import Chain, split_chain
+from fxpipe.capture.node_kinds import COMPUTE_OPS
 from fxpipe.errors import SplitPointsError, StagesError
 
 __all__ = [
@@ -30,7 +31,6 @@ __all__ = [
 ]
 
 #: fx ops that do work and may be cut between stages.
-COMPUTE_OPS = frozenset({"call_module", "call_function", "call_method"})
 
 
 def _num(data: Mapping[str, Any], key: str) -> float:
