@@ -1,5 +1,16 @@
+"""Shared pytest set-up: options, markers, the seed, and the helpers' folder on sys.path.
+
+Tests live in folders that mirror the package (tests/capture/, tests/plan/, ...); the shared
+helpers (exact.py, zoo.py, hf_families.py, ...) stay in tests/, importable from every folder.
+"""
+
+import os
+import sys
+
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_addoption(parser):

@@ -191,3 +191,14 @@ def assert_exact(
     pipe_loss.backward()
     assert_grads_equal(piped, ref, tol)
     return pipe
+
+
+def assert_close_at(eps: float, got, expected, *, grads: bool = False) -> None:
+    """Close within 8 ``eps``, relative to each element and to the tensor's largest |value| or,
+    for ``grads``, to the largest gradient of the model: a gradient summed over many terms
+    that cancel (a bias) keeps the rounding of the terms, not of the sum."""
+    pairs = list(zip(tensor_leaves(got), tensor_leaves(expected)))
+    top = max((float(b.detach().abs().max()) for _, b in pairs if b.numel()), default=0.0)
+    for a, b in pairs:
+        scale = top if grads else (float(b.detach().abs().max()) if b.numel() else 0.0)
+        torch.testing.assert_close(a.detach().double(), b.detach().double(), rtol=8 * eps, atol=8 * eps * scale)

@@ -31,7 +31,7 @@ import fxpipe  # noqa: E402
 from fxpipe.errors import MicroBatchError  # noqa: E402
 
 from exact import assert_exact, weighted_loss  # noqa: E402
-from test_numerics import assert_close_at  # noqa: E402
+from exact import assert_close_at  # noqa: E402
 from hf_families import BY_NAME, FAMILIES, ids  # noqa: E402
 
 STAGES, CHUNKS = 3, 2

@@ -21,7 +21,7 @@ from fxpipe import GPipe, is_recomputing
 from fxpipe.runtime.pipeline import PipelineRunner
 from fxpipe.runtime.portal import Portal, PortalCopy
 
-from exact import assert_grads_equal
+from exact import assert_close_scaled, assert_grads_equal
 from skip_models import (
     DTYPE, IN_WIDTH, SKIP_WIDTHS, Decoder, Encoder, WeakRecorder, crossing_skips, skippables, unet,
 )
@@ -382,5 +382,5 @@ def test_pop_partition_that_saves_nothing_frees_the_skip_after_forward(monkeypat
     y.sum().backward()
     h = ref(x)
     (h + h).sum().backward()
-    assert_close(model[0].weight.grad, ref.weight.grad)
-    assert_close(model[0].bias.grad, ref.bias.grad)
+    assert_close_scaled(model[0].weight.grad, ref.weight.grad)
+    assert_close_scaled(model[0].bias.grad, ref.bias.grad)

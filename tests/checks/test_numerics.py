@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from exact import assert_exact, tensor_leaves
+from exact import assert_close_at, assert_exact, tensor_leaves
 from fxpipe.capture import numerics
 from fxpipe.errors import MicroBatchError
 from test_batching import CenterInTraining, CountingNorm, Mixer
@@ -243,17 +243,6 @@ def test_ignored_labels_in_one_micro_batch_are_weighted_at_low_precision(setting
     eps = torch.finfo(torch.bfloat16).eps
     assert_close_at(eps, got, expected)
     assert_close_at(eps, [p.grad for p in piped.parameters()], [p.grad for p in ref.parameters()], grads=True)
-
-
-def assert_close_at(eps: float, got, expected, *, grads: bool = False) -> None:
-    """Close within 8 ``eps``, relative to each element and to the tensor's largest |value| or,
-    for ``grads``, to the largest gradient of the model: a gradient summed over many terms
-    that cancel (a bias) keeps the rounding of the terms, not of the sum."""
-    pairs = list(zip(tensor_leaves(got), tensor_leaves(expected)))
-    top = max((float(b.detach().abs().max()) for _, b in pairs if b.numel()), default=0.0)
-    for a, b in pairs:
-        scale = top if grads else (float(b.detach().abs().max()) if b.numel() else 0.0)
-        torch.testing.assert_close(a.detach().double(), b.detach().double(), rtol=8 * eps, atol=8 * eps * scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

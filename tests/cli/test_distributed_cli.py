@@ -23,7 +23,7 @@ import pytest
 from fxpipe.cli.main import main
 from fxpipe.distributed.trace import Span, bubble_fractions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "tests" / "zoo.py"
 COMMAND_SECONDS = 240  # the bound on one command; its --timeout is shorter
 
