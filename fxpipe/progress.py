@@ -1,4 +1,4 @@
-"""What a build is doing while it runs: log records and a progress bar on a terminal.
+"""What fxpipe is doing while it runs: log records, a build's progress bar, a status line.
 
 A big model's build takes tens of seconds (capture, the checks that run the model, the
 profile), and a silent minute looks like a hang. Each phase is logged at INFO on the
@@ -10,7 +10,9 @@ progress bar and tqdm is not a dependency, so the bar is these few lines.
 Quiet when it should be: nothing is drawn when stderr is not a terminal (piped, redirected,
 under pytest), with ``progress=False`` on :func:`fxpipe.pipeline` and the other entry
 points, or when the ``"fxpipe"`` logger is set to ``WARNING`` or above
-(``logging.getLogger("fxpipe").setLevel(logging.WARNING)``) or disabled.
+(``logging.getLogger("fxpipe").setLevel(logging.WARNING)``) or disabled, or after
+``set_enabled(False)`` (the command line's ``--no-progress``), which turns off the status
+lines of the command line and the demo as well (:func:`status_line`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Callable, Iterator, Optional, TextIO, Union
 
 from .errors import ArgumentError
 
-__all__ = ["logger", "Progress", "ProgressOption", "as_progress"]
+__all__ = ["logger", "Progress", "ProgressOption", "as_progress", "status_line", "clear_status_line", "set_enabled",
+           "enabled"]
 
 #: the logger every fxpipe build reports its phases to
 logger = logging.getLogger("fxpipe")
@@ -32,12 +35,51 @@ logger = logging.getLogger("fxpipe")
 ProgressOption = Union[bool, "Progress"]
 
 _BAR_WIDTH = 24
+_enabled = True  # this process's switch (--no-progress): bars and status lines
 _REDRAW_S = 0.1  # at most this often: drawing must not cost what it reports
 
 
 def _silenced() -> bool:
-    """The ``"fxpipe"`` logger set to WARNING or above (its own level, not the root's), or disabled."""
-    return logger.disabled or logger.level >= logging.WARNING
+    """Turned off for the process, or the ``"fxpipe"`` logger set to WARNING or above (its
+    own level, not the root's), or disabled."""
+    return not _enabled or logger.disabled or logger.level >= logging.WARNING
+
+
+def set_enabled(on: bool) -> None:
+    """Bars and status lines on (the default) or off, for this process (``--no-progress``)."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    """Whether bars and status lines are wanted (they still need a terminal)."""
+    return _enabled
+
+
+def _terminal() -> Optional[TextIO]:
+    stream = sys.stderr
+    try:
+        return stream if _enabled and stream.isatty() else None
+    except (AttributeError, ValueError):  # closed or not a file
+        return None
+
+
+def status_line(message: str, *, done: bool = False) -> None:
+    """One status line on a terminal's stderr while something slow runs (a command's step,
+    the demo); nothing when stderr is piped or redirected, so logs and tests see only the
+    real output. ``done`` ends the line."""
+    out = _terminal()
+    if out is not None:
+        out.write("\r\033[K" + message + ("\n" if done else ""))
+        out.flush()
+
+
+def clear_status_line() -> None:
+    """Erases the status line (on a terminal)."""
+    out = _terminal()
+    if out is not None:
+        out.write("\r\033[K")
+        out.flush()
 
 
 class Progress:

@@ -36,7 +36,7 @@ from ..errors import MutationError, TraceError
 from .mutation import Mutations, find_and_fix_mutations
 from .open_outputs import open_output_containers
 from ..progress import Progress
-from ..runtime.random_ops import generator_states, set_generator_states
+from ..runtime.randomness import generator_states, set_generator_states
 from ..tree import flatten
 from .user_code import is_user_file
 

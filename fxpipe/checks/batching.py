@@ -111,7 +111,7 @@ def _select(key: str, table: Mapping[str, Any]) -> Tuple[bool, Any]:
     return False, None
 
 
-#: the seed of :meth:`Batching.sample_run` (:mod:`fxpipe.runtime.random_ops` compares against it)
+#: the seed of :meth:`Batching.sample_run` (:mod:`fxpipe.runtime.randomness` compares against it)
 SAMPLE_SEED = 0
 
 
@@ -252,7 +252,7 @@ class Batching:
         everything with ``values=False``. ``blame(micro)`` says which module differs first
         ('' when unknown); ``why`` replaces the generic advice of a refusal, ``mode_text``
         (' in training mode') says which mode differed. ``random=False`` says the whole run
-        drew no random numbers from torch (:func:`fxpipe.runtime.random_ops.drew_random`): the second, reseeded run
+        drew no random numbers from torch (:func:`fxpipe.runtime.randomness.drew_random`): the second, reseeded run
         is then made only before refusing on a value difference. Returns whether the graph is
         deterministic on the sample.
         """

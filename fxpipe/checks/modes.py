@@ -41,7 +41,7 @@ from ..errors import MicroBatchError, TraceError
 from ..capture.meta import is_meta_model
 from ..capture.numerics import checking
 from ..capture.prepare import Prepared, check_capture, preserved
-from ..runtime.random_ops import drew_random
+from ..runtime.randomness import drew_random
 
 __all__ = ["check_modes", "training"]
 
@@ -106,7 +106,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
     def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool]:
         with preserved(model):
             whole = list(Batching.sample_run(lambda: gm(*flat), model, mode))
-            random = drew_random(SAMPLE_SEED)  # none: no second, reseeded run (fxpipe.runtime.random_ops)
+            random = drew_random(SAMPLE_SEED)  # none: no second, reseeded run (fxpipe.runtime.randomness)
         b = batching or Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
         with preserved(model):
             deterministic = b.check(gm, model, flat, whole, mode=mode, random=random, **options)
@@ -119,7 +119,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
             try:
                 check_capture(eager, whole, batching.out_names, deterministic)  # type: ignore[union-attr]
             except TraceError:
-                # deterministic may rest on fxpipe.runtime.random_ops alone: confirm before refusing
+                # deterministic may rest on fxpipe.runtime.randomness alone: confirm before refusing
                 with preserved(model):
                     if not deterministic or Batching.reruns_same(gm, model, flat, whole, mode):
                         raise

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, List, Tuple
 
-from .console import clear_progress, progress, progress_enabled
+from ..progress import clear_status_line, enabled as progress_enabled, status_line
 from .model_loader import UsageError, load_model
 
 __all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_env", "cmd_demo",
@@ -48,7 +48,7 @@ def load_model_and_sample(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
     from .hf_models import PREFIX, load_hf
     from ..capture.meta import is_meta_model, to_meta
 
-    progress(f"loading {ns.model} ...")
+    status_line(f"loading {ns.model} ...")
     overrides = getattr(ns, "set", [])
     if ns.model.startswith(PREFIX):
         model, args, kwargs = load_hf(ns.model, ns.input, overrides, getattr(ns, "vocab", None))
@@ -69,7 +69,7 @@ def _capture(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict) -> A
     """The graph fxpipe.pipeline would plan (in-place ops rewritten, state left untouched)."""
     from ..capture.prepare import prepare, preserved
 
-    progress("tracing ...")
+    status_line("tracing ...")
     with preserved(model):
         return prepare(model, args, kwargs, tuple(ns.leaf)).capture
 
@@ -77,7 +77,7 @@ def _capture(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict) -> A
 def _make_plan(ns: argparse.Namespace, captured: Any, args: tuple, kwargs: dict, devices: list) -> Any:
     from ..plan.make import make_plan
 
-    clear_progress()  # make_plan draws its own bar (fxpipe.progress), profiled on one micro-batch
+    clear_status_line()  # make_plan draws its own bar (fxpipe.progress), profiled on one micro-batch
     return make_plan(captured, args, kwargs, ns.stages, balance_by=ns.balance_by, split_points=ns.split_at or None,
                      devices=devices, chunks=ns.chunks, progress=progress_enabled())
 
@@ -86,7 +86,7 @@ def _pipeline(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, *,
               checkpoint: str = "except_last") -> Any:
     import fxpipe
 
-    clear_progress()  # the build draws its own bar (fxpipe.progress)
+    clear_status_line()  # the build draws its own bar (fxpipe.progress)
     return fxpipe.pipeline(model, args, ns.stages, sample_kwargs=kwargs, chunks=ns.chunks,
                            devices=_devices(ns), checkpoint=checkpoint, balance_by=ns.balance_by,
                            leaf_modules=tuple(ns.leaf), split_points=ns.split_at or None,
@@ -187,17 +187,17 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
         pipe.zero_grad(set_to_none=True)
         training_loss(pipe(*args, **kwargs)).backward()
 
-    progress("warm-up step ...")
+    status_line("warm-up step ...")
     step()  # the first step pays one-time set-up costs; not recorded
     rec = Recorder()
     steps: List[Tuple[float, float]] = []
     with rec:
         for s in range(ns.steps):
-            progress(f"step {s + 1}/{ns.steps} ...")
+            status_line(f"step {s + 1}/{ns.steps} ...")
             t = time.perf_counter()
             step()
             steps.append((t, time.perf_counter()))
-    clear_progress()
+    clear_status_line()
     base = os.path.splitext(ns.output)[0]
     png = base + ".png"
     title = (f"{type(model).__name__}: {pipe.n_stages} stages, {ns.chunks} micro-batches, "

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .console import progress
+from ..progress import status_line
 from ..runtime.devices import default_devices, set_threads
 
 __all__ = ["UNet", "make_unet", "run_demo"]
@@ -101,22 +101,22 @@ def run_demo(stages: int = 4, chunks: int = 4, balance_by: str = "time",
     say(f"devices: {', '.join(str(d) for d in devices)} ({threads} intra-op thread{'s' if threads != 1 else ''})")
 
     t = time.perf_counter()
-    progress("tracing and profiling the U-Net ...")
+    status_line("tracing and profiling the U-Net ...")
     pipe = fxpipe.pipeline(model, x, stages, chunks=chunks, devices=devices, balance_by=balance_by)
-    progress(f"pipeline built in {time.perf_counter() - t:.1f} s", done=True)
+    status_line(f"pipeline built in {time.perf_counter() - t:.1f} s", done=True)
     say("")
     say(pipe.plan)
 
     # one training step, pipelined and eager
-    progress("training step (pipeline) ...")
+    status_line("training step (pipeline) ...")
     y = pipe(x.to(devices[0]))
     _loss(y).backward()
-    progress("training step (eager) ...")
+    status_line("training step (eager) ...")
     ref_dev = devices[-1]
     reference.to(ref_dev)
     y_ref = reference(x.to(ref_dev))
     _loss(y_ref).backward()
-    progress("")
+    status_line("")
 
     out_diff = (y.to(ref_dev) - y_ref).abs().max().item()
     ref_params = dict(reference.named_parameters())

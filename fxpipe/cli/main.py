@@ -21,7 +21,7 @@ import traceback
 from typing import Callable, List, Optional
 
 from . import commands
-from .console import set_progress
+from ..progress import set_enabled
 from .model_loader import UsageError, exit_text, load_factory, parse_input
 
 __all__ = ["main", "UsageError", "load_factory", "parse_input", "build_parser", "error_line"]
@@ -196,7 +196,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     debug = getattr(ns, "debug", False)
-    set_progress(not getattr(ns, "no_progress", False))
+    set_enabled(not getattr(ns, "no_progress", False))
     try:
         return int(getattr(commands, f"cmd_{ns.command}")(ns) or 0)
     except KeyboardInterrupt:

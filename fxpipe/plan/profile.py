@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from .cost_keys import cost_key
 from .partition import COMPUTE_OPS
-from ..runtime.random_ops import generator_states, set_generator_states
+from ..runtime.randomness import generator_states, set_generator_states
 from ..runtime.stream import synchronize
 
 __all__ = ["NodeCost", "profile_graph", "count_params_only", "tensor_bytes", "shape_str"]

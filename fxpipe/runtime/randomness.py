@@ -1,4 +1,5 @@
-"""RNG states for recomputation, and which partitions need them.
+"""fxpipe's one RNG module: states for recomputation, which partitions need them, and
+whether a run of the build drew random numbers (the last section).
 
 A checkpointed partition runs twice: once in forward, once when its saved tensors are
 needed in backward. A partition that draws random numbers (dropout) must draw the same ones
@@ -19,13 +20,13 @@ hence the conservative rule.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Generator, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
 
 __all__ = ["RNGStates", "may_draw_random", "save_rng_states", "restored_rng_states", "stage_generators",
-           "restored_generators"]
+           "restored_generators", "generator_states", "set_generator_states", "drew_random"]
 
 #: (CPU generator state, the device's CUDA generator state or None)
 RNGStates = Tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -211,3 +212,39 @@ def restored_generators(generators: Sequence[torch.Generator],
     finally:
         for g, s in zip(generators, outer):
             g.set_state(s)
+
+
+# -- the default generators' states: saved and put back, and whether a run drew -----------------
+# The build's checks compare a graph's values only when it gives the same result on the
+# sample twice; random ops the mode does not switch off (functional dropout, noise) make them
+# compare structure only. Running the graph a second time with another seed to find out costs
+# a forward per checked mode; a run that drew from torch's default generators has moved their
+# state, so comparing the state after the seeded run with the state the seed gives says so at
+# no cost (a dispatch mode watching for random ops would also see it, but breaks torch.cond
+# inside opaque modules). Randomness from elsewhere (a torch.Generator of the model's own,
+# Python's random) is not seen: the callers run the second run after all before refusing on a
+# value difference, so a refusal never rests on this shortcut.
+
+def generator_states() -> List[torch.Tensor]:
+    """The states of torch's default generators: the CPU's and each initialised CUDA device's."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_generator_states(states: List[torch.Tensor]) -> None:
+    """Puts back states taken by :func:`generator_states`."""
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1:])
+
+
+def drew_random(seed: int) -> bool:
+    """Whether anything drew from the default generators since ``torch.manual_seed(seed)``.
+    Reseeds them with ``seed``: call it where the RNG is put back afterwards
+    (:func:`fxpipe.capture.prepare.preserved`)."""
+    after = generator_states()
+    torch.manual_seed(seed)
+    seeded = generator_states()
+    return len(after) != len(seeded) or any(not torch.equal(a, b) for a, b in zip(after, seeded))

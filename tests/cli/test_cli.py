@@ -191,7 +191,7 @@ def test_plan_table_and_module_spec(capsys, model_file):
 def test_plan_time_says_what_was_measured_and_no_progress(capsys, model_file):
     """A 'time' plan profiled on one micro-batch counts the costs it measured and reused;
     --no-progress is accepted by every model subcommand and turns the status line off."""
-    from fxpipe.cli.console import progress_enabled
+    from fxpipe.progress import enabled as progress_enabled
 
     rc, out, err = run_main(capsys, "plan", f"{model_file}:factory", "-n", 2, "--chunks", 2, "--no-progress")
     assert rc == 0, err
