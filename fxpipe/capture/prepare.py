@@ -239,7 +239,7 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
     """Refuses a captured graph that does not reproduce the model on the sample.
 
     ``eager`` is the model's own output and ``graph_leaves`` the graph's flat outputs, both
-    from :meth:`fxpipe.checks.batching.Batching.sample_run`. A capture can be silently unfaithful:
+    from :func:`fxpipe.checks.micro_batches.sample_run`. A capture can be silently unfaithful:
     a forward that changes Python state (``self.calls += 1`` on an int attribute) runs that
     code once, while torch.fx traces, and the graph keeps the value it had then as a
     constant. Values are compared only when the graph is deterministic (``deterministic``).

@@ -8,7 +8,7 @@ runs fine and is wrong; ``return h, h.mean(0)`` comes back with one mean per mic
 
 So the user can say it (``chunk_dims=``, ``output_merge=``, in the spirit of
 torch.distributed.pipelining's ``args_chunk_spec`` / ``output_merge_spec``), and
-:meth:`Batching.check` verifies it when the pipeline is built: the captured graph runs on
+:func:`fxpipe.checks.micro_batches.check_split` verifies it when the pipeline is built: the captured graph runs on
 the sample once whole and once split, run and merged, and the two must agree, or the
 build is refused naming the input or output and the option to set.
 
@@ -20,24 +20,20 @@ splits; a cross entropy mean over counted labels by their counts, :mod:`fxpipe.c
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..capture.tracing import positional_names
 from .counted_labels import CountedLabels, weighted_mean
 from ..errors import MicroBatchError
-from .loss import gradient_mismatch
-from ..capture.values import exactly_same, same_value
 from ..runtime.microbatch import split_sizes as _split_sizes
 from ..tree import leaf_names
 
-__all__ = ["SAMPLE_SEED", "Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims", "evaluating",
-           "concatenated_dim"]
+__all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims"]
 
 Merge = Union[int, str, Callable[[List[Any]], Any]]
 ChunkDims = Union[int, Mapping[str, Optional[int]]]
@@ -109,10 +105,6 @@ def _select(key: str, table: Mapping[str, Any]) -> Tuple[bool, Any]:
         if prefix in table:
             return True, table[prefix]
     return False, None
-
-
-#: the seed of :meth:`Batching.sample_run` (:mod:`fxpipe.runtime.randomness` compares against it)
-SAMPLE_SEED = 0
 
 
 @dataclass
@@ -231,163 +223,21 @@ class Batching:
             return sum(p * n for p, n in zip(parts, sizes)) / total
         return torch.cat(parts, dim=int(merge))  # type: ignore[arg-type]
 
-    # -- the build-time check --------------------------------------------------------------
+    # -- at call time ----------------------------------------------------------------------
     def refuse_mode(self, training: bool) -> None:
         """At call time: training mode refused when the build's training-mode check failed."""
         if training and self.train_refusal:
             raise MicroBatchError(self.train_refusal)
 
-    def check(self, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any], *,
-              mode: Optional[Callable[[nn.Module], Any]] = None, values: bool = True,
-              blame: Optional[Callable[[List[List[Any]]], str]] = None, why: str = "", mode_text: str = "",
-              random: Optional[bool] = None) -> bool:
-        """Runs ``gm`` split on the sample and compares with ``whole`` (:func:`sample_run`, in
-        the same ``mode``); refuses when the results differ.
-
-        Two micro-batches (uneven when the batch is odd) are enough to see a wrong split
-        dim or an output that is not per sample. Runs under ``mode(model)`` (default: eval
-        mode; :mod:`fxpipe.checks.modes` runs the training mode too) and under no_grad; the
-        caller restores the model's state. A graph that gives another result with another
-        seed (random ops the mode does not switch off) is checked for structure only, as is
-        everything with ``values=False``. ``blame(micro)`` says which module differs first
-        ('' when unknown); ``why`` replaces the generic advice of a refusal, ``mode_text``
-        (' in training mode') says which mode differed. ``random=False`` says the whole run
-        drew no random numbers from torch (:func:`fxpipe.runtime.randomness.drew_random`): the second, reseeded run
-        is then made only before refusing on a value difference. Returns whether the graph is
-        deterministic on the sample.
-        """
-        mode = mode or evaluating
-        if self.counted is None:
-            self.counted = CountedLabels.find(gm, whole, [m == "mean" for m in self.merges], self.in_dims)
-        deterministic = True if random is False else self.reruns_same(gm, model, flat, whole, mode)
-        provisional = random is False  # not yet confirmed by a second run
-        compare = deterministic and values
-        total = self.batch_size(flat)
-        if total < 2:
-            return deterministic
-        k = 2
-        with mode(model), torch.no_grad():
-            micro, sizes = self.split(flat, k)
-            weights = self.weights(flat, micro, "the sample")  # decided as for a call
-            try:
-                outs = [list(gm(*m)) for m in micro]
-            except Exception as e:  # noqa: BLE001 - the split inputs are what broke it
-                raise MicroBatchError(
-                    f"the model fails on a micro-batch ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
-                    f"The inputs are split along {self._dims_text()}; if the batch is in another dim of an "
-                    "input, say so with chunk_dims={'<argument>': dim} (None for an argument that must not "
-                    "be split).") from e
-        for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
-            b = self._merge_leaf(i, list(column), sizes, weights.get(i))
-            if compare and provisional and not same_value(a, b):
-                provisional = False
-                deterministic = self.reruns_same(gm, model, flat, whole, mode)
-                compare = deterministic and values
-            if not same_value(a, b, values=compare):
-                found = blame(micro) if blame is not None and compare else ""
-                self._refuse(i, a, b, list(column), k, found, why, mode_text)
-        reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
-                   and a.is_floating_point() and self.merges[i] is not None]
-        if compare and reduced:  # a merged loss: its gradient must be the batch's too
-            with mode(model):
-                torch.manual_seed(1)
-                bad = gradient_mismatch(gm, flat, micro, reduced,
-                                        lambda i, parts: self._merge_leaf(i, parts, sizes, weights.get(i)))
-            if bad is not None and provisional and not self.reruns_same(gm, model, flat, whole, mode):
-                bad, deterministic = None, False  # random after all: values are not compared
-            if bad is not None:
-                i, param, diff, scale = bad
-                raise MicroBatchError(
-                    f"{_output_label(self.out_names[i])} merged over {k} micro-batches is close to the full "
-                    f"batch's value but its gradient is not the full batch's: the gradient of parameter '{param}' differs by up to "
-                    f"{diff:.3g} (largest |gradient| {scale:.3g}). Training the pipeline would silently "
-                    f"differ from the model. {_LOSS_NOTE}")
-        return deterministic
-
-    @staticmethod
-    def reruns_same(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any],
-                    mode: Callable[[nn.Module], Any]) -> bool:
-        """Whether ``gm`` gives ``whole`` again with another seed (no randomness left in ``mode``)."""
-        with mode(model), torch.no_grad():
-            torch.manual_seed(1)
-            again = list(gm(*flat))
-        return all(exactly_same(a, b) for a, b in zip(whole, again))
-
-    @staticmethod
-    def sample_run(run: Callable[[], Any], model: nn.Module,
-                   mode: Optional[Callable[[nn.Module], Any]] = None) -> Any:
-        """``run()`` on the whole sample under ``mode(model)`` (default eval), no_grad, seeded (see check)."""
-        with (mode or evaluating)(model), torch.no_grad():
-            torch.manual_seed(SAMPLE_SEED)
-            return run()
-
-    def _dims_text(self) -> str:
+    def dims_text(self) -> str:
+        """'dim 0 of x, mask (not split)': where each input is split, for messages."""
         seen: Dict[str, Optional[int]] = {}
         for n, d in zip(self.in_names, self.in_dims):
             seen.setdefault(n, d)
         return ", ".join(f"dim {d} of {n}" if d is not None else f"{n} (not split)" for n, d in seen.items())
-
-    def _refuse(self, i: int, whole: Any, merged: Any, parts: List[Any], k: int, found: str, why: str,
-                mode_text: str) -> None:
-        name = self.out_names[i]
-        if isinstance(whole, Tensor) and isinstance(merged, Tensor):
-            if whole.shape != merged.shape:
-                what = f"has shape {tuple(whole.shape)} for the whole batch but {tuple(merged.shape)} merged"
-            else:
-                diff = (whole.double() - merged.double()).abs().max().item()
-                what = f"differs by up to {diff:.3g} (largest |value| {whole.double().abs().max().item():.3g})"
-        else:
-            what = f"is {_short(whole)} for the whole batch but {_short(merged)} merged"
-        head = (f"{_output_label(name)} {what} when the sample is split into {k} micro-batches along "
-                f"{self._dims_text()} and the outputs are merged{mode_text}")
-        found = f" {found}" if found else ""
-        if why:
-            raise MicroBatchError(f"{head}{why}{found}")
-        dim = concatenated_dim(whole, parts)
-        current = self.merges[i] if self.merges[i] is not None else 0
-        if dim is not None and dim != current:  # the shapes say where the batch is: verified, not guessed
-            option = f"output_merge={{{name!r}: {dim}}}" if name else f"output_merge={dim}"
-            raise MicroBatchError(
-                f"{head}.{found} Each micro-batch's output has its batch in dim {dim}: concatenated along "
-                f"dim {dim} they give the model's output exactly. What to do: pass {option} (a "
-                "sequence-first model split with chunk_dims=1 usually needs output_merge=1).")
-        raise MicroBatchError(
-            f"{head}. A pipeline would silently differ from the "
-            f"model.{found} What to do: if the batch is not in those dims, give it with chunk_dims={{'<argument>': "
-            f"dim}}; if this output is not per sample, declare its merge with {_merge_hint(name)}."
-            + (f" {_LOSS_NOTE}" if isinstance(whole, Tensor) and whole.dim() == 0 else ""))
-
-
-def concatenated_dim(whole: Any, parts: Sequence[Any]) -> Optional[int]:
-    """The dim along which ``parts`` concatenate to ``whole`` (value included), or None."""
-    if not isinstance(whole, Tensor) or not all(isinstance(p, Tensor) for p in parts) or len(parts) < 2:
-        return None
-    for d in range(whole.dim()):
-        if all(p.dim() == whole.dim() and p.shape[:d] == whole.shape[:d] and p.shape[d + 1:] == whole.shape[d + 1:]
-               for p in parts) and sum(p.shape[d] for p in parts) == whole.shape[d]:
-            return d if same_value(whole, torch.cat(list(parts), dim=d)) else None
-    return None
-
-
-@contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """Eval mode for the block; every submodule's own flag is put back after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
 
 def _check_merge(key: str, merge: Any) -> None:
     ok = callable(merge) or merge in MERGES or (isinstance(merge, int) and not isinstance(merge, bool))
     if not ok:
         raise MicroBatchError(f"output_merge[{key!r}] must be a dim (int), one of {MERGES} or a callable, "
                               f"got {merge!r}")
-
-
-def _short(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -36,7 +36,8 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils import _pytree as pytree
 
 from ..capture.values import same_value
-from .batching import SAMPLE_SEED, Batching, ChunkDims, OutputMerge, evaluating
+from .batching import Batching, ChunkDims, OutputMerge
+from .micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
 from ..errors import MicroBatchError, TraceError
 from ..capture.meta import is_meta_model
 from ..capture.numerics import checking
@@ -105,23 +106,23 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
 
     def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool]:
         with preserved(model):
-            whole = list(Batching.sample_run(lambda: gm(*flat), model, mode))
+            whole = list(sample_run(lambda: gm(*flat), model, mode))
             random = drew_random(SAMPLE_SEED)  # none: no second, reseeded run (fxpipe.runtime.randomness)
         b = batching or Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
         with preserved(model):
-            deterministic = b.check(gm, model, flat, whole, mode=mode, random=random, **options)
+            deterministic = check_split(b, gm, model, flat, whole, mode=mode, random=random, **options)
         return b, whole, deterministic
 
     def against_eager(mode: Mode, whole: List[Any], deterministic: bool) -> None:
         if not meta:  # on meta, eager code may branch on values (.item()), and none are there
             with preserved(model):
-                eager = Batching.sample_run(lambda: model(*args, **kwargs), model, mode)
+                eager = sample_run(lambda: model(*args, **kwargs), model, mode)
             try:
                 check_capture(eager, whole, batching.out_names, deterministic)  # type: ignore[union-attr]
             except TraceError:
                 # deterministic may rest on fxpipe.runtime.randomness alone: confirm before refusing
                 with preserved(model):
-                    if not deterministic or Batching.reruns_same(gm, model, flat, whole, mode):
+                    if not deterministic or reruns_same(gm, model, flat, whole, mode):
                         raise
                 check_capture(eager, whole, batching.out_names, False)  # type: ignore[union-attr]
 
