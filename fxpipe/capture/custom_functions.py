@@ -25,33 +25,26 @@ from __future__ import annotations
 
 import sys
 import threading
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
+from .apply_patch import ApplyPatch, error_in_chain
 from .user_code import user_stack
 
 __all__ = ["AutogradFunctionError", "applying_as_nodes", "refusing_in_export", "autograd_function_in",
            "function_of"]
 
 _Function = torch.autograd.function.Function
-_state = threading.local()
 _lock = threading.Lock()
-_users = 0
-_original = _Function.__dict__["apply"]  # a classmethod
 _targets: Dict[type, Callable[..., Any]] = {}
 
 
 class AutogradFunctionError(TraceError):
     """A custom ``torch.autograd.Function`` is applied where the capture cannot keep it whole."""
-
-
-def _call_original(cls: type, *args: Any, **kwargs: Any) -> Any:
-    return _original.__get__(None, cls)(*args, **kwargs)
 
 
 def _node_target(cls: type) -> Callable[..., Any]:
@@ -119,53 +112,31 @@ def _refusal(cls: type) -> AutogradFunctionError:
         location=location, reason=f"custom autograd.Function {cls.__qualname__} under torch.export")
 
 
-def _patched_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    mode = getattr(_state, "mode", None)
+def _patched_apply(patch: ApplyPatch, cls: type, *args: Any, **kwargs: Any) -> Any:
+    mode = patch.state
     if mode is not None and mode[0] == "fx":
         if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
             return mode[1].create_proxy("call_function", _node_target(cls), args, kwargs)
     elif mode is not None and mode[0] == "export" and not _from_torch(cls) and not _inside(mode[1]):
         raise _refusal(cls)
-    return _call_original(cls, *args, **kwargs)
+    return patch.original(cls, *args, **kwargs)
 
 
-@contextmanager
-def _patched(mode: tuple) -> Iterator[None]:
-    global _users
-    with _lock:
-        if _users == 0:
-            _Function.apply = classmethod(_patched_apply)  # type: ignore[method-assign, assignment]
-        _users += 1
-    outer = getattr(_state, "mode", None)
-    _state.mode = mode
-    try:
-        yield
-    finally:
-        _state.mode = outer
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                _Function.apply = _original  # type: ignore[method-assign]
+_PATCH = ApplyPatch(_Function, _patched_apply)
 
 
 def applying_as_nodes(tracer: fx.Tracer) -> Any:
     """While the block runs, ``Fn.apply`` on ``tracer``'s proxies records one node (see module doc)."""
-    return _patched(("fx", tracer))
+    return _PATCH.active(("fx", tracer))
 
 
 def refusing_in_export(opaque: Sequence[nn.Module]) -> Any:
     """While the block runs, ``Fn.apply`` outside the forwards of ``opaque`` raises
     :class:`AutogradFunctionError` (see module doc)."""
-    return _patched(("export", list(opaque)))
+    return _PATCH.active(("export", list(opaque)))
 
 
 def autograd_function_in(error: BaseException | None) -> AutogradFunctionError | None:
     """The :class:`AutogradFunctionError` behind a capture failure, if any (torch.export may
     wrap or chain it)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, AutogradFunctionError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
+    return error_in_chain(error, AutogradFunctionError)

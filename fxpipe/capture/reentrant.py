@@ -14,31 +14,23 @@ saved-tensor hooks) traces like any other code and is not affected.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from torch.utils import checkpoint as torch_checkpoint
 
 from ..errors import TraceError
+from .apply_patch import ApplyPatch, error_in_chain
 from .user_code import user_stack
 
 __all__ = ["ReentrantCheckpointError", "reentrant_checkpoint_in", "refusing_reentrant_checkpoint"]
-
-_capturing = threading.local()
-_lock = threading.Lock()
-_users = 0
-_MISSING = object()
-_original: Any = _MISSING
-
 
 class ReentrantCheckpointError(TraceError):
     """The model calls ``torch.utils.checkpoint`` with ``use_reentrant=True``."""
 
 
-def _refusing_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    if not getattr(_capturing, "on", False):  # another thread, not capturing: torch's own
-        return _call_original(cls, *args, **kwargs)
+def _refusing_apply(patch: ApplyPatch, cls: type, *args: Any, **kwargs: Any) -> Any:
+    if not patch.state:  # another thread, not capturing: torch's own
+        return patch.original(cls, *args, **kwargs)
     where = user_stack().splitlines()
     location = where[-2].strip() + " " + where[-1].strip() if len(where) >= 2 else ""
     raise ReentrantCheckpointError(
@@ -55,40 +47,13 @@ def _refusing_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
 def reentrant_checkpoint_in(error: BaseException | None) -> ReentrantCheckpointError | None:
     """The :class:`ReentrantCheckpointError` behind a capture failure, if any (torch.export
     may wrap or chain it)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, ReentrantCheckpointError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
+    return error_in_chain(error, ReentrantCheckpointError)
 
 
-def _call_original(cls: type, *args: Any, **kwargs: Any) -> Any:
-    return super(torch_checkpoint.CheckpointFunction, cls).apply(*args, **kwargs)
+_PATCH = ApplyPatch(torch_checkpoint.CheckpointFunction, _refusing_apply)
 
 
-@contextmanager
-def refusing_reentrant_checkpoint() -> Iterator[None]:
+def refusing_reentrant_checkpoint() -> Any:
     """While the block runs, the re-entrant checkpoint raises :class:`ReentrantCheckpointError`
     on this thread (other threads keep torch's own). Nests; restores torch's class after."""
-    global _users, _original
-    fn = torch_checkpoint.CheckpointFunction
-    with _lock:
-        if _users == 0:
-            _original = fn.__dict__.get("apply", _MISSING)
-            fn.apply = classmethod(_refusing_apply)  # type: ignore[method-assign, assignment]
-        _users += 1
-    outer = getattr(_capturing, "on", False)
-    _capturing.on = True
-    try:
-        yield
-    finally:
-        _capturing.on = outer
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                if _original is _MISSING:
-                    del fn.apply
-                else:
-                    fn.apply = _original  # type: ignore[method-assign]
+    return _PATCH.active(True)
