@@ -1,6 +1,6 @@
 """``fxpipe.pipeline``: trace any ``nn.Module``, balance it, portal its long edges, run it.
 
-The data path (README, "How it works"): capture -> profile -> OpGraph -> partition -> Plan
+The data path (docs/how-it-works.md): capture -> profile -> OpGraph -> partition -> Plan
 -> emit -> runtime. Each step is a plain value kept on the returned :class:`Pipeline`
 (``capture``, ``plan``, ``stages``) so it can be printed, saved and tested on its own.
 """

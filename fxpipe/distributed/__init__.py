@@ -8,7 +8,7 @@ per process), with torch.distributed.pipelining doing the sending and the schedu
     loss = pipe.step(x, target=y)          # every rank; the mini-batch loss on every rank
     opt = torch.optim.AdamW(pipe.parameters())                               # this rank's
 
-See README "Beyond one machine" for what is exact and what is not supported yet.
+See docs/guide.md, "Several processes", for what is exact and what is not supported yet.
 """
 
 from .build import DEFAULT_TIMEOUT, SCHEDULES, pipeline
