@@ -1,0 +1,231 @@
+"""The one build sequence: capture -> checks -> plan (or load and check one) -> emit and place.
+
+``fxpipe.pipeline``, ``fxpipe.distributed.pipeline`` and the command line's ``plan`` /
+``render`` / ``code`` all build through here, so each refuses what the others refuse, with
+the same message: before there was one sequence, the command line skipped the micro-batch
+checks and printed plans the library would refuse. The steps are separate functions because
+the callers differ in one place each:
+
+* :func:`capture_and_check` -- the model captured exactly and its micro-batching verified
+  on the sample (every caller);
+* :func:`choose_plan` -- a saved plan loaded and checked against the capture, or one made
+  (``fxpipe.distributed`` runs it on rank 0 only and broadcasts the result);
+* :func:`emit_and_place` -- one stage module per stage, on its device (the distributed
+  build emits from a plan with carried portals instead, and places per rank).
+
+:func:`build` runs them in order for one process and returns a :class:`Built`. Call the steps
+inside ``preserved(model)`` (:func:`build` does): they run the model, and building must leave
+it as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .capture.meta import is_meta_model, refuse_timing, to_meta
+from .capture.mutation import check_kept_together
+from .capture.prepare import Prepared, prepare, preserved
+from .capture.signature import sample_mismatch
+from .capture.tracing import Capture
+from .checks.batching import Batching, ChunkDims, OutputMerge, input_split_dims
+from .checks.modes import check_modes
+from .emit.placement import place_stages
+from .emit.stage_state import mutable_state
+from .emit.stages import Stages, emit_stages
+from .errors import ArgumentError, PlanModelError, SplitPointsError
+from .plan.make import make_plan
+from .plan.value import Plan
+from .progress import Progress
+
+__all__ = ["BuildOptions", "Checked", "Built", "build", "capture_and_check", "choose_plan", "emit_and_place",
+           "check_plan", "check_split_points"]
+
+PlanOption = Union[Plan, str, "os.PathLike[str]", None]
+
+
+@dataclass
+class BuildOptions:
+    """What a build is asked for (checked by the front door that took them)."""
+
+    n_stages: int
+    chunks: int = 1
+    #: one per stage; None: planned without devices (the command line's plan and render)
+    devices: Optional[List[torch.device]] = None
+    balance_by: str = "time"
+    leaf_modules: Sequence[Union[type, str]] = ()
+    split_points: Optional[Sequence[str]] = None
+    plan: PlanOption = None
+    chunk_dims: ChunkDims = 0
+    output_merge: Optional[OutputMerge] = None
+    progress: Progress = field(default_factory=lambda: Progress(enabled=False))
+
+
+@dataclass
+class Checked:
+    """A capture that passed the checks: the graph, how to batch it, and the sample it ran on
+    (moved to the meta device for a model there)."""
+
+    prepared: Prepared
+    batching: Batching
+    args: Tuple[Any, ...]
+    kwargs: dict
+    meta: bool
+
+    @property
+    def capture(self) -> Capture:
+        return self.prepared.capture
+
+
+@dataclass
+class Built:
+    """What :func:`build` returns: every value of the data path, each printable on its own."""
+
+    capture: Capture
+    batching: Batching
+    plan: Plan
+    #: the emitted stages, placed on their devices (None when built with ``emit=False``)
+    stages: Optional[Stages]
+    #: why the graph cannot follow a mode switch ('' when it can): :mod:`fxpipe.capture.prepare`
+    mode_sensitive: str
+    #: built from a model on the meta device (planned and emitted, not runnable)
+    meta: bool
+
+
+def check_split_points(split_points: Optional[Sequence[str]], plan: Any) -> None:
+    """``split_points`` is a list of module names, and not given together with ``plan``
+    (a plan fixes every cut already: one of them would be ignored)."""
+    if split_points is None:
+        return
+    if plan is not None:
+        raise SplitPointsError(
+            "plan= and split_points= were both given, but a plan already fixes where the stages are cut, "
+            "so split_points would be ignored; pass one of them: plan= to reuse a saved plan, or "
+            "split_points= (without plan=) to cut before those modules", argument="split_points")
+    if isinstance(split_points, (str, bytes)) or not all(isinstance(n, str) for n in split_points):
+        raise SplitPointsError(
+            f"split_points must be a list of qualified module names (n_stages - 1 of them, e.g. "
+            f"['layers.4', 'layers.8']), got {split_points!r}", argument="split_points")
+
+
+def check_plan(plan: Plan, captured: Capture, n_stages: int, path: Optional[str] = None) -> None:
+    """A given plan fits this capture: its stage count and exactly this graph's nodes.
+
+    Raises :class:`~fxpipe.errors.PlanModelError` (a ``ValueError``) naming ``path``, the
+    file the plan came from (``None``: a Plan object).
+    """
+    where = f"the plan in {path!r}" if path else "the plan"
+    if plan.n_stages != n_stages:
+        raise PlanModelError(f"{where} has {plan.n_stages} stages but n_stages={n_stages}; pass "
+                             f"n_stages={plan.n_stages}, or make a new plan for {n_stages} stages (omit plan=...)",
+                             path=path)
+    nodes = {n.name for n in captured.graph_module.graph.nodes}
+    missing = sorted(nodes - set(plan.assignment))
+    extra = sorted(set(plan.assignment) - nodes)
+    if missing or extra:
+        raise PlanModelError(
+            f"{where} does not match this model's graph "
+            f"(nodes without a stage: {missing[:5]}, unknown nodes: {extra[:5]}); it was made for another "
+            "model, another configuration or another fxpipe/torch version: "
+            "make a new plan for this model (omit plan=...)", path=path
+        )
+
+
+def _refuse_inference_state(model: nn.Module) -> None:
+    """Parameters or buffers created under ``torch.inference_mode()`` cannot be built on (their
+    versions are not tracked, they cannot be saved for backward)."""
+    bad = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()]
+    if bad:
+        raise ArgumentError(
+            f"{type(model).__name__}'s {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
+            f"{'are inference tensors' if len(bad) > 1 else 'is an inference tensor'} (created under "
+            "torch.inference_mode()), which a pipeline cannot be built on: create the model (or load its "
+            "weights) outside torch.inference_mode(); the built pipeline may then be called inside it",
+            argument="model")
+
+
+def _normal_tensors(args: Tuple[Any, ...], kwargs: dict) -> Tuple[Tuple[Any, ...], dict]:
+    """The sample with its inference tensors cloned into normal ones (same values).
+
+    A sample made under ``torch.inference_mode()`` is an inference tensor: the build, which
+    runs outside inference mode, could not save it for the profiled backward nor track its
+    versions (fxpipe.capture.mutation). The caller's tensors are left as they are.
+    """
+    def normal(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
+    return pytree.tree_map(normal, (args, kwargs))
+
+
+def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildOptions) -> Checked:
+    """The model captured exactly, and its split/merge verified on the sample (whole run vs
+    split into micro-batches and merged; graph vs eager), in eval and in training mode
+    (:mod:`fxpipe.checks.modes`). Call it inside ``preserved(model)``: it runs the model."""
+    report = options.progress
+    _refuse_inference_state(model)
+    args, kwargs = _normal_tensors(args, kwargs)
+    meta = is_meta_model(model)
+    if meta:  # shapes only: size it, never time it; the sample meets meta weights on meta
+        if options.plan is None and options.balance_by == "time":
+            refuse_timing()
+        args, kwargs = to_meta(args, kwargs)
+    mismatch = sample_mismatch(model, args, kwargs)
+    if mismatch:  # else the capture fails on the call and advises about untraceable code
+        raise ArgumentError(
+            f"the sample does not fit the model: {mismatch}. What to do: pass the sample as the model is "
+            "called: sample= its positional input (a tuple for several), sample_kwargs= its keyword "
+            "arguments.", argument="sample")
+    _, split_dims = input_split_dims(model, args, kwargs, options.chunk_dims)
+    prepared = prepare(model, args, kwargs, options.leaf_modules, split_dims, report)
+    with report.phase("checking micro-batches against the whole batch"):
+        batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge)
+    return Checked(prepared, batching, args, kwargs, meta)
+
+
+def choose_plan(checked: Checked, options: BuildOptions) -> Plan:
+    """The plan given (loaded, and checked against this capture) or one made for it; either
+    way checked to keep together what a cut must not separate."""
+    captured, given = checked.capture, options.plan
+    if given is not None:
+        chosen = given if isinstance(given, Plan) else Plan.load(given)
+        check_plan(chosen, captured, options.n_stages, None if isinstance(given, Plan) else str(os.fspath(given)))
+    else:
+        chosen = make_plan(captured, checked.args, checked.kwargs, options.n_stages, balance_by=options.balance_by,
+                           split_points=options.split_points, devices=options.devices or (), chunks=options.chunks,
+                           batching=checked.batching, progress=options.progress)
+    check_kept_together(captured.graph_module, chosen.assignment)
+    return chosen
+
+
+def emit_and_place(model: nn.Module, captured: Capture, plan: Plan, devices: List[torch.device],
+                   progress: Progress) -> Stages:
+    """One stage module per stage, each knowing the state its recomputation must snapshot,
+    its parameters and buffers on its device (the model's own tensors, moved, not copied)."""
+    with progress.phase("emitting stages"):
+        stages = emit_stages(captured.graph_module, plan)
+        for stage in stages:
+            stage.mutable_state = mutable_state(model, stage)
+        place_stages(stages, devices, exported=captured.method == "export")
+    return stages
+
+
+def build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildOptions, *,
+          emit: bool = True) -> Built:
+    """The whole sequence for one process: capture and check, plan, then (``emit``) emit and
+    place on ``options.devices``. Runs outside inference mode whatever the caller's (the build
+    runs backward to profile and tracks in-place updates by version counters), and leaves the
+    model as it was."""
+    with torch.inference_mode(False):
+        with preserved(model):  # building runs the model; none of it may show afterwards
+            checked = capture_and_check(model, args, kwargs, options)
+            plan = choose_plan(checked, options)
+        stages = None
+        if emit:
+            if options.devices is None:
+                raise ValueError("build(emit=True) needs options.devices: one device per stage")
+            stages = emit_and_place(model, checked.capture, plan, options.devices, options.progress)
+    return Built(checked.capture, checked.batching, plan, stages, checked.prepared.mode_sensitive, checked.meta)
