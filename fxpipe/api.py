@@ -11,32 +11,25 @@ import os
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
-from .checks.batching import Batching, ChunkDims, OutputMerge, input_split_dims
-from .capture.tracing import Capture
-from .emit.compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
-from .runtime.devices import Device, default_devices
-from .emit.stages import Stages, emit_stages
-from .errors import (ArgumentError, DevicesError, ModeError, PipelinePicklingError, PlanModelError, SplitPointsError,
-                     StagesError)
-from .runtime.frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
-from .capture.meta import is_meta_model, refuse_running, refuse_timing, to_meta
+from .build import BuildOptions, build, check_split_points
+from .capture.meta import refuse_running
 from .capture.model_check import ModelCheck
-from .emit.placement import place_stages
-from .plan.make import BALANCE_BY, make_plan
-from .capture.mutation import check_kept_together
-from .emit.stage_state import mutable_state
+from .capture.tracing import Capture
+from .checks.batching import Batching, ChunkDims, OutputMerge
+from .emit.compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
+from .emit.stages import Stages
+from .errors import ArgumentError, DevicesError, ModeError, PipelinePicklingError, StagesError
+from .plan.make import BALANCE_BY
 from .plan.value import Plan
-from .checks.modes import check_modes
-from .capture.prepare import Prepared, preserved, prepare
-from .progress import Progress, ProgressOption, as_progress
+from .progress import ProgressOption, as_progress
 from .runtime.batchnorm import commit_deferred_batch_norm
+from .runtime.devices import Device, default_devices
+from .runtime.frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .runtime.microbatch import Batch
 from .runtime.pipeline import PipelineRunner
 from .runtime.skip_layout import SkipLayout
-from .capture.signature import sample_mismatch
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -61,22 +54,6 @@ def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, b
     check_split_points(split_points, plan)
 
 
-def check_split_points(split_points: Optional[Sequence[str]], plan: Any) -> None:
-    """``split_points`` is a list of module names, and not given together with ``plan``
-    (a plan fixes every cut already: one of them would be ignored)."""
-    if split_points is None:
-        return
-    if plan is not None:
-        raise SplitPointsError(
-            "plan= and split_points= were both given, but a plan already fixes where the stages are cut, "
-            "so split_points would be ignored; pass one of them: plan= to reuse a saved plan, or "
-            "split_points= (without plan=) to cut before those modules", argument="split_points")
-    if isinstance(split_points, (str, bytes)) or not all(isinstance(n, str) for n in split_points):
-        raise SplitPointsError(
-            f"split_points must be a list of qualified module names (n_stages - 1 of them, e.g. "
-            f"['layers.4', 'layers.8']), got {split_points!r}", argument="split_points")
-
-
 def _devices(devices: Optional[Iterable[Device]], n_stages: int) -> List[torch.device]:
     device_list = default_devices(n_stages) if devices is None else [torch.device(d) for d in devices]
     if len(device_list) < n_stages:
@@ -86,31 +63,6 @@ def _devices(devices: Optional[Iterable[Device]], n_stages: int) -> List[torch.d
             f"pass devices= with one device per stage (a device may repeat: ['cuda:0', 'cuda:0', 'cuda:1']), "
             f"or use n_stages={len(device_list)} or fewer")
     return device_list[:n_stages]
-
-
-def _normal_tensors(args: Tuple[Any, ...], kwargs: dict) -> Tuple[Tuple[Any, ...], dict]:
-    """The sample with its inference tensors cloned into normal ones (same values).
-
-    A sample made under ``torch.inference_mode()`` is an inference tensor: the build, which
-    runs outside inference mode, could not save it for the profiled backward nor track its
-    versions (fxpipe.capture.mutation). The caller's tensors are left as they are.
-    """
-    def normal(v: Any) -> Any:
-        return v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
-    return pytree.tree_map(normal, (args, kwargs))
-
-
-def _refuse_inference_state(model: nn.Module) -> None:
-    """Parameters or buffers created under ``torch.inference_mode()`` cannot be built on (their
-    versions are not tracked, they cannot be saved for backward)."""
-    bad = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()]
-    if bad:
-        raise ArgumentError(
-            f"{type(model).__name__}'s {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
-            f"{'are inference tensors' if len(bad) > 1 else 'is an inference tensor'} (created under "
-            "torch.inference_mode()), which a pipeline cannot be built on: create the model (or load its "
-            "weights) outside torch.inference_mode(); the built pipeline may then be called inside it",
-            argument="model")
 
 
 class Pipeline(PlacedModule):
@@ -318,96 +270,17 @@ def pipeline(
     report = as_progress(progress)
     device_list = _devices(devices, n_stages)
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
-    kwargs = dict(sample_kwargs or {})
-    # Built outside inference_mode, whatever the caller's mode: the build runs backward
-    # (profiling) and tracks in-place updates by version counters, which inference mode has not.
-    with torch.inference_mode(False):
-        pipe = _build(model, args, kwargs, n_stages, device_list, chunks, checkpoint, deferred_batch_norm,
-                      balance_by, leaf_modules, split_points, plan, chunk_dims, output_merge, report)
+    options = BuildOptions(n_stages, chunks, device_list, balance_by, leaf_modules, split_points, plan, chunk_dims,
+                           output_merge, report)
+    built = build(model, args, dict(sample_kwargs or {}), options)  # fxpipe.build: the one build sequence
+    pipe = Pipeline(model, built.capture, built.plan, built.stages, device_list, chunks, checkpoint,
+                    deferred_batch_norm, built.mode_sensitive, built.batching, meta=built.meta)
     if compile_options is not None:
         compile_stages(pipe.stages, compile_options)
     return pipe
-
-
-def _build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, n_stages: int, device_list: List[torch.device],
-           chunks: int, checkpoint: str, deferred_batch_norm: bool, balance_by: str,
-           leaf_modules: Sequence[Union[type, str]], split_points: Optional[Sequence[str]],
-           plan: Optional[Union[Plan, str, os.PathLike]], chunk_dims: ChunkDims,
-           output_merge: Optional[OutputMerge], report: Optional[Progress] = None) -> Pipeline:
-    """:func:`pipeline` once its arguments are checked, outside inference mode."""
-    report = report if report is not None else Progress(enabled=False)
-    _refuse_inference_state(model)
-    args, kwargs = _normal_tensors(args, kwargs)
-    meta = is_meta_model(model)
-    if meta:  # shapes only: size it, never time it; the sample meets meta weights on meta
-        if plan is None and balance_by == "time":
-            refuse_timing()
-        args, kwargs = to_meta(args, kwargs)
-    with preserved(model):  # building runs the model; none of it may show afterwards
-        prepared, batching = checked_capture(model, args, kwargs, leaf_modules, chunk_dims, output_merge, report)
-        captured = prepared.capture
-        if plan is not None:
-            chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
-            check_plan(chosen, captured, n_stages, None if isinstance(plan, Plan) else str(os.fspath(plan)))
-        else:
-            chosen = make_plan(captured, args, kwargs, n_stages, balance_by=balance_by, split_points=split_points,
-                               devices=device_list, chunks=chunks, batching=batching, progress=report)
-        check_kept_together(captured.graph_module, chosen.assignment)
-    with report.phase("emitting stages"):
-        stages = emit_stages(captured.graph_module, chosen)
-        for stage in stages:
-            stage.mutable_state = mutable_state(model, stage)
-        place_stages(stages, device_list, exported=captured.method == "export")
-    return Pipeline(model, captured, chosen, stages, device_list, chunks, checkpoint, deferred_batch_norm,
-                    prepared.mode_sensitive, batching, meta=meta)
-
-
-def checked_capture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict,
-                    leaf_modules: Sequence[Union[type, str]], chunk_dims: ChunkDims,
-                    output_merge: Optional[OutputMerge],
-                    report: Optional[Progress] = None) -> Tuple[Prepared, Batching]:
-    """The model captured exactly, and its split/merge verified on the sample (whole run vs
-    split into micro-batches and merged; graph vs eager), in eval and in training mode
-    (:mod:`fxpipe.checks.modes`). Shared by :func:`pipeline` and
-    :func:`fxpipe.distributed.pipeline` so both build on the same checked graph. Call it
-    inside ``preserved(model)``: it runs the model."""
-    report = report if report is not None else Progress(enabled=False)
-    mismatch = sample_mismatch(model, args, kwargs)
-    if mismatch:  # else the capture fails on the call and advises about untraceable code
-        raise ArgumentError(
-            f"the sample does not fit the model: {mismatch}. What to do: pass the sample as the model is "
-            "called: sample= its positional input (a tuple for several), sample_kwargs= its keyword "
-            "arguments.", argument="sample")
-    _, split_dims = input_split_dims(model, args, kwargs, chunk_dims)
-    prepared = prepare(model, args, kwargs, leaf_modules, split_dims, report)
-    with report.phase("checking micro-batches against the whole batch"):
-        return prepared, check_modes(model, prepared, args, kwargs, chunk_dims, output_merge)
 
 
 def _default_batching(model: nn.Module, captured: Capture) -> Batching:
     n_in = captured.in_spec.num_leaves
     return Batching(["input"] * n_in, [0] * n_in, [""] * captured.out_spec.num_leaves,
                     [None] * captured.out_spec.num_leaves)
-
-
-def check_plan(plan: Plan, captured: Capture, n_stages: int, path: Optional[str] = None) -> None:
-    """A given plan fits this capture: its stage count and exactly this graph's nodes.
-
-    Raises :class:`~fxpipe.errors.PlanModelError` (a ``ValueError``) naming ``path``, the
-    file the plan came from (``None``: a Plan object).
-    """
-    where = f"the plan in {path!r}" if path else "the plan"
-    if plan.n_stages != n_stages:
-        raise PlanModelError(f"{where} has {plan.n_stages} stages but n_stages={n_stages}; pass "
-                             f"n_stages={plan.n_stages}, or make a new plan for {n_stages} stages (omit plan=...)",
-                             path=path)
-    nodes = {n.name for n in captured.graph_module.graph.nodes}
-    missing = sorted(nodes - set(plan.assignment))
-    extra = sorted(set(plan.assignment) - nodes)
-    if missing or extra:
-        raise PlanModelError(
-            f"{where} does not match this model's graph "
-            f"(nodes without a stage: {missing[:5]}, unknown nodes: {extra[:5]}); it was made for another "
-            "model, another configuration or another fxpipe/torch version: "
-            "make a new plan for this model (omit plan=...)", path=path
-        )

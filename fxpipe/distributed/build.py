@@ -1,8 +1,8 @@
 """``fxpipe.distributed.pipeline``: one automatic plan, run by one process per stage.
 
 Every rank builds the same model and calls :func:`pipeline` with the same arguments. Each
-captures and checks the model exactly as ``fxpipe.pipeline`` does (the same
-:func:`fxpipe.api.checked_capture`); rank 0 alone plans and broadcasts the plan
+captures and checks the model exactly as ``fxpipe.pipeline`` does (the same steps of
+:mod:`fxpipe.build`); rank 0 alone plans (:func:`fxpipe.build.choose_plan`) and broadcasts the plan
 (:mod:`.agree`); every rank carries the plan's portals through the stages in between
 (:mod:`.carry`), emits all stages, checks their code against the other ranks', finds the
 static boundary metadata with one fake run (:mod:`.meta`) and wraps its own stages in
@@ -21,13 +21,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from fxpipe.api import check_plan, check_split_points, checked_capture
+from fxpipe.build import BuildOptions, capture_and_check, check_plan, check_split_points, choose_plan
 from fxpipe.emit.stages import Stages, emit_stages
 from fxpipe.errors import BatchShapeError, DistributedError
 from fxpipe.runtime.frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
 from fxpipe.capture.mutation import check_kept_together
 from fxpipe.plan.value import Plan
-from fxpipe.plan.make import BALANCE_BY, make_plan
+from fxpipe.plan.make import BALANCE_BY
 from fxpipe.capture.prepare import preserved
 from fxpipe.progress import Progress, ProgressOption, as_progress
 
@@ -199,20 +199,16 @@ def pipeline(
     cap_args, cap_kwargs = capture_sample(model, args, kwargs, state_dict=state_dict, balance_by=balance_by,
                                           plan=plan)  # on meta for a meta model
 
+    options = BuildOptions(n_stages, chunks, None, balance_by, leaf_modules, split_points, plan, progress=report)
     with preserved(model):
-        prepared, batching = checked_capture(model, cap_args, cap_kwargs, leaf_modules, 0, None, report)
-        batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
-        captured = prepared.capture
+        checked = capture_and_check(model, cap_args, cap_kwargs, options)
+        checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
+        captured = checked.capture
         flat = captured.flatten_inputs(args, kwargs)
         micro = _micro_batch(captured.flatten_inputs(cap_args, cap_kwargs), chunks)
 
-        def make() -> Plan:
-            if plan is None:  # profiled on one micro-batch (fxpipe.plan.make.profiled_inputs)
-                return make_plan(captured, cap_args, cap_kwargs, n_stages, balance_by=balance_by,
-                                 split_points=split_points, chunks=chunks, batching=batching, progress=report)
-            chosen = plan if isinstance(plan, Plan) else Plan.load(plan)
-            check_plan(chosen, captured, n_stages, None if isinstance(plan, Plan) else str(plan))
-            return chosen
+        def make() -> Plan:  # on rank 0; profiled on one micro-batch (fxpipe.plan.make.profiled_inputs)
+            return choose_plan(checked, options)
 
         agreed = broadcast_plan(make, group)
         built: list[Stages] = []
