@@ -65,21 +65,18 @@ def load_model_and_sample(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
     return model, args, kwargs
 
 
-def _capture(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict) -> Any:
-    """The graph fxpipe.pipeline would plan (in-place ops rewritten, state left untouched)."""
-    from ..capture.prepare import prepare, preserved
+def _plan(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, devices: list) -> Any:
+    """The capture and plan :func:`fxpipe.pipeline` would build, through the same sequence
+    (:func:`fxpipe.build.build`, without emitting): the same checks, so what the library
+    refuses is refused here with the same message."""
+    from ..build import BuildOptions, build
+    from ..progress import Progress
 
     status_line("tracing ...")
-    with preserved(model):
-        return prepare(model, args, kwargs, tuple(ns.leaf)).capture
-
-
-def _make_plan(ns: argparse.Namespace, captured: Any, args: tuple, kwargs: dict, devices: list) -> Any:
-    from ..plan.make import make_plan
-
-    clear_status_line()  # make_plan draws its own bar (fxpipe.progress), profiled on one micro-batch
-    return make_plan(captured, args, kwargs, ns.stages, balance_by=ns.balance_by, split_points=ns.split_at or None,
-                     devices=devices, chunks=ns.chunks, progress=progress_enabled())
+    clear_status_line()  # the build draws its own bar (fxpipe.progress), profiled on one micro-batch
+    options = BuildOptions(ns.stages, ns.chunks, devices, ns.balance_by, tuple(ns.leaf), ns.split_at or None,
+                           progress=Progress(enabled=progress_enabled()))
+    return build(model, args, kwargs, options, emit=False)
 
 
 def _pipeline(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, *,
@@ -120,8 +117,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         _check_save_path(ns.save)
     model, args, kwargs = load_model_and_sample(ns)
     devices = _devices(ns)
-    captured = _capture(ns, model, args, kwargs)
-    plan = _make_plan(ns, captured, args, kwargs, devices)
+    plan = _plan(ns, model, args, kwargs, devices).plan
     if ns.save:
         plan.save(ns.save)
     print(plan.to_json() if ns.json else str(plan))
@@ -142,8 +138,8 @@ def cmd_render(ns: argparse.Namespace) -> int:
         raise UsageError(f"--depth must be >= 1, got {ns.depth}")
     model, args, kwargs = load_model_and_sample(ns)
     devices = _devices(ns)
-    captured = _capture(ns, model, args, kwargs)
-    plan = _make_plan(ns, captured, args, kwargs, devices)
+    built = _plan(ns, model, args, kwargs, devices)
+    captured, plan = built.capture, built.plan
     graph = opgraph_for(captured, args, kwargs, "params", chunks=ns.chunks)  # shapes and sizes, one untimed run
     dot = render_plan(graph, plan, gm=captured.graph_module, depth=ns.depth, layout=ns.layout,
                       title=f"{type(model).__name__} in {plan.n_stages} stages (balanced by {plan.balance_by})")

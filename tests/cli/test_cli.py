@@ -65,6 +65,23 @@ MODEL = textwrap.dedent('''
         return Tiny(), torch.randn(8, 8)
 
 
+    class BatchMean(nn.Module):
+        """Normalises over the batch: micro-batches are not the batch (the library refuses it)."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h - h.mean(0, keepdim=True))
+
+
+    def batch_mean():
+        torch.manual_seed(0)
+        return BatchMean(), torch.randn(8, 8)
+
+
     def bare():
         return Tiny()
 
@@ -111,6 +128,28 @@ def run_main(capsys, *args):
 
 
 # -- subcommands, end to end -------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["plan", "render"])
+def test_the_command_line_refuses_what_the_library_refuses(capsys, model_file, tmp_path, command):
+    """plan and render build through fxpipe.build like fxpipe.pipeline: a model that mixes the
+    samples of its batch is refused with the library's own MicroBatchError message."""
+    import importlib.util
+
+    import fxpipe
+    from fxpipe.errors import MicroBatchError
+
+    spec = importlib.util.spec_from_file_location("cli_tiny_model", model_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, x = module.batch_mean()
+    with pytest.raises(MicroBatchError) as info:
+        fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, balance_by="params", progress=False)
+    extra = ["-o", tmp_path / "g.svg"] if command == "render" else []
+    rc, out, err = run_main(capsys, command, f"{model_file}:batch_mean", "--stages", 2, "--chunks", 2,
+                            "--balance-by", "params", *extra)
+    assert rc != 0 and out == ""
+    assert str(info.value).splitlines()[0] in err
+
+
 def test_plan_json_subprocess(model_file, tmp_path):
     saved = tmp_path / "plan.json"
     res = fx("plan", f"{model_file}:factory", "--stages", 3, "--balance-by", "params", "--json", "--save", saved)
