@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
-from fxpipe.runtime.stage_portals import LocalPortals, swap_portals
+from fxpipe.runtime._stage_portals import LocalPortals, swap_portals
 from fxpipe.tree import flatten, unflatten
 
 from _memory import Meter

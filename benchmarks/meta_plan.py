@@ -9,7 +9,7 @@ own, imports included):
   ``AutoConfig.for_model('llama', use_cache=False)`` and ``AutoModelForCausalLM.from_config``
   under ``torch.device('meta')``. Every planning tool pays at least this.
 * ``fxpipe``: the whole command ``fxpipe plan hf:llama --stages 8`` (through
-  ``fxpipe.cli.main.main``): the same build, then capture (torch.export, traced as on the CPU),
+  ``fxpipe.cli._main.main``): the same build, then capture (torch.export, traced as on the CPU),
   the untimed sizing run on meta, the partition (``balance_by='params'``), and printing
   the plan. Nothing is allocated for the weights.
 
@@ -69,7 +69,7 @@ def _child(which: str, stages: int, overrides: list[str], device: str = "cpu") -
         params = sum(p.numel() for p in model.parameters())
         rc = 0
     else:
-        from fxpipe.cli.main import main
+        from fxpipe.cli._main import main
 
         argv = ["plan", "hf:llama", "--stages", str(stages), "--device", device]
         argv += [a for o in overrides for a in ("--set", o)]

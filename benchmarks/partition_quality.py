@@ -4,17 +4,17 @@ Score of a split into n stages: ``bottleneck stage time / (total time / n)``. Lo
 better; 1.0 is a perfect split (the pipeline's steady-state step is set by its slowest stage).
 
 Every split is scored on the SAME per-node costs: each model is captured once and profiled
-``--profiles`` times with ``fxpipe.plan.make.opgraph_for(captured, args, kwargs, 'time')``
+``--profiles`` times with ``fxpipe.plan._make.opgraph_for(captured, args, kwargs, 'time')``
 (forward + backward seconds per fx node); the per-node median over those profiles is the
-shared cost table, and ``fxpipe.plan.partition.stage_costs(graph, assignment, cost_attr="seconds")`` turns any
+shared cost table, and ``fxpipe.plan._partition.stage_costs(graph, assignment, cost_attr="seconds")`` turns any
 assignment into stage times. So the comparison measures the split, not the timing noise.
 
 Contenders (all cut the same topological order into contiguous stages):
 
-* ``fxpipe``: ``fxpipe.plan.make.make_plan(captured, args, kwargs, n, balance_by='time',
+* ``fxpipe``: ``fxpipe.plan._make.make_plan(captured, args, kwargs, n, balance_by='time',
   devices=[cpu]*n)`` -- what ``fxpipe.pipeline`` uses. It profiles again on its own, so its
   plan is optimal for *its* profile; scored here on the shared one.
-* ``opt``: ``fxpipe.plan.partition.partition`` run on the shared costs: the exact optimum for this
+* ``opt``: ``fxpipe.plan._partition.partition`` run on the shared costs: the exact optimum for this
   order and these costs (a lower bound for every contender; shows how much the difference
   between fxpipe's own profile and the shared one costs).
 * ``opt-holdout``: the same exact partitioner run on a second, independent median of
@@ -78,9 +78,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fxpipe.balance as fx_balance  # noqa: E402
 from _results import header, write_json  # noqa: E402
 from _device import add_device_argument, check_device, first_device, label  # noqa: E402
-from fxpipe.capture.tracing import capture  # noqa: E402
-from fxpipe.plan.partition import COMPUTE_OPS, partition, stage_costs, topological_order  # noqa: E402
-from fxpipe.plan.make import make_plan, opgraph_for, split_nodes  # noqa: E402
+from fxpipe.capture._tracing import capture  # noqa: E402
+from fxpipe.plan._partition import COMPUTE_OPS, partition, stage_costs, topological_order  # noqa: E402
+from fxpipe.plan._make import make_plan, opgraph_for, split_nodes  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 torch.set_num_threads(1)

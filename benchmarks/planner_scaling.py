@@ -9,18 +9,18 @@ so the tensors are tiny and the phases measure the planner, not the math.
 Phases, each timed with ``time.perf_counter`` (one run per size; the machine is shared, so
 read the trend, not the third digit):
 
-* ``capture``: ``fxpipe.capture.tracing.capture(model, args, kwargs)`` (torch.fx trace).
-* ``profile``: ``fxpipe.plan.profile.count_params_only(gm, flat)``, the deterministic, untimed
+* ``capture``: ``fxpipe.capture._tracing.capture(model, args, kwargs)`` (torch.fx trace).
+* ``profile``: ``fxpipe.plan._profile.count_params_only(gm, flat)``, the deterministic, untimed
   profile used by ``balance_by='params'`` (one Interpreter run for shapes and bytes).
-* ``opgraph``: ``fxpipe.plan.op_graph.build_opgraph`` plus the parameter folding and memory
-  attribute of ``fxpipe.plan.make.opgraph_for`` (the steps of ``opgraph_for`` after profiling).
-* ``partition``: ``fxpipe.plan.partition.partition(graph, 8, cost_attr='params')``: compute only.
+* ``opgraph``: ``fxpipe.plan._op_graph.build_opgraph`` plus the parameter folding and memory
+  attribute of ``fxpipe.plan._make.opgraph_for`` (the steps of ``opgraph_for`` after profiling).
+* ``partition``: ``fxpipe.plan._partition.partition(graph, 8, cost_attr='params')``: compute only.
 * ``partition+xfer``: the same with a transfer term (``seconds_per_byte=1``, so received
   activation bytes weigh as much as parameters: the exact search with a receive table,
   the path taken for GPU devices).
-* ``plan``: ``fxpipe.plan.value.Plan.from_assignment`` (stages, boundary edges, portals).
-* ``emit``: ``fxpipe.emit.stages.emit_stages(gm, plan)``.
-* ``time profile`` (reported separately, not in the total): ``fxpipe.plan.profile.profile_graph``,
+* ``plan``: ``fxpipe.plan._value.Plan.from_assignment`` (stages, boundary edges, portals).
+* ``emit``: ``fxpipe.emit._stages.emit_stages(gm, plan)``.
+* ``time profile`` (reported separately, not in the total): ``fxpipe.plan._profile.profile_graph``,
   what ``balance_by='time'`` pays instead of ``profile``.
 
 Usage::
@@ -57,15 +57,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fxpipe.capture.tracing import capture  # noqa: E402
+from fxpipe.capture._tracing import capture  # noqa: E402
 from _results import header, write_json  # noqa: E402
 from _device import add_device_argument, check_device, first_device, label  # noqa: E402
-from fxpipe.emit.stages import emit_stages  # noqa: E402
-from fxpipe.plan.op_graph import build_opgraph  # noqa: E402
-from fxpipe.plan.partition import COMPUTE_OPS, partition  # noqa: E402
-from fxpipe.plan.value import Plan  # noqa: E402
-from fxpipe.plan.make import _fold_parameters  # noqa: E402  (the step of opgraph_for after build_opgraph)
-from fxpipe.plan.profile import count_params_only, profile_graph  # noqa: E402
+from fxpipe.emit._stages import emit_stages  # noqa: E402
+from fxpipe.plan._op_graph import build_opgraph  # noqa: E402
+from fxpipe.plan._partition import COMPUTE_OPS, partition  # noqa: E402
+from fxpipe.plan._value import Plan  # noqa: E402
+from fxpipe.plan._make import _fold_parameters  # noqa: E402  (the step of opgraph_for after build_opgraph)
+from fxpipe.plan._profile import count_params_only, profile_graph  # noqa: E402
 
 torch.set_num_threads(1)
 N_STAGES = 8

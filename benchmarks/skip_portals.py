@@ -11,8 +11,8 @@ Two versions of one U-Net with long skips, same weights, same GPipe balance and 
 Reported per training step (forward + backward):
 
 * ``move() bytes``: bytes passed to the runtime's single transfer function
-  ``fxpipe.runtime.copy.move`` (batch copies, ``Copy``) plus the portals' reference to it
-  (``fxpipe.runtime.portal.move``, ``PortalCopy``), forward and backward. On CPU the runtime
+  ``fxpipe.runtime._copy.move`` (batch copies, ``Copy``) plus the portals' reference to it
+  (``fxpipe.runtime._portal.move``, ``PortalCopy``), forward and backward. On CPU the runtime
   skips batch copies between partitions on the same CPU device entirely, so in (a) this is
   0 on CPU while (b) still counts its portal copies (which are no-op ``.to('cpu')`` calls).
 * ``logical bytes``: what crosses partition boundaries whatever the device: the tensors of
@@ -58,8 +58,8 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import fxpipe.runtime.copy as runtime_copy  # noqa: E402
-import fxpipe.runtime.portal as portal_mod  # noqa: E402
+import fxpipe.runtime._copy as runtime_copy  # noqa: E402
+import fxpipe.runtime._portal as portal_mod  # noqa: E402
 from fxpipe import GPipe, is_recomputing  # noqa: E402
 from fxpipe.skip import Namespace, pop, skippable, stash  # noqa: E402
 from _memory import cpu_peak  # noqa: E402
@@ -419,7 +419,7 @@ def main(argv=None) -> int:
           f"step time x{summary['step_time_ratio_portals_over_sequential']:.3f} "
           f"(throughput {summary['throughput_gain_portals'] * 100:+.1f}%), "
           f"peak memory x{summary['peak_memory_ratio_portals_over_sequential']:.3f}")
-    print("move(): bytes through fxpipe.runtime.copy.move + fxpipe.runtime.portal.move per step (fwd+bwd); on CPU the "
+    print("move(): bytes through fxpipe.runtime._copy.move + fxpipe.runtime._portal.move per step (fwd+bwd); on CPU the "
           "runtime skips same-device batch copies, so the sequential form shows 0 there.")
     print("logical: partition inputs for j>0 (+ their gradients) + portal tensors and gradients: what would cross "
           "devices. Peak memory: " + rows[0]["peak_memory_how"] + ".")

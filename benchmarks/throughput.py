@@ -13,7 +13,7 @@ sequential form: skips carried through every stage), *copy streams* (copies on t
 stream), *recompute ahead* (recomputation where backward first unpacks a saved tensor,
 after the gradient copy, not forked ahead of it) and *backward order* (no Fork/Join between
 micro-batches); one row turns recompute-ahead on everywhere, since the default uses it only
-where a later stage is on another device (on one GPU: nowhere). The switches are ``PipelineRunner`` attributes (fxpipe/runtime/pipeline.py);
+where a later stage is on another device (on one GPU: nowhere). The switches are ``PipelineRunner`` attributes (fxpipe/runtime/_pipeline.py);
 a row whose switch this checkout lacks is skipped with a message. On CPU the copy-stream and
 recompute-ahead switches change nothing (no streams; CPU pipelines recompute where the first
 saved tensor is unpacked; order_backward's default leaves the Fork/Join out on CPU), and on one GPU split into stages the stages share one compute
@@ -53,7 +53,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fxpipe  # noqa: E402
-from fxpipe.runtime.pipeline import PipelineRunner  # noqa: E402
+from fxpipe.runtime._pipeline import PipelineRunner  # noqa: E402
 from _device import add_device_argument, check_device, describe, first_device, label, peak_bytes, stage_devices, timed  # noqa: E402
 from skip_portals import Cores, portal_unet, sequential_unet  # noqa: E402
 

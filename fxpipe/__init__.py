@@ -6,10 +6,17 @@
 * ``fxpipe.skip`` -- ``@skippable``, ``stash``, ``pop``, ``Namespace``, ``verify_skippables``;
 * ``fxpipe.balance`` -- ``balance_by_time``, ``balance_by_size``;
 * ``fxpipe.errors`` -- every error fxpipe raises on purpose (all subclass ``FxpipeError`` and
-  the builtin a caller would catch).
+  the builtin a caller would catch);
+* ``fxpipe.plan.Plan``, ``fxpipe.distributed`` (``pipeline``, ``trace.record``),
+  ``fxpipe.batchnorm``, ``fxpipe.progress.Progress``.
+
+That is the public surface, with what docs/api.md documents. As in torch, a module whose name
+starts with ``_`` is private (every module inside ``capture/``, ``checks/``, ``plan/``,
+``emit/``, ``runtime/``, ``cli/`` and ``distributed/``, but ``distributed/trace.py``): its
+names may change without notice; the packages' ``__init__`` say what they hold.
 
 Everything that needs torch is imported on first use (module ``__getattr__``), so the pure
-planning modules (``import fxpipe.plan.partition``) load on a machine without torch.
+planning modules (``import fxpipe.plan``) load on a machine without torch.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ _LAZY = {
     "pipeline": ".api", "Pipeline": ".api",
     "Plan": ".plan",
     "GPipe": ".gpipe",
-    "is_checkpointing": ".runtime.checkpoint", "is_recomputing": ".runtime.checkpoint",
+    "is_checkpointing": ".runtime._checkpoint", "is_recomputing": ".runtime._checkpoint",
     "balance": None, "skip": None,
 }
 

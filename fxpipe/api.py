@@ -14,22 +14,22 @@ import torch
 from torch import nn
 
 from .build import BuildOptions, build, check_split_points
-from .capture.meta import refuse_running
-from .capture.model_check import ModelCheck
-from .capture.tracing import Capture
-from .checks.batching import Batching, ChunkDims, OutputMerge
-from .emit.compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
-from .emit.stages import Stages
+from .capture._meta import refuse_running
+from .capture._model_check import ModelCheck
+from .capture._tracing import Capture
+from .checks._batching import Batching, ChunkDims, OutputMerge
+from .emit._compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
+from .emit._stages import Stages
 from .errors import ArgumentError, DevicesError, ModeError, PipelinePicklingError, StagesError
-from .plan.make import BALANCE_BY
-from .plan.value import Plan
+from .plan._make import BALANCE_BY
+from .plan._value import Plan
 from .progress import ProgressOption, as_progress
-from .runtime.batchnorm import commit_deferred_batch_norm
-from .runtime.devices import Device, default_devices
-from .runtime.frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
-from .runtime.microbatch import Batch
-from .runtime.pipeline import PipelineRunner
-from .runtime.skip_layout import SkipLayout
+from .runtime._batchnorm import commit_deferred_batch_norm
+from .runtime._devices import Device, default_devices
+from .runtime._frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
+from .runtime._microbatch import Batch
+from .runtime._pipeline import PipelineRunner
+from .runtime._skip_layout import SkipLayout
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -75,10 +75,10 @@ class Pipeline(PlacedModule):
 
     Attributes:
         module: the model.
-        stages: the emitted :class:`~fxpipe.emit.stages.Stages`: ``stages[k]`` is stage ``k``'s
+        stages: the emitted :class:`~fxpipe.emit._stages.Stages`: ``stages[k]`` is stage ``k``'s
             ``torch.fx.GraphModule`` (readable ``.code``); ``print(stages)`` shows them all
             with their inputs, outputs, stashes and pops.
-        plan: the :class:`~fxpipe.plan.value.Plan` (print it; ``plan.save(path)`` to reuse it).
+        plan: the :class:`~fxpipe.plan._value.Plan` (print it; ``plan.save(path)`` to reuse it).
         devices, chunks, checkpoint: as given.
         meta: built from a model on the meta device: planned and emitted, but calling it
             raises :class:`~fxpipe.errors.MetaDeviceError` (there are no values to run on).
@@ -107,7 +107,7 @@ class Pipeline(PlacedModule):
         # The plan's portals, which are also the stash/pop pairs in the stage code.
         layout = SkipLayout.from_names(len(stages), {p.name: (p.src, p.dst) for p in plan.portals})
         runtime = PipelineRunner(list(stages.modules), devices, skip_layout=layout, stage_portals=True, spread=True)
-        #: what the stages hold from the model, compared at each call (fxpipe.capture.model_check)
+        #: what the stages hold from the model, compared at each call (fxpipe.capture._model_check)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages)
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
@@ -138,7 +138,7 @@ class Pipeline(PlacedModule):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
         # pipe.to(dtype): nn.Module converts parameters in place (.data) but gives buffers new
-        # tensors, and the stages hold the buffers they were built with (fxpipe.capture.model_check):
+        # tensors, and the stages hold the buffers they were built with (fxpipe.capture._model_check):
         # the converted values go into those same objects.
         held = [(m._buffers, k, b) for m in self.module.modules() for k, b in m._buffers.items() if b is not None]
         super()._apply(fn, recurse)

@@ -15,10 +15,10 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
-from .runtime.devices import Device, default_devices
-from .plan.chain_cut import split_chain
-from .runtime.microbatch import Batch, TensorOrTensors
-from .runtime.stream import synchronize
+from .runtime._devices import Device, default_devices
+from .plan._chain_cut import split_chain
+from .runtime._microbatch import Batch, TensorOrTensors
+from .runtime._stream import synchronize
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_cost", "profile_times", "profile_sizes"]
 

@@ -26,7 +26,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from .errors import BatchNormConversionError
-from .runtime.batchnorm import DeferredBatchNorm as _Deferred
+from .runtime._batchnorm import DeferredBatchNorm as _Deferred
 
 __all__ = ["DeferredBatchNorm", "BatchNormConversionError"]
 

@@ -28,19 +28,19 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture.meta import is_meta_model, refuse_timing, to_meta
-from .capture.mutation import check_kept_together
-from .capture.prepare import Prepared, prepare, preserved
-from .capture.signature import sample_mismatch
-from .capture.tracing import Capture
-from .checks.batching import Batching, ChunkDims, OutputMerge, input_split_dims
-from .checks.modes import check_modes
-from .emit.placement import place_stages
-from .emit.stage_state import mutable_state
-from .emit.stages import Stages, emit_stages
+from .capture._meta import is_meta_model, refuse_timing, to_meta
+from .capture._mutation import check_kept_together
+from .capture._prepare import Prepared, prepare, preserved
+from .capture._signature import sample_mismatch
+from .capture._tracing import Capture
+from .checks._batching import Batching, ChunkDims, OutputMerge, input_split_dims
+from .checks._modes import check_modes
+from .emit._placement import place_stages
+from .emit._stage_state import mutable_state
+from .emit._stages import Stages, emit_stages
 from .errors import ArgumentError, PlanModelError, SplitPointsError
-from .plan.make import make_plan
-from .plan.value import Plan
+from .plan._make import make_plan
+from .plan._value import Plan
 from .progress import Progress
 
 __all__ = ["BuildOptions", "Checked", "Built", "build", "capture_and_check", "choose_plan", "emit_and_place",
@@ -91,7 +91,7 @@ class Built:
     plan: Plan
     #: the emitted stages, placed on their devices (None when built with ``emit=False``)
     stages: Optional[Stages]
-    #: why the graph cannot follow a mode switch ('' when it can): :mod:`fxpipe.capture.prepare`
+    #: why the graph cannot follow a mode switch ('' when it can): :mod:`fxpipe.capture._prepare`
     mode_sensitive: str
     #: built from a model on the meta device (planned and emitted, not runnable)
     meta: bool
@@ -154,7 +154,7 @@ def _normal_tensors(args: Tuple[Any, ...], kwargs: dict) -> Tuple[Tuple[Any, ...
 
     A sample made under ``torch.inference_mode()`` is an inference tensor: the build, which
     runs outside inference mode, could not save it for the profiled backward nor track its
-    versions (fxpipe.capture.mutation). The caller's tensors are left as they are.
+    versions (fxpipe.capture._mutation). The caller's tensors are left as they are.
     """
     def normal(v: Any) -> Any:
         return v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
@@ -164,7 +164,7 @@ def _normal_tensors(args: Tuple[Any, ...], kwargs: dict) -> Tuple[Tuple[Any, ...
 def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildOptions) -> Checked:
     """The model captured exactly, and its split/merge verified on the sample (whole run vs
     split into micro-batches and merged; graph vs eager), in eval and in training mode
-    (:mod:`fxpipe.checks.modes`). Call it inside ``preserved(model)``: it runs the model."""
+    (:mod:`fxpipe.checks._modes`). Call it inside ``preserved(model)``: it runs the model."""
     report = options.progress
     _refuse_inference_state(model)
     args, kwargs = _normal_tensors(args, kwargs)

@@ -182,7 +182,7 @@ class PlanMismatchError(DistributedError):
 
 class MaterialiseError(DistributedError):
     """This rank's part of a model on the meta device cannot be given real values as asked
-    (:mod:`fxpipe.distributed.materialise`): a key its stages need is missing from
+    (:mod:`fxpipe.distributed._materialise`): a key its stages need is missing from
     ``state_dict`` or has another shape, a non-persistent buffer nothing restores, a tensor
     that is in no checkpoint. The message names the key, buffer or tensor and what to pass."""
 
@@ -210,3 +210,11 @@ class ModelChangedError(FxpipeError, RuntimeError):
         super().__init__(message)
         #: one line per change, as in the message
         self.changes = list(changes or [])
+
+
+class BalanceWarning(UserWarning):
+    """One node fxpipe cannot split makes a stage far slower than the others.
+
+    The message (also in ``print(plan)``) names the node and its module, why it is opaque,
+    and what to do.
+    """

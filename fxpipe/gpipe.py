@@ -13,12 +13,12 @@ from typing import Iterable, Iterator, List, Optional, Tuple, cast
 import torch
 from torch import nn
 
-from .runtime.devices import default_devices
+from .runtime._devices import default_devices
 from .errors import ChunksError, PipelinePicklingError, PlacementError
-from .runtime.frontend import CHECKPOINT_MODES, Device, PlacedModule, checkpoint_stop
-from .runtime import microbatch
-from .runtime.batchnorm import commit_deferred_batch_norm
-from .runtime.pipeline import PipelineClosedError, PipelineRunner
+from .runtime._frontend import CHECKPOINT_MODES, Device, PlacedModule, checkpoint_stop
+from .runtime import _microbatch as microbatch
+from .runtime._batchnorm import commit_deferred_batch_norm
+from .runtime._pipeline import PipelineClosedError, PipelineRunner
 from .skip.skippable import inspect_skip_layout, verify_skippables
 
 # The errors a GPipe user catches stay importable from here, as in torchgpipe.

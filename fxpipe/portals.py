@@ -3,7 +3,7 @@
 ``fxpipe.pipeline`` writes every value that skips over a stage (a portal route of the plan)
 as ``stash(name, value)`` in the producing stage and ``value = pop(name)`` in the consuming
 one. These are ordinary ``call_function`` nodes in the stage's fx graph, served by
-:mod:`fxpipe.runtime.stage_portals`: inside the pipeline the value travels through a portal,
+:mod:`fxpipe.runtime._stage_portals`: inside the pipeline the value travels through a portal,
 outside it (calling the stages one after another by hand) through a per-thread dict.
 (``@skippable`` modules have their own ``stash``/``pop`` commands, in :mod:`fxpipe.skip`.)
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch.compiler
 import torch.fx
 
-from .runtime.stage_portals import current_portals
+from .runtime._stage_portals import current_portals
 
 __all__ = ["stash", "pop"]
 

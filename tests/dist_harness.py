@@ -27,8 +27,8 @@ import torch.utils._pytree as pytree
 import zoo
 from dist_models import Mixer, Scaled, case
 from exact import BF16, Tol, assert_close_scaled, assert_same, largest
-from fxpipe.distributed.launch import free_port
-from fxpipe.distributed.schedules import rank_of_stage, stages_of_rank
+from fxpipe.distributed._launch import free_port
+from fxpipe.distributed._schedules import rank_of_stage, stages_of_rank
 
 SPAWN_SECONDS = 240  # generous: two cores shared with other jobs
 SLOW_SPAWN_SECONDS = 540
@@ -144,7 +144,7 @@ def worker(rank: int, world: int, port: int, cases: dict, extras: dict, out: str
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
-    import fxpipe.distributed.values as values
+    import fxpipe.distributed._values as values
 
     recomputed = [0]  # micro-batch forwards run under torch.utils.checkpoint on this rank
     original = values.checkpoint

@@ -83,7 +83,7 @@ class DictModel(nn.Module):
 
 
 class ParamPaths(nn.Module):
-    """Gradient paths torch's zero-bubble weight pass misses (fxpipe.distributed.split_backward):
+    """Gradient paths torch's zero-bubble weight pass misses (fxpipe.distributed._split_backward):
     stage 1 receives an input that needs no grad (stage 0 has no parameters), and stage 2 sends
     ``sigmoid(w)``, made from a parameter alone, on to stage 5 (carried through stages 3, 4),
     while ``w`` also meets the input path in stage 2. Split points make the six stages."""

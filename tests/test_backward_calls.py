@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.runtime.pipeline import PipelineRunner
+from fxpipe.runtime._pipeline import PipelineRunner
 from tests.exact import assert_all_close, assert_close_scaled, assert_grads_equal
 from tests.zoo import ZOO
 

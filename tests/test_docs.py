@@ -5,7 +5,7 @@ a fresh namespace and an empty working directory, on the CPU. A block that canno
 (torchrun, a GPU, a download) is preceded by ``<!-- not run: REASON -->`` and reported as
 skipped with that reason; there are few of those, and the count is held below.
 
-Paths in inline code (```fxpipe/capture/tracing.py```, ```runtime/checkpoint.py```,
+Paths in inline code (```fxpipe/capture/_tracing.py```, ```runtime/_checkpoint.py```,
 ```tests/test_families.py```) and relative links must exist in the repository, or under
 ``fxpipe/``: the docs describe the code by where it is, and a move that forgets them fails here.
 """

@@ -19,8 +19,8 @@ from torch import nn
 import fxpipe
 from fxpipe.errors import FxpipeError
 from fxpipe.gpipe import ChunksError, PipelinePicklingError, PlacementError
-from fxpipe.runtime.batchnorm import DEFERRED_ATTRIBUTES
-from fxpipe.runtime.pipeline import PipelineClosedError
+from fxpipe.runtime._batchnorm import DEFERRED_ATTRIBUTES
+from fxpipe.runtime._pipeline import PipelineClosedError
 
 from exact import assert_all_close
 

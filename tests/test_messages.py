@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.capture.tracing import capture
-from fxpipe.cli.main import main
+from fxpipe.capture._tracing import capture
+from fxpipe.cli._main import main
 from fxpipe.errors import (ArgumentError, ChunksError, DevicesError, FxpipeError, InputMismatchError, PlanError,
                            PlanFileError, PlanModelError, PlanNotFoundError, PlanPathError, SplitPointsError,
                            StagesError)
-from fxpipe.plan.value import Plan
+from fxpipe.plan._value import Plan
 
 
 # -- item 11: a call structured differently from the sample ----------------------------------
@@ -201,7 +201,7 @@ def test_plan_round_trip_through_pipeline(tmp_path, plan_model):
 @pytest.mark.parametrize("how, err, builtin, words", [
     ("truncated", PlanError, ValueError, ["not valid JSON", "it looks truncated", "plan.save(path)", "omit plan="]),
     ("empty", PlanError, ValueError, ["is empty", "plan.save(path)"]),
-    ("not a plan", PlanError, ValueError, ["not an fxpipe plan", "expected 'fxpipe.plan.value/1'", "plan.save(path)"]),
+    ("not a plan", PlanError, ValueError, ["not an fxpipe plan", "expected 'fxpipe.plan._value/1'", "plan.save(path)"]),
     ("a list", PlanError, ValueError, ["not an fxpipe plan", "JSON list"]),
     ("missing keys", PlanError, ValueError, ["not a complete fxpipe plan", "'assignment', 'edges'"]),
     ("wrong type", PlanError, ValueError, ["'stages' must be a list, got dict"]),
@@ -251,7 +251,7 @@ def test_plan_load_errors_name_the_file(tmp_path, plan_model, how, err, builtin,
 
 def test_plan_path_of_wrong_type(plan_model):
     with pytest.raises(PlanPathError) as info:
-        Plan.load({"format": "fxpipe.plan.value/1"})
+        Plan.load({"format": "fxpipe.plan._value/1"})
     assert isinstance(info.value, TypeError) and isinstance(info.value, PlanError)
     assert "str or os.PathLike" in str(info.value) and "got dict" in str(info.value)
     assert "Plan.from_json(json.dumps(d))" in str(info.value)
@@ -275,7 +275,7 @@ def test_from_json_text_errors():
     with pytest.raises(PlanError, match="plan JSON is not valid JSON.*plan.to_json"):
         Plan.from_json('{"format": ')
     with pytest.raises(PlanPathError, match="Plan.load"):
-        Plan.from_json({"format": "fxpipe.plan.value/1"})
+        Plan.from_json({"format": "fxpipe.plan._value/1"})
 
 
 def test_plan_that_does_not_fit_the_model(tmp_path, plan_model):
@@ -336,7 +336,7 @@ def test_bad_arguments_are_typed(kw, err, builtin, argument, words):
 
 def test_plan_and_errors_import_no_torch():
     here = os.path.join(os.path.dirname(__file__), os.pardir, "fxpipe")
-    for name in ("plan/value.py", "errors.py", "plan/partition.py", "plan/__init__.py", "capture/node_kinds.py"):
+    for name in ("plan/_value.py", "errors.py", "plan/_partition.py", "plan/__init__.py", "capture/_node_kinds.py"):
         tree = ast.parse(open(os.path.join(here, name), encoding="utf-8").read())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
@@ -478,7 +478,7 @@ def test_sample_that_does_not_fit_forward_says_what_it_takes(args, kwargs, words
 
 def test_forward_pre_hook_is_refused_for_itself_not_for_the_sample():
     """A forward pre-hook can change what forward receives, so the signature does not decide;
-    hooks on the model itself are refused with their own message (fxpipe.capture.hooks)."""
+    hooks on the model itself are refused with their own message (fxpipe.capture._hooks)."""
     from fxpipe.errors import TraceError
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))

@@ -42,7 +42,7 @@ def loss_of(out):
 def micro_eager(model, args, kwargs, chunks):
     """Eager reference for per-sample-independent models that hold BatchNorm: the model run
     on each micro-batch in turn, which is exactly what a pipeline computes."""
-    micro, spec = fxpipe.runtime.microbatch.scatter_tree(args, kwargs, chunks)
+    micro, spec = fxpipe.runtime._microbatch.scatter_tree(args, kwargs, chunks)
     outs = []
     for flat in micro:
         a, k = torch.utils._pytree.tree_unflatten(flat, spec)
@@ -364,9 +364,9 @@ def test_mode_baked_graph_refuses_the_other_mode():
 ])
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_awkward_cuts_keep_every_gradient(cut, checkpoint):
-    from fxpipe.capture.tracing import capture
-    from fxpipe.plan.partition import partition
-    from fxpipe.plan.make import opgraph_for
+    from fxpipe.capture._tracing import capture
+    from fxpipe.plan._partition import partition
+    from fxpipe.plan._make import opgraph_for
 
     model, args, _ = ZOO["gpt_tied"]()
     ref = copy.deepcopy(model)

@@ -17,10 +17,10 @@ each against eager, and against each other. Cuts that separate an in-place op fr
 it fills must be refused (MutationError); half the examples draw only cuts that do not.
 
 ``+=`` (and every augmented assignment) is recorded in place, as eager runs it
-(fxpipe.capture.augmented): the generator uses it on a tensor with other names, under autocast too,
+(fxpipe.capture._augmented): the generator uses it on a tensor with other names, under autocast too,
 and ``x[:, 1:4] += y`` (torch.export). A parameter or input no gradient reaches keeps grad
 None in every checkpoint mode, as in eager: zeros fail the sweeps. A leaf's container may
-be returned by the model whole (fxpipe.capture.open_outputs).
+be returned by the model whole (fxpipe.capture._open_outputs).
 
 Bugs the sweeps found have focused reproductions at the end of this file: fixed ones stay as
 regression tests; an open one would be a strict xfail, kept out of the sweeps (and only it).
@@ -45,12 +45,12 @@ import fxpipe
 import random_models as rm
 from exact import (BF16, GRAD_TOL, Tol, assert_all_close, assert_close_scaled, assert_exact, assert_grads_equal,
                    weighted_loss)
-from fxpipe.capture.tracing import capture
+from fxpipe.capture._tracing import capture
 from fxpipe.errors import MutationError
-from fxpipe.plan.partition import COMPUTE_OPS, partition, stage_costs, topological_order
-from fxpipe.plan.value import Plan
-from fxpipe.plan.make import opgraph_for
-from fxpipe.capture.prepare import prepare, preserved
+from fxpipe.plan._partition import COMPUTE_OPS, partition, stage_costs, topological_order
+from fxpipe.plan._value import Plan
+from fxpipe.plan._make import opgraph_for
+from fxpipe.capture._prepare import prepare, preserved
 from fxpipe.tree import flatten
 
 D = 6
@@ -237,7 +237,7 @@ def check_plan_routes(pipe) -> None:
         assert e.dst == e.src + 1, e
     for p in plan.portals:
         assert p.dst > p.src + 1, p
-        assert p.name == fxpipe.plan.value.portal_name(p.value, p.dst)
+        assert p.name == fxpipe.plan._value.portal_name(p.value, p.dst)
     gm = pipe.capture.graph_module
     needed_edges, needed_portals = set(), set()
     for v in gm.graph.nodes:
@@ -785,7 +785,7 @@ class _AliasIadd(nn.Module):
 def test_iadd_through_another_name_changes_that_name_too(n_stages, checkpoint):
     """torch.fx alone traces `g += x` as `g = g + x` (its Proxy has no __iadd__), and `h`, another
     name for the same tensor, would keep its old value. fxpipe's tracer records `+=` in place
-    (fxpipe.capture.augmented), and the op runs on a copy like any other in-place op."""
+    (fxpipe.capture._augmented), and the op runs on a copy like any other in-place op."""
     torch.manual_seed(0)
     assert_exact(_AliasIadd(), (torch.randn(4, 6),), n_stages, chunks=2, checkpoint=checkpoint, balance_by="params")
 
@@ -833,7 +833,7 @@ class _IaddOutput(nn.Module):
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_iadd_under_autocast_keeps_the_dtype(checkpoint, autocast):
-    """`h += x` is in place in the graph too (fxpipe.capture.augmented): a bfloat16 h stays bfloat16."""
+    """`h += x` is in place in the graph too (fxpipe.capture._augmented): a bfloat16 h stays bfloat16."""
     torch.manual_seed(0)
     context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
     pipe = assert_exact(_IaddOutput(), (torch.randn(4, 6),), 2, chunks=2, checkpoint=checkpoint,
@@ -888,7 +888,7 @@ class _SliceIadd(nn.Module):
 def test_iadd_into_a_slice_of_a_value_read_later(n_stages, checkpoint):
     """torch.export records `h[:, 1:4] += y` as slice, add_ on the slice, then copy_ into a second
     slice. The copy_ also bumps the version of the add_ result (a view of h too, read by the
-    copy_): fxpipe.capture.mutation used to read that as an in-place change of it and refused."""
+    copy_): fxpipe.capture._mutation used to read that as an in-place change of it and refused."""
     torch.manual_seed(0)
     assert_exact(_SliceIadd(), (torch.randn(4, 6),), n_stages, chunks=2, checkpoint=checkpoint, balance_by="params")
 
@@ -908,7 +908,7 @@ class _ReturnsLeafContainer(nn.Module):
 def test_leaf_container_returned_as_model_output(kind, n_stages, chunks):
     """torch.fx sees an opaque leaf's container as one value; returned by the model, it used to
     be one output leaf, which the micro-batch merge (and its build-time check) cannot concatenate.
-    fxpipe.capture.open_outputs opens it into its leaves in the graph."""
+    fxpipe.capture._open_outputs opens it into its leaves in the graph."""
     torch.manual_seed(0)
     assert_exact(_ReturnsLeafContainer(kind), (torch.randn(4, rm.D),), n_stages, chunks=chunks,
                  leaf_modules=LEAVES, balance_by="params")

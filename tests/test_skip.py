@@ -17,13 +17,13 @@ from torch import nn
 from torch.testing import assert_close
 
 from fxpipe import GPipe
-from fxpipe.runtime import microbatch
-from fxpipe.runtime.pipeline import PipelineRunner
+from fxpipe.runtime import _microbatch as microbatch
+from fxpipe.runtime._pipeline import PipelineRunner
 from fxpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from fxpipe import portals as F_skip
-from fxpipe.runtime.skip_layout import SkipLayout
-from fxpipe.runtime.skip_tracker import current_skip_tracker
-from fxpipe.runtime.stage_portals import current_portals
+from fxpipe.runtime._skip_layout import SkipLayout
+from fxpipe.runtime._skip_tracker import current_skip_tracker
+from fxpipe.runtime._stage_portals import current_portals
 
 from exact import assert_all_close, assert_close_scaled, assert_grads_equal
 from skip_models import DTYPE, IN_WIDTH, crossing_skips, partition_of, skippables, unet
@@ -666,7 +666,7 @@ def test_is_checkpointing_and_is_recomputing_in_skippables(mode, chunks):
 def test_torchgpipe_skip_paths_reexport_the_runtime():
     """``torchgpipe.skip.tracker`` / ``.portal`` / ``.layout`` with torchgpipe renamed to fxpipe:
     the runtime's own objects, torchgpipe's names (its misspelt tracker class included)."""
-    from fxpipe.runtime import portal, skip_layout, skip_tracker
+    from fxpipe.runtime import _portal as portal, _skip_layout as skip_layout, _skip_tracker as skip_tracker
     from fxpipe.skip import layout as t_layout
     from fxpipe.skip import portal as t_portal
     from fxpipe.skip import tracker as t_tracker

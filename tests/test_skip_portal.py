@@ -1,7 +1,7 @@
 """Portals under the microscope: how often a skip tensor is copied, where it travels, how long
 the portal keeps it, and that nothing keeps it alive afterwards.
 
-Instrumentation (all CPU, ``devices=['cpu'] * n``): ``fxpipe.runtime.portal.move`` is the only
+Instrumentation (all CPU, ``devices=['cpu'] * n``): ``fxpipe.runtime._portal.move`` is the only
 way a portal moves a tensor, ``PortalCopy.forward``/``backward`` are wrapped to count copies
 per (skip, micro-batch), and forward (pre-)hooks on each partition record what crosses
 partition boundaries.
@@ -16,10 +16,10 @@ import gc
 import pytest
 import torch
 
-import fxpipe.runtime.portal as portal_mod
+import fxpipe.runtime._portal as portal_mod
 from fxpipe import GPipe, is_recomputing
-from fxpipe.runtime.pipeline import PipelineRunner
-from fxpipe.runtime.portal import Portal, PortalCopy
+from fxpipe.runtime._pipeline import PipelineRunner
+from fxpipe.runtime._portal import Portal, PortalCopy
 
 from exact import assert_close_scaled, assert_grads_equal
 from skip_models import (

@@ -11,7 +11,7 @@ per process), with torch.distributed.pipelining doing the sending and the schedu
 See docs/guide.md, "Several processes", for what is exact and what is not supported yet.
 """
 
-from .build import DEFAULT_TIMEOUT, SCHEDULES, pipeline
-from .pipe import DistributedPipeline
+from ._build import DEFAULT_TIMEOUT, SCHEDULES, pipeline
+from ._pipe import DistributedPipeline
 
 __all__ = ["pipeline", "DistributedPipeline", "SCHEDULES", "DEFAULT_TIMEOUT"]

@@ -44,7 +44,7 @@ from torch.distributed.pipelining import schedules as _schedules
 
 from fxpipe.errors import DistributedError
 
-from .pipe import DistributedPipeline
+from ._pipe import DistributedPipeline
 
 __all__ = ["Span", "Trace", "record", "bubble_fractions", "COMPUTE_KINDS", "SPAN_KINDS"]
 

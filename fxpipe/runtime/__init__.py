@@ -5,6 +5,6 @@ partitions were made (an ``nn.Sequential`` split by ``fxpipe.GPipe``, or generat
 code from ``fxpipe.pipeline``).
 """
 
-from .checkpoint import is_checkpointing, is_recomputing
+from ._checkpoint import is_checkpointing, is_recomputing
 
 __all__ = ["is_checkpointing", "is_recomputing"]

@@ -14,9 +14,9 @@ from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterabl
 
 from torch import Tensor, nn
 
-from ..runtime.microbatch import Batch
-from ..runtime.skip_layout import SkipKey, SkipLayout
-from ..runtime.skip_tracker import current_skip_tracker
+from ..runtime._microbatch import Batch
+from ..runtime._skip_layout import SkipKey, SkipLayout
+from ..runtime._skip_tracker import current_skip_tracker
 from .namespace import Namespace
 
 __all__ = ["skippable", "stash", "pop", "verify_skippables", "Skippable", "inspect_skip_layout"]

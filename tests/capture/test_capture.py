@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxpipe.capture.tracing import Capture, TraceError, capture, flatten_output, retarget_devices
+from fxpipe.capture._tracing import Capture, TraceError, capture, flatten_output, retarget_devices
 from fxpipe.errors import ModeError
 try:
     import zoo  # tests/ on sys.path (pytest rootdir-less layout)

@@ -8,7 +8,7 @@
 * A child fx cannot trace but torch.export can is split finely (same per-stage parameter
   bytes as a traceable twin).
 * Where one opaque node still makes a stage far slower than the mean, a
-  :class:`~fxpipe.plan.make.BalanceWarning` (and a line in ``print(plan)``) names it, says why
+  :class:`~fxpipe.errors.BalanceWarning` (and a line in ``print(plan)``) names it, says why
   it is opaque and what to do.
 * Outputs that cannot be returned faithfully (caches holding other tensors, objects holding
   tensors) are refused with a :class:`~fxpipe.TraceError` saying to pass ``use_cache=False``.
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.plan.make import BalanceWarning
+from fxpipe.errors import BalanceWarning
 
 from exact import assert_grads_equal
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.capture.custom_functions import AutogradFunctionError
+from fxpipe.capture._custom_functions import AutogradFunctionError
 from tests.exact import assert_exact, assert_grads_equal
 
 

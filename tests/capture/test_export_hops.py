@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.plan.profile import profile_graph
+from fxpipe.plan._profile import profile_graph
 from fxpipe.errors import TraceError
 
 from exact import assert_exact

@@ -1,4 +1,4 @@
-"""Grad-mode and autocast regions inside a traced forward are exact (fxpipe.capture.grad_regions).
+"""Grad-mode and autocast regions inside a traced forward are exact (fxpipe.capture._grad_regions).
 
 torch.fx does not record ``with torch.no_grad():`` and friends: without fxpipe's region
 recording a pipeline gives ``a.weight`` a gradient eager leaves ``None``, or computes a
@@ -18,7 +18,7 @@ from torch import nn
 
 import fxpipe
 from exact import assert_exact, assert_grads_equal, assert_same, weighted_loss
-from fxpipe.capture.grad_regions import REGION
+from fxpipe.capture._grad_regions import REGION
 
 MODES = ["always", "except_last", "never"]
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
@@ -260,7 +260,7 @@ def test_mode_left_changed_by_the_forward_is_refused():
             torch.set_grad_enabled(False)
             return h
 
-    from fxpipe.capture.grad_regions import RegionError, RegionRecorder
+    from fxpipe.capture._grad_regions import RegionError, RegionRecorder
     with pytest.raises(RegionError, match="leaves grad mode changed"):
         with RegionRecorder():
             Leaks()(torch.randn(2, 8))

@@ -1,4 +1,4 @@
-"""Module hooks: a captured graph would run them once, while tracing (fxpipe.capture.hooks)."""
+"""Module hooks: a captured graph would run them once, while tracing (fxpipe.capture._hooks)."""
 
 from __future__ import annotations
 

@@ -95,8 +95,8 @@ def test_inplace_ops_every_cut(model_cls):
 
 
 def _plan_with(probe, stage_of, n_stages):
-    from fxpipe.plan.value import Plan
-    from fxpipe.plan.make import opgraph_for
+    from fxpipe.plan._value import Plan
+    from fxpipe.plan._make import opgraph_for
 
     graph = opgraph_for(probe.capture, (torch.randn(4, 8),), {}, "params")
     assignment = {}

@@ -330,7 +330,7 @@ def test_the_distributed_pipeline_refuses_a_changed_model():
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
-    from fxpipe.distributed.launch import free_port
+    from fxpipe.distributed._launch import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=60))

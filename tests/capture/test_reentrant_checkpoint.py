@@ -3,7 +3,7 @@
 The re-entrant checkpoint hides its function under no_grad from any graph capture, so a
 traced pipeline would silently give the parameters inside no gradient. fxpipe keeps the
 calling module opaque (its own forward, checkpoint included, runs in its stage: exact) and
-refuses with :class:`~fxpipe.capture.reentrant.ReentrantCheckpointError` where nothing can be opaque.
+refuses with :class:`~fxpipe.capture._reentrant.ReentrantCheckpointError` where nothing can be opaque.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 import fxpipe
 from exact import assert_exact, assert_grads_equal
-from fxpipe.capture.reentrant import ReentrantCheckpointError
+from fxpipe.capture._reentrant import ReentrantCheckpointError
 
 MODES = ["always", "except_last", "never"]
 

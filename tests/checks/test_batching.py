@@ -179,7 +179,7 @@ def test_seq_first_transformer_encoder_captured_by_export():
     assert pipe.capture.method == "export"
 
 
-# -- the training-mode check (fxpipe.checks.modes) ----------------------------------------------
+# -- the training-mode check (fxpipe.checks._modes) ----------------------------------------------
 
 class CenterInTraining(nn.Module):
     """Mixes the samples of the batch in training only (a batch statistic)."""

@@ -1,4 +1,4 @@
-"""The build-time checks follow the numerics in effect (issue #18, section 2; fxpipe.capture.numerics).
+"""The build-time checks follow the numerics in effect (issue #18, section 2; fxpipe.capture._numerics).
 
 A per-sample model gives slightly other values on a micro-batch than on the whole batch, by
 how much depends on the precision: TF32 matmuls, bf16/fp16 weights, autocast. The checks run
@@ -8,7 +8,7 @@ samples of its batch is refused under every setting.
 
 On the CPU TF32 does not exist and ``set_float32_matmul_precision('medium')`` may change
 nothing, so the flag handling is tested through torch's own flag state (settable on any
-build), the tolerance through :func:`fxpipe.capture.numerics.tolerance`, and whole builds under
+build), the tolerance through :func:`fxpipe.capture._numerics.tolerance`, and whole builds under
 bf16 weights and ``torch.autocast('cpu', torch.bfloat16)``. tests/test_families.py builds
 every transformers family on a GPU with TF32 on and under bf16 autocast.
 """
@@ -24,7 +24,7 @@ from torch import nn
 
 import fxpipe
 from exact import assert_close_at, assert_exact, tensor_leaves
-from fxpipe.capture import numerics
+from fxpipe.capture import _numerics as numerics
 from fxpipe.errors import MicroBatchError
 from test_batching import CenterInTraining, CountingNorm, Mixer
 
@@ -43,7 +43,7 @@ def _read(get):
 
 
 def _flags() -> dict:
-    """Every piece of torch's float32-precision state that fxpipe.capture.numerics touches."""
+    """Every piece of torch's float32-precision state that fxpipe.capture._numerics touches."""
     state = {"legacy_matmul": _read(torch.get_float32_matmul_precision),
              "legacy_cublas": _read(torch._C._get_cublas_allow_tf32),
              "legacy_cudnn": _read(lambda: torch.backends.cudnn.allow_tf32)}
@@ -225,7 +225,7 @@ class TokenMean(nn.Module):
 @pytest.mark.parametrize("setting", ["bf16 weights", "bf16 autocast"])
 def test_ignored_labels_in_one_micro_batch_are_weighted_at_low_precision(setting):
     """A cross entropy mean with -100 labels in one micro-batch only is merged weighted by
-    counted labels (fxpipe.checks.counted_labels), at low precision too: the build's checks pass
+    counted labels (fxpipe.checks._counted_labels), at low precision too: the build's checks pass
     and loss and gradients match eager's on the whole batch within that precision."""
     torch.manual_seed(0)
     model = TokenMean()

@@ -1,7 +1,7 @@
 """The ``fxpipe`` command line: every subcommand, and the one-line error policy.
 
 The end-to-end checks run ``python -m fxpipe`` in a subprocess; the many error cases call
-``fxpipe.cli.main.main`` in-process (same code path, no interpreter start-up each time).
+``fxpipe.cli._main.main`` in-process (same code path, no interpreter start-up each time).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from fxpipe.cli.main import main, parse_input, UsageError
+from fxpipe.cli._main import main, parse_input, UsageError
 
 HAVE_DOT = shutil.which("dot") is not None
 
@@ -221,7 +221,7 @@ def test_plan_table_and_module_spec(capsys, model_file):
     assert rc == 0, err
     assert out.startswith("Plan: 2 stages, balanced by params") and "portals" in out
     # package.module:factory form and --input overriding the factory's sample
-    rc, out, err = run_main(capsys, "plan", "fxpipe.cli.demo:make_unet", "-n", 2, "--balance-by", "params",
+    rc, out, err = run_main(capsys, "plan", "fxpipe.cli._demo:make_unet", "-n", 2, "--balance-by", "params",
                             "--input", "2,3,16,16")
     assert rc == 0, err
     assert "Plan: 2 stages" in out
@@ -257,7 +257,7 @@ def test_code_all_and_one_stage(capsys, model_file):
 
 
 def test_render_dot_fallback_without_graphviz(capsys, model_file, tmp_path, monkeypatch):
-    monkeypatch.setattr("fxpipe.cli.viz.render.shutil.which", lambda name: None)
+    monkeypatch.setattr("fxpipe.cli.viz._render.shutil.which", lambda name: None)
     out = tmp_path / "g.png"
     rc, stdout, err = run_main(capsys, "render", f"{model_file}:factory", "-n", 3, "--balance-by", "params",
                                "--depth", 1, "-o", out)

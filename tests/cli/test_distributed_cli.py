@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.cli.main import main
+from fxpipe.cli._main import main
 from fxpipe.distributed.trace import Span, bubble_fractions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_demo_fails_when_a_rank_gets_a_wrong_gradient(tmp_path: Path) -> None:
     env = _with_sitecustomize(tmp_path, """
         import os
         if os.environ.get("RANK") == "1" and "LOCAL_RANK" in os.environ:
-            import fxpipe.distributed.pipe as _pipe
+            import fxpipe.distributed._pipe as _pipe
             _step = _pipe.DistributedPipeline.step
 
             def step(self, *args, **kwargs):
@@ -92,7 +92,7 @@ def test_demo_kills_its_ranks_at_the_timeout(tmp_path: Path) -> None:
             open(os.path.join({str(pids)!r}, os.environ["RANK"]), "w").write(str(os.getpid()))
             if os.environ["RANK"] == "1":
                 import time
-                import fxpipe.distributed.pipe as _pipe
+                import fxpipe.distributed._pipe as _pipe
 
                 def step(self, *args, **kwargs):
                     time.sleep(3600)

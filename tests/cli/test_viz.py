@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.capture.tracing import capture
-from fxpipe.plan.make import make_plan, opgraph_for
-from fxpipe.runtime.timeline import Recorder, Span
+from fxpipe.capture._tracing import capture
+from fxpipe.plan._make import make_plan, opgraph_for
+from fxpipe.runtime._timeline import Recorder, Span
 from fxpipe.cli.viz import chrome_trace, lanes, plot_timeline, render_plan, save_chrome_trace, save_graph
 
 HAVE_DOT = shutil.which("dot") is not None
@@ -87,7 +87,7 @@ def test_render_depth_splits_groups_across_stages(planned):
 def test_save_graph_without_dot_writes_dot_file(planned, tmp_path, monkeypatch):
     cap, plan, graph = planned
     dot = render_plan(graph, plan)
-    monkeypatch.setattr("fxpipe.cli.viz.render.shutil.which", lambda name: None)
+    monkeypatch.setattr("fxpipe.cli.viz._render.shutil.which", lambda name: None)
     written, note = save_graph(dot, str(tmp_path / "g.svg"))
     assert written.endswith("g.dot") and (tmp_path / "g.dot").read_text().startswith("digraph")
     assert not (tmp_path / "g.svg").exists()
@@ -96,7 +96,7 @@ def test_save_graph_without_dot_writes_dot_file(planned, tmp_path, monkeypatch):
 
 def test_save_graph_dot_suffix_needs_no_binary(planned, tmp_path, monkeypatch):
     cap, plan, graph = planned
-    monkeypatch.setattr("fxpipe.cli.viz.render.shutil.which", lambda name: None)
+    monkeypatch.setattr("fxpipe.cli.viz._render.shutil.which", lambda name: None)
     written, note = save_graph(render_plan(graph, plan), str(tmp_path / "g.dot"))
     assert note == "" and "cluster_stage0" in (tmp_path / "g.dot").read_text()
 

@@ -19,7 +19,7 @@ from dist_harness import (SLOW_SPAWN_SECONDS, SPAWN_SECONDS, check, check_dropou
                           free_port, spawn)
 from dist_models import case
 from exact import assert_close_scaled
-from fxpipe.distributed.schedules import check_schedule, rank_of_stage, stages_of_rank
+from fxpipe.distributed._schedules import check_schedule, rank_of_stage, stages_of_rank
 
 #: name -> (schedule, stages_per_rank, chunks). A name ending in a checkpoint mode builds
 #: with it, others with the default ('except_last'); '-bf16' trains under bf16 CPU autocast;
@@ -227,7 +227,7 @@ def test_schedule_arguments_are_checked() -> None:
 def test_only_gloo_and_cpu_tensors_are_accepted() -> None:
     """NCCL, or weights/inputs on a GPU, are refused up front (no process group needed):
     the stages run on the CPU over gloo."""
-    from fxpipe.distributed.build import check_on_cpu
+    from fxpipe.distributed._build import check_on_cpu
     from fxpipe.errors import DistributedError
 
     from torch import nn
@@ -244,12 +244,12 @@ def test_time_balance_profiles_one_micro_batch(monkeypatch: pytest.MonkeyPatch) 
     """balance_by='time' times what every stage runs, one micro-batch (a weight-bound layer
     costs nearly as much on a micro-batch as on the whole batch), and 'params' sizes it;
     'memory' plans on the whole sample (a pipeline holds every micro-batch's activations).
-    The one decision is fxpipe.plan.make.profiled_inputs, shared with fxpipe.pipeline. One
+    The one decision is fxpipe.plan._make.profiled_inputs, shared with fxpipe.pipeline. One
     rank, in-process."""
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
-    import fxpipe.plan.make as planning
+    import fxpipe.plan._make as planning
 
     seen: list[tuple[str, tuple[int, ...]]] = []
     original = planning.profiled_inputs

@@ -6,7 +6,7 @@
   autograd Functions (which lost 33-78% of the gradients of values skipping stages).
   Outputs and every gradient are compared with the eager model for every checkpoint mode,
   with skips spanning 2 and 3 stages, and with dropout against the uncompiled pipeline.
-* ``torch.compile(pipe)`` raises :class:`fxpipe.emit.compiling.CompileError` at the first call,
+* ``torch.compile(pipe)`` raises :class:`fxpipe.emit._compiling.CompileError` at the first call,
   naming the supported way; the pipeline still works uncompiled afterwards.
 
 Fast tests use dynamo with the ``aot_eager`` backend (dynamo + AOTAutograd, the parts that
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.emit.compiling import CompileError
+from fxpipe.emit._compiling import CompileError
 from fxpipe.errors import FxpipeError
 from fxpipe.portals import pop, stash
 

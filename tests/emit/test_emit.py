@@ -1,4 +1,4 @@
-"""Tests for fxpipe.emit.stages: stage GraphModules, boundaries, portals, shared params, errors."""
+"""Tests for fxpipe.emit._stages: stage GraphModules, boundaries, portals, shared params, errors."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxpipe.emit.stages import EmitError, StageModule, Stages, emit_stages
-from fxpipe.plan.op_graph import build_opgraph
-from fxpipe.plan.value import Plan
-from fxpipe.plan.routes import portal_name
+from fxpipe.emit._stages import EmitError, StageModule, Stages, emit_stages
+from fxpipe.plan._op_graph import build_opgraph
+from fxpipe.plan._value import Plan
+from fxpipe.plan._routes import portal_name
 
 from exact import assert_all_close
 
@@ -139,7 +139,7 @@ def compute_nodes(gm):
 
 def split_assignment(gm, cuts, n_stages):
     """Contiguous split: compute node i goes to the number of cuts <= i. get_attr nodes
-    go to the stage of their first consumer, as fxpipe.plan.partition does."""
+    go to the stage of their first consumer, as fxpipe.plan._partition does."""
     assignment = {}
     for i, node in enumerate(compute_nodes(gm)):
         assignment[node.name] = sum(1 for c in cuts if c <= i)
@@ -157,7 +157,7 @@ def split_assignment(gm, cuts, n_stages):
 
 def plan_for(gm, assignment, n_stages):
     """The Plan of a hand-made assignment: model inputs default to stage 0, the output to the
-    last stage and each get_attr to its first user's stage (as fxpipe.plan.partition does)."""
+    last stage and each get_attr to its first user's stage (as fxpipe.plan._partition does)."""
     full = dict(assignment)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fxpipe
-from fxpipe.cli.main import main
+from fxpipe.cli._main import main
 from fxpipe.errors import MetaDeviceError
 
 import zoo

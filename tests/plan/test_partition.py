@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxpipe.plan.partition import partition, split_chain, stage_costs, topological_order
+from fxpipe.plan._partition import partition, split_chain, stage_costs, topological_order
 
 COMPUTE = ("call_module", "call_function", "call_method")
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.plan.partition import partition, stage_costs
-from fxpipe.plan.value import Plan, Route, StageInfo, portal_name
+from fxpipe.plan._partition import partition, stage_costs
+from fxpipe.plan._value import Plan, Route, StageInfo, portal_name
 
 SPB = 1e-6
 
@@ -66,7 +66,7 @@ def test_edges_and_portals_exact() -> None:
 # A plan file as written before the Plan stored routes (edges and portals as two lists):
 # it must keep loading.
 OLD_FILE = {
-    "format": "fxpipe.plan.value/1", "n_stages": 3, "balance_by": "time",
+    "format": "fxpipe.plan._value/1", "n_stages": 3, "balance_by": "time",
     "assignment": ASSIGN,
     "stages": [{"index": k, "nodes": [], "cost": 0.0, "param_bytes": 0, "act_in_bytes": 0, "act_out_bytes": 0}
                for k in range(3)],
@@ -140,7 +140,7 @@ def test_json_round_trip(tmp_path) -> None:
     plan = _plan()
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert json.loads(plan.to_json())["format"] == "fxpipe.plan.value/1"
+    assert json.loads(plan.to_json())["format"] == "fxpipe.plan._value/1"
     path = tmp_path / "plan.json"
     plan.save(path)
     assert Plan.load(path) == plan
@@ -149,8 +149,8 @@ def test_json_round_trip(tmp_path) -> None:
 
 def test_bad_format() -> None:
     d = json.loads(_plan().to_json())
-    d["format"] = "fxpipe.plan.value/2"
-    with pytest.raises(ValueError, match=r"'fxpipe.plan.value/2'.*expected 'fxpipe.plan.value/1'"):
+    d["format"] = "fxpipe.plan._value/2"
+    with pytest.raises(ValueError, match=r"'fxpipe.plan._value/2'.*expected 'fxpipe.plan._value/1'"):
         Plan.from_json(json.dumps(d))
     del d["format"]
     with pytest.raises(ValueError, match="not an fxpipe plan"):

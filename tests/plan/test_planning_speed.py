@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.capture.tracing import capture
-from fxpipe.plan.cost_keys import cost_key
+from fxpipe.capture._tracing import capture
+from fxpipe.plan._cost_keys import cost_key
 from fxpipe.errors import ArgumentError
-from fxpipe.plan.value import Plan
-from fxpipe.plan.make import make_plan, profiled_inputs
-from fxpipe.plan.profile import profile_graph
+from fxpipe.plan._value import Plan
+from fxpipe.plan._make import make_plan, profiled_inputs
+from fxpipe.plan._profile import profile_graph
 from fxpipe.progress import Progress, as_progress
-from fxpipe.runtime.randomness import drew_random
+from fxpipe.runtime._randomness import drew_random
 
 try:
     import zoo
@@ -180,7 +180,7 @@ class Noisy(nn.Module):
 
 def test_randomness_outside_torch_still_found_by_the_second_run() -> None:
     """The check skips its second, reseeded run when torch's generators did not move
-    (fxpipe.runtime.randomness); before refusing on a value difference it runs it after all, so
+    (fxpipe.runtime._randomness); before refusing on a value difference it runs it after all, so
     Python-level noise is compared for structure only, as before, not refused."""
     model = Noisy()
     pipe = fxpipe.pipeline(model, torch.randn(4, 8), 2, chunks=2, leaf_modules=["noise"], progress=False)

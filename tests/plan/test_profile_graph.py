@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from fxpipe.capture.tracing import capture
-from fxpipe.plan.op_graph import build_opgraph, collapse_by_depth
-from fxpipe.plan.profile import NodeCost, count_params_only, profile_graph, shape_str, tensor_bytes
+from fxpipe.capture._tracing import capture
+from fxpipe.plan._op_graph import build_opgraph, collapse_by_depth
+from fxpipe.plan._profile import NodeCost, count_params_only, profile_graph, shape_str, tensor_bytes
 
 try:
     import zoo
@@ -169,7 +169,7 @@ def test_collapse_by_depth(resnet, resnet_costs) -> None:
 def test_cuda_profile_synchronizes_the_graphs_gpu(monkeypatch) -> None:
     # Without a device argument, a model on the GPU is still timed around synchronizations
     # (else the timings would be kernel launches and 'time' balancing would follow them).
-    import fxpipe.plan.profile as profile
+    import fxpipe.plan._profile as profile
 
     model, args, kwargs = zoo.resnet_like()
     model = model.cuda()

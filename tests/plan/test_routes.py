@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fxpipe
-from fxpipe.plan.routes import Route, portal_name, routes
+from fxpipe.plan._routes import Route, portal_name, routes
 from tests.exact import assert_exact
 from tests.zoo import ZOO
 

@@ -61,7 +61,7 @@ def test_cpu_switches_keep_portal_values(mode):
 def test_copy_streams_off_uses_the_compute_stream():
     pipe = fxpipe.GPipe(_mlp(), [3, 2], devices=["cpu", "cpu"], chunks=2)
     pipe._runtime.copy_streams_on = False
-    from fxpipe.runtime.stream import current_stream
+    from fxpipe.runtime._stream import current_stream
 
     streams = pipe._runtime.copy_streams(3)
     assert [len(s) for s in streams] == [3, 3]

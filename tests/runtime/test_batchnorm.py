@@ -1,4 +1,4 @@
-"""runtime/batchnorm.py: deferred BatchNorm tracks the running statistics of the mini-batch."""
+"""runtime/_batchnorm.py: deferred BatchNorm tracks the running statistics of the mini-batch."""
 
 import copy
 

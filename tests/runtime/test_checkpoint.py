@@ -1,4 +1,4 @@
-"""runtime/checkpoint.py: Checkpoint/Recompute reproduce dropout; is_checkpointing/is_recomputing."""
+"""runtime/_checkpoint.py: Checkpoint/Recompute reproduce dropout; is_checkpointing/is_recomputing."""
 
 import pytest
 import torch
@@ -130,8 +130,8 @@ def test_a_stage_that_saves_nothing_is_not_recomputed(save):
 def test_recompute_ahead_or_lazily_gives_the_same_results(monkeypatch, ahead, mode):
     """``PipelineRunner.recompute_ahead`` (True: the Recompute node of accelerator pipelines, run here on CPU)
     changes when the recomputation runs, never what it computes."""
-    from fxpipe.runtime.checkpoint import Checkpointing
-    from fxpipe.runtime.pipeline import PipelineRunner
+    from fxpipe.runtime._checkpoint import Checkpointing
+    from fxpipe.runtime._pipeline import PipelineRunner
 
     monkeypatch.setattr(PipelineRunner, "recompute_ahead", ahead)
     ahead_calls = []
@@ -153,7 +153,7 @@ def test_recompute_ahead_or_lazily_gives_the_same_results(monkeypatch, ahead, mo
 
 
 def test_rng_states_are_saved_only_for_partitions_that_may_draw(monkeypatch):
-    from fxpipe.runtime import checkpoint as checkpoint_mod
+    from fxpipe.runtime import _checkpoint as checkpoint_mod
 
     calls = []
     real = checkpoint_mod.save_rng_states
@@ -213,7 +213,7 @@ def test_recompute_ahead_only_where_a_gradient_copy_comes_from_another_device():
     """The default policy: ahead overlaps the recomputation with the incoming gradient copy, so
     it is used only on an accelerator partition some later partition of which is elsewhere.
     Stages sharing one GPU recompute lazily (ahead cost them memory and gained no time)."""
-    from fxpipe.runtime.pipeline import PipelineRunner
+    from fxpipe.runtime._pipeline import PipelineRunner
 
     def policy(*devices, setting=None):
         runner = PipelineRunner([nn.Identity()] * len(devices), [torch.device(d) for d in devices])

@@ -1,4 +1,4 @@
-"""runtime/copy.py: Copy/Wait move micro-batches between CUDA devices on copy streams."""
+"""runtime/_copy.py: Copy/Wait move micro-batches between CUDA devices on copy streams."""
 
 import copy
 

@@ -1,11 +1,11 @@
-"""runtime/dependency.py: Fork/Join make backward visit micro-batches in reverse order."""
+"""runtime/_dependency.py: Fork/Join make backward visit micro-batches in reverse order."""
 
 import pytest
 import torch
 from torch import nn
 
 from fxpipe import GPipe
-from fxpipe.runtime.pipeline import PipelineRunner
+from fxpipe.runtime._pipeline import PipelineRunner
 
 
 class Recorder(nn.Module):

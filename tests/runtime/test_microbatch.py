@@ -1,10 +1,10 @@
-"""runtime/microbatch.py: Batch, and scatter/gather over tensors, tuples and pytrees."""
+"""runtime/_microbatch.py: Batch, and scatter/gather over tensors, tuples and pytrees."""
 
 import pytest
 import torch
 
-from fxpipe.runtime import microbatch
-from fxpipe.runtime.microbatch import Batch
+from fxpipe.runtime import _microbatch as microbatch
+from fxpipe.runtime._microbatch import Batch
 
 
 def test_scatter_like_torch_chunk():

@@ -1,11 +1,11 @@
-"""runtime/randomness.py: which partitions may draw random numbers (when unsure: they may)."""
+"""runtime/_randomness.py: which partitions may draw random numbers (when unsure: they may)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxpipe.runtime.randomness import may_draw_random, restored_rng_states, save_rng_states
+from fxpipe.runtime._randomness import may_draw_random, restored_rng_states, save_rng_states
 
 
 class UsesRand(nn.Module):
@@ -110,7 +110,7 @@ def test_restored_rng_states_replay_and_leave_the_caller_alone():
 
 
 def test_stage_generators_are_found_in_graph_constants_and_module_attributes():
-    from fxpipe.runtime.randomness import stage_generators
+    from fxpipe.runtime._randomness import stage_generators
 
     g, h = torch.Generator(), torch.Generator()
 

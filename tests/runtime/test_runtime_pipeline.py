@@ -1,8 +1,8 @@
-"""runtime/pipeline.py: the clock-cycle schedule of GPipe's tasks."""
+"""runtime/_pipeline.py: the clock-cycle schedule of GPipe's tasks."""
 
 import pytest
 
-from fxpipe.runtime.pipeline import clock_cycles
+from fxpipe.runtime._pipeline import clock_cycles
 
 
 @pytest.mark.parametrize("m,n", [(1, 1), (3, 3), (4, 2), (2, 5), (8, 4)])

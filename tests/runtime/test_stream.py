@@ -1,4 +1,4 @@
-"""runtime/stream.py: the device-agnostic stream helpers (CUDA only: no-ops on CPU)."""
+"""runtime/_stream.py: the device-agnostic stream helpers (CUDA only: no-ops on CPU)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 
 @pytest.mark.cuda
 def test_cuda_record_stream_keeps_memory_alive():
-    from fxpipe.runtime.stream import new_stream, record_stream, use_stream
+    from fxpipe.runtime._stream import new_stream, record_stream, use_stream
 
     device = torch.device("cuda", 0)
     side = new_stream(device)

@@ -1,4 +1,4 @@
-"""runtime/worker.py: persistent worker threads (inline on CPU), exceptions forwarded with
+"""runtime/_worker.py: persistent worker threads (inline on CPU), exceptions forwarded with
 their type and traceback, no leaks and no hang at exit."""
 
 import gc

@@ -7,8 +7,8 @@
   stage (``fxpipe timeline``).
 """
 
-from .render import render_plan, save_graph, stage_colors
-from .trace import chrome_trace, lanes, plot_timeline, save_chrome_trace
+from ._render import render_plan, save_graph, stage_colors
+from ._trace import chrome_trace, lanes, plot_timeline, save_chrome_trace
 
 __all__ = ["render_plan", "save_graph", "stage_colors", "chrome_trace", "save_chrome_trace",
            "plot_timeline", "lanes"]

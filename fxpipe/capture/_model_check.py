@@ -1,0 +1,252 @@
+"""Refusing a call after the model changed in a way the built stages cannot see.
+
+A pipeline's stages are generated code holding what the model had when they were built: the
+submodule objects they call, the parameters and buffers their code reads directly, and, as
+constants, the plain attributes the traced forward read (:mod:`fxpipe.capture._attr_reads`).
+Replacing any of those afterwards changes the model but not the pipeline -- a LoRA wrapper
+put in place of ``layer.q_proj``, ``model.temperature = 0.5``, a new ``nn.Parameter``
+assigned to a weight, a forward hook on a module whose code was traced -- and the pipeline
+would silently go on computing the old model. :class:`ModelCheck` lists those things once,
+when the pipeline is built, and :meth:`ModelCheck.check` compares them at each call
+(identity first: tens of microseconds for a 12-layer GPT-2), raising
+:class:`~fxpipe.errors.ModelChangedError` naming each change.
+
+What does not count, because the stages see it or it is checked elsewhere: values changed in
+place (optimizer steps, ``load_state_dict``, ``.copy_()``, ``requires_grad_``: the stages hold
+the same tensors), ``.train()``/``.eval()`` (:class:`~fxpipe.errors.ModeError` where the graph
+baked a mode in), a new attribute nothing traced reads, a buffer reassigned inside a module
+that runs its own code each call (an opaque module: a torch.nn layer, a leaf), and anything
+inside such a module's own forward. Replacing a parameter anywhere in the stages does count:
+the runtime lists each stage's parameters once (recomputation checks, placement).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import fx, nn
+
+from ._attr_reads import EQUAL, MUTABLE, NONE, SAME, AttrRead
+from ..errors import ModelChangedError
+
+__all__ = ["ModelCheck"]
+
+_MISSING = object()
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# (owner module, registry: '_modules' | '_parameters' | '_buffers', key, the object the stages
+# hold, its label, its kind: 'module' | 'parameter' | 'buffer')
+Held = Tuple[nn.Module, str, str, Any, str, str]
+
+
+def _describe(value: Any) -> str:
+    """A value as a message names it: ``0.5``, ``a LoraWrapper``, ``function relu``."""
+    if value is _MISSING:
+        return "missing"
+    if isinstance(value, nn.Module):
+        return f"a {type(value).__name__}"
+    if isinstance(value, torch.Tensor):
+        return f"a {'Parameter' if isinstance(value, nn.Parameter) else 'tensor'} of shape {tuple(value.shape)}"
+    if callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type):
+        return f"function {value.__qualname__}"
+    text = repr(value)
+    return text if len(text) <= 40 and not text.startswith("<") else f"a {type(value).__name__}"
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value whose == is not a bool
+        return False
+
+
+class ModelCheck:
+    """What the stages of a pipeline took from ``model``, checked at each call.
+
+    Built from the capture (its graph and :attr:`~fxpipe.capture._tracing.Capture.reads`) and the
+    emitted stages once the pipeline is placed. Copies of a pipeline copy it along with the
+    model (``copy.deepcopy`` maps every object it holds to the copy's).
+    """
+
+    def __init__(self, model: nn.Module, graph: fx.GraphModule, reads: Sequence[AttrRead],
+                 stages: Iterable[fx.GraphModule] = ()) -> None:
+        labels: Dict[int, str] = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            labels.setdefault(id(m), name)
+        traced, held = _used(model, graph, stages, reads, labels)
+        self._held: List[Held] = held
+        self._traced: List[Tuple[nn.Module, str]] = [(m, labels.get(id(m), "")) for m in traced]
+        self._reads: List[AttrRead] = list(reads)
+        self._compile()
+
+    def _compile(self) -> None:
+        """The lists the per-call check walks: the dicts to look in and the objects expected
+        there. Made again for a copy: a deep copy of a module gets a new ``__dict__``, which
+        the copy of a reference to the old one would not be."""
+        self._slots = [(owner.__dict__[registry], key, obj) for owner, registry, key, obj, _, _ in self._held]
+        fast = [r for r in self._reads if r.in_dict and r.how in (SAME, EQUAL)]
+        self._fast = [(r.owner.__dict__, r.name, r.value) for r in fast]
+        self._slow = [r for r in self._reads if not (r.in_dict and r.how in (SAME, EQUAL))]
+        self._hooks = [m.__dict__[h] for m, _ in self._traced for h in _HOOKS]
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k in ("_held", "_traced", "_reads")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._compile()
+
+    def check(self) -> None:
+        """Raises :class:`~fxpipe.errors.ModelChangedError` naming what changed, if anything did."""
+        if self._unchanged():
+            return
+        changes = self.changes()
+        if changes:
+            raise ModelChangedError(
+                "the model changed after the pipeline was built: rebuild it (call fxpipe.pipeline(model, ...) "
+                "again; the new pipeline shares the model's parameters). The stages hold the submodules, "
+                "parameters and attribute values the model had when they were built, and would silently go on "
+                "computing that model. What changed:\n" + "\n".join(f"  - {c}" for c in changes), changes=changes)
+        self._refresh()  # equal values in new objects (model.temperature = 1.0 again): fast again
+
+    def _unchanged(self) -> bool:
+        for slots, key, obj in self._slots:
+            if slots.get(key, _MISSING) is not obj:
+                return False
+        for attrs, name, value in self._fast:
+            if attrs.get(name, _MISSING) is not value:
+                return False
+        for r in self._slow:
+            if not _read_holds(r):
+                return False
+        return not any(self._hooks)
+
+    def changes(self) -> List[str]:
+        """Each change, as a message line (empty when nothing changed)."""
+        out: List[str] = []
+        for owner, registry, key, obj, label, kind in self._held:
+            now = owner.__dict__[registry].get(key, _MISSING)
+            if now is obj:
+                continue
+            if kind == "module":
+                if now is _MISSING or now is None:
+                    out.append(f"submodule '{label}' was removed (was {_describe(obj)}, which the stages call)")
+                elif type(now) is not type(obj):
+                    out.append(f"'{label}' is now {_describe(now)}, was {_describe(obj)} (the stages call the "
+                               "module they were built with)")
+                else:
+                    out.append(f"'{label}' is another {type(now).__name__} object than the one the stages call")
+            else:
+                gone = now is _MISSING or now is None
+                todo = "change its values in place instead (load_state_dict, .copy_(), an optimizer step)"
+                if kind == "buffer":
+                    todo += "; .to(dtype) or .half() on the model gives buffers new tensors, pipe.to(dtype) does not"
+                out.append(f"{kind} '{label}' was {'removed' if gone else 'replaced'} (was {_describe(obj)}"
+                           f"{'' if gone else ', now ' + _describe(now)}): the stages hold the one they were built "
+                           f"with; {todo}")
+        for r in self._reads:
+            if not _read_holds(r):
+                now = getattr(r.owner, r.name, _MISSING)
+                if now is _MISSING:
+                    out.append(f"'{r.label}' was deleted (was {_describe(r.value)}; the traced forward read it, and "
+                               "the graph has its value baked in)")
+                else:
+                    out.append(f"'{r.label}' is {_describe(now)}, was {_describe(r.value)} (the traced forward "
+                               "read it, and the graph has its value baked in)")
+        for module, label in self._traced:
+            hooks = [h.strip("_").replace("_", " ") for h in _HOOKS if module.__dict__[h]]
+            if hooks:
+                where = f"'{label}'" if label else "the model itself"
+                out.append(f"{where} has {' and '.join(hooks)} now: its forward was traced into the stages, which "
+                           "never call it, so they would not run (register hooks before building: the module is "
+                           "then kept opaque and its hooks run per micro-batch; or on the pipeline)")
+        return out
+
+    def _refresh(self) -> None:
+        self._fast = [(attrs, name, attrs.get(name, value)) for attrs, name, value in self._fast]
+
+
+def _read_holds(r: AttrRead) -> bool:
+    """Whether the attribute still has the value the traced code read."""
+    try:
+        now = getattr(r.owner, r.name, _MISSING)
+    except Exception:  # noqa: BLE001 - a property that no longer computes has changed
+        return False
+    if r.how == SAME:
+        return now is r.value
+    if r.how == NONE:
+        return now is None
+    if r.how in (EQUAL, MUTABLE):
+        return _same_value(now, r.value)
+    return False
+
+
+def _used(model: nn.Module, graph: fx.GraphModule, stages: Iterable[fx.GraphModule], reads: Sequence[AttrRead],
+          labels: Dict[int, str]) -> Tuple[List[nn.Module], List[Held]]:
+    """The modules whose code the graph traced, and every object the stages hold from the
+    model: each module on the path to one they call or traced, every parameter inside the
+    modules they call (kept opaque), every parameter and buffer their code reads directly."""
+    called_paths, traced_paths, attr_paths = [], [""], []
+    for g in [graph, *stages]:
+        for node in g.graph.nodes:
+            if node.op == "call_module":
+                called_paths.append(str(node.target))
+            elif node.op == "get_attr":
+                attr_paths.append(str(node.target))
+            path = node.meta.get("fxpipe_module")
+            if isinstance(path, str):
+                traced_paths.append(path)
+    traced_paths += [labels[id(r.owner)] for r in reads if isinstance(r.owner, nn.Module) and id(r.owner) in labels]
+    held: Dict[Tuple[int, str, str], Held] = {}
+    modules: Dict[str, Optional[nn.Module]] = {}
+
+    def hold(owner: nn.Module, registry: str, key: str, obj: Any, label: str, kind: str) -> None:
+        held.setdefault((id(owner), registry, key), (owner, registry, key, obj, label, kind))
+
+    def walk(path: str) -> Optional[nn.Module]:
+        """The module at ``path`` (None: no module of the model), holding the modules on the way."""
+        if path not in modules:
+            node: Optional[nn.Module] = model
+            parts = path.split(".") if path else []
+            for i, part in enumerate(parts):
+                child = node._modules.get(part)  # type: ignore[union-attr]
+                if child is None:
+                    node = None
+                    break
+                hold(node, "_modules", part, child, ".".join(parts[:i + 1]), "module")  # type: ignore[arg-type]
+                node = child
+            modules[path] = node
+        return modules[path]
+
+    called = [m for m in map(walk, dict.fromkeys(called_paths)) if m is not None]
+    traced = [m for m in map(walk, dict.fromkeys(traced_paths)) if m is not None]
+    for path in dict.fromkeys(attr_paths):
+        owner_path, _, key = path.rpartition(".")
+        owner = walk(owner_path)
+        if owner is None:
+            continue  # a constant of the graph itself (export's lifted constants, a higher-order op's body)
+        for registry, kind in (("_parameters", "parameter"), ("_buffers", "buffer")):
+            tensor = owner.__dict__[registry].get(key)
+            if tensor is not None:
+                hold(owner, registry, key, tensor, path, kind)
+    for m in called:  # it runs its own code; the runtime lists its modules and parameters once
+        base = labels.get(id(m), "")
+        subs = dict(m.named_modules(remove_duplicate=False))
+        for name, sub in subs.items():
+            label = ".".join(p for p in (base, name) if p)
+            if name:
+                parent_name, _, key = name.rpartition(".")
+                hold(subs[parent_name], "_modules", key, sub, label, "module")
+            for key, p in sub._parameters.items():
+                if p is not None:
+                    hold(sub, "_parameters", key, p, f"{label}.{key}" if label else key, "parameter")
+    called_ids = {id(m) for m in called}
+    traced = list({id(m): m for m in traced if id(m) not in called_ids}.values())
+    return traced, list(held.values())

@@ -1,0 +1,471 @@
+"""Capture any ``nn.Module`` as a flat ``torch.fx.GraphModule``.
+
+Why flat: every later stage (profile, partition, emit, runtime) wants to reason about a
+graph whose inputs are the leaves of ``tree_flatten((args, kwargs))`` and whose output is a
+flat tuple; the pytree specs kept in :class:`Capture` rebuild the user's structures.
+
+Strategy, in order (see :func:`capture`):
+
+1. torch.fx symbolic tracing. Standard ``torch.nn`` layers and the user's ``leaf_modules``
+   stay opaque (``call_module``). A submodule whose forward cannot be traced is made a
+   leaf automatically and tracing is retried.
+2. ``torch.export.export(strict=False)`` when fx fails at the root, or when the automatic
+   leaves would swallow most of the parameters (a graph with one giant opaque node cannot
+   be pipelined). The aten graph is rebuilt with the model's own Parameters.
+3. :class:`~fxpipe.errors.TraceError` naming module, source line, reason and remedy.
+"""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+import re
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from ._attr_reads import AttrRead, AttributeReads, plain_attributes
+from ._augmented import AugmentedProxy
+from ._custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
+from ._call_inputs import call_signature, fixed_dims, flatten_call
+from ._export import _Failure, compose_out_spec, export_graph
+from ._export_leaves import leaf_paths
+from ..errors import TraceError
+from ._hooks import hooked_modules
+from ._grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_values
+from ._mutation import KEEP_REASON, KEEP_WITH
+from ._reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
+from ._meta import has_meta_tensors
+from ..tree import flatten
+from ._user_code import is_user_file, user_stack
+
+__all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
+
+_MAX_RETRIES = 24
+# fx output with auto-leaves holding more than this share of parameters: prefer export
+_EXPORT_IF_OPAQUE_SHARE = 0.5
+
+
+def flatten_output(out: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``tree_flatten`` that also understands (unregistered) dataclasses (see fxpipe.tree)."""
+    return flatten(out)
+
+
+# -- result --------------------------------------------------------------------------------
+@dataclass
+class Capture:
+    """A captured model: flat GraphModule plus the specs to rebuild user structures.
+
+    - ``graph_module``: one placeholder per leaf of ``tree_flatten((args, kwargs))``, output
+      a flat tuple of output leaves; parameters/submodules are the model's own objects.
+    - ``in_spec`` / ``out_spec``: pytree specs of ``(args, kwargs)`` and of the output.
+    - ``method``: ``'fx'`` or ``'export'``.
+    - ``specialized``: flat input index -> the non-tensor sample value baked into the graph
+      (its placeholder is unused); :meth:`flatten_inputs` checks later calls against it.
+    - ``leaves``: qualified names kept opaque besides standard torch.nn layers (user
+      ``leaf_modules`` and automatic fallbacks; for ``'export'`` the user's leaves called).
+    - ``signature``: the model's forward signature, to name arguments in call errors.
+    - ``fixed``: flat input index -> its size per dim where the graph is specialised on it
+      (``None``: any size). torch.export fixes every dim but the split dim; fx none (empty).
+    - ``reads``: the plain attributes the traced code read, baked into the graph
+      (:mod:`fxpipe.capture._attr_reads`); :mod:`fxpipe.capture._model_check` checks them at each call.
+    """
+
+    graph_module: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    method: str
+    specialized: dict[int, object] = field(default_factory=dict)
+    leaves: list[str] = field(default_factory=list)
+    signature: inspect.Signature | None = field(default=None, repr=False, compare=False)
+    fixed: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
+    reads: list[AttrRead] = field(default_factory=list, repr=False, compare=False)
+
+    def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
+        """Flatten a call's inputs, checking them against the captured sample.
+
+        The call must pass the same arguments positionally / by keyword as the sample (named
+        keywords in any order), the same containers, tensors where the sample had tensors,
+        the specialised values where it had other values, and tensors of the sizes in
+        :attr:`fixed`; otherwise :class:`~fxpipe.errors.InputMismatchError` names the
+        argument and says what to do (:func:`fxpipe.capture._call_inputs.flatten_call`).
+        """
+        return flatten_call(self, tuple(args), dict(kwargs or {}))
+
+    def unflatten_output(self, leaves: Sequence[Any]) -> Any:
+        return pytree.tree_unflatten(list(leaves), self.out_spec)
+
+
+# -- flat root -----------------------------------------------------------------------------
+def _key_str(k: Any) -> str:
+    for attr in ("idx", "key", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def positional_names(model: nn.Module) -> tuple[list[str], str | None]:
+    """The names of ``model.forward``'s positional parameters, and of its ``*args`` (or None)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    var = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    return [p.name for p in params if p.kind in kinds], var
+
+
+def _input_names(model: nn.Module, paths: list[tuple]) -> list[str]:
+    """Readable placeholder names from the forward signature (``x``, ``mask``, ``x_0``)."""
+    pos, var_name = positional_names(model)
+    var = var_name or "arg"
+    names: list[str] = []
+    for path in paths:
+        top, first, rest = _key_str(path[0]), path[1], path[2:]
+        if top == "0":
+            i = int(_key_str(first))
+            base = pos[i] if i < len(pos) else f"{var}_{i}"
+        else:
+            base = _key_str(first)
+        base = "_".join([base, *(_key_str(k) for k in rest)])
+        name = re.sub(r"\W", "_", base) or "arg"
+        if name[0].isdigit() or keyword.iskeyword(name) or name in ("self", "_fxpipe_impl"):
+            name = "_" + name
+        while name in names:
+            name += "_"
+        names.append(name)
+    return names
+
+
+def _flat_root(model: nn.Module, names: list[str], in_spec: pytree.TreeSpec,
+               consts: dict[int, Any], out_specs: list[pytree.TreeSpec]) -> nn.Module:
+    """A module that *is* the model for fx/export purposes but takes flat inputs.
+
+    It shares the model's ``_parameters/_buffers/_modules`` dicts, so qualified names and
+    objects are the model's own; its generated ``forward(self, x, mask, ...)`` gives the
+    placeholders readable names and calls the model's real forward (bound to the model).
+    Non-tensor leaves are replaced by their sample values (specialisation).
+    """
+    def impl(flat: list[Any]) -> tuple[Any, ...]:
+        leaves = [consts[i] if i in consts else v for i, v in enumerate(flat)]
+        args, kwargs = pytree.tree_unflatten(leaves, in_spec)
+        out_leaves, spec = flatten_output(model.forward(*args, **kwargs))
+        out_specs.append(spec)
+        return tuple(out_leaves)
+
+    src = f"def forward(self, {', '.join(names)}):\n    return _fxpipe_impl([{', '.join(names)}])\n"
+    ns: dict[str, Any] = {"_fxpipe_impl": impl}
+    exec(compile(src, "<fxpipe-flat-forward>", "exec"), ns)
+    cls = type(type(model).__name__, (nn.Module,), {"forward": ns["forward"]})
+    root = cls()
+    for attr in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+        root.__dict__[attr] = model.__dict__[attr]
+    root.__dict__["training"] = model.training
+    return root
+
+
+# -- fx ------------------------------------------------------------------------------------
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _is_standard_layer(m: nn.Module) -> bool:
+    mod = type(m).__module__
+    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(m, _CONTAINERS)
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer with fxpipe's leaf policy and module-path bookkeeping."""
+
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: set[str]) -> None:
+        super().__init__()
+        # Stack traces are recorded by create_node below (user frames only), not by fx: fx
+        # symbolises every frame of every node's stack through linecache (most of a big
+        # model's trace time: 15 frames a node) and then keeps the few in user files.
+        self.record_stack_traces = False
+        self.leaf_types, self.leaf_names = leaf_types, leaf_names
+        self.stack: list[str] = [""]
+        self.failure_stack: list[str] | None = None
+        self.opaque: list[str] = []  # non-standard leaves actually used
+        self.regions = RegionRecorder()  # grad-mode / autocast `with` blocks (fxpipe.capture._grad_regions)
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        # custom autograd.Functions kept whole, one node each (fxpipe.capture._custom_functions)
+        with self.regions, applying_as_nodes(self):
+            return super().trace(root, concrete_args)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.leaf_names or isinstance(m, self.leaf_types):
+            if qualname not in self.opaque:
+                self.opaque.append(qualname)
+            return True
+        return _is_standard_layer(m)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        self.stack.append(self.path_of_module(m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failure_stack is None:  # innermost frame records first
+                self.failure_stack = list(self.stack)
+            raise
+        finally:
+            self.stack.pop()
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        region = self.regions.region()  # raises RegionError where a mode changed untraceably
+        node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            node.stack_trace = user_stack() or None
+        node.meta["fxpipe_module"] = self.stack[-1]
+        if region is not None:
+            node.meta[REGION] = region
+        return node
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        # `h += x` recorded in place, as eager runs it (see fxpipe.capture._augmented)
+        return AugmentedProxy(node, self)
+
+
+def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
+              leaf_names: set[str]) -> tuple[fx.Graph, list[str], list[_Failure], list[AttrRead]] | _Failure:
+    auto: list[_Failure] = []
+    for _ in range(_MAX_RETRIES):
+        tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
+        try:
+            with AttributeReads(model) as reads:  # fx runs no leaf: every read is the traced code's
+                graph = tracer.trace(root)
+            return graph, tracer.opaque, auto, reads.reads()
+        except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
+            stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
+            if not stack:
+                return _Failure("", e, [f.module for f in auto])
+            auto.append(_Failure(stack[-1], e))
+    return _Failure(auto[-1].module, auto[-1].error, [f.module for f in auto[:-1]])
+
+
+# -- errors --------------------------------------------------------------------------------
+def _user_frame(exc: BaseException) -> str:
+    """'file:line: code' of the innermost frame outside torch, fxpipe and the stdlib."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+            if not is_user_file(fr.filename):
+                continue
+            return f"{fr.filename}:{fr.lineno}: {(fr.line or '').strip()}"
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return ""
+
+
+_REASONS = [
+    ("cannot be used as inputs to control flow", "data-dependent control flow: a tensor was used as a Python bool"),
+    ("data-dependent", "data-dependent control flow: a value computed from tensor data decides the Python code path"),
+    ("guard on", "data-dependent control flow: a value computed from tensor data decides the Python code path"),
+    ("cannot be iterated", "iteration over a traced tensor (for-loop / unpacking of unknown length)"),
+    ("'len' is not supported", "len() of a traced tensor"),
+    ("in output, which is not a known type", "the model returns an object that is neither a tensor nor a pytree "
+     "container (for transformers models pass use_cache=False / return_dict outputs without caches)"),
+    ("co_varnames is too small", "torch.fx cannot trace a forward with **kwargs on this Python version"),
+]
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    for needle, reason in _REASONS:
+        if needle in text:
+            return reason
+    return f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
+
+
+def _describe(model: nn.Module, path: str) -> str:
+    try:
+        cls = type(model.get_submodule(path))
+    except AttributeError:
+        cls = type(model)
+    return f"'{path}' ({cls.__module__}.{cls.__qualname__})" if path else f"the root module ({type(model).__qualname__})"
+
+
+def _trace_error(model: nn.Module, fx_fail: _Failure, ex_fail: _Failure | None) -> TraceError:
+    e = fx_fail.error
+    loc = _user_frame(e) or (_user_frame(ex_fail.error) if ex_fail else "")
+    reason = _reason(e)
+    if fx_fail.module:
+        todo = f"pass leaf_modules=['{fx_fail.module}'] to keep it opaque (it then runs eagerly inside one stage)"
+    else:
+        todo = ("the failing code is in the root forward, which cannot be opaque: move it into a submodule "
+                "and pass leaf_modules=['<that submodule>'], or avoid Python control flow on tensor values "
+                "(e.g. torch.where)")
+    lines = [f"fxpipe could not capture {type(model).__qualname__} (torch.fx and torch.export both failed).",
+             f"  module:   {_describe(model, fx_fail.module)}",
+             f"  location: {loc or 'unknown'}",
+             f"  reason:   {reason}"]
+    if ex_fail is not None:
+        lines.append(f"  torch.export: {_reason(ex_fail.error)}")
+    if fx_fail.auto:
+        lines.append(f"  already kept opaque automatically: {fx_fail.auto}")
+    lines.append(f"What to do: {todo}.")
+    return TraceError("\n".join(lines), module=fx_fail.module, location=loc, reason=reason)
+
+
+# -- entry point ---------------------------------------------------------------------------
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
+            leaf_modules: Iterable[type | str] = (), split_dims: list[int | None] | None = None) -> Capture:
+    """Capture ``model(*args, **kwargs)`` as a flat GraphModule sharing the model's state.
+
+    ``leaf_modules``: module classes or qualified names to keep opaque (``call_module``).
+    ``split_dims``: per flat input leaf, the dim micro-batches split (None: not split); a
+    torch.export capture keeps that dim dynamic (default: dim 0 of every tensor).
+    Non-tensor inputs are specialised (see :attr:`Capture.specialized`). Python-level
+    decisions taken at capture time stay baked in: ``self.training`` read inside a traced
+    forward (fx), and the whole training mode for ``'export'`` graphs (aten ops carry it).
+    Export graphs also carry the sample's device in factory ops: see :func:`retarget_devices`.
+    Raises :class:`TraceError` when neither torch.fx nor torch.export can capture the model.
+    """
+    args, kwargs = tuple(args), dict(kwargs or {})
+    leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
+    leaf_names = {x for x in leaf_modules if isinstance(x, str)}
+    known = {name for name, _ in model.named_modules()}
+    if leaf_names - known:
+        raise ValueError(f"leaf_modules: {sorted(leaf_names - known)} are not submodules of {type(model).__name__}")
+    leaf_names |= set(hooked_modules(model, lambda m: _is_standard_layer(m) or isinstance(m, leaf_types)))
+    flat_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
+    flat = [v for _, v in flat_with_path]
+    names = _input_names(model, [p for p, _ in flat_with_path])
+    specialized = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+    out_specs: list[pytree.TreeSpec] = []
+    root = _flat_root(model, names, in_spec, specialized, out_specs)
+
+    with refusing_reentrant_checkpoint():  # while tracing only: the checks run the real one
+        fx_res = _trace_fx(model, root, leaf_types, leaf_names)
+    if not isinstance(fx_res, _Failure):
+        graph, opaque, auto, fx_reads = fx_res
+        fx_out_spec = out_specs[-1]
+        if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
+            return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
+    kept = leaf_paths(model, [*leaf_types, *leaf_names])  # export traces them too: their reads are their own
+    kept_modules = [model.get_submodule(p) for p in kept]
+    with refusing_reentrant_checkpoint(), refusing_in_export(kept_modules), \
+            AttributeReads(model, kept_modules) as ex_reads:
+        ex_res = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
+    reads = ex_reads.reads()
+    if isinstance(ex_res, _Failure) and not ex_res.bad_output and ex_res.refusal is None:
+        # dynamo-traced regions (torch.cond's branches) cannot run the recording: export again
+        # unrecorded, and check every plain attribute of the traced modules instead
+        with refusing_reentrant_checkpoint(), refusing_in_export(kept_modules):
+            unrecorded = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
+        if not isinstance(unrecorded, _Failure) or unrecorded.refusal is not None:
+            ex_res, reads = unrecorded, plain_attributes(model, kept_modules)
+    if not isinstance(ex_res, _Failure):
+        gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
+        gm.training = model.training
+        if has_meta_tensors(model):  # exported as on the CPU (fxpipe.capture._meta); it runs on meta
+            retarget_devices(gm, "meta")
+        # caches in the output (past_key_values) come out as their tensors; the spec rebuilds them
+        out_spec = compose_out_spec(out_specs[-1], ex_res.leaf_specs)
+        return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model),
+                       fixed_dims(gm, flat, split_dims), reads)
+    if ex_res.bad_output:
+        # The fx graph returns the same object, from an opaque node: each micro-batch would
+        # make one and only the first could be returned. Refuse rather than mislead.
+        raise _output_error(model, ex_res.bad_output) from ex_res.error
+    if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
+        return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
+    for failure in (ex_res, fx_res):  # said plainly rather than as a capture failure
+        refusal = reentrant_checkpoint_in(failure.error) or autograd_function_in(failure.error)
+        if refusal is not None:
+            raise refusal from None
+    if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
+        raise ex_res.refusal from fx_res.error
+    raise _trace_error(model, fx_res, ex_res) from fx_res.error
+
+
+def _unaliased(flat: list[Any]) -> list[Any]:
+    """``flat`` with every tensor that repeats an earlier one (by identity) cloned.
+
+    torch.export merges arguments that are the same tensor object into one graph input (the
+    transformers idiom ``model(input_ids=ids, labels=ids)``); the rebuilt graph would then read
+    one argument where the model reads the other, and every later call with different values
+    would silently use the wrong one. A clone gives each argument its own placeholder, which
+    the graph reads exactly as the model does.
+    """
+    seen: set[int] = set()
+    out = []
+    for v in flat:
+        if isinstance(v, torch.Tensor):
+            if id(v) in seen:
+                v = v.clone()
+            seen.add(id(v))
+        out.append(v)
+    return out
+
+
+def _output_error(model: nn.Module, bad: str) -> TraceError:
+    name = type(model).__qualname__
+    reason = f"the output holds {bad}, which fxpipe cannot gather over micro-batches and return as eager does"
+    if "transformers" in bad:
+        todo = ("pass use_cache=False (in the model's config, or sample_kwargs={'use_cache': False} and the "
+                "same keyword in every call) so that no cache is returned")
+    else:
+        todo = f"make {name}.forward return tensors (or tuples, dicts, dataclasses of them) instead"
+    return TraceError(f"fxpipe cannot pipeline {name}: {reason}.\nWhat to do: {todo}.", reason=reason)
+
+
+def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytree.TreeSpec,
+               out_spec: pytree.TreeSpec, specialized: dict[int, object], opaque: list[str], auto: list[_Failure],
+               reads: list[AttrRead]) -> Capture:
+    for f in auto:
+        warnings.warn(f"fxpipe: {_describe(model, f.module)} could not be traced by torch.fx "
+                      f"({_reason(f.error)} at {_user_frame(f.error) or '?'}); kept opaque", stacklevel=3)
+    # Why each automatic leaf is opaque, for the plan's imbalance warning (fxpipe.plan._make).
+    why = {f.module: f"torch.fx could not trace it: {_reason(f.error)}" for f in auto}
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in why:
+            node.meta["fxpipe_auto_leaf"] = why[node.target]
+    for node, users in inference_values(graph):  # an inference tensor cannot cross stages
+        node.meta.setdefault(KEEP_WITH, []).extend(u.name for u in users)
+        node.meta[KEEP_REASON] = ("it computes in torch.inference_mode() and its result, an inference tensor, "
+                                  "cannot cross stages (use torch.no_grad() for a region that may be cut)")
+    # root, not model: fx stores untracked tensor constants (_tensor_constant0) on the root
+    # running it enters the grad-mode/autocast regions recorded on its nodes
+    gm = RegionGraphModule(root, graph, class_name=type(model).__name__)
+    gm.training = model.training
+    return Capture(gm, in_spec, out_spec, "fx", specialized, list(opaque), call_signature(model), reads=reads)
+
+
+def _opaque_share(model: nn.Module, names: list[str]) -> float:
+    total = sum(p.numel() for p in model.parameters()) or 1
+    seen: set[int] = set()
+    n = 0
+    for name in names:
+        for p in model.get_submodule(name).parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+    return n / total
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device | str) -> fx.GraphModule:
+    """Rewrite literal ``device=`` kwargs (factory ops in export graphs) to ``device``.
+
+    fx graphs compute devices from their inputs; export graphs bake in the sample's device,
+    also positionally (``aten.to.device``) and inside the bodies of higher-order ops
+    (:mod:`fxpipe.capture._export_hops`), which belong to the stage calling them.
+    """
+    dev = torch.device(device)
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            if isinstance(n.kwargs.get("device"), torch.device):
+                n.kwargs = {**n.kwargs, "device": dev}
+            if any(isinstance(a, torch.device) for a in n.args):
+                n.args = tuple(dev if isinstance(a, torch.device) else a for a in n.args)
+        elif n.op == "get_attr":
+            body = gm.get_submodule(n.target) if isinstance(getattr(gm, n.target, None), fx.GraphModule) else None
+            if body is not None:
+                retarget_devices(body, device)
+    gm.recompile()
+    return gm

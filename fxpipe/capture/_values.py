@@ -1,0 +1,53 @@
+"""Whether two values the build computed agree: exactly, or within the precision in effect.
+
+The one comparison behind the build's checks: the seeded rerun of the model
+(:mod:`fxpipe.capture._prepare`), the whole batch against its micro-batches merged
+(:mod:`fxpipe.checks._batching`), eval against training mode (:mod:`fxpipe.checks._modes`).
+A tolerance that did not follow the precision would refuse a bf16 model for its rounding,
+or pass a float32 model that mixes samples; :func:`fxpipe.capture._numerics.tolerance` decides it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._numerics import tolerance
+
+__all__ = ["same_value", "exactly_same"]
+
+
+def same_value(a: Any, b: Any, *, values: bool = True) -> bool:
+    """Whether two outputs agree: same type, shape and dtype, and (with ``values``) close."""
+    return _same(a, b, exact=False, values=values)
+
+
+def exactly_same(a: Any, b: Any) -> bool:
+    """Same type, shape, dtype and bits (a rerun that drew the same random numbers)."""
+    return _same(a, b, exact=True)
+
+
+def _same(a: Any, b: Any, *, exact: bool, values: bool = True) -> bool:
+    if isinstance(a, Tensor) != isinstance(b, Tensor):
+        return False
+    if not isinstance(a, Tensor):
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001 - values without a boolean ==
+            return a is b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not values:
+        return True
+    if a.is_meta or b.is_meta:  # no values to compare (a meta-device model): unknown, so not 'exact'
+        return not exact
+    if exact:
+        return bool(torch.equal(a, b))
+    if not (a.is_floating_point() or a.is_complex()):
+        return bool(torch.equal(a, b))
+    a64, b64 = a.detach().double(), b.detach().double()  # a comparison: no graph
+    scale = float(a64.abs().max()) if a.numel() else 0.0
+    rtol, atol = tolerance(a.dtype)  # follows the precision in effect (fxpipe.capture._numerics)
+    return bool(torch.allclose(a64, b64, rtol=rtol, atol=atol * max(scale, 1.0)))

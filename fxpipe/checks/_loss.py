@@ -1,0 +1,64 @@
+"""Whether a merged 0-dim output (a loss) also has the full batch's *gradient*.
+
+The build-time check (:meth:`fxpipe.checks._batching.Batching.check`) compares values, with a
+tolerance made for ordinary float differences between a batch and its micro-batches. A
+loss that weighs its items wrongly after merging can still land inside that tolerance: a
+token mean over a padding mask merged by ``'mean'`` weighs each micro-batch's tokens by
+that micro-batch's count, and with a freshly initialised model every token costs about
+``log(vocab)``, so the value moves by 1e-4 while the gradient weight of every token is off
+by a factor of two or more. Training on it would silently differ from eager. (A cross
+entropy mean over labels that are not ``ignore_index`` is merged weighted by those counts,
+:mod:`fxpipe.checks._counted_labels`, and so passes.)
+
+So for every 0-dim floating output with a declared merge, the captured graph runs forward
+and backward once on the whole sample and once split and merged, and the two gradients
+with respect to the parameters must agree too. The weights are what differs, and they
+show in the gradients however similar the per-item values are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from torch import Tensor, fx
+
+from ..capture._numerics import tolerance
+
+__all__ = ["gradient_mismatch"]
+
+
+def _grads(value: Tensor, params: List[Tensor]) -> List[Tensor]:
+    """d value / d params as float64, zeros where a parameter does not reach ``value``."""
+    got = (torch.autograd.grad(value, params, allow_unused=True, retain_graph=True) if value.requires_grad
+           else [None] * len(params))
+    return [torch.zeros_like(p, dtype=torch.float64) if g is None else g.double() for p, g in zip(params, got)]
+
+
+def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[Sequence[Any]],
+                      indices: Sequence[int], merge: Callable[[int, List[Any]], Any]) -> Optional[tuple]:
+    """``(output index, parameter name, largest difference, largest |gradient|)`` of the first
+    0-dim output in ``indices`` whose merged gradient differs from the whole batch's, or None.
+
+    ``merge(i, parts)`` merges output ``i`` of the micro-batches as the pipeline will.
+    Runs with gradients enabled, accumulating nothing (``torch.autograd.grad``); the caller
+    sets the mode and seeds and restores the model's state.
+    """
+    named = [(n, p) for n, p in gm.named_parameters() if p.requires_grad]
+    if not named or not indices:
+        return None
+    params = [p for _, p in named]
+    with torch.enable_grad():
+        whole = list(gm(*flat))
+        outs = [list(gm(*m)) for m in micro]
+        for i in indices:
+            merged = merge(i, [o[i] for o in outs])
+            if not isinstance(merged, Tensor) or not (merged.requires_grad or whole[i].requires_grad):
+                continue
+            a, b = _grads(whole[i], params), _grads(merged, params)
+            scale = max((float(g.abs().max()) for g in a if g.numel()), default=0.0)
+            for (name, p), ga, gb in zip(named, a, b):
+                rtol, atol = tolerance(p.dtype)  # follows the precision in effect (fxpipe.capture._numerics)
+                if not torch.allclose(ga, gb, rtol=rtol, atol=atol * scale):
+                    return i, name, float((ga - gb).abs().max()), scale
+    return None

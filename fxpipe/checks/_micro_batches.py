@@ -1,0 +1,171 @@
+"""The build-time check that a model's micro-batches give its own result.
+
+The captured graph runs on the sample once whole and once split into two micro-batches,
+run and merged by the :class:`~fxpipe.checks._batching.Batching` policy; the two must agree
+(values, and a merged loss's gradient), or the build is refused naming the input or output
+and the option to set (``chunk_dims=``, ``output_merge=``). :mod:`fxpipe.checks._modes` runs it
+in eval and in training mode.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import torch
+from torch import Tensor, fx, nn
+
+from ..capture._values import exactly_same, same_value
+from ..errors import MicroBatchError
+from ._batching import _LOSS_NOTE, Batching, _merge_hint, _output_label
+from ._counted_labels import CountedLabels
+from ._loss import gradient_mismatch
+
+__all__ = ["SAMPLE_SEED", "check_split", "reruns_same", "sample_run", "evaluating", "concatenated_dim"]
+
+#: the seed of :func:`sample_run` (:func:`fxpipe.runtime._randomness.drew_random` compares against it)
+SAMPLE_SEED = 0
+
+
+def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any], *,
+          mode: Optional[Callable[[nn.Module], Any]] = None, values: bool = True,
+          blame: Optional[Callable[[List[List[Any]]], str]] = None, why: str = "", mode_text: str = "",
+          random: Optional[bool] = None) -> bool:
+    """Runs ``gm`` split on the sample and compares with ``whole`` (:func:`sample_run`, in
+    the same ``mode``); refuses when the results differ.
+
+    Two micro-batches (uneven when the batch is odd) are enough to see a wrong split
+    dim or an output that is not per sample. Runs under ``mode(model)`` (default: eval
+    mode; :mod:`fxpipe.checks._modes` runs the training mode too) and under no_grad; the
+    caller restores the model's state. A graph that gives another result with another
+    seed (random ops the mode does not switch off) is checked for structure only, as is
+    everything with ``values=False``. ``blame(micro)`` says which module differs first
+    ('' when unknown); ``why`` replaces the generic advice of a refusal, ``mode_text``
+    (' in training mode') says which mode differed. ``random=False`` says the whole run
+    drew no random numbers from torch (:func:`fxpipe.runtime._randomness.drew_random`): the second, reseeded run
+    is then made only before refusing on a value difference. Returns whether the graph is
+    deterministic on the sample.
+    """
+    mode = mode or evaluating
+    if batching.counted is None:
+        batching.counted = CountedLabels.find(gm, whole, [m == "mean" for m in batching.merges], batching.in_dims)
+    deterministic = True if random is False else reruns_same(gm, model, flat, whole, mode)
+    provisional = random is False  # not yet confirmed by a second run
+    compare = deterministic and values
+    total = batching.batch_size(flat)
+    if total < 2:
+        return deterministic
+    k = 2
+    with mode(model), torch.no_grad():
+        micro, sizes = batching.split(flat, k)
+        weights = batching.weights(flat, micro, "the sample")  # decided as for a call
+        try:
+            outs = [list(gm(*m)) for m in micro]
+        except Exception as e:  # noqa: BLE001 - the split inputs are what broke it
+            raise MicroBatchError(
+                f"the model fails on a micro-batch ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
+                f"The inputs are split along {batching.dims_text()}; if the batch is in another dim of an "
+                "input, say so with chunk_dims={'<argument>': dim} (None for an argument that must not "
+                "be split).") from e
+    for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
+        b = batching._merge_leaf(i, list(column), sizes, weights.get(i))
+        if compare and provisional and not same_value(a, b):
+            provisional = False
+            deterministic = reruns_same(gm, model, flat, whole, mode)
+            compare = deterministic and values
+        if not same_value(a, b, values=compare):
+            found = blame(micro) if blame is not None and compare else ""
+            _refuse(batching, i, a, b, list(column), k, found, why, mode_text)
+    reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
+               and a.is_floating_point() and batching.merges[i] is not None]
+    if compare and reduced:  # a merged loss: its gradient must be the batch's too
+        with mode(model):
+            torch.manual_seed(1)
+            bad = gradient_mismatch(gm, flat, micro, reduced,
+                                    lambda i, parts: batching._merge_leaf(i, parts, sizes, weights.get(i)))
+        if bad is not None and provisional and not reruns_same(gm, model, flat, whole, mode):
+            bad, deterministic = None, False  # random after all: values are not compared
+        if bad is not None:
+            i, param, diff, scale = bad
+            raise MicroBatchError(
+                f"{_output_label(batching.out_names[i])} merged over {k} micro-batches is close to the full "
+                f"batch's value but its gradient is not the full batch's: the gradient of parameter '{param}' differs by up to "
+                f"{diff:.3g} (largest |gradient| {scale:.3g}). Training the pipeline would silently "
+                f"differ from the model. {_LOSS_NOTE}")
+    return deterministic
+
+def reruns_same(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any],
+                mode: Callable[[nn.Module], Any]) -> bool:
+    """Whether ``gm`` gives ``whole`` again with another seed (no randomness left in ``mode``)."""
+    with mode(model), torch.no_grad():
+        torch.manual_seed(1)
+        again = list(gm(*flat))
+    return all(exactly_same(a, b) for a, b in zip(whole, again))
+
+def sample_run(run: Callable[[], Any], model: nn.Module,
+               mode: Optional[Callable[[nn.Module], Any]] = None) -> Any:
+    """``run()`` on the whole sample under ``mode(model)`` (default eval), no_grad, seeded (see check)."""
+    with (mode or evaluating)(model), torch.no_grad():
+        torch.manual_seed(SAMPLE_SEED)
+        return run()
+
+
+def _refuse(batching: Batching, i: int, whole: Any, merged: Any, parts: List[Any], k: int, found: str, why: str,
+            mode_text: str) -> None:
+    name = batching.out_names[i]
+    if isinstance(whole, Tensor) and isinstance(merged, Tensor):
+        if whole.shape != merged.shape:
+            what = f"has shape {tuple(whole.shape)} for the whole batch but {tuple(merged.shape)} merged"
+        else:
+            diff = (whole.double() - merged.double()).abs().max().item()
+            what = f"differs by up to {diff:.3g} (largest |value| {whole.double().abs().max().item():.3g})"
+    else:
+        what = f"is {_short(whole)} for the whole batch but {_short(merged)} merged"
+    head = (f"{_output_label(name)} {what} when the sample is split into {k} micro-batches along "
+            f"{batching.dims_text()} and the outputs are merged{mode_text}")
+    found = f" {found}" if found else ""
+    if why:
+        raise MicroBatchError(f"{head}{why}{found}")
+    dim = concatenated_dim(whole, parts)
+    current = batching.merges[i] if batching.merges[i] is not None else 0
+    if dim is not None and dim != current:  # the shapes say where the batch is: verified, not guessed
+        option = f"output_merge={{{name!r}: {dim}}}" if name else f"output_merge={dim}"
+        raise MicroBatchError(
+            f"{head}.{found} Each micro-batch's output has its batch in dim {dim}: concatenated along "
+            f"dim {dim} they give the model's output exactly. What to do: pass {option} (a "
+            "sequence-first model split with chunk_dims=1 usually needs output_merge=1).")
+    raise MicroBatchError(
+        f"{head}. A pipeline would silently differ from the "
+        f"model.{found} What to do: if the batch is not in those dims, give it with chunk_dims={{'<argument>': "
+        f"dim}}; if this output is not per sample, declare its merge with {_merge_hint(name)}."
+        + (f" {_LOSS_NOTE}" if isinstance(whole, Tensor) and whole.dim() == 0 else ""))
+
+
+
+def concatenated_dim(whole: Any, parts: Sequence[Any]) -> Optional[int]:
+    """The dim along which ``parts`` concatenate to ``whole`` (value included), or None."""
+    if not isinstance(whole, Tensor) or not all(isinstance(p, Tensor) for p in parts) or len(parts) < 2:
+        return None
+    for d in range(whole.dim()):
+        if all(p.dim() == whole.dim() and p.shape[:d] == whole.shape[:d] and p.shape[d + 1:] == whole.shape[d + 1:]
+               for p in parts) and sum(p.shape[d] for p in parts) == whole.shape[d]:
+            return d if same_value(whole, torch.cat(list(parts), dim=d)) else None
+    return None
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode for the block; every submodule's own flag is put back after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."

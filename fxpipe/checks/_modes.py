@@ -1,0 +1,234 @@
+"""The build-time checks in every mode the pipeline can run in: eval and training.
+
+A pipeline computes each micro-batch on its own. The micro-batch check
+(:meth:`fxpipe.checks._batching.Batching.check`) sees whether that reproduces the whole batch, but
+only in the mode it runs in, and modules may mix the samples of a batch in training only:
+``h - h.mean(0)`` under ``if self.training``, in-batch negatives, a custom norm. Such a module
+kept opaque (``leaf_modules``, or because fx cannot trace it) passes an eval-mode check and
+trains a silently different model. So the check runs in both modes the captured graph can
+run in (a graph with the mode baked in runs only in its own), with two exceptions that are
+not batch mixing:
+
+* ``nn.Dropout`` modules and BatchNorm are put in eval mode for the training-mode check:
+  dropout is per element (and random, which would hide every other difference), and
+  BatchNorm on micro-batch statistics is GPipe's documented semantics
+  (``deferred_batch_norm=True`` for the running statistics). Under torch.export both are
+  baked into the graph and cannot be switched: a training-mode export graph with a
+  BatchNorm in training is checked for structure only.
+* Randomness the mode does not switch off (functional dropout, noise, stochastic depth):
+  the check notices that another seed gives another result and compares structure only.
+
+A failure in training mode refuses the build when the model is in training mode; a model
+built in eval mode gets a pipeline that is exact in eval and refuses training mode at call
+time with the same message. A refusal names the first module whose output differs while
+its inputs agree (per-module outputs of the whole and the split run compared by forward hooks).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+from torch.utils import _pytree as pytree
+
+from ..capture._values import same_value
+from ._batching import Batching, ChunkDims, OutputMerge
+from ._micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
+from ..errors import MicroBatchError, TraceError
+from ..capture._meta import is_meta_model
+from ..capture._numerics import checking
+from ..capture._prepare import Prepared, check_capture, preserved
+from ..runtime._randomness import drew_random
+
+__all__ = ["check_modes", "training"]
+
+Mode = Callable[[nn.Module], Any]
+
+_TRAIN_WHY = (
+    ", though they agree in eval mode: something computes across the samples of the batch "
+    "only in training (a batch statistic, in-batch negatives, a custom norm). The check runs the training mode "
+    "with nn.Dropout and BatchNorm modules in eval mode (dropout is per sample; BatchNorm on micro-batch "
+    "statistics is GPipe's documented semantics), so neither is the cause. A pipeline computes each "
+    "micro-batch on its own and would silently train a different model.")
+_TRAIN_TODO = (
+    " What to do: compute the across-batch part outside the pipeline, on its merged outputs, or make it per "
+    "sample; for batch normalisation use nn.BatchNorm (deferred_batch_norm=True for whole-batch running "
+    "statistics); for inference only, build the pipeline in eval mode (model.eval()).")
+
+
+@contextmanager
+def training(model: nn.Module, exempt: bool = True) -> Iterator[None]:
+    """Training mode for the block: the flags as they are when the model is training (the mode
+    it was built in), else ``model.train()`` (what ``pipe.train()`` gives). With ``exempt``,
+    dropout and BatchNorm modules in eval mode (see the module docstring). Flags put back after."""
+    modes = [(m, m.training) for m in model.modules()]
+    if not model.training:
+        model.train()
+    if exempt:
+        for m in model.modules():
+            if isinstance(m, (_BatchNorm, _DropoutNd)):
+                m.training = False
+    try:
+        yield
+    finally:
+        for m, flag in modes:
+            m.training = flag
+
+
+def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, chunk_dims: ChunkDims,
+                output_merge: Optional[OutputMerge]) -> Batching:
+    """The split/merge checked in each mode the graph runs in, and the graph against eager
+    in the mode(s) it is compared in. Call inside ``preserved(model)``. The checks run at
+    full float32 precision, with tolerances that follow what stays reduced (bf16 weights,
+    autocast): :mod:`fxpipe.capture._numerics`."""
+    flat = prepared.capture.flatten_inputs(args, kwargs)
+    with checking(model, flat):
+        return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge)
+
+
+def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, flat: List[Any],
+                 chunk_dims: ChunkDims, output_merge: Optional[OutputMerge]) -> Batching:
+    captured = prepared.capture
+    gm = captured.graph_module
+    meta = is_meta_model(model)
+    fx_graph = captured.method != "export"
+    train_mode: Mode = lambda m: training(m, exempt=fx_graph)  # noqa: E731
+    runs_eval = not prepared.mode_sensitive or not model.training
+    runs_train = not prepared.mode_sensitive or model.training
+    batching: Optional[Batching] = None
+
+    def blame_in(mode: Mode, always: bool) -> Callable[[List[List[Any]]], str]:
+        return lambda micro: "" if meta else first_difference(gm, model, flat, micro, mode, always)
+
+    def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool]:
+        with preserved(model):
+            whole = list(sample_run(lambda: gm(*flat), model, mode))
+            random = drew_random(SAMPLE_SEED)  # none: no second, reseeded run (fxpipe.runtime._randomness)
+        b = batching or Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
+        with preserved(model):
+            deterministic = check_split(b, gm, model, flat, whole, mode=mode, random=random, **options)
+        return b, whole, deterministic
+
+    def against_eager(mode: Mode, whole: List[Any], deterministic: bool) -> None:
+        if not meta:  # on meta, eager code may branch on values (.item()), and none are there
+            with preserved(model):
+                eager = sample_run(lambda: model(*args, **kwargs), model, mode)
+            try:
+                check_capture(eager, whole, batching.out_names, deterministic)  # type: ignore[union-attr]
+            except TraceError:
+                # deterministic may rest on fxpipe.runtime._randomness alone: confirm before refusing
+                with preserved(model):
+                    if not deterministic or reruns_same(gm, model, flat, whole, mode):
+                        raise
+                check_capture(eager, whole, batching.out_names, False)  # type: ignore[union-attr]
+
+    if runs_eval:
+        batching, whole, deterministic = run_checks(evaluating, blame=blame_in(evaluating, always=False))
+        against_eager(evaluating, whole, deterministic)
+    if runs_train:
+        # Under export, BatchNorm's training is baked in and cannot be exempted: structure only.
+        values = fx_graph or not any(isinstance(m, _BatchNorm) and m.training for m in model.modules())
+        why = _TRAIN_WHY if runs_eval else ""  # without an eval check: the generic advice
+        try:
+            batching, whole, deterministic = run_checks(
+                train_mode, values=values, blame=blame_in(train_mode, always=True), why=why,
+                mode_text=" in training mode")
+        except MicroBatchError as e:
+            if not why:
+                raise
+            if model.training or batching is None:
+                raise MicroBatchError(f"{e}{_TRAIN_TODO}") from None
+            batching.train_refusal = (
+                f"this pipeline was built in eval mode, where it is exact, and cannot run in training mode: "
+                f"the build's training-mode check found that {e}{_TRAIN_TODO}")
+        else:
+            if prepared.mode_sensitive:  # the graph has training baked in: compared in training
+                against_eager(train_mode, whole, deterministic)
+    assert batching is not None
+    return batching
+
+
+Call = Tuple[str, List[Tensor], List[Tensor]]
+
+
+def _calls(model: nn.Module, run: Callable[[], Any]) -> List[Call]:
+    """Per completed submodule call, in completion order (innermost first): its qualified
+    name, its positional input tensors and its output tensors."""
+    names = {m: n for n, m in model.named_modules() if n}
+    calls: List[Call] = []
+
+    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        calls.append((names[module], _tensors(inputs), _tensors(output)))
+
+    handles = [m.register_forward_hook(hook) for m in names]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _tensors(value: Any) -> List[Tensor]:
+    return [x.detach() for x in pytree.tree_leaves(value) if isinstance(x, Tensor)]
+
+
+def _agree(whole: List[Tensor], parts: List[List[Tensor]]) -> Optional[bool]:
+    """Whether the parts, concatenated along the one dim that fits, equal whole; None when no
+    tensor can be compared (same count, shapes that concatenate to the whole's)."""
+    seen = False
+    for j, w in enumerate(whole):
+        column = [p[j] for p in parts if j < len(p)]
+        if len(column) != len(parts):
+            continue
+        for d in range(w.dim()):
+            if all(c.dim() == w.dim() and c.shape[:d] == w.shape[:d] and c.shape[d + 1:] == w.shape[d + 1:]
+                   for c in column) and sum(c.shape[d] for c in column) == w.shape[d]:
+                seen = True
+                if not same_value(w, torch.cat(column, dim=d)):
+                    return False
+                break
+    return True if seen else None
+
+
+def first_difference(gm: Any, model: nn.Module, flat: Sequence[Any], micro: List[List[Any]], mode: Mode,
+                     always: bool) -> str:
+    """A sentence naming the first module (in completion order) whose output differs between the
+    whole and the split run: one whose inputs agree mixes the samples itself. With ``always``
+    also a module whose inputs already differ (the mixing happened in traced code before it)."""
+    def run(inputs: Sequence[Any]) -> List[Call]:
+        with preserved(model), mode(model), torch.no_grad():
+            torch.manual_seed(0)
+            return _calls(model, lambda: gm(*inputs))
+
+    whole = run(flat)
+    split: List[Dict[Tuple[str, int], Call]] = []
+    for inputs in micro:
+        seen: Dict[str, int] = {}
+        indexed = {}
+        for call in run(inputs):
+            indexed[(call[0], seen.get(call[0], 0))] = call
+            seen[call[0]] = seen.get(call[0], 0) + 1
+        split.append(indexed)
+    count: Dict[str, int] = {}
+    modules = dict(model.named_modules())
+    for name, ins, outs in whole:
+        key = (name, count.get(name, 0))
+        count[name] = key[1] + 1
+        if not all(key in s for s in split):
+            continue
+        if _agree(outs, [s[key][2] for s in split]) is not False:
+            continue
+        kind = type(modules[name]).__name__
+        if _agree(ins, [s[key][1] for s in split]):
+            return (f"The first module whose output differs while its inputs agree is '{name}' ({kind}): it "
+                    "computes across the samples of the batch.")
+        if always:
+            return (f"The values already differ where they enter module '{name}' ({kind}): the across-batch "
+                    "computation is in the traced code before it.")
+        return ""
+    return ""

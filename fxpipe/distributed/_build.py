@@ -1,0 +1,255 @@
+"""``fxpipe.distributed.pipeline``: one automatic plan, run by one process per stage.
+
+Every rank builds the same model and calls :func:`pipeline` with the same arguments. Each
+captures and checks the model exactly as ``fxpipe.pipeline`` does (the same steps of
+:mod:`fxpipe.build`); rank 0 alone plans (:func:`fxpipe.build.choose_plan`) and broadcasts the plan
+(:mod:`.agree`); every rank carries the plan's portals through the stages in between
+(:mod:`.carry`), emits all stages, checks their code against the other ranks', finds the
+static boundary metadata with one fake run (:mod:`.meta`) and wraps its own stages in
+torch.distributed.pipelining ``PipelineStage``s under a torch schedule.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+import os
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from fxpipe.build import BuildOptions, capture_and_check, check_plan, check_split_points, choose_plan
+from fxpipe.emit._stages import Stages, emit_stages
+from fxpipe.errors import BatchShapeError, DistributedError
+from fxpipe.runtime._frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
+from fxpipe.capture._mutation import check_kept_together
+from fxpipe.plan._value import Plan
+from fxpipe.plan._make import BALANCE_BY
+from fxpipe.capture._prepare import preserved
+from fxpipe.progress import Progress, ProgressOption, as_progress
+
+from ._agree import agree_on_stages, broadcast_plan
+from ._carry import carried_plan
+from ._materialise import InitBuffers, capture_sample, local_weights
+from ._meta import stage_metas
+from ._pipe import DistributedPipeline
+from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
+from ._sources import StateDictSource
+from ._split_backward import input_pass
+from ._ties import TiedGradients
+from ._values import StageRunner
+
+__all__ = ["pipeline", "SCHEDULES", "DEFAULT_TIMEOUT"]
+
+#: seconds a rank waits for its peers in any collective or transfer of the pipeline
+DEFAULT_TIMEOUT = 300.0
+
+
+class CheckpointedStage(PipelineStage):
+    """A ``PipelineStage`` that tells its :class:`StageRunner` which micro-batch it runs
+    (torch's schedules pass the micro-batch index as ``fwd_chunk_id``), so the runner can
+    checkpoint the chosen ones, and whose zero-bubble input pass misses no weight gradient."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.micro_batch = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        """Zero bubble's input-gradient pass made exact for every parameter (:mod:`.split_backward`)."""
+        run = super().backward_maybe_with_nosync
+        if backward_type != "input":
+            return run(backward_type, bwd_kwargs, last_backward)
+        return input_pass(bwd_kwargs, list(self.submod.parameters()),
+                          lambda: run(backward_type, bwd_kwargs, last_backward))
+
+
+def check_on_cpu(backend: str, model: nn.Module, sample: Any = ()) -> None:
+    """Refuses what this version cannot run exactly: the stages run on the CPU and exchange
+    tensors over gloo. An NCCL group, or weights or inputs on a GPU, would fail deep inside
+    torch's send and receive; refused here, on every rank alike, with what to do instead."""
+    if str(backend).lower() != "gloo":
+        raise DistributedError(
+            f"fxpipe.distributed runs its stages on the CPU over gloo, but the default process group uses "
+            f"{backend!r}; call torch.distributed.init_process_group('gloo') (CUDA/NCCL is not supported yet)")
+    tensors = [("parameter " + n, t) for n, t in model.named_parameters()]
+    tensors += [("buffer " + n, t) for n, t in model.named_buffers()]
+    tensors += [("sample input", t) for t in pytree.tree_leaves(sample) if isinstance(t, torch.Tensor)]
+    for what, t in tensors:
+        if t.device.type not in ("cpu", "meta"):
+            raise DistributedError(
+                f"{what} is on {t.device}, and fxpipe.distributed runs its stages on the CPU over gloo "
+                "(CUDA/NCCL is not supported yet): build the model and the sample on the CPU, or use "
+                "fxpipe.pipeline(model, sample, n_stages, devices=[...]) for several GPUs of one host")
+
+
+def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stages_per_rank: int,
+                balance_by: str, timeout: float, checkpoint: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedError("fxpipe.distributed.pipeline needs torch.distributed initialised on every rank: call "
+                               "torch.distributed.init_process_group('gloo') first (torchrun sets the environment)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    chunks = check_chunks(chunks)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    check_schedule(schedule, stages_per_rank, chunks, dist.get_world_size())
+    if balance_by not in BALANCE_BY:
+        raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _micro_batch(flat: Sequence[Any], chunks: int) -> list[Any]:
+    """The sample's flat inputs cut to one micro-batch; refuses a batch ``chunks`` does not divide."""
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    sizes = {x.shape[0] if x.dim() else None for x in tensors}
+    if len(sizes) != 1 or None in sizes or next(iter(sizes)) % chunks:
+        shapes = [tuple(x.shape) for x in tensors]
+        raise BatchShapeError(f"every tensor input must have the same batch size along dim 0, a multiple of "
+                              f"chunks={chunks} (micro-batches of equal size keep a mean loss exact); the sample's "
+                              f"tensor inputs have shapes {shapes}")
+    size = next(iter(sizes)) // chunks
+    return [x[:size] if isinstance(x, torch.Tensor) else x for x in flat]
+
+
+def pipeline(
+    model: nn.Module,
+    sample: Any,
+    *,
+    chunks: int,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    schedule: str = "gpipe",
+    stages_per_rank: int = 1,
+    sample_kwargs: Optional[dict] = None,
+    plan: Optional[Union[Plan, str, os.PathLike]] = None,
+    balance_by: str = "params",
+    leaf_modules: Sequence[Union[type, str]] = (),
+    split_points: Optional[Sequence[str]] = None,
+    checkpoint: str = "except_last",
+    timeout: float = DEFAULT_TIMEOUT,
+    state_dict: Optional[StateDictSource] = None,
+    init_buffers: Optional[InitBuffers] = None,
+    progress: ProgressOption = True,
+) -> DistributedPipeline:
+    """This rank's part of ``model`` run as a pipeline of ``world_size * stages_per_rank`` stages.
+
+    Call it on every rank of an initialised default process group (gloo, CPU), with the
+    same model (same class, config and seed) and the same arguments. Rank 0's parameters
+    and buffers are broadcast to every rank first, as DDP does; or, with ``state_dict=``,
+    each rank loads only its own stages' tensors -- the way to run a model built on the meta
+    device, of which each rank then materialises only its own stages
+    (:mod:`fxpipe.distributed._materialise`). To train under ``torch.autocast``, build under
+    it too: the stages' buffers take the build's dtypes.
+
+    Args:
+        model, sample, sample_kwargs, leaf_modules, split_points: as for :func:`fxpipe.pipeline`.
+        chunks: micro-batches per mini-batch; must divide the batch size.
+        loss_fn: ``loss_fn(output, target)`` on one micro-batch, mean-reduced over its samples
+            (then ``step`` gives eager's loss and gradients); ``output`` has the model's structure.
+        schedule: ``'gpipe'`` or ``'1f1b'``; with ``stages_per_rank > 1``: ``'gpipe'``
+            (torch's LoopedBFS), ``'interleaved1f1b'`` or ``'interleavedzb'`` (interleaved zero
+            bubble), stage ``k`` on rank ``k % world_size``; ``'zbv'`` (zero-bubble V) with
+            ``stages_per_rank=2``: rank ``r`` holds stages ``r`` and ``2 * world_size - 1 - r``.
+            See :mod:`fxpipe.distributed._schedules`.
+        plan: a saved plan (object or JSON path), read on rank 0; no profiling.
+        balance_by: as for :func:`fxpipe.pipeline`; default ``'params'`` (deterministic).
+            ``'time'`` times one micro-batch of the sample, the unit every stage runs.
+        checkpoint: ``'except_last'`` (default), ``'always'`` or ``'never'``, as for
+            :func:`fxpipe.pipeline`: each checkpointed micro-batch's stage forward keeps no
+            activations and is recomputed in its backward (``torch.utils.checkpoint``,
+            non-reentrant, RNG and autocast state restored: dropout masks match), on every stage;
+            under the zero-bubble schedules it is recomputed in both backward passes.
+        timeout: seconds any rank waits for its peers before the job fails (no hang).
+        state_dict: the weights, read by each rank for its own stages only: a mapping, the path
+            of a ``torch.save`` file (memory-mapped), the path of a ``torch.distributed.checkpoint``
+            directory, or a callable ``keys -> mapping`` (:mod:`fxpipe.distributed._sources`).
+            Needed for a model on the meta device (which is then planned by ``'params'`` or
+            ``'memory'``, never timed).
+        init_buffers: ``fn(name, module)`` recomputing a module's non-persistent buffers (in no
+            checkpoint) after a meta model is materialised; default: a transformers model's own
+            ``_init_weights``. A buffer left unwritten raises ``MaterialiseError``.
+        progress: as for :func:`fxpipe.pipeline`; shown by rank 0 only (one terminal line).
+
+    Raises:
+        fxpipe.errors.DistributedError: no process group, or rank 0 could not plan.
+        fxpipe.errors.PlanMismatchError: the ranks' stage code differs.
+        fxpipe.errors.BatchShapeError: the sample's batch is not a multiple of ``chunks``.
+        fxpipe.errors.MetaDeviceError: a model on meta without ``state_dict=``, or with
+            ``balance_by='time'``; a sample on meta.
+        fxpipe.errors.MaterialiseError: a key of this rank's stages missing from ``state_dict``
+            (or of another shape), a non-persistent buffer nothing restores.
+        and every error :func:`fxpipe.pipeline` raises for the model.
+    """
+    _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout, checkpoint)
+    chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
+    check_on_cpu(dist.get_backend(), model, (sample, sample_kwargs))
+    check_split_points(split_points, plan)
+    report = as_progress(progress) if dist.get_rank() == 0 else Progress(enabled=False)
+    wait = timedelta(seconds=float(timeout))
+    world = dist.get_world_size()
+    group = dist.new_group(list(range(world)), timeout=wait)
+    n_stages = world * stages_per_rank
+    args: tuple = sample if isinstance(sample, tuple) else (sample,)
+    kwargs = dict(sample_kwargs or {})
+    cap_args, cap_kwargs = capture_sample(model, args, kwargs, state_dict=state_dict, balance_by=balance_by,
+                                          plan=plan)  # on meta for a meta model
+
+    options = BuildOptions(n_stages, chunks, None, balance_by, leaf_modules, split_points, plan, progress=report)
+    with preserved(model):
+        checked = capture_and_check(model, cap_args, cap_kwargs, options)
+        checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
+        captured = checked.capture
+        flat = captured.flatten_inputs(args, kwargs)
+        micro = _micro_batch(captured.flatten_inputs(cap_args, cap_kwargs), chunks)
+
+        def make() -> Plan:  # on rank 0; profiled on one micro-batch (fxpipe.plan._make.profiled_inputs)
+            return choose_plan(checked, options)
+
+        agreed = broadcast_plan(make, group)
+        built: list[Stages] = []
+
+        def build() -> list[str]:
+            check_plan(agreed, captured, n_stages)
+            check_kept_together(captured.graph_module, agreed.assignment)
+            gm = captured.graph_module
+            built.append(emit_stages(gm, carried_plan(gm, agreed)))
+            return [built[0].stage_code(k, source=False) for k in range(n_stages)]
+
+        agree_on_stages(build, group)
+    stages = built[0]
+    with preserved(model):  # fake tensors still bump real counters (num_batches_tracked += 1)
+        metas = stage_metas(stages.modules, micro, stages.input_names)
+
+    rank = dist.get_rank(group)
+    placement = rank_of_stage(schedule, world, stages_per_rank)
+    local = stages_of_rank(schedule, world, stages_per_rank, rank)
+    device = torch.device("cpu")
+    local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
+                  exported=captured.method == "export", device=device)
+    pipe_stages, runners = [], {}
+    for k in local:
+        first, last = k == 0, k == n_stages - 1
+        inputs = [None if isinstance(v, torch.Tensor) else ("const", v) for v in flat] if first else metas[k].in_kinds
+        runner = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, captured.out_spec,
+                             checkpoint_stop=checkpoint_stop(checkpoint, chunks, True), training_of=model,
+                             clone_outputs=SCHEDULES[schedule].split_backward)
+        runners[k] = runner
+        pipe_stages.append(CheckpointedStage(runner, k, n_stages, device, input_args=metas[k].input_args,
+                                         output_args=metas[k].output_args, group=group))
+
+    output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
+
+    def scaled_loss(tensors: Any, target: torch.Tensor) -> torch.Tensor:
+        # the model's outputs as the model returns them; mean over equal micro-batches; scale_grads=False
+        return loss_fn(output.structured(tensors), target) / chunks  # type: ignore[union-attr]
+
+    runner_schedule, forward_only = make_schedules(schedule, pipe_stages, chunks, scaled_loss, placement)
+    ties = TiedGradients(model, stages.modules, placement, group, wait)
+    shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
+    return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,
+                               chunks, shapes, ties, [group, *ties.groups.values()], output=output)

@@ -1,0 +1,299 @@
+"""Each rank materialises only its own stages: a model too big for one host, built on meta.
+
+Every rank builds the model under ``with torch.device('meta'):`` (shapes, no storage) and
+calls :func:`fxpipe.distributed.pipeline` with ``state_dict=``. Capture, rank 0's planning
+(``balance_by='params'`` or ``'memory'``, from shapes: :mod:`fxpipe.capture._meta`) and emission run
+on meta. Then each rank gives real values to exactly the tensors its own stages use
+(:func:`local_weights`), and nothing else:
+
+1. **Which tensors.** Those the rank's stage GraphModules hold (emission copies into a stage
+   only the submodules and attributes its code reads, the model's own objects). A weight tied
+   across ranks (embedding and LM head) is local to both ranks, and both load it.
+2. **Materialised in place.** Each is swapped for an uninitialised CPU tensor with
+   ``torch.utils.swap_tensors``, the mechanism of ``to_empty`` under
+   ``torch.__future__.set_swap_module_params_on_conversion(True)``: the Python object stays
+   the same, so the model, every stage and a tied weight's other names see the new storage
+   (plain ``to_empty`` makes new Parameters, which broke ties, issue 11). Its attributes
+   (``__dict__``) are kept.
+3. **Non-persistent buffers** (a rotary embedding's ``inv_freq``, position ids) are in no
+   checkpoint, and ``load_state_dict`` never reads them. They are recomputed by the model's own
+   code: ``init_buffers(name, module)`` when given, else, for a transformers model, the
+   ``_init_weights(module)`` of the nearest ``PreTrainedModel`` holding the module -- what
+   ``from_pretrained`` itself runs to restore them after loading on meta; it recomputes
+   rotary ``inv_freq`` with the very function ``__init__`` used, so it is bit-exact (checked
+   for every family of tests/hf_families.py). Each such buffer must have been written (its
+   version counter moves) or replaced by a tensor of its shape; one that was not is refused
+   with :class:`~fxpipe.errors.MaterialiseError` naming it, never left uninitialised.
+   Both run under ``torch.no_grad()`` and a forked RNG: the caller's RNG state is unchanged.
+4. **Loaded.** Only the local persistent keys are read (:mod:`.sources`), after the buffers
+   (an initialiser that also touches parameters cannot overwrite loaded values). As in
+   ``load_state_dict``, values are copied in (dtypes cast) and, when several names of one
+   tied tensor are present, the last in ``state_dict()`` order wins.
+
+Every rank checks its keys, materialises and loads the in-memory forms before any rank goes
+on (:func:`~fxpipe.distributed._agree.on_every_rank`): one rank's missing key is an error on
+every rank, not a wait. Tensors no local stage uses stay on meta, so ``pipe.parameters()`` and
+the memory are this rank's alone.
+
+A model not on the meta device keeps the earlier behaviour -- rank 0's parameters and
+buffers broadcast to every rank, as DDP does -- unless ``state_dict=`` is given, which then
+loads the local keys instead (every rank's own initialisation of the rest is never used).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe.capture._tracing import retarget_devices
+from fxpipe.errors import MaterialiseError, MetaDeviceError
+from fxpipe.capture._meta import is_meta_model, refuse_timing, to_meta
+
+from ._agree import on_every_rank
+from ._sources import StateDictSource, missing_message, open_source
+
+__all__ = ["InitBuffers", "capture_sample", "local_weights", "LocalTensors", "local_tensors"]
+
+#: ``init_buffers(name, module)``: writes the non-persistent buffers of ``module`` (its
+#: qualified name in the model), already on the CPU and uninitialised, in place or by assignment
+InitBuffers = Callable[[str, nn.Module], None]
+
+
+def capture_sample(model: nn.Module, args: tuple, kwargs: dict, *, state_dict: Optional[StateDictSource],
+                   balance_by: str, plan: Any) -> tuple[tuple, dict]:
+    """The sample to capture and plan with: the sample itself, or a meta copy for a model on meta.
+
+    A meta model's weights are shapes only: it is captured and planned with the sample moved
+    to meta (:mod:`fxpipe.capture._meta`), it cannot be timed, and it needs ``state_dict=`` to run.
+    The sample itself must be real: its tensors give the shapes the ranks exchange, and the
+    first stage's constants. Every rank raises the same error here, before any collective.
+    """
+    for i, x in enumerate(pytree.tree_leaves((args, kwargs))):
+        if isinstance(x, torch.Tensor) and x.is_meta:
+            raise MetaDeviceError(
+                f"sample tensor {i} (shape {tuple(x.shape)}) is on the meta device: the sample of "
+                "fxpipe.distributed.pipeline must be a real CPU batch shaped like the ones step() gets "
+                "(a model on meta is captured with a meta copy of it). Make it with torch.zeros(...) or a real batch.")
+    if not is_meta_model(model):  # also refuses a model partly on meta, naming a tensor of each kind
+        return args, kwargs
+    if state_dict is None:
+        raise MetaDeviceError(
+            "the model is on the meta device (shapes, no values) and no state_dict= was given, so this rank's "
+            "stages would have no weights. Pass state_dict= (a mapping, the path of a torch.save file, the path "
+            "of a torch.distributed.checkpoint directory, or a callable keys -> tensors): each rank then "
+            "materialises and loads only its own stages' tensors.")
+    if plan is None and balance_by == "time":
+        refuse_timing()
+    return to_meta(args, kwargs)
+
+
+@dataclass
+class LocalTensors:
+    """The tensors this rank's stages use, and how each gets its value."""
+
+    #: id -> tensor, each once, in the order the stages first use them
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: id -> where a stage uses it (``"stage 2: head.weight"``), for messages
+    where: dict[int, str] = field(default_factory=dict)
+    #: id -> its ``state_dict()`` keys, in that order (several for a tied tensor)
+    keys: dict[int, list[str]] = field(default_factory=dict)
+    #: id -> the (module name, module, attribute) holding it as a non-persistent buffer
+    buffers: dict[int, list[tuple[str, nn.Module, str]]] = field(default_factory=dict)
+
+    def wanted(self) -> list[str]:
+        """Every key of every local persistent tensor (what a ``state_dict`` callable is asked for)."""
+        return [k for i in self.tensors if i in self.keys for k in self.keys[i]]
+
+
+def local_tensors(model: nn.Module, stages: Sequence[torch.fx.GraphModule], local: Sequence[int]) -> LocalTensors:
+    """What stages ``local`` (indices into ``stages``) use, with their keys in ``model``."""
+    found = LocalTensors()
+    for k in local:
+        st = stages[k]
+        for name, t in [*st.named_parameters(remove_duplicate=False), *st.named_buffers(remove_duplicate=False)]:
+            if id(t) not in found.tensors:
+                found.tensors[id(t)], found.where[id(t)] = t, f"stage {k}: {name}"
+    for key, t in model.state_dict(keep_vars=True).items():  # persistent, in load_state_dict's order
+        if isinstance(t, torch.Tensor) and id(t) in found.tensors:
+            found.keys.setdefault(id(t), []).append(key)
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for attr in sorted(module._non_persistent_buffers_set):
+            b = module._buffers.get(attr)
+            if b is not None and id(b) in found.tensors and id(b) not in found.keys:
+                found.buffers.setdefault(id(b), []).append((mname, module, attr))
+    return found
+
+
+def local_weights(model: nn.Module, stages: Sequence[torch.fx.GraphModule], local: Sequence[int],
+                  group: dist.ProcessGroup, *, state_dict: Optional[StateDictSource],
+                  init_buffers: Optional[InitBuffers], exported: bool, device: torch.device) -> None:
+    """Gives this rank's stages (``local``) their values: loaded from ``state_dict`` (the
+    steps of the module docstring), or, without it, rank 0's broadcast to every rank."""
+    if state_dict is None:
+        for t in [*model.parameters(), *model.buffers()]:  # as DDP: rank 0's values everywhere
+            dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)
+        return
+    meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    pending: list[Any] = []
+
+    def prepare() -> None:
+        found = local_tensors(model, stages, local)
+        _refuse_unrestorable(model, found)
+        source = open_source(state_dict, found.wanted())
+        targets = _choose_keys(found, source)
+        if meta:
+            # The fake runs (capture, stage metadata) left weak references to the meta tensors
+            # in fake modes now unreachable but cyclic; swap_tensors refuses a weakly-referenced
+            # tensor, so collect them first.
+            gc.collect()
+            for t in found.tensors.values():
+                if t.is_meta:
+                    _to_cpu_in_place(t, found.where[id(t)])
+            _init_buffers(model, found, init_buffers)
+        if not source.collective:
+            source.read(targets, group)
+        pending.append((source, targets))
+
+    on_every_rank(prepare, group, "load the weights of its stages",
+                  "every rank must pass the same state_dict= (with every key of the model) and init_buffers=")
+    source, targets = pending[0]
+    if source.collective:  # torch.distributed.checkpoint: every rank asks for its own keys together
+        source.read(targets, group)
+    if meta and exported:  # export graphs of a meta model create tensors on meta: here, on this device
+        for k in local:
+            retarget_devices(stages[k], device)
+
+
+def _refuse_unrestorable(model: nn.Module, found: LocalTensors) -> None:
+    """Refuses, before anything changes, what loading cannot give a value."""
+    extra = [n for n, m in model.named_modules() if type(m).get_extra_state is not nn.Module.get_extra_state]
+    if extra:
+        raise MaterialiseError(
+            f"module {extra[0]!r} ({type(model.get_submodule(extra[0])).__name__}) keeps extra state "
+            "(get_extra_state), which fxpipe.distributed does not load from state_dict=. Build the pipeline "
+            "from a model with real weights instead (model.load_state_dict(...) on every rank, no state_dict=).")
+    orphans = [found.where[i] for i, t in found.tensors.items()
+               if t.is_meta and i not in found.keys and i not in found.buffers]
+    if orphans:
+        raise MaterialiseError(
+            f"{orphans[0]} is on the meta device and is neither a parameter nor a buffer of the model: a constant "
+            "the capture computed once from the model's tensors (torch.fx runs code that reads only buffers, "
+            "e.g. torch.cat([self.inv_freq, self.inv_freq]), at trace time and keeps the result), so on meta it "
+            "has no value and no checkpoint holds it. Keep the module computing it opaque "
+            "(leaf_modules=['<module>']: it then runs at every step), or build from a model with real weights.")
+
+
+def _choose_keys(found: LocalTensors, source: Any) -> dict[str, torch.Tensor]:
+    """key -> the local tensor it is loaded into: per tensor, the last of its keys the source
+    has (``load_state_dict`` copies every name of a tied weight in turn). Refuses missing keys
+    and other shapes, naming them."""
+    have = source.keys()
+    targets: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    wrong: list[str] = []
+    for i, t in found.tensors.items():
+        if i not in found.keys:
+            continue
+        present = [k for k in found.keys[i] if k in have]
+        if not present:
+            missing.append(" or ".join(map(repr, found.keys[i])) if len(found.keys[i]) > 1 else found.keys[i][0])
+            continue
+        key = present[-1]
+        if tuple(source.shape(key)) != tuple(t.shape):
+            wrong.append(f"{key!r} is {tuple(source.shape(key))} there, {tuple(t.shape)} in the model")
+        targets[key] = t
+    if missing:
+        raise MaterialiseError(missing_message(source, missing, have) + ".")
+    if wrong:
+        raise MaterialiseError(f"{source.where} has other shapes than the model: {'; '.join(wrong[:5])}. "
+                               "Build the model with the configuration the checkpoint was saved from.")
+    return targets
+
+
+def _to_cpu_in_place(t: torch.Tensor, where: str) -> None:
+    """``t`` (on meta) now holds uninitialised CPU memory of its shape and dtype, as the same
+    Python object with the same attributes (``to_empty`` with swapped module parameters)."""
+    empty = torch.empty_like(t, device="cpu")
+    new = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    try:
+        new.__class__ = type(t)
+        new.__dict__.update(t.__dict__)
+        torch.utils.swap_tensors(t, new)
+    except (RuntimeError, TypeError) as e:
+        raise MaterialiseError(f"{where} ({type(t).__name__}) cannot be moved off the meta device in place "
+                               f"({e}); a tensor subclass, or one something else holds a reference to, cannot "
+                               "be swapped. Build the pipeline from a model with real weights instead.") from e
+
+
+def _init_buffers(model: nn.Module, found: LocalTensors, init_buffers: Optional[InitBuffers]) -> None:
+    """Recomputes the local non-persistent buffers (step 3 of the module docstring)."""
+    owners: dict[int, tuple[str, nn.Module, list[str]]] = {}
+    for i, holders in found.buffers.items():
+        mname, module, attr = holders[0]
+        owners.setdefault(id(module), (mname, module, []))[2].append(attr)
+    if not owners:
+        return
+    init = init_buffers if init_buffers is not None else _hf_init(model, owners)
+    versions = {i: t._version for i, t in found.tensors.items() if i in found.buffers}
+    how = "init_buffers" if init_buffers is not None else "the model's own _init_weights"
+    replaced: set[int] = set()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for mname, module, attrs in owners.values():
+            kept = {a: module._buffers[a] for a in attrs}
+            init(mname, module)
+            for a, b in kept.items():
+                now = module._buffers.get(a)
+                if now is not b:  # assigned anew: its value into the object every stage holds
+                    if not isinstance(now, torch.Tensor) or now.shape != b.shape or now.is_meta:
+                        got = "None" if now is None else f"{type(now).__name__} {tuple(getattr(now, 'shape', ()))}"
+                        raise MaterialiseError(
+                            f"{how} replaced buffer '{_qual(mname, a)}' ({tuple(b.shape)}) with {got}: "
+                            "give it a real tensor of the same shape, or write it in place (copy_)")
+                    b.copy_(now)
+                    module._buffers[a] = b
+                    replaced.add(id(b))
+    stale = [_qual(found.buffers[i][0][0], found.buffers[i][0][2]) for i, v in versions.items()
+             if i not in replaced and found.tensors[i]._version == v]
+    if stale:
+        raise MaterialiseError(
+            f"non-persistent buffer(s) {', '.join(map(repr, stale))} of this rank's stages are in no checkpoint and "
+            f"{how} did not write them, so they would hold uninitialised memory. Pass "
+            "init_buffers=fn, fn(name, module) writing module's non-persistent buffers (e.g. "
+            "module.inv_freq.copy_(...)) as its __init__ computes them.")
+
+
+def _qual(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr
+
+
+def _hf_init(model: nn.Module, owners: dict[int, tuple[str, nn.Module, list[str]]]) -> InitBuffers:
+    """The default initialiser: for each owner module, ``_init_weights`` of the nearest
+    transformers ``PreTrainedModel`` holding it; refuses owners outside any."""
+    transformers = sys.modules.get("transformers")  # a model of that library has imported it
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    inits: dict[str, Callable[[nn.Module], None]] = {}
+    lost: list[str] = []
+    for mname, _, attrs in owners.values():
+        parts = mname.split(".") if mname else []
+        holder = next((h for h in (model.get_submodule(".".join(parts[:n])) for n in range(len(parts), -1, -1))
+                       if base is not None and isinstance(h, base)), None)
+        if holder is None:
+            lost += [_qual(mname, a) for a in attrs]
+        else:
+            inits[mname] = holder._init_weights
+    if lost:
+        raise MaterialiseError(
+            f"non-persistent buffer(s) {', '.join(map(repr, lost))} of this rank's stages are in no checkpoint, and "
+            "a model on the meta device has no values for them. Pass init_buffers=fn: fn(name, module) is called "
+            "for each module holding such buffers (on the CPU, uninitialised) and writes them as its __init__ "
+            "computes them, e.g. module.inv_freq.copy_(1.0 / base ** (torch.arange(0, dim, 2) / dim)). "
+            "(transformers models need none: their own _init_weights recomputes them.)")
+    return lambda name, module: inits[name](module)

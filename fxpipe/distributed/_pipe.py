@@ -1,0 +1,203 @@
+"""``DistributedPipeline``: this rank's stages, driven by a torch.distributed.pipelining schedule.
+
+Built by :func:`fxpipe.distributed.pipeline`. torch's ``PipelineStage`` and schedule do the
+sending and the scheduling; this class adds what makes a step exact against eager and safe:
+
+* the batch is checked on every rank before anything is sent (:class:`BatchShapeError`):
+  the stages exchange fixed-size buffers, and another shape made gloo abort the process;
+* the loss is scaled by ``1 / chunks`` and the schedule runs with ``scale_grads=False``
+  (torch's ``scale_grads`` divides the whole accumulated ``.grad``, wrong under gradient
+  accumulation), so a mean-reduced ``loss_fn`` gives eager's loss and gradients;
+* tied parameters used on several ranks have their gradients summed (:mod:`.ties`);
+* ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank);
+* a step after the model changed in a way the stages cannot see (a submodule or parameter
+  replaced, a traced attribute set anew) is refused on every rank
+  (:class:`~fxpipe.errors.ModelChangedError`, :mod:`fxpipe.capture._model_check`);
+* a step under another autocast state than the build's is refused: the stages exchange
+  buffers of the dtypes the build's fake run found (bf16 sent into a float32 buffer gave
+  garbage, measured), so build and step under the same ``torch.autocast``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpipe.capture._tracing import Capture
+from fxpipe.emit._stages import Stages
+from fxpipe.errors import BatchShapeError, DistributedError, PipelineClosedError
+from fxpipe.capture._model_check import ModelCheck
+from fxpipe.plan._value import Plan
+
+from ._ties import TiedGradients, parameters_of
+
+__all__ = ["DistributedPipeline"]
+
+_FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _autocast() -> Optional[torch.dtype]:
+    """The CPU autocast dtype in force, or None (the stages run on the CPU)."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def _autocast_text(dtype: Optional[torch.dtype]) -> str:
+    return "no autocast" if dtype is None else f"torch.autocast('cpu', dtype={dtype})"
+
+
+class DistributedPipeline:
+    """The part of a pipeline this rank runs; every rank calls :meth:`step` together.
+
+    Attributes:
+        plan: the Plan every rank agreed on (the one made or loaded on rank 0).
+        stages: all emitted stages (every rank emits all of them to check they agree);
+            ``local`` are the indices this rank runs.
+        placement: the rank of each stage, as the schedule places them
+            (:func:`fxpipe.distributed._schedules.rank_of_stage`).
+        rank, world_size: this process in the pipeline's process group.
+    """
+
+    def __init__(self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages, placement: Sequence[int],
+                 schedule: tuple[Any, Any], group: dist.ProcessGroup, chunks: int,
+                 sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup],
+                 output: Any = None) -> None:
+        self.module = model
+        self.capture = captured
+        self.plan = plan
+        self.stages = stages
+        self.placement = list(placement)
+        self.chunks = chunks
+        self.rank = dist.get_rank(group)
+        self.local = [k for k, r in enumerate(self.placement) if r == self.rank]
+        self.world_size = dist.get_world_size(group)
+        self._schedule, self._forward_only = schedule
+        self._group = group
+        self._last_rank = dist.get_global_rank(group, self.placement[-1])  # of the last stage
+        self._sample_shapes = sample_shapes
+        self._ties = ties
+        self._groups = groups
+        self._closed = False
+        self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
+        self._autocast = _autocast()  # the state pipeline() ran the fake metadata run under
+        # what the stages hold from the model (all of them: every rank refuses the same change)
+        self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages.modules)
+
+    @property
+    def n_stages(self) -> int:
+        return self.plan.n_stages
+
+    @property
+    def schedule(self) -> Any:
+        """The torch.distributed.pipelining schedule :meth:`step` runs (read by :mod:`.trace`)."""
+        return self._schedule
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group of the pipeline's ranks."""
+        return self._group
+
+    def stage_code(self, k: int) -> str:
+        """Readable code of stage ``k`` (any stage, local or not), with source-line comments."""
+        return self.stages.stage_code(k)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters (those its stages use), by the model's names and in its order."""
+        mine = {id(p) for k in self.local for p in parameters_of(self.stages[k])}
+        return ((n, p) for n, p in self.module.named_parameters() if id(p) in mine)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters: give them to this rank's optimizer."""
+        return (p for _, p in self.named_parameters())
+
+    # -- running -------------------------------------------------------------------------
+    def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors of a call, checked against the sample's shapes on every rank, after
+        checking that the model did not change since the build (:mod:`fxpipe.capture._model_check`)."""
+        self._model_check.check()
+        if _autocast() != self._autocast:
+            raise DistributedError(
+                f"this call runs under {_autocast_text(_autocast())}, but the pipeline was built under "
+                f"{_autocast_text(self._autocast)}: its stages exchange buffers of the dtypes found at build. Build "
+                "the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
+        flat = self.capture.flatten_inputs(args, kwargs)  # InputMismatchError names the argument
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        for i, (t, want) in enumerate(zip(tensors, self._sample_shapes)):
+            if t.device.type != "cpu":
+                raise DistributedError(f"input tensor {i} is on {t.device}, and this distributed pipeline runs its "
+                                       "stages on the CPU over gloo (CUDA is not supported yet): pass CPU tensors")
+            if tuple(t.shape) != want:
+                raise BatchShapeError(
+                    f"input tensor {i} has shape {tuple(t.shape)}, but this distributed pipeline was built for "
+                    f"{want}: its stages exchange buffers of the sample's micro-batch shapes. Pass batches "
+                    f"shaped like the sample (batch size {want[0] if want else '-'}, split into {self.chunks} "
+                    "micro-batches), or build another pipeline with a sample of the new shape.")
+        return tensors
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosedError("this fxpipe.distributed pipeline was closed; build a new one")
+
+    def step(self, *args: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """One training step of the mini-batch ``args``/``kwargs`` against ``target``, on
+        every rank at once. Returns the mini-batch loss (a 0-dim tensor, no grad) on every
+        rank, and adds this step's gradients to the ``.grad`` of this rank's parameters."""
+        self._check_open()
+        tensors = self._inputs(args, kwargs)
+        if not isinstance(target, torch.Tensor) or target.dim() == 0 or (
+                tensors and target.shape[0] != tensors[0].shape[0]):
+            got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+            raise BatchShapeError(f"target must be a tensor with the batch's {self._sample_shapes[0][0]} samples "
+                                  f"along dim 0 (it is split into {self.chunks} micro-batches), got {got}")
+        losses: list[torch.Tensor] = []
+        first, last = 0 in self.local, self.n_stages - 1 in self.local
+        self._ties.before_step()
+        try:
+            self._schedule.step(*(tensors if first else ()), target=target if last else None,
+                                losses=losses if last else None, return_outputs=False)
+        except BaseException:
+            self._ties.restore()
+            raise
+        self._ties.after_step()
+        return self._broadcast_loss(torch.stack([x.detach() for x in losses]).sum() if last else None)
+
+    def _broadcast_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
+        """The last stage's loss on every rank: float64 carries any float dtype exactly, the
+        dtype travels as its index in ``_FLOATS``."""
+        box = torch.zeros(2, dtype=torch.float64)
+        if loss is not None:
+            box[0], box[1] = loss.double(), float(_FLOATS.index(loss.dtype))
+        dist.broadcast(box, src=self._last_rank, group=self._group)
+        return loss if loss is not None else box[0].to(_FLOATS[int(box[1])])
+
+    @torch.no_grad()
+    def eval_step(self, *args: Any, **kwargs: Any) -> Optional[Any]:
+        """Forward only: the model's outputs (merged over micro-batches along dim 0) on the
+        rank of the last stage, ``None`` on the others."""
+        self._check_open()
+        tensors = self._inputs(args, kwargs)
+        first = 0 in self.local
+        out = self._forward_only.step(*(tensors if first else ()))
+        return None if out is None else self._output.structured(out)
+
+    def close(self) -> None:
+        """Releases the pipeline's process groups (the default group stays the caller's)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._schedule = self._forward_only = None
+        for g in self._groups:
+            dist.destroy_process_group(g)
+        self._groups = []
+
+    def __enter__(self) -> "DistributedPipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"DistributedPipeline(rank={self.rank}/{self.world_size}, stages={self.local} of {self.n_stages}, "
+                f"chunks={self.chunks})")

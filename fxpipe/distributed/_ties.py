@@ -1,0 +1,82 @@
+"""Parameters used on several ranks (tied weights) get the gradient of the whole model.
+
+Every rank holds the model, but only its stages use a parameter; a tied weight (a token
+embedding reused as the LM head) is used by stages on two ranks, and each rank's autograd
+sees only its own use. After each ``step`` the step's gradient of such a parameter is summed
+over exactly the ranks that use it (``all_reduce`` on a subgroup), then added to what
+``.grad`` held before the step, so gradient accumulation stays exact (summing the whole
+accumulated ``.grad`` would count earlier steps once per rank). The subgroups are created
+once, in the same order on every rank (``new_group`` is collective), when the pipeline is built.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["TiedGradients", "parameters_of"]
+
+
+def parameters_of(stage: nn.Module) -> list[nn.Parameter]:
+    """The parameters a generated stage uses: the ones its GraphModule holds (emission copies
+    into a stage only the submodules and attributes its code reads), the model's own objects."""
+    return list(stage.parameters())
+
+
+class TiedGradients:
+    """The parameters of ``model`` used by stages of more than one rank, and their subgroups
+    (``placement``: the rank of each stage, :func:`fxpipe.distributed._schedules.rank_of_stage`)."""
+
+    def __init__(self, model: nn.Module, stages: Sequence[nn.Module], placement: Sequence[int],
+                 group: dist.ProcessGroup, timeout: timedelta) -> None:
+        users: dict[int, set[int]] = {}
+        for k, stage in enumerate(stages):
+            for p in parameters_of(stage):
+                users.setdefault(id(p), set()).add(placement[k])
+        me = dist.get_rank(group)
+        #: (model name, parameter, global ranks using it), in the model's order
+        self.tied: list[tuple[str, nn.Parameter, tuple[int, ...]]] = []
+        for name, p in model.named_parameters():
+            ranks = tuple(sorted(users.get(id(p), ())))
+            if len(ranks) > 1:
+                self.tied.append((name, p, tuple(dist.get_global_rank(group, r) for r in ranks)))
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for ranks in sorted({r for _, _, r in self.tied}):  # the same order on every rank
+            sub = dist.new_group(list(ranks), timeout=timeout)
+            if dist.get_global_rank(group, me) in ranks:
+                self.groups[ranks] = sub
+        self._saved: dict[int, torch.Tensor | None] = {}
+
+    def local(self) -> list[tuple[str, nn.Parameter, dist.ProcessGroup]]:
+        return [(n, p, self.groups[r]) for n, p, r in self.tied if r in self.groups]
+
+    def before_step(self) -> None:
+        """Sets aside the gradient accumulated so far, so the step's own is what is summed."""
+        for _, p, _ in self.local():
+            self._saved[id(p)] = p.grad
+            p.grad = None
+
+    def restore(self) -> None:
+        """After a failed step: the gradients set aside go back, as they were."""
+        for _, p, _ in self.local():
+            if id(p) in self._saved:
+                p.grad = self._saved.pop(id(p))
+
+    def after_step(self) -> None:
+        """Sums the step's gradient over the ranks using each tied parameter, then adds back
+        what was set aside. A parameter no rank got a gradient for keeps ``grad None``."""
+        for _, p, group in self.local():
+            g = p.grad
+            step = torch.zeros_like(p) if g is None else g
+            present = torch.tensor([0.0 if g is None else 1.0])
+            dist.all_reduce(present, group=group)
+            dist.all_reduce(step, group=group)
+            saved = self._saved.pop(id(p), None)
+            if present.item() == 0:
+                p.grad = saved
+            else:
+                p.grad = step if saved is None else saved + step

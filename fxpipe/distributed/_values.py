@@ -1,0 +1,227 @@
+"""Values crossing ranks as tensors: codecs, and the stage module torch's PipelineStage runs.
+
+A ``PipelineStage`` boundary accepts tensors only ("All stage args must be tensors"), but an
+fxpipe stage may hand the next one an ``int`` (``b, t, d = x.shape``), a ``torch.Size``, a
+``bool``, ``None`` or a tuple of such values. Each crossing value gets a :data:`Kind` from
+the fake run of the stages (:mod:`fxpipe.distributed._meta`), and travels as that kind's small
+tensors (no grad): ``int`` -> int64 scalar, ``float`` -> float64 scalar (exact), ``bool`` ->
+bool scalar, ``torch.Size`` -> int64 vector, ``None`` -> nothing, a tuple/list -> its items'
+tensors in order. :class:`StageRunner` decodes its arguments, runs the generated stage and
+encodes its results, so the generated code itself stays the one ``fxpipe.pipeline`` runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.utils.checkpoint import checkpoint
+from torch import nn
+
+from fxpipe.errors import DistributedError
+
+__all__ = ["Kind", "kind_of", "encode", "decode", "meta_of", "StageRunner"]
+
+#: "tensor" | "int" | "float" | "bool" | "none" | "size" | ("tuple" | "list", [Kind, ...])
+Kind = Union[str, tuple]
+
+_SCALARS = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+
+_TENSOR = object()  # a tensor's place among the last stage's output leaves
+
+
+def kind_of(value: Any, name: str) -> Kind:
+    """The kind of a value crossing stages; :class:`DistributedError` for one that cannot cross."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, torch.Size):
+        return "size"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if value is None:
+        return "none"
+    if type(value) in (tuple, list):
+        return (type(value).__name__, [kind_of(v, f"{name}[{i}]") for i, v in enumerate(value)])
+    raise DistributedError(
+        f"value {name!r} ({type(value).__name__}) crosses ranks between stages, and only tensors, ints, floats, "
+        "bools, None, torch.Size and tuples/lists of them can (encoded as tensors). Return tensors from that "
+        "part of the model, or move the cut: pass a plan= whose stages keep it inside one stage.")
+
+
+def encode(value: Any, kind: Kind) -> list[torch.Tensor]:
+    """``value`` as the tensors that carry it; contiguous, as the transport sends them (gloo
+    refuses a strided tensor, "input tensor has to be contiguous": a transposed attention
+    output crossing ranks in a Llama)."""
+    if kind == "tensor":
+        return [value.contiguous()]
+    if kind == "none":
+        return []
+    if kind == "size":
+        return [torch.tensor(list(value), dtype=torch.int64)]
+    if isinstance(kind, str):
+        return [torch.tensor(value, dtype=_SCALARS[kind])]
+    return [t for v, k in zip(value, kind[1]) for t in encode(v, k)]
+
+
+def decode(tensors: list[torch.Tensor], kind: Kind) -> Any:
+    """The value ``encode`` made ``tensors`` from; consumes them from the front of the list."""
+    if kind == "tensor":
+        return tensors.pop(0)
+    if kind == "none":
+        return None
+    if kind == "size":
+        return torch.Size(tensors.pop(0).tolist())
+    if isinstance(kind, str):
+        return tensors.pop(0).item()
+    items = [decode(tensors, k) for k in kind[1]]
+    return tuple(items) if kind[0] == "tuple" else items
+
+
+def meta_of(value: Any, kind: Kind) -> list[torch.Tensor]:
+    """Meta tensors shaped like ``encode(value, kind)``, with the value's ``requires_grad``:
+    the static ``input_args`` / ``output_args`` of a ``PipelineStage``."""
+    if kind == "tensor":
+        t = value
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return [meta.requires_grad_(t.requires_grad)]
+    if kind == "none":
+        return []
+    if kind == "size":
+        return [torch.empty((len(value),), dtype=torch.int64, device="meta")]
+    if isinstance(kind, str):
+        return [torch.empty((), dtype=_SCALARS[kind], device="meta")]
+    return [t for v, k in zip(value, kind[1]) for t in meta_of(v, k)]
+
+
+class _Reentered:
+    """A context manager made afresh by ``make()`` each time it is entered (one from
+    ``@contextmanager`` enters once): ``torch.utils.checkpoint`` enters the recompute context
+    at every recomputation, and a zero-bubble schedule recomputes a checkpointed stage twice,
+    in its input-gradient and in its weight-gradient pass."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._open: list[Any] = []
+
+    def __enter__(self) -> Any:
+        self._open.append(self._make())
+        return self._open[-1].__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._open.pop().__exit__(*exc)
+
+
+def _own(value: Any) -> Any:
+    """A tensor that needs grad, or is a view, cloned: torch's zero-bubble schedules
+    ``detach_()`` a stage's outputs after the input-gradient pass, which breaks a backward
+    node that saved the output itself (``tanh``, ``sigmoid``) for the weight pass, and
+    raises for a view (a carried value, a reshaped mask)."""
+    if isinstance(value, torch.Tensor) and (value.requires_grad or value._is_view()):
+        return value.clone()
+    if type(value) in (tuple, list):
+        return type(value)(_own(v) for v in value)
+    return value
+
+
+class StageRunner(nn.Module):
+    """One generated stage as torch's ``PipelineStage`` runs it: tensors in, tensors out.
+
+    ``inputs``: for the first stage, per flat model input either ``None`` (a tensor given to
+    ``step``) or ``("const", value)`` (a non-tensor the graph specialised on); otherwise the
+    kind of each boundary value received. ``outputs``: the kinds of the values sent, or
+    ``None`` for the last stage, which returns the tensors among the model's output leaves:
+    torch's schedules ``detach_()`` each output of the last stage after its backward, so a
+    dict, a ``ModelOutput`` or an int there fails; :meth:`structured` rebuilds the model's
+    own output structure (``out_spec``) for ``loss_fn`` and ``eval_step``.
+
+    Checkpointing: micro-batches ``0 .. checkpoint_stop - 1`` (``micro_batch`` is set by
+    :class:`CheckpointedStage` before each forward) run under non-reentrant
+    ``torch.utils.checkpoint``, which recomputes the stage in backward with the forward's RNG
+    and autocast state; the stage's buffers are put back to their forward-time values around
+    the recomputation, so a buffer updated in forward is updated once and read as it was.
+    Nothing is checkpointed in eval mode (``training_of.training`` false) or under no_grad.
+
+    ``clone_outputs`` (zero-bubble schedules): every output tensor that needs grad or is a
+    view is returned as a clone (:func:`_own`).
+    """
+
+    def __init__(self, stage: torch.fx.GraphModule, inputs: Sequence[Any], outputs: Sequence[Kind] | None,
+                 first: bool, out_spec: pytree.TreeSpec | None = None, checkpoint_stop: int = 0,
+                 training_of: nn.Module | None = None, clone_outputs: bool = False) -> None:
+        super().__init__()
+        self.stage = stage
+        self.inputs = list(inputs)
+        self.outputs = None if outputs is None else list(outputs)
+        self.first = first
+        self.out_spec = out_spec
+        self.checkpoint_stop = checkpoint_stop
+        self.micro_batch = 0
+        self.clone_outputs = clone_outputs
+        self._leaves: list[Any] = []  # the last stage's output leaves, _TENSOR where a tensor was
+        self._training_of = [training_of if training_of is not None else stage]  # not a submodule
+
+    def _checkpointed(self) -> bool:
+        return (self.micro_batch < self.checkpoint_stop and torch.is_grad_enabled()
+                and self._training_of[0].training)
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        pending = list(tensors)
+        if self.first:
+            args = [pending.pop(0) if slot is None else slot[1] for slot in self.inputs]
+        else:
+            args = [decode(pending, kind) for kind in self.inputs]
+        if self._checkpointed():
+            out = checkpoint(self.stage, *args, use_reentrant=False, preserve_rng_state=True,
+                             context_fn=self._contexts)
+        else:
+            out = self.stage(*args)
+        if self.clone_outputs:
+            out = [_own(v) for v in out]
+        if self.outputs is None:  # torch detaches each of the last stage's outputs: tensors only
+            self._leaves = [_TENSOR if isinstance(v, torch.Tensor) else v for v in out]
+            return tuple(v for v in out if isinstance(v, torch.Tensor))
+        return tuple(t for v, k in zip(out, self.outputs) for t in encode(v, k))
+
+    def structured(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The last stage's output tensors (one micro-batch's, or merged by ``eval_step``) in
+        the model's output structure, with the other leaves of the latest forward."""
+        pending = list(tensors)
+        return pytree.tree_unflatten([pending.pop(0) if v is _TENSOR else v for v in self._leaves], self.out_spec)
+
+    def _contexts(self) -> tuple[Any, Any]:
+        """(forward, recompute) contexts for ``torch.utils.checkpoint``: the buffers' values
+        are saved before the forward and swapped in for each recomputation. Only buffers whose
+        value differs are written: a write bumps the version counter, and a buffer the forward
+        of another micro-batch saved for backward (a rotary ``inv_freq`` in a product) would
+        then fail that backward ("modified by an inplace operation")."""
+        buffers = list(self.stage.buffers())
+        saved: list[torch.Tensor] = []
+
+        def put(values: list[torch.Tensor]) -> None:
+            with torch.no_grad():
+                for b, v in zip(buffers, values):
+                    if not torch.equal(b, v):
+                        b.copy_(v)
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            saved[:] = [b.detach().clone() for b in buffers]
+            yield
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            now = [b.detach().clone() for b in buffers]
+            put(saved)
+            try:
+                yield
+            finally:
+                put(now)
+
+        return forward(), _Reentered(recompute)
