@@ -1,8 +1,8 @@
 """An autograd Function's ``apply`` replaced while a capture runs, on the capturing thread.
 
 Two parts of the capture must see a ``Function.apply`` call the trace would otherwise run
-through: the re-entrant checkpoint (:mod:`.reentrant`, refused) and custom Functions
-(:mod:`.custom_functions`, kept whole). Both patch a class's ``apply`` for the duration of a
+through: the re-entrant checkpoint (:mod:`._reentrant`, refused) and custom Functions
+(:mod:`._custom_functions`, kept whole). Both patch a class's ``apply`` for the duration of a
 trace. Captures may overlap (two builds on two threads), so the patch is counted: the
 first user installs it, the last puts the class's own ``apply`` back; and what each thread
 asked for is thread-local, so another thread calling ``apply`` meanwhile gets torch's own.

@@ -3,9 +3,9 @@
 Every rank builds the same model and calls :func:`pipeline` with the same arguments. Each
 captures and checks the model exactly as ``fxpipe.pipeline`` does (the same steps of
 :mod:`fxpipe.build`); rank 0 alone plans (:func:`fxpipe.build.choose_plan`) and broadcasts the plan
-(:mod:`.agree`); every rank carries the plan's portals through the stages in between
-(:mod:`.carry`), emits all stages, checks their code against the other ranks', finds the
-static boundary metadata with one fake run (:mod:`.meta`) and wraps its own stages in
+(:mod:`._agree`); every rank carries the plan's portals through the stages in between
+(:mod:`._carry`), emits all stages, checks their code against the other ranks', finds the
+static boundary metadata with one fake run (:mod:`._meta`) and wraps its own stages in
 torch.distributed.pipelining ``PipelineStage``s under a torch schedule.
 """
 
@@ -58,7 +58,7 @@ class CheckpointedStage(PipelineStage):
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        """Zero bubble's input-gradient pass made exact for every parameter (:mod:`.split_backward`)."""
+        """Zero bubble's input-gradient pass made exact for every parameter (:mod:`._split_backward`)."""
         run = super().backward_maybe_with_nosync
         if backward_type != "input":
             return run(backward_type, bwd_kwargs, last_backward)

@@ -25,7 +25,7 @@ on meta. Then each rank gives real values to exactly the tensors its own stages 
    version counter moves) or replaced by a tensor of its shape; one that was not is refused
    with :class:`~fxpipe.errors.MaterialiseError` naming it, never left uninitialised.
    Both run under ``torch.no_grad()`` and a forked RNG: the caller's RNG state is unchanged.
-4. **Loaded.** Only the local persistent keys are read (:mod:`.sources`), after the buffers
+4. **Loaded.** Only the local persistent keys are read (:mod:`._sources`), after the buffers
    (an initialiser that also touches parameters cannot overwrite loaded values). As in
    ``load_state_dict``, values are copied in (dtypes cast) and, when several names of one
    tied tensor are present, the last in ``state_dict()`` order wins.

@@ -6,7 +6,7 @@ BatchNorm running statistics and fed an embedding out-of-range indices. fxpipe i
 all stages once under ``FakeTensorMode`` on a micro-batch-shaped sample: no real memory is
 read or written, and the run yields each value crossing a boundary, from which
 :func:`stage_metas` derives the static ``input_args`` / ``output_args`` (meta tensors carrying
-the right ``requires_grad``) and the encoding of non-tensor values (:mod:`.values`).
+the right ``requires_grad``) and the encoding of non-tensor values (:mod:`._values`).
 Not quite no writes: an in-place op on a real buffer (BatchNorm's ``num_batches_tracked += 1``)
 still lands, so callers run it inside :func:`fxpipe.capture._prepare.preserved`.
 """

@@ -8,7 +8,7 @@ sending and the scheduling; this class adds what makes a step exact against eage
 * the loss is scaled by ``1 / chunks`` and the schedule runs with ``scale_grads=False``
   (torch's ``scale_grads`` divides the whole accumulated ``.grad``, wrong under gradient
   accumulation), so a mean-reduced ``loss_fn`` gives eager's loss and gradients;
-* tied parameters used on several ranks have their gradients summed (:mod:`.ties`);
+* tied parameters used on several ranks have their gradients summed (:mod:`._ties`);
 * ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank);
 * a step after the model changed in a way the stages cannot see (a submodule or parameter
   replaced, a traced attribute set anew) is refused on every rank
