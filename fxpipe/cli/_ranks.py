@@ -1,7 +1,7 @@
 """The rank side of ``fxpipe demo --nproc N`` and ``fxpipe timeline ... --nproc N``.
 
 torchrun runs ``python -m fxpipe.cli._ranks --workdir DIR --options JSON`` on every
-rank (:mod:`.launch` starts it); ``--options`` is the parsed command line. Each rank joins a
+rank (:mod:`fxpipe.distributed._launch` starts it); ``--options`` is the parsed command line. Each rank joins a
 gloo group (torchrun's environment, 127.0.0.1) whose timeout is the command's ``--timeout``,
 writes its pid into ``DIR`` (so the parent can kill it at the deadline), runs the command,
 and rank 0 writes the command's result to ``DIR/result.json``. A rank whose command raises
