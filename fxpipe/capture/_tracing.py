@@ -20,7 +20,6 @@ from __future__ import annotations
 import inspect
 import keyword
 import re
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -34,6 +33,7 @@ from ._augmented import AugmentedProxy
 from ._custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
 from ._call_inputs import call_signature, fixed_dims, flatten_call
 from ._export import _Failure, compose_out_spec, export_graph
+from ._trace_errors import describe, output_error, reason_of, trace_error, user_frame
 from ._export_leaves import leaf_paths
 from ..errors import TraceError
 from ._hooks import hooked_modules
@@ -42,7 +42,7 @@ from ._mutation import KEEP_REASON, KEEP_WITH
 from ._reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
 from ._meta import has_meta_tensors
 from ..tree import flatten
-from ._user_code import is_user_file, user_stack
+from ._user_code import user_stack
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -248,70 +248,6 @@ def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
     return _Failure(auto[-1].module, auto[-1].error, [f.module for f in auto[:-1]])
 
 
-# -- errors --------------------------------------------------------------------------------
-def _user_frame(exc: BaseException) -> str:
-    """'file:line: code' of the innermost frame outside torch, fxpipe and the stdlib."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        for fr in reversed(traceback.extract_tb(exc.__traceback__)):
-            if not is_user_file(fr.filename):
-                continue
-            return f"{fr.filename}:{fr.lineno}: {(fr.line or '').strip()}"
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return ""
-
-
-_REASONS = [
-    ("cannot be used as inputs to control flow", "data-dependent control flow: a tensor was used as a Python bool"),
-    ("data-dependent", "data-dependent control flow: a value computed from tensor data decides the Python code path"),
-    ("guard on", "data-dependent control flow: a value computed from tensor data decides the Python code path"),
-    ("cannot be iterated", "iteration over a traced tensor (for-loop / unpacking of unknown length)"),
-    ("'len' is not supported", "len() of a traced tensor"),
-    ("in output, which is not a known type", "the model returns an object that is neither a tensor nor a pytree "
-     "container (for transformers models pass use_cache=False / return_dict outputs without caches)"),
-    ("co_varnames is too small", "torch.fx cannot trace a forward with **kwargs on this Python version"),
-]
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc)
-    for needle, reason in _REASONS:
-        if needle in text:
-            return reason
-    return f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
-
-
-def _describe(model: nn.Module, path: str) -> str:
-    try:
-        cls = type(model.get_submodule(path))
-    except AttributeError:
-        cls = type(model)
-    return f"'{path}' ({cls.__module__}.{cls.__qualname__})" if path else f"the root module ({type(model).__qualname__})"
-
-
-def _trace_error(model: nn.Module, fx_fail: _Failure, ex_fail: _Failure | None) -> TraceError:
-    e = fx_fail.error
-    loc = _user_frame(e) or (_user_frame(ex_fail.error) if ex_fail else "")
-    reason = _reason(e)
-    if fx_fail.module:
-        todo = f"pass leaf_modules=['{fx_fail.module}'] to keep it opaque (it then runs eagerly inside one stage)"
-    else:
-        todo = ("the failing code is in the root forward, which cannot be opaque: move it into a submodule "
-                "and pass leaf_modules=['<that submodule>'], or avoid Python control flow on tensor values "
-                "(e.g. torch.where)")
-    lines = [f"fxpipe could not capture {type(model).__qualname__} (torch.fx and torch.export both failed).",
-             f"  module:   {_describe(model, fx_fail.module)}",
-             f"  location: {loc or 'unknown'}",
-             f"  reason:   {reason}"]
-    if ex_fail is not None:
-        lines.append(f"  torch.export: {_reason(ex_fail.error)}")
-    if fx_fail.auto:
-        lines.append(f"  already kept opaque automatically: {fx_fail.auto}")
-    lines.append(f"What to do: {todo}.")
-    return TraceError("\n".join(lines), module=fx_fail.module, location=loc, reason=reason)
-
-
 # -- entry point ---------------------------------------------------------------------------
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             leaf_modules: Iterable[type | str] = (), split_dims: list[int | None] | None = None) -> Capture:
@@ -372,7 +308,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if ex_res.bad_output:
         # The fx graph returns the same object, from an opaque node: each micro-batch would
         # make one and only the first could be returned. Refuse rather than mislead.
-        raise _output_error(model, ex_res.bad_output) from ex_res.error
+        raise output_error(model, ex_res.bad_output) from ex_res.error
     if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
         return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
     for failure in (ex_res, fx_res):  # said plainly rather than as a capture failure
@@ -381,7 +317,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             raise refusal from None
     if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
         raise ex_res.refusal from fx_res.error
-    raise _trace_error(model, fx_res, ex_res) from fx_res.error
+    raise trace_error(model, fx_res, ex_res) from fx_res.error
 
 
 def _unaliased(flat: list[Any]) -> list[Any]:
@@ -404,25 +340,14 @@ def _unaliased(flat: list[Any]) -> list[Any]:
     return out
 
 
-def _output_error(model: nn.Module, bad: str) -> TraceError:
-    name = type(model).__qualname__
-    reason = f"the output holds {bad}, which fxpipe cannot gather over micro-batches and return as eager does"
-    if "transformers" in bad:
-        todo = ("pass use_cache=False (in the model's config, or sample_kwargs={'use_cache': False} and the "
-                "same keyword in every call) so that no cache is returned")
-    else:
-        todo = f"make {name}.forward return tensors (or tuples, dicts, dataclasses of them) instead"
-    return TraceError(f"fxpipe cannot pipeline {name}: {reason}.\nWhat to do: {todo}.", reason=reason)
-
-
 def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytree.TreeSpec,
                out_spec: pytree.TreeSpec, specialized: dict[int, object], opaque: list[str], auto: list[_Failure],
                reads: list[AttrRead]) -> Capture:
     for f in auto:
-        warnings.warn(f"fxpipe: {_describe(model, f.module)} could not be traced by torch.fx "
-                      f"({_reason(f.error)} at {_user_frame(f.error) or '?'}); kept opaque", stacklevel=3)
+        warnings.warn(f"fxpipe: {describe(model, f.module)} could not be traced by torch.fx "
+                      f"({reason_of(f.error)} at {user_frame(f.error) or '?'}); kept opaque", stacklevel=3)
     # Why each automatic leaf is opaque, for the plan's imbalance warning (fxpipe.plan._make).
-    why = {f.module: f"torch.fx could not trace it: {_reason(f.error)}" for f in auto}
+    why = {f.module: f"torch.fx could not trace it: {reason_of(f.error)}" for f in auto}
     for node in graph.nodes:
         if node.op == "call_module" and node.target in why:
             node.meta["fxpipe_auto_leaf"] = why[node.target]
