@@ -1,6 +1,6 @@
 """Whether a merged 0-dim output (a loss) also has the full batch's *gradient*.
 
-The build-time check (:meth:`fxpipe.checks._batching.Batching.check`) compares values, with a
+The build-time check (:func:`fxpipe.checks._micro_batches.check_split`) compares values, with a
 tolerance made for ordinary float differences between a batch and its micro-batches. A
 loss that weighs its items wrongly after merging can still land inside that tolerance: a
 token mean over a padding mask merged by ``'mean'`` weighs each micro-batch's tokens by

@@ -1,7 +1,7 @@
 """The build-time checks in every mode the pipeline can run in: eval and training.
 
 A pipeline computes each micro-batch on its own. The micro-batch check
-(:meth:`fxpipe.checks._batching.Batching.check`) sees whether that reproduces the whole batch, but
+(:func:`fxpipe.checks._micro_batches.check_split`) sees whether that reproduces the whole batch, but
 only in the mode it runs in, and modules may mix the samples of a batch in training only:
 ``h - h.mean(0)`` under ``if self.training``, in-batch negatives, a custom norm. Such a module
 kept opaque (``leaf_modules``, or because fx cannot trace it) passes an eval-mode check and
