@@ -297,7 +297,8 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
     own attribute hierarchy and pytree codegen; rebuilding the graph from
     ``ep.graph_signature`` gives flat placeholders, a flat output, get_attr nodes that
     resolve to the model's own Parameters (so training the pipeline trains the model), and
-    explicit ``copy_`` nodes for buffer mutations (BatchNorm running stats).
+    explicit ``copy_`` nodes for the buffer mutations export returns as outputs (an in-place
+    update it keeps in place, as torch 2.13 does, runs on the model's own buffer as it is).
 
     ``leaves``: qualified names of modules to keep opaque; each of their calls becomes one
     ``call_module`` node (:mod:`fxpipe.capture._export_leaves`).
