@@ -98,9 +98,18 @@ def _keys_of(spec: pytree.TreeSpec) -> list[Any] | None:
     return list(ctx) if isinstance(ctx, (list, tuple)) else None
 
 
+def _namedtuple_class(spec: pytree.TreeSpec) -> type | None:
+    """A namedtuple node's class (pytree's type is the ``collections.namedtuple`` function)."""
+    ctx = spec.context
+    return ctx if spec.type is collections.namedtuple and isinstance(ctx, type) else None
+
+
 def _describe_node(spec: pytree.TreeSpec) -> str:
     keys = _keys_of(spec)
     name = getattr(spec.type, "__name__", str(spec.type))
+    cls = _namedtuple_class(spec)
+    if cls is not None:
+        return f"a namedtuple {cls.__name__}"
     if keys is not None:
         return f"a {name} with keys {keys}"
     if spec.type in (list, tuple) or (isinstance(spec.type, type) and issubclass(spec.type, tuple)):
@@ -112,7 +121,7 @@ def _child_label(spec: pytree.TreeSpec, j: int) -> str:
     keys = _keys_of(spec)
     if keys is not None and j < len(keys):
         return f"[{keys[j]!r}]"
-    fields_ = getattr(spec.type, "_fields", None)  # namedtuple
+    fields_ = getattr(_namedtuple_class(spec) or spec.type, "_fields", None)  # namedtuple
     if isinstance(fields_, tuple) and j < len(fields_):
         return f".{fields_[j]}"
     return f"[{j}]"

@@ -123,7 +123,7 @@ def _collapse(graph: fx.Graph, leaf: str, sig: Any, nodes: list[fx.Node], by_nam
                 new = graph.call_function(output_leaf, (call, i))
             if new is not call:
                 new.meta.update({k: v for k, v in old.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
-                new.meta["fxpipe_module"] = old.meta.get("fxpipe_module", leaf)
+                new.meta["fxpipe_module"] = leaf  # it reads the call: not a module inside the leaf
             old.replace_all_uses_with(new)
             by_name.update({name: new for name, n in by_name.items() if n is old})  # later calls read it
     for node in reversed([n for n in graph.nodes if n in inside]):

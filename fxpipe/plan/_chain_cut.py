@@ -44,7 +44,7 @@ class Chain:
         cost = np.asarray(costs, dtype=np.float64)
         if cost.size and not (np.all(np.isfinite(cost)) and cost.min() >= 0):
             bad = int(np.flatnonzero(~(np.isfinite(cost) & (cost >= 0)))[0])
-            raise ValueError(f"cost at position {bad} is {cost[bad]!r}; costs must be finite and >= 0")
+            raise ValueError(f"cost at position {bad} is {float(cost[bad])!r}; costs must be finite and >= 0")
         m = self.m = int(cost.size)
         self.cost = cost
         with np.errstate(over="ignore"):
@@ -203,8 +203,10 @@ class Chain:
         return float(np.int64(i + (j - i) // 2).view(np.float64))
 
     def solve(self, k: int) -> list[int]:
-        """Stage start positions of an optimal cut into exactly k stages."""
+        """Stage start positions of an optimal cut into exactly k stages (1 <= k <= m)."""
         m = self.m
+        if not 1 <= k <= m:  # else the starts would repeat a position: an empty stage, silently
+            raise ValueError(f"k={k} stages but the chain has {m} positions; need 1 <= k <= {m}")
         if k == m:
             return list(range(m))
         if self.has_transfer:
