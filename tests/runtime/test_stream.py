@@ -1,7 +1,71 @@
-"""runtime/_stream.py: the device-agnostic stream helpers (CUDA only: no-ops on CPU)."""
+"""runtime/_stream.py: the device-agnostic stream helpers.
+
+The CPU half: on any device that is not CUDA, every helper answers with the one CPU_STREAM
+(which copying and pickling keep, so is_cuda stays false on a copied pipeline) or the CPU
+device, and does nothing else: no call reaches torch.cuda (each is made to raise here), and
+the context managers run their body and let its exceptions through. The CUDA half checks
+that record_stream keeps a block alive while a side stream still uses it.
+"""
+
+import copy
+import pickle
 
 import pytest
 import torch
+
+from fxpipe.runtime import _stream as S
+
+CPU_LIKE = [torch.device("cpu"), torch.device("meta")]
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Every torch.cuda entry point the helpers could use raises: the CPU path must not call any."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CPU path called into torch.cuda")
+
+    for name in ("Stream", "current_stream", "default_stream", "stream", "device", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+
+
+@pytest.mark.parametrize("device", CPU_LIKE, ids=str)
+def test_every_stream_of_a_cpu_device_is_the_one_cpu_stream(no_cuda, device):
+    for make in (S.new_stream, S.current_stream, S.default_stream):
+        stream = make(device)
+        assert stream is S.CPU_STREAM and isinstance(stream, S.CPUStream), make.__name__
+        assert not S.is_cuda(stream)
+        assert S.get_device(stream) == torch.device("cpu")
+
+
+def test_copies_of_the_cpu_stream_are_the_cpu_stream():
+    # a copied or unpickled pipeline holds its streams in containers: they must stay CPU streams
+    held = {"streams": [S.CPU_STREAM, S.CPU_STREAM]}
+    for clone in (copy.copy(S.CPU_STREAM), copy.deepcopy(S.CPU_STREAM), pickle.loads(pickle.dumps(S.CPU_STREAM)),
+                  copy.deepcopy(held)["streams"][1], pickle.loads(pickle.dumps(held))["streams"][0]):
+        assert clone is S.CPU_STREAM and not S.is_cuda(clone)
+    assert repr(S.CPU_STREAM) == "<CPUStream>"
+
+
+@pytest.mark.parametrize("device", CPU_LIKE, ids=str)
+def test_context_managers_run_their_body_and_pass_errors_through(no_cuda, device):
+    ran = []
+    with S.use_device(device), S.use_stream(S.current_stream(device)):
+        ran.append(torch.ones(2).sum().item())
+    assert ran == [2.0]
+    for manager in (S.use_device(device), S.use_stream(S.CPU_STREAM)):
+        with pytest.raises(KeyError, match="inside"):
+            with manager:
+                raise KeyError("inside")
+
+
+def test_waiting_recording_and_synchronising_do_nothing_on_the_cpu(no_cuda):
+    S.wait_stream(S.CPU_STREAM, S.CPU_STREAM)
+    x = torch.arange(6.0)
+    storage, before = x.untyped_storage().data_ptr(), x.clone()
+    S.record_stream(x, S.CPU_STREAM)
+    assert x.untyped_storage().data_ptr() == storage and torch.equal(x, before)
+    for device in (None, *CPU_LIKE):
+        S.synchronize(device)
 
 
 @pytest.mark.cuda
@@ -31,62 +95,3 @@ def test_cuda_record_stream_keeps_memory_alive():
     y = torch.empty(size, device=device)
     assert y.data_ptr() != ptr, "freed while the side stream still used it"
     torch.cuda.synchronize(device)
-
-
-# -- the CPU half: every helper on a CPU device is the CPU placeholder or a no-op ---------------
-def test_cpu_devices_get_the_one_cpu_placeholder_stream():
-    import copy
-    import pickle
-
-    from fxpipe.runtime._stream import (CPU_STREAM, current_stream, default_stream, get_device, is_cuda,
-                                        new_stream)
-
-    cpu = torch.device("cpu")
-    streams = [new_stream(cpu), current_stream(cpu), default_stream(cpu), new_stream(torch.device("meta"))]
-    assert all(s is CPU_STREAM for s in streams)
-    assert not is_cuda(CPU_STREAM)
-    assert get_device(CPU_STREAM) == cpu
-    # copies of a pipeline (deepcopy, pickle) keep the placeholder itself, so `is` checks hold
-    assert copy.deepcopy(CPU_STREAM) is CPU_STREAM and pickle.loads(pickle.dumps(CPU_STREAM)) is CPU_STREAM
-    assert repr(CPU_STREAM) == "<CPUStream>"
-
-
-def test_cpu_contexts_run_their_block_and_change_nothing():
-    from fxpipe.runtime._stream import CPU_STREAM, use_device, use_stream
-
-    ran = []
-    with use_device(torch.device("cpu")):
-        ran.append("device")
-    with use_stream(CPU_STREAM):
-        ran.append("stream")
-    assert ran == ["device", "stream"]
-    with pytest.raises(KeyError):  # an exception inside still propagates (the contexts swallow nothing)
-        with use_stream(CPU_STREAM):
-            raise KeyError("inside")
-
-
-def test_cpu_waits_records_and_synchronize_are_no_ops():
-    from fxpipe.runtime._stream import CPU_STREAM, record_stream, synchronize, wait_stream
-
-    x = torch.arange(4.0)
-    before = x.clone()
-    wait_stream(CPU_STREAM, CPU_STREAM)
-    record_stream(x, CPU_STREAM)
-    synchronize(torch.device("cpu"))
-    synchronize(None)
-    assert torch.equal(x, before) and x.device.type == "cpu"
-
-
-def test_the_runtime_copies_between_cpu_placeholders_do_no_work():
-    """Copy/Wait between CPU 'devices' leave the batch's tensors as they are (the same objects:
-    no autograd node, no copy)."""
-    from fxpipe.runtime._copy import copy as copy_batch
-    from fxpipe.runtime._copy import wait
-    from fxpipe.runtime._microbatch import Batch
-    from fxpipe.runtime._stream import CPU_STREAM
-
-    x = torch.randn(3, requires_grad=True)
-    batch = Batch((x,), atomic=False)
-    copy_batch(batch, CPU_STREAM, CPU_STREAM)
-    wait(batch, CPU_STREAM, CPU_STREAM)
-    assert batch.tensors()[0] is x
