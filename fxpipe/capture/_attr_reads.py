@@ -45,6 +45,8 @@ from typing import Any, Dict, Iterable, List, Set, Tuple
 import torch
 from torch import nn
 
+from ._opaque_calls import OpaqueCalls
+
 __all__ = ["AttrRead", "AttributeReads", "plain_attributes", "is_plain", "SAME", "EQUAL", "MUTABLE", "NONE"]
 
 # Names nn.Module itself defines or sets: never what a user's forward configures itself with.
@@ -113,24 +115,23 @@ class AttributeReads:
     docstring). Use as a context manager around one trace, then read :meth:`reads`. Only
     the entering thread's reads are recorded; sessions may overlap (two builds at once).
 
-    ``opaque``: modules kept opaque whose code nevertheless runs while tracing (torch.export
-    traces a leaf and then collapses it into one call): reads inside their calls are not
-    recorded, since they run their own code again at every call.
+    ``opaque``: the calls of modules kept opaque whose code nevertheless runs while tracing
+    (torch.export traces a leaf and then collapses it into one call), active around the same
+    trace (:class:`~fxpipe.capture._opaque_calls.OpaqueCalls`): reads inside their calls are
+    not recorded, since they run their own code again at every call.
     """
 
-    def __init__(self, model: nn.Module, opaque: Iterable[nn.Module] = ()) -> None:
+    def __init__(self, model: nn.Module, opaque: OpaqueCalls | None = None) -> None:
         self._labels: Dict[int, str] = {}
         self._objects: Dict[int, Any] = {}  # keeps what an id names alive for the session
         for name, m in model.named_modules(remove_duplicate=False):
             if id(m) not in self._labels:
                 self._labels[id(m)] = name
                 self._objects[id(m)] = m
-        self._opaque = {id(m) for m in opaque}
-        self._inside_opaque = 0
+        self._opaque = opaque if opaque is not None else OpaqueCalls()
         self._reads: Dict[Tuple[int, str], AttrRead] = {}
         self._written: Set[Tuple[int, str]] = set()
         self._classes: List[type] = []
-        self._hooks: List[Any] = []
         self._busy = False
         self._thread = 0
 
@@ -141,17 +142,9 @@ class AttributeReads:
             _sessions.append(self)
         for obj in list(self._objects.values()):
             self._watch_class(type(obj))
-        if self._opaque:
-            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-            self._hooks = [register_module_forward_pre_hook(self._enter_call),
-                           register_module_forward_hook(self._leave_call, always_call=True)]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
         with _lock:
             _sessions.remove(self)
             for cls in reversed(self._classes):
@@ -176,19 +169,10 @@ class AttributeReads:
     def _mine(self, obj: Any) -> bool:
         return id(obj) in self._labels and not self._busy and threading.get_ident() == self._thread
 
-    # -- the opaque modules' calls (torch.export) ---------------------------------------------
-    def _enter_call(self, module: nn.Module, args: Any) -> None:
-        if id(module) in self._opaque and threading.get_ident() == self._thread:
-            self._inside_opaque += 1
-
-    def _leave_call(self, module: nn.Module, args: Any, output: Any) -> None:
-        if id(module) in self._opaque and threading.get_ident() == self._thread:
-            self._inside_opaque -= 1
-
     # -- recording --------------------------------------------------------------------------
     def _skipped(self, obj: Any, name: str) -> bool:
         return (name.startswith("__") or (isinstance(obj, nn.Module) and name in _MODULE_OWN)
-                or self._inside_opaque > 0 or (id(obj), name) in self._reads or (id(obj), name) in self._written)
+                or self._opaque.inside or (id(obj), name) in self._reads or (id(obj), name) in self._written)
 
     def _label(self, obj: Any, name: str) -> str:
         owner = self._labels[id(obj)]

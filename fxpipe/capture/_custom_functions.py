@@ -23,17 +23,17 @@ calling ``apply`` meanwhile get torch's own.
 
 from __future__ import annotations
 
-import sys
 import threading
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
 from ._apply_patch import ApplyPatch, error_in_chain
-from ._user_code import user_stack
+from ._opaque_calls import OpaqueCalls
+from ._user_code import user_line
 
 __all__ = ["AutogradFunctionError", "applying_as_nodes", "refusing_in_export", "autograd_function_in",
            "function_of"]
@@ -82,24 +82,8 @@ def _from_torch(cls: type) -> bool:
     return cls.__module__.partition(".")[0] == "torch"
 
 
-def _location() -> str:
-    where = user_stack().splitlines()
-    return where[-2].strip() + " " + where[-1].strip() if len(where) >= 2 else ""
-
-
-def _inside(modules: Sequence[nn.Module]) -> bool:
-    """Whether a forward of one of ``modules`` is on this thread's stack."""
-    ids = {id(m) for m in modules}
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "forward" and id(frame.f_locals.get("self")) in ids:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _refusal(cls: type) -> AutogradFunctionError:
-    location = _location()
+    location = user_line()
     name = f"{cls.__module__}.{cls.__qualname__}"
     return AutogradFunctionError(
         f"the model applies the custom autograd.Function {name}"
@@ -117,7 +101,7 @@ def _patched_apply(patch: ApplyPatch, cls: type, *args: Any, **kwargs: Any) -> A
     if mode is not None and mode[0] == "fx":
         if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
             return mode[1].create_proxy("call_function", _node_target(cls), args, kwargs)
-    elif mode is not None and mode[0] == "export" and not _from_torch(cls) and not _inside(mode[1]):
+    elif mode is not None and mode[0] == "export" and not _from_torch(cls) and not mode[1].inside:
         raise _refusal(cls)
     return patch.original(cls, *args, **kwargs)
 
@@ -130,10 +114,11 @@ def applying_as_nodes(tracer: fx.Tracer) -> Any:
     return _PATCH.active(("fx", tracer))
 
 
-def refusing_in_export(opaque: Sequence[nn.Module]) -> Any:
-    """While the block runs, ``Fn.apply`` outside the forwards of ``opaque`` raises
-    :class:`AutogradFunctionError` (see module doc)."""
-    return _PATCH.active(("export", list(opaque)))
+def refusing_in_export(opaque: OpaqueCalls) -> Any:
+    """While the block runs, ``Fn.apply`` outside the calls of the modules kept opaque
+    (``opaque``, active around the same block) raises :class:`AutogradFunctionError` (see
+    module doc)."""
+    return _PATCH.active(("export", opaque))
 
 
 def autograd_function_in(error: BaseException | None) -> AutogradFunctionError | None:

@@ -20,7 +20,7 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from ..errors import TraceError
 from ._apply_patch import ApplyPatch, error_in_chain
-from ._user_code import user_stack
+from ._user_code import user_line
 
 __all__ = ["ReentrantCheckpointError", "reentrant_checkpoint_in", "refusing_reentrant_checkpoint"]
 
@@ -31,8 +31,7 @@ class ReentrantCheckpointError(TraceError):
 def _refusing_apply(patch: ApplyPatch, cls: type, *args: Any, **kwargs: Any) -> Any:
     if not patch.state:  # another thread, not capturing: torch's own
         return patch.original(cls, *args, **kwargs)
-    where = user_stack().splitlines()
-    location = where[-2].strip() + " " + where[-1].strip() if len(where) >= 2 else ""
+    location = user_line()
     raise ReentrantCheckpointError(
         "the model calls torch.utils.checkpoint with use_reentrant=True"
         + (f" ({location})" if location else "")

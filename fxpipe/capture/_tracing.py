@@ -39,6 +39,7 @@ from ..errors import TraceError
 from ._hooks import hooked_modules
 from ._grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_values
 from ._mutation import KEEP_REASON, KEEP_WITH
+from ._opaque_calls import OpaqueCalls
 from ._reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
 from ._meta import has_meta_tensors
 from ..tree import flatten
@@ -285,14 +286,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
     kept = leaf_paths(model, [*leaf_types, *leaf_names])  # export traces them too: their reads are their own
     kept_modules = [model.get_submodule(p) for p in kept]
-    with refusing_reentrant_checkpoint(), refusing_in_export(kept_modules), \
-            AttributeReads(model, kept_modules) as ex_reads:
+    with OpaqueCalls(kept_modules) as in_kept, refusing_reentrant_checkpoint(), refusing_in_export(in_kept), \
+            AttributeReads(model, in_kept) as ex_reads:
         ex_res = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
     reads = ex_reads.reads()
     if isinstance(ex_res, _Failure) and not ex_res.bad_output and ex_res.refusal is None:
         # dynamo-traced regions (torch.cond's branches) cannot run the recording: export again
         # unrecorded, and check every plain attribute of the traced modules instead
-        with refusing_reentrant_checkpoint(), refusing_in_export(kept_modules):
+        with OpaqueCalls(kept_modules) as in_kept, refusing_reentrant_checkpoint(), refusing_in_export(in_kept):
             unrecorded = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
         if not isinstance(unrecorded, _Failure) or unrecorded.refusal is not None:
             ex_res, reads = unrecorded, plain_attributes(model, kept_modules)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_user_file", "user_stack", "source_location"]
+__all__ = ["is_user_file", "user_stack", "user_line", "source_location"]
 
 _FRAME_RE = re.compile(r'^File "(.+)", line (\d+), in (.+)$')
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -64,6 +64,13 @@ def user_stack() -> str:
     kept = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames[start:]
             if _cached_is_user(f.f_code.co_filename)]
     return "".join(traceback.StackSummary.from_list(kept).format()).strip() if kept else ""
+
+
+def user_line() -> str:
+    """``File "...", line N, in fn code`` of the innermost user frame on the current stack
+    (what a refusal raised while tracing names), or ''."""
+    where = user_stack().splitlines()
+    return where[-2].strip() + " " + where[-1].strip() if len(where) >= 2 else ""
 
 
 def source_location(node: Any) -> str | None:
