@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, List, Tuple
 
-from ..progress import clear_status_line, enabled as progress_enabled, status_line
+from ..progress import clear_status_line, status_line
 from ._model_loader import UsageError, load_model
 
 __all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_env", "cmd_demo",
@@ -72,10 +72,9 @@ def _plan(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, devices
     from ..build import BuildOptions, build
     from ..progress import Progress
 
-    status_line("tracing ...")
     clear_status_line()  # the build draws its own bar (fxpipe.progress), profiled on one micro-batch
     options = BuildOptions(ns.stages, ns.chunks, devices, ns.balance_by, tuple(ns.leaf), ns.split_at or None,
-                           progress=Progress(enabled=progress_enabled()))
+                           progress=Progress())  # off with --no-progress: fxpipe.progress.set_enabled
     return build(model, args, kwargs, options, emit=False)
 
 
@@ -87,7 +86,7 @@ def _pipeline(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict, *,
     return fxpipe.pipeline(model, args, ns.stages, sample_kwargs=kwargs, chunks=ns.chunks,
                            devices=_devices(ns), checkpoint=checkpoint, balance_by=ns.balance_by,
                            leaf_modules=tuple(ns.leaf), split_points=ns.split_at or None,
-                           progress=progress_enabled())
+                           progress=True)  # off with --no-progress: fxpipe.progress.set_enabled
 
 
 def training_loss(out: Any) -> Any:
