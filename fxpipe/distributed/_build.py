@@ -33,7 +33,7 @@ from fxpipe.progress import Progress, ProgressOption, as_progress
 
 from ._agree import agree_on_stages, broadcast_plan
 from ._carry import carried_plan
-from ._materialise import InitBuffers, capture_sample, local_weights
+from ._materialise import InitBuffers, check_sample, local_weights
 from ._meta import stage_metas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
@@ -196,21 +196,18 @@ def pipeline(
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
-    cap_args, cap_kwargs = capture_sample(model, args, kwargs, state_dict=state_dict, balance_by=balance_by,
-                                          plan=plan)  # on meta for a meta model
+    check_sample(model, args, kwargs, state_dict=state_dict)
 
     options = BuildOptions(n_stages, chunks, None, balance_by, leaf_modules, split_points, plan, progress=report)
     with preserved(model):
-        checked = capture_and_check(model, cap_args, cap_kwargs, options)
+        checked = capture_and_check(model, args, kwargs, options)  # a meta copy of the sample for a meta model
         checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
         captured = checked.capture
         flat = captured.flatten_inputs(args, kwargs)
-        micro = _micro_batch(captured.flatten_inputs(cap_args, cap_kwargs), chunks)
+        micro = _micro_batch(captured.flatten_inputs(checked.args, checked.kwargs), chunks)
 
-        def make() -> Plan:  # on rank 0; profiled on one micro-batch (fxpipe.plan._make.profiled_inputs)
-            return choose_plan(checked, options)
-
-        agreed = broadcast_plan(make, group)
+        # on rank 0; profiled on one micro-batch (fxpipe.plan._make.profiled_inputs)
+        agreed = broadcast_plan(lambda: choose_plan(checked, options), group)
         built: list[Stages] = []
 
         def build() -> list[str]:

@@ -55,26 +55,24 @@ from torch import nn
 
 from fxpipe.capture._tracing import retarget_devices
 from fxpipe.errors import MaterialiseError, MetaDeviceError
-from fxpipe.capture._meta import is_meta_model, refuse_timing, to_meta
+from fxpipe.capture._meta import is_meta_model
 
 from ._agree import on_every_rank
 from ._sources import StateDictSource, missing_message, open_source
 
-__all__ = ["InitBuffers", "capture_sample", "local_weights", "LocalTensors", "local_tensors"]
+__all__ = ["InitBuffers", "check_sample", "local_weights", "LocalTensors", "local_tensors"]
 
 #: ``init_buffers(name, module)``: writes the non-persistent buffers of ``module`` (its
 #: qualified name in the model), already on the CPU and uninitialised, in place or by assignment
 InitBuffers = Callable[[str, nn.Module], None]
 
 
-def capture_sample(model: nn.Module, args: tuple, kwargs: dict, *, state_dict: Optional[StateDictSource],
-                   balance_by: str, plan: Any) -> tuple[tuple, dict]:
-    """The sample to capture and plan with: the sample itself, or a meta copy for a model on meta.
-
-    A meta model's weights are shapes only: it is captured and planned with the sample moved
-    to meta (:mod:`fxpipe.capture._meta`), it cannot be timed, and it needs ``state_dict=`` to run.
-    The sample itself must be real: its tensors give the shapes the ranks exchange, and the
-    first stage's constants. Every rank raises the same error here, before any collective.
+def check_sample(model: nn.Module, args: tuple, kwargs: dict, *, state_dict: Optional[StateDictSource]) -> None:
+    """What the distributed build needs beyond fxpipe.build's checks, said on every rank alike
+    before any collective: the sample itself must be real (its tensors give the shapes the
+    ranks exchange and the first stage's constants), and a model on the meta device needs
+    ``state_dict=`` to run. (The build itself captures and plans a meta model on a meta copy
+    of the sample and refuses to time it: :func:`fxpipe.build.capture_and_check`.)
     """
     for i, x in enumerate(pytree.tree_leaves((args, kwargs))):
         if isinstance(x, torch.Tensor) and x.is_meta:
@@ -82,17 +80,12 @@ def capture_sample(model: nn.Module, args: tuple, kwargs: dict, *, state_dict: O
                 f"sample tensor {i} (shape {tuple(x.shape)}) is on the meta device: the sample of "
                 "fxpipe.distributed.pipeline must be a real CPU batch shaped like the ones step() gets "
                 "(a model on meta is captured with a meta copy of it). Make it with torch.zeros(...) or a real batch.")
-    if not is_meta_model(model):  # also refuses a model partly on meta, naming a tensor of each kind
-        return args, kwargs
-    if state_dict is None:
+    if is_meta_model(model) and state_dict is None:  # also refuses a model partly on meta
         raise MetaDeviceError(
             "the model is on the meta device (shapes, no values) and no state_dict= was given, so this rank's "
             "stages would have no weights. Pass state_dict= (a mapping, the path of a torch.save file, the path "
             "of a torch.distributed.checkpoint directory, or a callable keys -> tensors): each rank then "
             "materialises and loads only its own stages' tensors.")
-    if plan is None and balance_by == "time":
-        refuse_timing()
-    return to_meta(args, kwargs)
 
 
 @dataclass
