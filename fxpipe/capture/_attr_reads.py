@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ._opaque_calls import OpaqueCalls
+from ._values import same_plain
 
 __all__ = ["AttrRead", "AttributeReads", "plain_attributes", "is_plain", "SAME", "EQUAL", "MUTABLE", "NONE"]
 
@@ -251,9 +252,9 @@ def plain_attributes(model: nn.Module, opaque: Iterable[nn.Module] = ()) -> List
 def _changed(read: AttrRead) -> bool:
     try:
         now = getattr(read.owner, read.name)
-        return type(now) is not type(read.value) or bool(now != read.value)
-    except Exception:  # noqa: BLE001 - gone, or not comparable any more
+    except Exception:  # noqa: BLE001 - gone
         return True
+    return not same_plain(now, read.value)
 
 
 # -- the patched classes, shared by the sessions running at a time ------------------------------

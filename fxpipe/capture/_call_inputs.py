@@ -18,18 +18,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import InputMismatchError
+from ._values import same_plain
 
 if TYPE_CHECKING:
     from ._tracing import Capture
 
-__all__ = ["call_signature", "fixed_dims", "flatten_call", "in_sample_order", "mismatch_error", "same_value"]
-
-
-def same_value(a: Any, b: Any) -> bool:
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:  # objects without a boolean __eq__
-        return a is b
+__all__ = ["call_signature", "fixed_dims", "flatten_call", "in_sample_order", "mismatch_error"]
 
 
 # -- a call vs the captured sample (Capture.flatten_inputs) -----------------------------------
@@ -220,7 +214,7 @@ def flatten_call(c: Capture, args: tuple, kwargs: dict) -> list[Any]:
     kwargs = in_sample_order(c, kwargs)
     flat, spec = pytree.tree_flatten((args, kwargs))
     if spec == c.in_spec and all(
-            (same_value(v, c.specialized[i]) if i in c.specialized else isinstance(v, torch.Tensor))
+            (same_plain(v, c.specialized[i]) if i in c.specialized else isinstance(v, torch.Tensor))
             for i, v in enumerate(flat)):
         if not c.fixed:  # an fx capture: every size may vary
             return flat
@@ -371,7 +365,7 @@ class _CallCheck:
             v = self.flat[ci]
             if si in self.c.specialized:
                 want = self.c.specialized[si]
-                if not same_value(v, want):
+                if not same_plain(v, want):
                     self.add(f"{path} is {_short(v)} but the graph was specialised on the sample's {_short(want)} "
                              "(non-tensor arguments are fixed when the model is captured)",
                              f"pass {_short(want)} for {path}, as in the sample, or build another pipeline whose "

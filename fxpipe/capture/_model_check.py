@@ -22,13 +22,13 @@ the runtime lists each stage's parameters once (recomputation checks, placement)
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
 
 from ._attr_reads import EQUAL, MUTABLE, NONE, SAME, AttrRead
+from ._values import same_plain
 from ..errors import ModelChangedError
 
 __all__ = ["ModelCheck"]
@@ -52,19 +52,6 @@ def _describe(value: Any) -> str:
         return f"function {value.__qualname__}"
     text = repr(value)
     return text if len(text) <= 40 and not text.startswith("<") else f"a {type(value).__name__}"
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a value whose == is not a bool
-        return False
 
 
 class ModelCheck:
@@ -184,7 +171,7 @@ def _read_holds(r: AttrRead) -> bool:
     if r.how == NONE:
         return now is None
     if r.how in (EQUAL, MUTABLE):
-        return _same_value(now, r.value)
+        return same_plain(now, r.value)
     return False
 
 

@@ -1,14 +1,20 @@
 """Whether two values the build computed agree: exactly, or within the precision in effect.
 
-The one comparison behind the build's checks: the seeded rerun of the model
+Tensors: the one comparison behind the build's checks: the seeded rerun of the model
 (:mod:`fxpipe.capture._prepare`), the whole batch against its micro-batches merged
 (:mod:`fxpipe.checks._batching`), eval against training mode (:mod:`fxpipe.checks._modes`).
 A tolerance that did not follow the precision would refuse a bf16 model for its rounding,
 or pass a float32 model that mixes samples; :func:`fxpipe.capture._numerics.tolerance` decides it.
+
+Plain Python values (:func:`same_plain`): a non-tensor argument the graph was specialised on
+against a call's (:mod:`._call_inputs`), an attribute the trace read against its value now
+(:mod:`._attr_reads`, :mod:`._model_check`). Same type and equal: ``1`` is not ``1.0``
+(another literal in the graph), ``True`` not ``1``; NaN is NaN.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,7 +22,7 @@ from torch import Tensor
 
 from ._numerics import tolerance
 
-__all__ = ["same_value", "exactly_same"]
+__all__ = ["same_value", "exactly_same", "same_plain"]
 
 
 def same_value(a: Any, b: Any, *, values: bool = True) -> bool:
@@ -51,3 +57,18 @@ def _same(a: Any, b: Any, *, exact: bool, values: bool = True) -> bool:
     scale = float(a64.abs().max()) if a.numel() else 0.0
     rtol, atol = tolerance(a.dtype)  # follows the precision in effect (fxpipe.capture._numerics)
     return bool(torch.allclose(a64, b64, rtol=rtol, atol=atol * max(scale, 1.0)))
+
+
+def same_plain(a: Any, b: Any) -> bool:
+    """Whether two plain values are the same: the same object, or of one type and equal (a
+    value whose ``==`` fails or is not a bool, such as an array, only as the same object)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value whose == is not a bool
+        return False

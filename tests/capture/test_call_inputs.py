@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from fxpipe.capture._call_inputs import fixed_dims, in_sample_order, same_value
+from fxpipe.capture._call_inputs import fixed_dims, in_sample_order
+from fxpipe.capture._values import same_plain as same_value
 from fxpipe.capture._tracing import Capture, capture
 from fxpipe.errors import FxpipeError, InputMismatchError
 
