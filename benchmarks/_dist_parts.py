@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import SplitPoint, pipeline as torch_pipeline
+from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline as torch_pipeline
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -120,26 +120,30 @@ def equal_param_cuts(model: nn.Module, n: int) -> Dict[str, SplitPoint]:
 
 class Peer:
     """torch.distributed.pipelining by hand: ``pipeline()`` + ``split_spec``, this rank's
-    ``PipelineStage`` from ``pipe.build_stage``, the given schedule class, the loss scaled by
-    ``1/chunks`` with ``scale_grads=False`` (what fxpipe does, so losses and gradients match)."""
+    ``PipelineStage``s (``local``: their indices, as the schedule places them) around
+    ``pipe.get_stage_module``, the given schedule class, the loss scaled by ``1/chunks`` with
+    ``scale_grads=False`` (what fxpipe does, so losses and gradients match)."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, spec: Dict[str, SplitPoint], chunks: int,
-                 schedule_class: type, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], rank: int, world: int,
-                 device: torch.device) -> None:
+                 schedule_class: type, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], local: List[int],
+                 n_stages: int, device: torch.device) -> None:
         ir = torch_pipeline(model, (x[: x.shape[0] // chunks],), split_spec=spec)
-        if ir.num_stages != world:
-            raise ValueError(f"split {list(spec)} made {ir.num_stages} stages for {world} ranks")
-        self.stage = ir.build_stage(rank, device)
-        self.module = self.stage.submod
-        self.first, self.last = rank == 0, rank == world - 1
-        self.schedule = schedule_class(self.stage, chunks, loss_fn=lambda o, t: loss_fn(o, t) / chunks,
-                                       scale_grads=False)
+        if ir.num_stages != n_stages:
+            raise ValueError(f"split {list(spec)} made {ir.num_stages} stages, not {n_stages}")
+        # PipelineStage on each split module, as the torch docs' manual path does (build_stage's
+        # _PipeStage warms up by sending to its neighbour ranks, itself at world size 1)
+        self.stages = [PipelineStage(ir.get_stage_module(k), k, n_stages, device) for k in local]
+        self.modules = [s.submod for s in self.stages]
+        self.first, self.last = 0 in local, n_stages - 1 in local
+        several = len(local) > 1
+        self.schedule = schedule_class(self.stages if several else self.stages[0], chunks,
+                                       loss_fn=lambda o, t: loss_fn(o, t) / chunks, scale_grads=False)
 
     def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
-        return self.module.named_parameters()
+        return (item for m in self.modules for item in m.named_parameters())
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
-        """One training step; the mini-batch loss on the last rank, None elsewhere."""
+        """One training step; the mini-batch loss on the last stage's rank, None elsewhere."""
         losses: List[torch.Tensor] = []
         self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
                            losses=losses if self.last else None, return_outputs=False)

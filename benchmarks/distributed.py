@@ -1,9 +1,11 @@
 """fxpipe.distributed vs torch.distributed.pipelining driven by hand, in one run, on gloo ranks.
 
 The script spawns ``--nproc`` ranks itself (torch.multiprocessing, gloo on 127.0.0.1; ``--device
-cuda`` is the NCCL path, one GPU per rank, for when fxpipe.distributed supports it: today it
-refuses CUDA tensors and NCCL up front, issue #11), waits a bounded time (``--deadline``) and
-kills them if they overrun. On each schedule (``--schedules``, default gpipe and 1f1b):
+cuda`` is NCCL, one GPU per rank, the group started by the script as a user would), waits a
+bounded time (``--deadline``) and kills them if they overrun. ``--stages-per-rank 2`` runs the
+looped and V schedules with two stages per rank: with ``--nproc 1 --schedules zbv`` that is a
+whole NCCL step on one GPU (torch hands activations between a rank's stages by a function
+call). On each schedule (``--schedules``, default gpipe and 1f1b):
 
 * **same_split** (``Stack``: 8 equal residual MLP blocks): ``fxpipe.distributed.pipeline``
   (its default plan, ``checkpoint='never'``) against the peer: ``torch.distributed.pipelining
@@ -32,7 +34,8 @@ Usage::
 
     .venv/bin/python benchmarks/distributed.py                 # full run, writes results/distributed.json
     .venv/bin/python benchmarks/distributed.py --quick         # smoke run, small models, 3 repetitions
-    .venv/bin/python benchmarks/distributed.py --device cuda --nproc 2   # NCCL, one GPU per rank (not yet supported)
+    .venv/bin/python benchmarks/distributed.py --device cuda --nproc 2   # NCCL, one GPU per rank
+    .venv/bin/python benchmarks/distributed.py --device cuda --nproc 1 --stages-per-rank 2 --schedules zbv  # one GPU
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world
     """The scenario's contenders on this rank, checked exact against eager."""
     import fxpipe.distributed as fpd
     from fxpipe.distributed import SCHEDULES
+    from fxpipe.distributed._schedules import stages_of_rank
 
     model, x, y = make_case(scenario, a.quick)
     model, x, y = model.to(device), x.to(device), y.to(device)
@@ -107,7 +111,8 @@ def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world
         if name.startswith("fxpipe"):
             try:
                 pipe = fpd.pipeline(copy.deepcopy(model), x, chunks=a.chunks, loss_fn=loss_fn, schedule=schedule,
-                                    balance_by=how, checkpoint="never", timeout=a.timeout)
+                                    stages_per_rank=a.stages_per_rank, balance_by=how, checkpoint="never",
+                                    timeout=a.timeout)
             except Exception as e:  # e.g. CUDA not supported yet: say so, still run the peer
                 notes.append(f"{scenario}/{schedule}: fxpipe.distributed.pipeline raised {type(e).__name__}: {e}")
                 continue
@@ -118,11 +123,14 @@ def _build(scenario: str, schedule: str, a: argparse.Namespace, rank: int, world
                                  {"stage_starts": [s.nodes[0] for s in plan.stages][1:], "balance_by": how,
                                   "stage_costs": [s.cost for s in plan.stages]}, pipe))
         else:
-            spec = equal_param_cuts(model, world) if how == "equal params" or cut is None else cut
+            n_stages = world * a.stages_per_rank
+            spec = equal_param_cuts(model, n_stages) if how == "equal params" or cut is None else cut
             if how == "fxpipe cut" and cut is None:
                 notes.append(f"{scenario}/{schedule}: no fxpipe plan, so the peer was split into equal parameters")
             peer_model = copy.deepcopy(model)  # pipeline() annotates the module it splits
-            peer = Peer(peer_model, x, spec, a.chunks, SCHEDULES[schedule].one, loss_fn, rank, world, device)
+            local = stages_of_rank(schedule, world, a.stages_per_rank, rank)
+            peer = Peer(peer_model, x, spec, a.chunks, SCHEDULES[schedule].torch_class(a.stages_per_rank), loss_fn,
+                        local, n_stages, device)
             out.append(Contender(name, lambda p=peer: p.step(x, y), peer.named_parameters,
                                  split={"cuts": list(spec), "how": how}))
     checked = _check_exact(out, model, x, y, loss_fn, notes, f"{scenario}/{schedule}")
@@ -354,6 +362,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="runs of each stage alone, per micro-batch (default 20; quick 2)")
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--schedules", default="gpipe,1f1b")
+    parser.add_argument("--stages-per-rank", type=int, default=1,
+                        help="2: the looped and V schedules (gpipe, interleaved1f1b, interleavedzb, zbv)")
     parser.add_argument("--scenarios", default="same_split,unbalanced")
     parser.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     parser.add_argument("--deadline", type=float, default=1200.0, help="kill the ranks after this many seconds")

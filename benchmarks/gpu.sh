@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu.sh [RESULTS_DIR]    # default: $OUT if set, else benchmarks/results/gpu
 #
-# Environment: PYTHON (default python3), GPU_BUDGET_S (default 330: the whole run's wall-time
+# Environment: PYTHON (default python3), GPU_BUDGET_S (default 450: the whole run's wall-time
 # budget; each step is bounded by `timeout`, by its own limit and by what is left of the
 # budget; steps that no longer fit are recorded as skipped). A failing or timed-out step is
 # recorded in the summary and the next step runs. Exit status: 2 without a CUDA device,
@@ -14,7 +14,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RES=${1:-${OUT:-benchmarks/results/gpu}}
-BUDGET=${GPU_BUDGET_S:-330}
+BUDGET=${GPU_BUDGET_S:-450}
 mkdir -p "$RES"
 SUMMARY="$RES/gpu_summary.md"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -107,7 +107,7 @@ step() {
 PT_TIMEOUT=""
 $PY -c 'import pytest_timeout' 2>/dev/null && PT_TIMEOUT="--timeout=120"
 # (a test module that cannot be imported, e.g. without the graphviz package, must not stop the rest)
-step cuda_tests 140 $PY -m pytest -m cuda -q -p no:cacheprovider -rfEs --continue-on-collection-errors $PT_TIMEOUT tests
+step cuda_tests 200 $PY -m pytest -m cuda -q -p no:cacheprovider -rfEs --continue-on-collection-errors $PT_TIMEOUT tests
 if [ -f "$RES/cuda_tests.md" ]; then
   grep -E '(passed|failed|error|skipped)' "$RES/cuda_tests.md" | tail -n 1 | sed 's/^/result: /' >> "$SUMMARY"
   grep -E '^(FAILED|ERROR)' "$RES/cuda_tests.md" | head -n 20 | sed 's/^/- /' >> "$SUMMARY"
@@ -140,11 +140,11 @@ step planning 60 $PY benchmarks/planning.py --device cuda --models gpt2-12 --rep
 # 9. compiled stages at chunks=1 (the goal row; inductor/Triton compile time dominates, so last: it gets what is left)
 step compiled 90 $PY benchmarks/compiled.py --device cuda --chunks 1 --repeat 5 --warmup 2 --out "$RES/compiled.json"
 
-# 10. fxpipe.distributed: not on GPUs yet. It runs over gloo on the CPU and refuses CUDA
-# tensors and NCCL up front (DistributedError; the NCCL part of issue #11 needs one GPU per
-# rank, so two or more GPUs, to be built and tested). Once it lands, this step is
-#   step distributed 60 $PY benchmarks/distributed.py --device cuda --nproc 2 --quick --output "$RES/distributed.json"
-printf '\n## distributed\n\n**skipped**: fxpipe.distributed runs on gloo and the CPU only (CUDA/NCCL refused; issue #11); %s GPU(s) here\n' "$GPUS" >> "$SUMMARY"
+# 10. fxpipe.distributed on one GPU over NCCL: world size 1, two stages on the rank (zbv's V and
+# interleaved 1F1B: no send between ranks), against torch.distributed.pipelining driven by hand
+# on the same split; every contender checked exact against eager first
+step distributed 60 $PY benchmarks/distributed.py --device cuda --nproc 1 --stages-per-rank 2 \
+  --schedules zbv,interleaved1f1b --chunks 4 --quick --output "$RES/distributed.json"
 
 echo >> "$SUMMARY"
 echo "total: $(($(date +%s) - START))s of the ${BUDGET}s budget" >> "$SUMMARY"

@@ -43,8 +43,14 @@ def mode(name: str) -> str:
     return next((m for m in CHECKPOINT_MODES if name.endswith("-" + m)), "except_last")
 
 
-def autocast(name: str) -> Any:
-    return torch.autocast("cpu", dtype=torch.bfloat16) if "-bf16" in name else contextlib.nullcontext()
+def autocast(name: str, device: str = "cpu") -> Any:
+    kind = torch.device(device).type
+    return torch.autocast(kind, dtype=torch.bfloat16) if "-bf16" in name else contextlib.nullcontext()
+
+
+def to_cpu(tree: Any) -> Any:
+    """Results saved by a rank, on the CPU (a GPU rank's gradients are compared in the parent)."""
+    return pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def batches_of(x: Any, y: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
@@ -53,11 +59,11 @@ def batches_of(x: Any, y: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
     return [(x, y), (flip, y.flip(0))]
 
 
-def runcase(fpd: Any, name: str, spec: tuple, rank: int, recomputed: list[int]) -> dict:
+def runcase(fpd: Any, name: str, spec: tuple, rank: int, recomputed: list[int], device: str = "cpu") -> dict:
     schedule, per_rank, chunks = spec
     model, x, y, loss_fn, options = case(name, chunks)
-    batches = batches_of(x, y)
-    with autocast(name):
+    batches = batches_of(x, y)  # given on the CPU: the pipeline moves them to its device
+    with autocast(name, device):
         pipe = fpd.pipeline(model, x, chunks=chunks, loss_fn=loss_fn, schedule=schedule, stages_per_rank=per_rank,
                             checkpoint=mode(name), timeout=60, **options)
         opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
@@ -68,21 +74,21 @@ def runcase(fpd: Any, name: str, spec: tuple, rank: int, recomputed: list[int]) 
             for b in step:  # no zero_grad in between: accumulation
                 xb, yb = batches[b]
                 losses.append(pipe.step(xb, target=yb).item())
-            grads.append({n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
+            grads.append({n: p.grad.to("cpu", copy=True) for n, p in pipe.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()
-            params.append({n: p.detach().clone() for n, p in pipe.named_parameters()})
+            params.append({n: p.detach().to("cpu", copy=True) for n, p in pipe.named_parameters()})
         checkpointed = recomputed[0]
         out_eval = pipe.eval_step(x)
     checkpointed_in_eval = recomputed[0] - checkpointed
     cut = pytree.tree_map(lambda t: t[:-1] if isinstance(t, torch.Tensor) else t, x)
     try:
-        with autocast(name):
+        with autocast(name, device):
             pipe.step(cut, target=y[:-1])
         refused = ""
     except Exception as e:
         refused = f"{type(e).__name__}: {e}"
-    result = {"losses": losses, "grads": grads, "params": params, "eval": out_eval, "refused": refused,
+    result = {"losses": losses, "grads": grads, "params": params, "eval": to_cpu(out_eval), "refused": refused,
               "local": pipe.local, "placement": pipe.placement, "checkpointed": checkpointed,
               "checkpointed_in_eval": checkpointed_in_eval, "names": [n for n, _ in pipe.named_parameters()]}
     pipe.close()
@@ -140,6 +146,28 @@ def misc(fpd: Any, rank: int) -> dict:
     return results
 
 
+def devices(fpd: Any) -> dict:
+    """What a torchrun rank without a GPU sees of the device choice: the group fxpipe started,
+    the device of its stages, and the refusal of a GPU over gloo."""
+    import torch.distributed as dist
+
+    from fxpipe.distributed._device import rank_device
+    from fxpipe.errors import DistributedError
+
+    results: dict[str, Any] = {"backend": dist.get_backend()}
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    with fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60) as pipe:
+        results["device"] = str(pipe.device)
+        results["grad_devices"] = sorted({str(p.device) for p in pipe.parameters()})
+    for wanted in ("cuda", "mps"):
+        try:
+            rank_device(wanted)
+            results[f"refused_{wanted}"] = ""
+        except DistributedError as e:
+            results[f"refused_{wanted}"] = str(e)
+    return results
+
+
 def worker(rank: int, world: int, port: int, cases: dict, extras: dict, out: str) -> None:
     import torch.distributed as dist
 
@@ -155,15 +183,21 @@ def worker(rank: int, world: int, port: int, cases: dict, extras: dict, out: str
 
     values.checkpoint = counting
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    if extras.get("torchrun"):  # torchrun's environment, no group: fxpipe.distributed starts it
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
     results: dict[str, Any] = {}
     for name, spec in cases.items():
-        results[name] = runcase(fpd, name, spec, rank, recomputed)
+        results[name] = runcase(fpd, name, spec, rank, recomputed, extras.get("device", "cpu"))
     if "bn" in extras:
         results["bn_buffers_same"] = bn_buffers_same(fpd, extras["bn"])
     if extras.get("misc"):
         results.update(misc(fpd, rank))
+    if extras.get("torchrun"):
+        results.update(devices(fpd))
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -194,26 +228,28 @@ def run_ranks(fn: Any, world: int, args: tuple, tmp: Path, seconds: float = SPAW
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def eager_run(name: str, chunks: int) -> dict:
-    """The same trajectory on the whole batches, one process."""
+def eager_run(name: str, chunks: int, device: str = "cpu") -> dict:
+    """The same trajectory on the whole batches, one process, on ``device``; results on the CPU."""
     model, x, y, loss_fn, _ = case(name, chunks)
+    model.to(device)
+    x, y = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (x, y))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     batches = batches_of(x, y)
     losses, grads, params = [], [], []
-    with autocast(name):
+    with autocast(name, device):
         for step in TRAJECTORY:
             for b in step:
                 xb, yb = batches[b]
                 loss = loss_fn(model(xb), yb)
                 loss.backward()
                 losses.append(loss.item())
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            grads.append({n: p.grad.to("cpu", copy=True) for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()
-            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            params.append({n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()})
         with torch.no_grad():
             out = model(x)
-    return {"losses": losses, "grads": grads, "params": params, "eval": out}
+    return {"losses": losses, "grads": grads, "params": params, "eval": to_cpu(out)}
 
 
 #: placements written out, so a wrong rank_of_stage fails here too
@@ -227,7 +263,7 @@ def tolerance(name: str) -> Tol | None:
     return BF16 if "-bf16" in name else None
 
 
-def check(results: list[dict], cases: dict) -> None:
+def check(results: list[dict], cases: dict, device: str = "cpu") -> None:
     world = len(results)
     for name, (schedule, per_rank, chunks) in cases.items():
         placement = rank_of_stage(schedule, world, per_rank)
@@ -244,7 +280,7 @@ def check(results: list[dict], cases: dict) -> None:
             assert "shape" in r["refused"] and "micro-batches" in r["refused"], (name, r["refused"])
         if name.startswith("drop"):
             continue  # dropout: see check_same
-        eager = eager_run(name, chunks)
+        eager = eager_run(name, chunks, device)
         close = tolerance(name)
         seen: set[str] = set()
         for rank, res in enumerate(results):

@@ -22,8 +22,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from fxpipe.build import BuildOptions, capture_and_check, check_plan, check_split_points, choose_plan
+from fxpipe.capture._tracing import retarget_devices
+from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
-from fxpipe.errors import BatchShapeError, DistributedError
+from fxpipe.errors import BatchShapeError
 from fxpipe.runtime._frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
 from fxpipe.capture._mutation import check_kept_together
 from fxpipe.plan._value import Plan
@@ -33,6 +35,7 @@ from fxpipe.progress import Progress, ProgressOption, as_progress
 
 from ._agree import agree_on_stages, broadcast_plan
 from ._carry import carried_plan
+from ._device import DeviceOption, check_one_gpu_per_rank, ensure_process_group, rank_device
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._meta import stage_metas
 from ._pipe import DistributedPipeline
@@ -66,30 +69,25 @@ class CheckpointedStage(PipelineStage):
                           lambda: run(backward_type, bwd_kwargs, last_backward))
 
 
-def check_on_cpu(backend: str, model: nn.Module, sample: Any = ()) -> None:
-    """Refuses what this version cannot run exactly: the stages run on the CPU and exchange
-    tensors over gloo. An NCCL group, or weights or inputs on a GPU, would fail deep inside
-    torch's send and receive; refused here, on every rank alike, with what to do instead."""
-    if str(backend).lower() != "gloo":
-        raise DistributedError(
-            f"fxpipe.distributed runs its stages on the CPU over gloo, but the default process group uses "
-            f"{backend!r}; call torch.distributed.init_process_group('gloo') (CUDA/NCCL is not supported yet)")
-    tensors = [("parameter " + n, t) for n, t in model.named_parameters()]
-    tensors += [("buffer " + n, t) for n, t in model.named_buffers()]
-    tensors += [("sample input", t) for t in pytree.tree_leaves(sample) if isinstance(t, torch.Tensor)]
-    for what, t in tensors:
-        if t.device.type not in ("cpu", "meta"):
-            raise DistributedError(
-                f"{what} is on {t.device}, and fxpipe.distributed runs its stages on the CPU over gloo "
-                "(CUDA/NCCL is not supported yet): build the model and the sample on the CPU, or use "
-                "fxpipe.pipeline(model, sample, n_stages, devices=[...]) for several GPUs of one host")
+def capture_sample(model: nn.Module, sample: Any) -> Any:
+    """The sample where the model is, for the capture (which may run the model): a CPU model
+    and a GPU sample, or the reverse, would fail inside the model. A model on meta (captured
+    on a meta copy), or spread over devices, takes the sample as it is."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
+    if len(devices) != 1:
+        return sample
+    (where,) = devices
+    return pytree.tree_map(lambda x: x.to(where) if isinstance(x, torch.Tensor) and x.device != where else x, sample)
+
+
+def _check_timeout(timeout: float) -> timedelta:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return timedelta(seconds=float(timeout))
 
 
 def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stages_per_rank: int,
-                balance_by: str, timeout: float, checkpoint: str) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise DistributedError("fxpipe.distributed.pipeline needs torch.distributed initialised on every rank: call "
-                               "torch.distributed.init_process_group('gloo') first (torchrun sets the environment)")
+                balance_by: str, checkpoint: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     chunks = check_chunks(chunks)
@@ -100,8 +98,6 @@ def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stag
         raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
 def _micro_batch(flat: Sequence[Any], chunks: int) -> list[Any]:
@@ -134,12 +130,17 @@ def pipeline(
     timeout: float = DEFAULT_TIMEOUT,
     state_dict: Optional[StateDictSource] = None,
     init_buffers: Optional[InitBuffers] = None,
+    device: DeviceOption = None,
     progress: ProgressOption = True,
 ) -> DistributedPipeline:
     """This rank's part of ``model`` run as a pipeline of ``world_size * stages_per_rank`` stages.
 
-    Call it on every rank of an initialised default process group (gloo, CPU), with the
-    same model (same class, config and seed) and the same arguments. Rank 0's parameters
+    Call it on every rank, with the same model (same class, config and seed) and the same
+    arguments. Under torchrun with no process group yet, it starts one: NCCL with each rank
+    on ``cuda:LOCAL_RANK`` when CUDA is available, else gloo on the CPU; a group you started
+    is used as it is, the rank running where its backend sends from (:mod:`._device`). The
+    tensors of this rank's stages move to its device in place; the sample and ``step``'s
+    inputs may be given on the CPU. Rank 0's parameters
     and buffers are broadcast to every rank first, as DDP does; or, with ``state_dict=``,
     each rank loads only its own stages' tensors -- the way to run a model built on the meta
     device, of which each rank then materialises only its own stages
@@ -173,10 +174,14 @@ def pipeline(
         init_buffers: ``fn(name, module)`` recomputing a module's non-persistent buffers (in no
             checkpoint) after a meta model is materialised; default: a transformers model's own
             ``_init_weights``. A buffer left unwritten raises ``MaterialiseError``.
+        device: where this rank runs: None (``cuda:LOCAL_RANK`` over NCCL, the CPU over
+            gloo, as the process group's backend allows), ``'cuda'``, ``'cuda:N'`` or ``'cpu'``.
         progress: as for :func:`fxpipe.pipeline`; shown by rank 0 only (one terminal line).
 
     Raises:
-        fxpipe.errors.DistributedError: no process group, or rank 0 could not plan.
+        fxpipe.errors.DistributedError: no process group and no torchrun environment; a
+            device the group's backend cannot send from; two ranks on one GPU; rank 0 could
+            not plan.
         fxpipe.errors.PlanMismatchError: the ranks' stage code differs.
         fxpipe.errors.BatchShapeError: the sample's batch is not a multiple of ``chunks``.
         fxpipe.errors.MetaDeviceError: a model on meta without ``state_dict=``, or with
@@ -185,18 +190,21 @@ def pipeline(
             (or of another shape), a non-persistent buffer nothing restores.
         and every error :func:`fxpipe.pipeline` raises for the model.
     """
-    _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, timeout, checkpoint)
+    wait = _check_timeout(timeout)
+    ensure_process_group(wait, device)
+    _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, checkpoint)
     chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
-    check_on_cpu(dist.get_backend(), model, (sample, sample_kwargs))
     check_split_points(split_points, plan)
+    where = rank_device(device)
+    check_one_gpu_per_rank(where, wait)  # before NCCL's first collective, which would stop on it
     report = as_progress(progress) if dist.get_rank() == 0 else Progress(enabled=False)
-    wait = timedelta(seconds=float(timeout))
     world = dist.get_world_size()
     group = dist.new_group(list(range(world)), timeout=wait)
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
     check_sample(model, args, kwargs, state_dict=state_dict)
+    args, kwargs = capture_sample(model, (args, kwargs))
 
     options = BuildOptions(n_stages, chunks, None, balance_by, leaf_modules, split_points, plan, progress=report)
     with preserved(model):
@@ -219,24 +227,28 @@ def pipeline(
 
         agree_on_stages(build, group)
     stages = built[0]
-    with preserved(model):  # fake tensors still bump real counters (num_batches_tracked += 1)
-        metas = stage_metas(stages.modules, micro, stages.input_names)
+    if captured.method == "export":  # export graphs bake in the capture's device (or meta): here, this rank's
+        for stage in stages.modules:
+            retarget_devices(stage, where)
+    metas = stage_metas(stages.modules, micro, stages.input_names, where)
 
     rank = dist.get_rank(group)
     placement = rank_of_stage(schedule, world, stages_per_rank)
     local = stages_of_rank(schedule, world, stages_per_rank, rank)
-    device = torch.device("cpu")
     local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
-                  exported=captured.method == "export", device=device)
+                  device=where)
+    for k in local:  # and the constants the stages' code reads
+        for t in stage_tensors(stages[k]):
+            move_in_place(t, where)
     pipe_stages, runners = [], {}
     for k in local:
         first, last = k == 0, k == n_stages - 1
         inputs = [None if isinstance(v, torch.Tensor) else ("const", v) for v in flat] if first else metas[k].in_kinds
         runner = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, captured.out_spec,
                              checkpoint_stop=checkpoint_stop(checkpoint, chunks, True), training_of=model,
-                             clone_outputs=SCHEDULES[schedule].split_backward)
+                             clone_outputs=SCHEDULES[schedule].split_backward, device=where)
         runners[k] = runner
-        pipe_stages.append(CheckpointedStage(runner, k, n_stages, device, input_args=metas[k].input_args,
+        pipe_stages.append(CheckpointedStage(runner, k, n_stages, where, input_args=metas[k].input_args,
                                          output_args=metas[k].output_args, group=group))
 
     output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
@@ -249,4 +261,4 @@ def pipeline(
     ties = TiedGradients(model, stages.modules, placement, group, wait)
     shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
     return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,
-                               chunks, shapes, ties, [group, *ties.groups.values()], output=output)
+                               chunks, shapes, ties, [group, *ties.groups.values()], output=output, device=where)

@@ -9,7 +9,8 @@ on meta. Then each rank gives real values to exactly the tensors its own stages 
 1. **Which tensors.** Those the rank's stage GraphModules hold (emission copies into a stage
    only the submodules and attributes its code reads, the model's own objects). A weight tied
    across ranks (embedding and LM head) is local to both ranks, and both load it.
-2. **Materialised in place.** Each is swapped for an uninitialised CPU tensor with
+2. **Materialised in place.** Each is swapped for an uninitialised tensor on the rank's
+   device (a GPU, or the CPU) with
    ``torch.utils.swap_tensors``, the mechanism of ``to_empty`` under
    ``torch.__future__.set_swap_module_params_on_conversion(True)``: the Python object stays
    the same, so the model, every stage and a tied weight's other names see the new storage
@@ -38,6 +39,10 @@ the memory are this rank's alone.
 A model not on the meta device keeps the earlier behaviour -- rank 0's parameters and
 buffers broadcast to every rank, as DDP does -- unless ``state_dict=`` is given, which then
 loads the local keys instead (every rank's own initialisation of the rest is never used).
+Either way, the tensors of this rank's stages then move to the rank's device in place
+(:func:`fxpipe.emit._placement.move_in_place`: the same objects, so the model, the stages and
+the optimizer share them); the others stay where they were. Over NCCL the broadcast goes
+through a GPU copy of each tensor that stays on the CPU.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.capture._tracing import retarget_devices
+from fxpipe.emit._placement import move_in_place
 from fxpipe.errors import MaterialiseError, MetaDeviceError
 from fxpipe.capture._meta import is_meta_model
 
@@ -63,7 +68,7 @@ from ._sources import StateDictSource, missing_message, open_source
 __all__ = ["InitBuffers", "check_sample", "local_weights", "LocalTensors", "local_tensors"]
 
 #: ``init_buffers(name, module)``: writes the non-persistent buffers of ``module`` (its
-#: qualified name in the model), already on the CPU and uninitialised, in place or by assignment
+#: qualified name in the model), already on the rank's device and uninitialised, in place or by assignment
 InitBuffers = Callable[[str, nn.Module], None]
 
 
@@ -78,7 +83,7 @@ def check_sample(model: nn.Module, args: tuple, kwargs: dict, *, state_dict: Opt
         if isinstance(x, torch.Tensor) and x.is_meta:
             raise MetaDeviceError(
                 f"sample tensor {i} (shape {tuple(x.shape)}) is on the meta device: the sample of "
-                "fxpipe.distributed.pipeline must be a real CPU batch shaped like the ones step() gets "
+                "fxpipe.distributed.pipeline must be a real batch shaped like the ones step() gets "
                 "(a model on meta is captured with a meta copy of it). Make it with torch.zeros(...) or a real batch.")
     if is_meta_model(model) and state_dict is None:  # also refuses a model partly on meta
         raise MetaDeviceError(
@@ -127,12 +132,15 @@ def local_tensors(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loca
 
 def local_weights(model: nn.Module, stages: Sequence[torch.fx.GraphModule], local: Sequence[int],
                   group: dist.ProcessGroup, *, state_dict: Optional[StateDictSource],
-                  init_buffers: Optional[InitBuffers], exported: bool, device: torch.device) -> None:
-    """Gives this rank's stages (``local``) their values: loaded from ``state_dict`` (the
-    steps of the module docstring), or, without it, rank 0's broadcast to every rank."""
+                  init_buffers: Optional[InitBuffers], device: torch.device) -> None:
+    """Gives this rank's stages (``local``) their values on ``device``: loaded from
+    ``state_dict`` (the steps of the module docstring), or, without it, rank 0's broadcast to
+    every rank."""
     if state_dict is None:
+        for t in local_tensors(model, stages, local).tensors.values():
+            move_in_place(t, device)
         for t in [*model.parameters(), *model.buffers()]:  # as DDP: rank 0's values everywhere
-            dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)
+            _broadcast(t, dist.get_global_rank(group, 0), group, device)
         return
     meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     pending: list[Any] = []
@@ -149,8 +157,10 @@ def local_weights(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loca
             gc.collect()
             for t in found.tensors.values():
                 if t.is_meta:
-                    _to_cpu_in_place(t, found.where[id(t)])
-            _init_buffers(model, found, init_buffers)
+                    _to_device_in_place(t, found.where[id(t)], device)
+            _init_buffers(model, found, init_buffers, device)
+        for t in found.tensors.values():
+            move_in_place(t, device)
         if not source.collective:
             source.read(targets, group)
         pending.append((source, targets))
@@ -160,9 +170,17 @@ def local_weights(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loca
     source, targets = pending[0]
     if source.collective:  # torch.distributed.checkpoint: every rank asks for its own keys together
         source.read(targets, group)
-    if meta and exported:  # export graphs of a meta model create tensors on meta: here, on this device
-        for k in local:
-            retarget_devices(stages[k], device)
+
+
+def _broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    """``t``'s value from rank ``src``, sent from ``device`` (NCCL sends only GPU tensors: a
+    tensor elsewhere travels through a copy there)."""
+    if t.device == device:
+        dist.broadcast(t.data, src=src, group=group)
+        return
+    carrier = t.data.to(device)
+    dist.broadcast(carrier, src=src, group=group)
+    t.data.copy_(carrier)
 
 
 def _refuse_unrestorable(model: nn.Module, found: LocalTensors) -> None:
@@ -211,10 +229,10 @@ def _choose_keys(found: LocalTensors, source: Any) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _to_cpu_in_place(t: torch.Tensor, where: str) -> None:
-    """``t`` (on meta) now holds uninitialised CPU memory of its shape and dtype, as the same
-    Python object with the same attributes (``to_empty`` with swapped module parameters)."""
-    empty = torch.empty_like(t, device="cpu")
+def _to_device_in_place(t: torch.Tensor, where: str, device: torch.device) -> None:
+    """``t`` (on meta) now holds uninitialised memory of its shape and dtype on ``device``, as
+    the same Python object with the same attributes (``to_empty`` with swapped module parameters)."""
+    empty = torch.empty_like(t, device=device)
     new = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
     try:
         new.__class__ = type(t)
@@ -226,7 +244,8 @@ def _to_cpu_in_place(t: torch.Tensor, where: str) -> None:
                                "be swapped. Build the pipeline from a model with real weights instead.") from e
 
 
-def _init_buffers(model: nn.Module, found: LocalTensors, init_buffers: Optional[InitBuffers]) -> None:
+def _init_buffers(model: nn.Module, found: LocalTensors, init_buffers: Optional[InitBuffers],
+                  device: torch.device) -> None:
     """Recomputes the local non-persistent buffers (step 3 of the module docstring)."""
     owners: dict[int, tuple[str, nn.Module, list[str]]] = {}
     for i, holders in found.buffers.items():
@@ -238,7 +257,7 @@ def _init_buffers(model: nn.Module, found: LocalTensors, init_buffers: Optional[
     versions = {i: t._version for i, t in found.tensors.items() if i in found.buffers}
     how = "init_buffers" if init_buffers is not None else "the model's own _init_weights"
     replaced: set[int] = set()
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         for mname, module, attrs in owners.values():
             kept = {a: module._buffers[a] for a in attrs}
             init(mname, module)
@@ -286,7 +305,7 @@ def _hf_init(model: nn.Module, owners: dict[int, tuple[str, nn.Module, list[str]
         raise MaterialiseError(
             f"non-persistent buffer(s) {', '.join(map(repr, lost))} of this rank's stages are in no checkpoint, and "
             "a model on the meta device has no values for them. Pass init_buffers=fn: fn(name, module) is called "
-            "for each module holding such buffers (on the CPU, uninitialised) and writes them as its __init__ "
-            "computes them, e.g. module.inv_freq.copy_(1.0 / base ** (torch.arange(0, dim, 2) / dim)). "
+            "for each module holding such buffers (on the rank's device, uninitialised) and writes them as its "
+            "__init__ computes them, e.g. module.inv_freq.copy_(1.0 / base ** (torch.arange(0, dim, 2) / dim)). "
             "(transformers models need none: their own _init_weights recomputes them.)")
     return lambda name, module: inits[name](module)

@@ -7,17 +7,25 @@ all stages once under ``FakeTensorMode`` on a micro-batch-shaped sample: no real
 read or written, and the run yields each value crossing a boundary, from which
 :func:`stage_metas` derives the static ``input_args`` / ``output_args`` (meta tensors carrying
 the right ``requires_grad``) and the encoding of non-tensor values (:mod:`._values`).
-Not quite no writes: an in-place op on a real buffer (BatchNorm's ``num_batches_tracked += 1``)
-still lands, so callers run it inside :func:`fxpipe.capture._prepare.preserved`.
+
+The fake run happens on the rank's device: every tensor the stages hold (parameters, buffers,
+constants) is swapped, for the run only, for a fake of its shape and dtype on that device, and
+so are the inputs. Autocast picks dtypes per device type (a CUDA autocast region leaves a
+CPU matmul in float32), so metadata found on another device would size the buffers the ranks
+exchange with the wrong dtype. Stages of other ranks, whose weights stay on the CPU or on meta,
+run on the device too, for free. The swap also keeps the run from writing real buffers
+(BatchNorm's ``num_batches_tracked += 1`` lands on the fake).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._values import Kind, kind_of, meta_of
@@ -36,14 +44,51 @@ class StageMeta:
     output_args: tuple[torch.Tensor, ...]
 
 
+def _fake(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake of ``t`` on ``device`` (made inside the fake mode): same shape, strides, dtype,
+    ``requires_grad``, and class for a Parameter."""
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(fake, requires_grad=t.requires_grad)
+    return fake.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else fake
+
+
+@contextmanager
+def _on_device(stages: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+    """Every tensor the stages' modules hold -- ``_parameters``, ``_buffers`` and plain tensor
+    attributes -- replaced by a fake on ``device`` (one fake per tensor object, so tied weights
+    stay tied), and put back afterwards. Call inside the fake mode."""
+    fakes: dict[int, torch.Tensor] = {}
+    undo: list[tuple[Any, str, Any]] = []  # (dict, key, original value)
+    seen: set[int] = set()
+    try:
+        for stage in stages:
+            for module in stage.modules():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                for table in (module._parameters, module._buffers, module.__dict__):
+                    for key, value in list(table.items()):
+                        if isinstance(value, torch.Tensor):
+                            fake = fakes.get(id(value))
+                            if fake is None:
+                                fake = fakes[id(value)] = _fake(value, device)
+                            undo.append((table, key, value))
+                            table[key] = fake
+        yield
+    finally:
+        for table, key, value in reversed(undo):
+            table[key] = value
+
+
 def stage_metas(stages: Sequence[torch.fx.GraphModule], micro_flat: Sequence[Any],
-                input_names: Sequence[Sequence[str]]) -> list[StageMeta]:
-    """Runs ``stages`` in turn under ``FakeTensorMode`` on one micro-batch's flat inputs
-    (``micro_flat``: the model's flat inputs, tensors cut to the micro-batch size) and
-    returns each stage's :class:`StageMeta`. ``input_names[k]`` name stage ``k``'s values
+                input_names: Sequence[Sequence[str]], device: torch.device) -> list[StageMeta]:
+    """Runs ``stages`` in turn under ``FakeTensorMode`` on ``device``, on one micro-batch's
+    flat inputs (``micro_flat``: the model's flat inputs, tensors cut to the micro-batch size),
+    and returns each stage's :class:`StageMeta`. ``input_names[k]`` name stage ``k``'s values
     in errors."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        values = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in micro_flat]
+    with FakeTensorMode(allow_non_fake_inputs=True), _on_device(stages, device):
+        values = [_fake(x, device) if isinstance(x, torch.Tensor) else x for x in micro_flat]
         runs: list[tuple[list[Any], list[Any]]] = []
         for k, stage in enumerate(stages):
             out = list(stage(*values))

@@ -39,13 +39,13 @@ __all__ = ["DistributedPipeline"]
 _FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
-def _autocast() -> Optional[torch.dtype]:
-    """The CPU autocast dtype in force, or None (the stages run on the CPU)."""
-    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+def _autocast(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype in force for the stages' device type, or None."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-def _autocast_text(dtype: Optional[torch.dtype]) -> str:
-    return "no autocast" if dtype is None else f"torch.autocast('cpu', dtype={dtype})"
+def _autocast_text(dtype: Optional[torch.dtype], device_type: str) -> str:
+    return "no autocast" if dtype is None else f"torch.autocast({device_type!r}, dtype={dtype})"
 
 
 class DistributedPipeline:
@@ -58,13 +58,15 @@ class DistributedPipeline:
         placement: the rank of each stage, as the schedule places them
             (:func:`fxpipe.distributed._schedules.rank_of_stage`).
         rank, world_size: this process in the pipeline's process group.
+        device: where this rank's stages run (a GPU over NCCL, the CPU over gloo).
     """
 
     def __init__(self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages, placement: Sequence[int],
                  schedule: tuple[Any, Any], group: dist.ProcessGroup, chunks: int,
                  sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup],
-                 output: Any = None) -> None:
+                 output: Any = None, device: torch.device = torch.device("cpu")) -> None:
         self.module = model
+        self.device = device
         self.capture = captured
         self.plan = plan
         self.stages = stages
@@ -81,7 +83,7 @@ class DistributedPipeline:
         self._groups = groups
         self._closed = False
         self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
-        self._autocast = _autocast()  # the state pipeline() ran the fake metadata run under
+        self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages.modules)
 
@@ -114,20 +116,19 @@ class DistributedPipeline:
 
     # -- running -------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        """The tensors of a call, checked against the sample's shapes on every rank, after
-        checking that the model did not change since the build (:mod:`fxpipe.capture._model_check`)."""
+        """The tensors of a call, on this rank's device, checked against the sample's shapes on
+        every rank, after checking that the model did not change since the build
+        (:mod:`fxpipe.capture._model_check`)."""
         self._model_check.check()
-        if _autocast() != self._autocast:
+        kind = self.device.type
+        if _autocast(kind) != self._autocast:
             raise DistributedError(
-                f"this call runs under {_autocast_text(_autocast())}, but the pipeline was built under "
-                f"{_autocast_text(self._autocast)}: its stages exchange buffers of the dtypes found at build. Build "
-                "the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
+                f"this call runs under {_autocast_text(_autocast(kind), kind)}, but the pipeline was built under "
+                f"{_autocast_text(self._autocast, kind)}: its stages exchange buffers of the dtypes found at build. "
+                "Build the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
         flat = self.capture.flatten_inputs(args, kwargs)  # InputMismatchError names the argument
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         for i, (t, want) in enumerate(zip(tensors, self._sample_shapes)):
-            if t.device.type != "cpu":
-                raise DistributedError(f"input tensor {i} is on {t.device}, and this distributed pipeline runs its "
-                                       "stages on the CPU over gloo (CUDA is not supported yet): pass CPU tensors")
             if tuple(t.shape) != want:
                 raise BatchShapeError(
                     f"input tensor {i} has shape {tuple(t.shape)}, but this distributed pipeline was built for "
@@ -135,6 +136,13 @@ class DistributedPipeline:
                     f"shaped like the sample (batch size {want[0] if want else '-'}, split into {self.chunks} "
                     "micro-batches), or build another pipeline with a sample of the new shape.")
         return tensors
+
+    def _sent(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """What this rank feeds its schedule: the inputs on its device when it runs the first
+        stage (given on the CPU, they are copied there), nothing otherwise."""
+        if 0 not in self.local:
+            return ()
+        return tuple(t.to(self.device, non_blocking=True) for t in tensors)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -152,10 +160,10 @@ class DistributedPipeline:
             raise BatchShapeError(f"target must be a tensor with the batch's {self._sample_shapes[0][0]} samples "
                                   f"along dim 0 (it is split into {self.chunks} micro-batches), got {got}")
         losses: list[torch.Tensor] = []
-        first, last = 0 in self.local, self.n_stages - 1 in self.local
+        last = self.n_stages - 1 in self.local
         self._ties.before_step()
         try:
-            self._schedule.step(*(tensors if first else ()), target=target if last else None,
+            self._schedule.step(*self._sent(tensors), target=target.to(self.device) if last else None,
                                 losses=losses if last else None, return_outputs=False)
         except BaseException:
             self._ties.restore()
@@ -166,11 +174,11 @@ class DistributedPipeline:
     def _broadcast_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
         """The last stage's loss on every rank: float64 carries any float dtype exactly, the
         dtype travels as its index in ``_FLOATS``."""
-        box = torch.zeros(2, dtype=torch.float64)
+        box = torch.zeros(2, dtype=torch.float64, device=self.device)
         if loss is not None:
             box[0], box[1] = loss.double(), float(_FLOATS.index(loss.dtype))
         dist.broadcast(box, src=self._last_rank, group=self._group)
-        return loss if loss is not None else box[0].to(_FLOATS[int(box[1])])
+        return loss if loss is not None else box[0].to(_FLOATS[int(box[1].item())])
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> Optional[Any]:
@@ -178,8 +186,7 @@ class DistributedPipeline:
         rank of the last stage, ``None`` on the others."""
         self._check_open()
         tensors = self._inputs(args, kwargs)
-        first = 0 in self.local
-        out = self._forward_only.step(*(tensors if first else ()))
+        out = self._forward_only.step(*self._sent(tensors))
         return None if out is None else self._output.structured(out)
 
     def close(self) -> None:

@@ -72,7 +72,7 @@ class TiedGradients:
         for _, p, group in self.local():
             g = p.grad
             step = torch.zeros_like(p) if g is None else g
-            present = torch.tensor([0.0 if g is None else 1.0])
+            present = torch.tensor([0.0 if g is None else 1.0], device=p.device)  # NCCL: on the GPU
             dist.all_reduce(present, group=group)
             dist.all_reduce(step, group=group)
             saved = self._saved.pop(id(p), None)

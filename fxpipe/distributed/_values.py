@@ -55,19 +55,20 @@ def kind_of(value: Any, name: str) -> Kind:
         "part of the model, or move the cut: pass a plan= whose stages keep it inside one stage.")
 
 
-def encode(value: Any, kind: Kind) -> list[torch.Tensor]:
-    """``value`` as the tensors that carry it; contiguous, as the transport sends them (gloo
-    refuses a strided tensor, "input tensor has to be contiguous": a transposed attention
-    output crossing ranks in a Llama)."""
+def encode(value: Any, kind: Kind, device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+    """``value`` as the tensors that carry it, on ``device`` (the rank's: NCCL sends only
+    CUDA tensors); contiguous, as the transport sends them (gloo refuses a strided tensor,
+    "input tensor has to be contiguous": a transposed attention output crossing ranks in a
+    Llama)."""
     if kind == "tensor":
         return [value.contiguous()]
     if kind == "none":
         return []
     if kind == "size":
-        return [torch.tensor(list(value), dtype=torch.int64)]
+        return [torch.tensor(list(value), dtype=torch.int64, device=device)]
     if isinstance(kind, str):
-        return [torch.tensor(value, dtype=_SCALARS[kind])]
-    return [t for v, k in zip(value, kind[1]) for t in encode(v, k)]
+        return [torch.tensor(value, dtype=_SCALARS[kind], device=device)]
+    return [t for v, k in zip(value, kind[1]) for t in encode(v, k, device)]
 
 
 def decode(tensors: list[torch.Tensor], kind: Kind) -> Any:
@@ -149,13 +150,16 @@ class StageRunner(nn.Module):
     Nothing is checkpointed in eval mode (``training_of.training`` false) or under no_grad.
 
     ``clone_outputs`` (zero-bubble schedules): every output tensor that needs grad or is a
-    view is returned as a clone (:func:`_own`).
+    view is returned as a clone (:func:`_own`). ``device``: the rank's, where the encoded
+    non-tensor values are made.
     """
 
     def __init__(self, stage: torch.fx.GraphModule, inputs: Sequence[Any], outputs: Sequence[Kind] | None,
                  first: bool, out_spec: pytree.TreeSpec | None = None, checkpoint_stop: int = 0,
-                 training_of: nn.Module | None = None, clone_outputs: bool = False) -> None:
+                 training_of: nn.Module | None = None, clone_outputs: bool = False,
+                 device: torch.device = torch.device("cpu")) -> None:
         super().__init__()
+        self.device = device
         self.stage = stage
         self.inputs = list(inputs)
         self.outputs = None if outputs is None else list(outputs)
@@ -187,7 +191,7 @@ class StageRunner(nn.Module):
         if self.outputs is None:  # torch detaches each of the last stage's outputs: tensors only
             self._leaves = [_TENSOR if isinstance(v, torch.Tensor) else v for v in out]
             return tuple(v for v in out if isinstance(v, torch.Tensor))
-        return tuple(t for v, k in zip(out, self.outputs) for t in encode(v, k))
+        return tuple(t for v, k in zip(out, self.outputs) for t in encode(v, k, self.device))
 
     def structured(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The last stage's output tensors (one micro-batch's, or merged by ``eval_step``) in

@@ -21,16 +21,30 @@ from torch import nn
 from ..capture._tracing import retarget_devices
 from ._stages import Stages
 
-__all__ = ["place_stages"]
+__all__ = ["place_stages", "move_in_place", "stage_tensors"]
 
 
-def _move(tensor: torch.Tensor, device: torch.device) -> None:
+def move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
+    """``tensor`` (and its ``.grad``) now on ``device``, as the same Python object. One on
+    meta has no values to move and stays."""
     if tensor.is_meta:
         return
     if tensor.device != device:
         tensor.data = tensor.data.to(device)
         if tensor.grad is not None:
             tensor.grad.data = tensor.grad.data.to(device)
+
+
+def stage_tensors(stage: torch.fx.GraphModule) -> List[torch.Tensor]:
+    """Every tensor a stage holds: its (submodules') parameters and buffers, and the plain
+    tensor attributes its code reads (constants a trace kept), each once."""
+    found = {id(t): t for t in _module_tensors(stage)}
+    for node in stage.graph.nodes:
+        if node.op == "get_attr":
+            value = attrgetter(node.target)(stage)
+            if isinstance(value, torch.Tensor):
+                found.setdefault(id(value), value)
+    return list(found.values())
 
 
 def _module_tensors(module: nn.Module) -> List[torch.Tensor]:
@@ -55,17 +69,17 @@ def place_stages(stages: Stages, devices: List[torch.device], *, exported: bool 
                     )
                 for t in _module_tensors(module):
                     owner.setdefault(id(t), (k, node.target))
-                    _move(t, devices[owner[id(t)][0]])
+                    move_in_place(t, devices[owner[id(t)][0]])
             elif node.op == "get_attr":
                 value = attrgetter(node.target)(stage)  # a dotted name, as fx's fetch_attr walks it
                 if isinstance(value, nn.Module):  # a higher-order op's body: only this stage calls it
                     for t in _module_tensors(value):
-                        _move(t, device)
+                        move_in_place(t, device)
                     continue
                 if not isinstance(value, torch.Tensor):
                     continue
                 first_stage, _ = owner.setdefault(id(value), (k, node.target))
-                _move(value, devices[first_stage])
+                move_in_place(value, devices[first_stage])
                 if devices[first_stage] != device:
                     _read_on(stage, node, device)
         if exported:

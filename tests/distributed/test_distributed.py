@@ -224,22 +224,6 @@ def test_schedule_arguments_are_checked() -> None:
     check_schedule("zbv", 2, 4, 2)
 
 
-def test_only_gloo_and_cpu_tensors_are_accepted() -> None:
-    """NCCL, or weights/inputs on a GPU, are refused up front (no process group needed):
-    the stages run on the CPU over gloo."""
-    from fxpipe.distributed._build import check_on_cpu
-    from fxpipe.errors import DistributedError
-
-    from torch import nn
-
-    model = nn.Linear(4, 4)
-    check_on_cpu("gloo", model, (torch.randn(2, 4), None))
-    with torch.device("meta"):
-        check_on_cpu("gloo", nn.Linear(4, 4))  # a meta model is built on every rank's CPU
-    with pytest.raises(DistributedError, match=r"uses 'nccl'.*init_process_group\('gloo'\)"):
-        check_on_cpu("nccl", model)
-
-
 def test_time_balance_profiles_one_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """balance_by='time' times what every stage runs, one micro-batch (a weight-bound layer
     costs nearly as much on a micro-batch as on the whole batch), and 'params' sizes it;

@@ -319,7 +319,7 @@ def test_meta_build_refusals_are_typed_and_on_every_rank(two_ranks: list[dict]) 
         assert seen["no_state_dict"].startswith("MetaDeviceError") and "state_dict=" in seen["no_state_dict"], seen
         assert seen["time"].startswith("MetaDeviceError") and "balance_by='params'" in seen["time"], seen
         assert "blocks.2.ln2.weight" in seen["missing_key"], seen
-        assert seen["meta_sample"].startswith("MetaDeviceError") and "real CPU batch" in seen["meta_sample"], seen
+        assert seen["meta_sample"].startswith("MetaDeviceError") and "real batch" in seen["meta_sample"], seen
     # the rank whose stage needs the key raises MaterialiseError; the other hears of it
     kinds = sorted(res["errors"]["missing_key"].split(":")[0] for res in two_ranks)
     assert kinds == ["DistributedError", "MaterialiseError"], kinds
