@@ -18,7 +18,8 @@ from .capture._meta import refuse_running
 from .capture._model_check import ModelCheck
 from .capture._tracing import Capture
 from .checks._batching import Batching, ChunkDims, OutputMerge
-from .emit._compiling import CompileOption, check_compile_option, compile_stages, refuse_whole_pipeline_compile
+from .emit._compiling import (CompileOption, check_compile_option, check_graph_replay, compile_stages,
+                              refuse_whole_pipeline_compile)
 from .emit._stages import Stages
 from .errors import ArgumentError, DevicesError, ModeError, PipelinePicklingError, StagesError
 from .plan._make import BALANCE_BY
@@ -269,6 +270,7 @@ def pipeline(
     compile_options = check_compile_option(compile)
     report = as_progress(progress)
     device_list = _devices(devices, n_stages)
+    check_graph_replay(compile_options, device_list)
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     options = BuildOptions(n_stages, chunks, device_list, balance_by, leaf_modules, split_points, plan, chunk_dims,
                            output_merge, report)

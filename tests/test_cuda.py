@@ -143,6 +143,34 @@ def test_compiled_stages_on_gpu():
     assert_grads_equal(model, ref, **tol)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graph_replay_is_exact_against_the_uncompiled_pipeline(mode):
+    """compile={'mode': 'reduce-overhead'}: stages replayed from CUDA graphs on fxpipe's worker
+    threads, with portals (U-Net), 4 micro-batches (a later replay must not overwrite outputs an
+    earlier micro-batch still needs) and recomputation; three steps: warm-up, record, replay.
+    Where torch cannot replay on worker threads, the build refuses it (tests/emit/test_compile.py)."""
+    from fxpipe.emit._compiling import threads_replay_graphs
+
+    if not threads_replay_graphs():
+        pytest.skip(f"torch {torch.__version__} refuses CUDA graphs on worker threads (CompileError)")
+    model, (x,), _ = _on_cuda(unet(batch=8))
+    ref = copy.deepcopy(model)
+    devices = ["cuda:0"] * 2
+    plain = fxpipe.pipeline(ref, (x,), 2, chunks=4, checkpoint=mode, devices=devices)
+    graphed = fxpipe.pipeline(model, (x,), 2, chunks=4, checkpoint=mode, devices=devices,
+                              compile={"mode": "reduce-overhead"})
+    tol = dict(rtol=1e-3, atol=1e-4)
+    for step in range(3):
+        got, want = graphed(x), plain(x)
+        assert_same(got, want, **tol)
+        weighted_loss(got).backward()
+        weighted_loss(want).backward()
+        torch.cuda.synchronize()
+        assert_grads_equal(model, ref, **tol)
+        for p in [*model.parameters(), *ref.parameters()]:
+            p.grad = None
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_stages_spread_over_gpus():
     n = min(torch.cuda.device_count(), 4)

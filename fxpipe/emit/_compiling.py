@@ -13,6 +13,13 @@ portal calls (``fxpipe.portals.stash`` / ``pop``) are ``torch.compiler.disable``
 compiled stage breaks its graph around them and the portals stay exact. Phonies, copies and
 checkpoint boundaries live in the runtime, outside the stage's ``forward``, so they are
 never compiled: a checkpointed micro-batch recomputes by calling the compiled stage again.
+
+CUDA graphs (``mode='reduce-overhead'`` or ``'max-autotune'``, or inductor's
+``triton.cudagraphs`` option) replay a stage from inductor's CUDA graph trees, whose state
+lives in thread-local storage. fxpipe runs each device's stages on a worker thread; before
+torch's fix (pytorch#123177, in torch 2.13) a thread that did not set that state up stopped
+on ``AssertionError`` in ``cudagraph_trees.get_obj`` (measured on torch 2.11, issue 21).
+:func:`check_graph_replay` refuses that combination at build time, naming the working modes.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from ..errors import ArgumentError, CompileError
 
 __all__ = ["CompileError", "CompileOption", "check_compile_option", "compile_stages",
-           "refuse_whole_pipeline_compile"]
+           "refuse_whole_pipeline_compile", "check_graph_replay", "uses_cuda_graphs"]
 
 _HOW = (
     "Compile the stages instead and call the pipeline itself uncompiled:\n"
@@ -60,6 +67,43 @@ def check_compile_option(option: Any) -> dict[str, Any] | None:
         return dict(option)
     raise ArgumentError(f"compile must be True, False or a dict of torch.compile keyword arguments, got "
                         f"compile={option!r}", argument="compile")
+
+
+#: torch.compile modes whose inductor backend records CUDA graphs by default
+_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+
+
+def uses_cuda_graphs(options: Mapping[str, Any]) -> bool:
+    """Whether ``torch.compile(**options)`` replays CUDA graphs on a GPU: inductor's
+    ``triton.cudagraphs`` option when given, else the mode."""
+    if options.get("backend", "inductor") != "inductor":
+        return False
+    extra = options.get("options") or {}
+    if "triton.cudagraphs" in extra:
+        return bool(extra["triton.cudagraphs"])
+    return options.get("mode") in _GRAPH_MODES
+
+
+def threads_replay_graphs() -> bool:
+    """Whether this torch's CUDA graph trees set up their thread-local state in any thread
+    (pytorch#123177's fix: ``cudagraph_trees._initialize_tls``)."""
+    from torch._inductor import cudagraph_trees
+
+    return hasattr(cudagraph_trees, "_initialize_tls")
+
+
+def check_graph_replay(options: Mapping[str, Any] | None, devices: Iterable[torch.device]) -> None:
+    """Refuses, before anything is built, CUDA graphs on GPU stages with a torch whose graph
+    trees fail on fxpipe's worker threads (:class:`CompileError`, with what works instead)."""
+    if options is None or not uses_cuda_graphs(options):
+        return
+    if not any(torch.device(d).type == "cuda" for d in devices) or threads_replay_graphs():
+        return
+    raise CompileError(
+        f"compile={dict(options)!r} replays CUDA graphs, and this torch ({torch.__version__}) keeps their state per "
+        "thread in a way that fails on the worker threads fxpipe runs stages on (AssertionError in "
+        "torch._inductor.cudagraph_trees; fixed in torch 2.13, pytorch#123177). Use compile=True or "
+        "compile={'mode': 'max-autotune-no-cudagraphs'}, or upgrade torch to 2.13 or later.")
 
 
 def compile_stages(stages: Iterable[nn.Module], options: Mapping[str, Any]) -> None:

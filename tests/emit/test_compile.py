@@ -216,6 +216,38 @@ def test_compile_option_is_checked_before_building(option, fragment):
     assert info.value.argument == "compile"
 
 
+@pytest.mark.parametrize("options,graphs", [
+    ({"mode": "reduce-overhead"}, True),
+    ({"mode": "max-autotune"}, True),
+    ({"mode": "max-autotune-no-cudagraphs"}, False),
+    ({}, False),
+    ({"mode": "reduce-overhead", "options": {"triton.cudagraphs": False}}, False),
+    ({"options": {"triton.cudagraphs": True}}, True),
+    ({"mode": "reduce-overhead", "backend": "aot_eager"}, False),
+])
+def test_which_compile_options_replay_cuda_graphs(options, graphs):
+    from fxpipe.emit._compiling import uses_cuda_graphs
+
+    assert uses_cuda_graphs(options) is graphs
+
+
+def test_cuda_graphs_on_worker_threads_are_refused_before_building_where_torch_cannot(monkeypatch):
+    """torch before 2.13 kept CUDA graph trees' state per thread and failed on fxpipe's worker
+    threads with an AssertionError from inductor (issue 21, torch 2.11): refused, typed, with
+    what works instead, before the model is captured. Where torch can, nothing is refused."""
+    import fxpipe.emit._compiling as compiling
+    from fxpipe.errors import CompileError
+
+    model, x = long_skip()
+    monkeypatch.setattr(compiling, "threads_replay_graphs", lambda: False)
+    with pytest.raises(CompileError, match=r"replays CUDA graphs.*compile=\{'mode': 'max-autotune-no-cudagraphs'\}"):
+        fxpipe.pipeline(model, x, 2, devices=["cuda:0"] * 2, compile={"mode": "reduce-overhead"})
+    compiling.check_graph_replay({"mode": "reduce-overhead"}, [torch.device("cpu")] * 2)  # no graphs on the CPU
+    compiling.check_graph_replay({"mode": "default"}, [torch.device("cuda:0")])
+    monkeypatch.setattr(compiling, "threads_replay_graphs", lambda: True)
+    compiling.check_graph_replay({"mode": "reduce-overhead"}, [torch.device("cuda:0")])
+
+
 # -- inductor (the default backend): C++ compilation, slow -----------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", MODES)
