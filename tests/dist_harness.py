@@ -186,6 +186,8 @@ def worker(rank: int, world: int, port: int, cases: dict, extras: dict, out: str
     if extras.get("torchrun"):  # torchrun's environment, no group: fxpipe.distributed starts it
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
+        if extras.get("device", "cpu") == "cpu":  # on a GPU machine too: no GPU seen, so gloo on the CPU
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
