@@ -8,6 +8,7 @@ anything else.
 
 from __future__ import annotations
 
+import pickle
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -183,3 +184,48 @@ def test_rank_0_holding_the_store_and_failing_mid_step_is_still_named(tmp_path: 
     gone = "cannot be reached: its host ended (rank 0" in lines[1]
     assert read or gone, lines[1]
     assert codes[0] != 0 and codes[1] != 0, codes
+
+
+def test_the_store_path_in_one_process() -> None:
+    """In one process (world size 1): a rank's own error is written as one line and re-raised
+    as it was; a transfer error then reads that line (the first written stays) and becomes a
+    PeerFailedError naming its rank; a transfer error with no line written is this rank's own."""
+    import torch.distributed as dist
+
+    from fxpipe.distributed._failures import Failures, failure_line
+    from fxpipe.errors import DistributedError, PeerFailedError
+
+    assert failure_line(3, ValueError("a\n  b\n")) == "rank 3: ValueError: a b"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        group = dist.new_group([0])
+        failures = Failures(group)
+        gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+        with pytest.raises(RuntimeError, match="Connection closed") as raw:  # nobody failed first
+            with failures.reported():
+                raise gone
+        assert raw.type is RuntimeError
+        store = dist.distributed_c10d._get_default_store()
+        assert store.get(failures.key).decode().startswith("rank 0: RuntimeError: [../gloo")
+        store.delete_key(failures.key)
+        with pytest.raises(KeyError):
+            with failures.reported():
+                raise KeyError("bad key")
+        with pytest.raises(ZeroDivisionError):  # a later error of its own: the first line stays
+            with failures.reported():
+                raise ZeroDivisionError("later")
+        with pytest.raises(PeerFailedError, match=r"rank 0 failed.*rank 0: KeyError: 'bad key'$") as caught:
+            with failures.reported():
+                raise gone
+        assert caught.value.rank == 0 and caught.value.error == "rank 0: KeyError: 'bad key'"
+        assert caught.value.__cause__ is gone and isinstance(caught.value, DistributedError)
+        again = pickle.loads(pickle.dumps(caught.value))  # as torch.multiprocessing carries it
+        assert (str(again), again.rank, again.error) == (str(caught.value), 0, caught.value.error)
+        with failures.agreed("check its batch"):  # nothing failed: nothing raised
+            pass
+        with pytest.raises(ValueError, match="own"):  # the failed rank re-raises its own error
+            with failures.agreed("check its batch"):
+                raise ValueError("own")
+    finally:
+        dist.destroy_process_group()
