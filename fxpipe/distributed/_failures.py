@@ -124,7 +124,7 @@ class Failures:
                 self._write(failure_line(self.rank, e))
                 raise
             rank = int(line.split(":", 1)[0].split()[-1])
-            raise PeerFailedError(f"rank {rank} failed, so this rank's pipeline stops too: {line}", rank, line) from e
+            raise PeerFailedError(f"stopped because another rank failed: {line}", rank, line) from e
 
     def _write(self, line: str) -> None:
         """The first line written for this pipeline stays; a store that cannot be reached is

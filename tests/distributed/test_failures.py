@@ -114,7 +114,7 @@ def test_every_rank_names_the_failing_rank_and_its_error(tmp_path: Path) -> None
     midstep = _read(tmp_path, 3, "midstep")
     assert midstep[2] == "RuntimeError: boom in loss_fn", midstep[2]
     for line in midstep[:2]:  # rank 1 hears from rank 2's closed connection, rank 0 from rank 1's
-        assert line.startswith("PeerFailedError: rank 2 failed"), line
+        assert line.startswith("PeerFailedError: stopped because another rank failed: rank 2: "), line
         assert line.endswith("rank 2: RuntimeError: boom in loss_fn"), line
     assert all(c != 0 for c in codes), codes
 
@@ -166,7 +166,7 @@ def test_rank_0_failing_mid_step_is_named_when_the_store_outlives_it(tmp_path: P
     codes = _run_with_store(2, "parent", tmp_path)
     lines = _read(tmp_path, 2, "midstep")
     assert lines[0] == "ValueError: no loss on rank 0", lines[0]
-    assert lines[1].startswith("PeerFailedError: rank 0 failed"), lines[1]
+    assert lines[1].startswith("PeerFailedError: stopped because another rank failed: rank 0: "), lines[1]
     assert lines[1].endswith("rank 0: ValueError: no loss on rank 0"), lines[1]
     assert codes[0] != 0 and codes[1] != 0, codes
 
@@ -215,7 +215,8 @@ def test_the_store_path_in_one_process() -> None:
         with pytest.raises(ZeroDivisionError):  # a later error of its own: the first line stays
             with failures.reported():
                 raise ZeroDivisionError("later")
-        with pytest.raises(PeerFailedError, match=r"rank 0 failed.*rank 0: KeyError: 'bad key'$") as caught:
+        named = r"^stopped because another rank failed: rank 0: KeyError: 'bad key'$"
+        with pytest.raises(PeerFailedError, match=named) as caught:
             with failures.reported():
                 raise gone
         assert caught.value.rank == 0 and caught.value.error == "rank 0: KeyError: 'bad key'"
