@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Box", "lanes", "chrome_trace", "save_chrome_trace", "plot_timeline", "have_matplotlib", "PLOT_INSTALL", "png_skipped", "KIND_COLORS", "KIND_LETTER"]
+__all__ = ["Box", "lanes", "chrome_trace", "save_chrome_trace", "plot_timeline", "have_matplotlib", "PLOT_INSTALL",
+           "png_skipped", "KIND_COLORS", "KIND_LETTER"]
 
 KIND_LETTER = {"forward": "F", "backward": "B", "recompute": "R", "copy": "copy"}
 KIND_COLORS = {"forward": "#4e8fd6", "backward": "#f0a043", "recompute": "#9b6fc3", "copy": "#d62728"}
