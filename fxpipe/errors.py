@@ -7,6 +7,8 @@ fxpipe-aware code can catch the precise type.
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class FxpipeError(Exception):
     """Base class of every error fxpipe raises on purpose."""
@@ -173,6 +175,20 @@ class MetaDeviceError(FxpipeError, RuntimeError):
 class DistributedError(FxpipeError, RuntimeError):
     """A multi-process pipeline (:mod:`fxpipe.distributed`) cannot be built or run as asked:
     the message names the rank, the stage or the value, and what to do."""
+
+
+class PeerFailedError(DistributedError):
+    """Another rank of a distributed pipeline raised, so this rank cannot go on: the message
+    names that rank and its error (``rank R: ErrorType: message``; its traceback is on that
+    rank). ``rank`` and ``error`` hold them (``None`` and ``""`` where unknown)."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, error: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.error = error
+
+    def __reduce__(self) -> tuple:  # pickled whole (torch.multiprocessing, all_gather_object)
+        return (type(self), (str(self), self.rank, self.error))
 
 
 class PlanMismatchError(DistributedError):

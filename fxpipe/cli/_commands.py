@@ -170,7 +170,7 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
     _refuse_nproc_options(ns)
     from ..runtime._devices import set_threads
     from ..runtime._timeline import Recorder
-    from .viz._trace import have_matplotlib, plot_timeline, save_chrome_trace
+    from .viz._trace import have_matplotlib, plot_timeline, png_skipped, save_chrome_trace
 
     devices = _devices(ns)  # a bad --device fails before the model is loaded
     model, args, kwargs = load_model_and_sample(ns)
@@ -206,7 +206,7 @@ def cmd_timeline(ns: argparse.Namespace) -> int:
         plot_timeline(png, rec.spans, names, steps=steps, title=title)
         print(f"wrote {png}")
     else:
-        print(f"not written: {png} (matplotlib is not installed: pip install matplotlib)")
+        print(png_skipped(png))
     return 0
 
 
@@ -239,6 +239,8 @@ def cmd_env(ns: argparse.Namespace) -> int:
 
     import fxpipe
 
+    from .viz._trace import PLOT_INSTALL
+
     rows = [("fxpipe", f"{fxpipe.__version__} ({os.path.dirname(fxpipe.__file__)})"),
             ("python", f"{platform.python_version()} ({sys.executable})"),
             ("platform", platform.platform()),
@@ -256,7 +258,7 @@ def cmd_env(ns: argparse.Namespace) -> int:
                  "not found: `fxpipe render` writes .dot files only (apt-get install graphviz / brew install graphviz)"))
     mpl = _version("matplotlib")
     rows.append(("matplotlib", mpl if mpl != "not installed" else
-                 "not installed: `fxpipe timeline` writes the JSON trace only (pip install matplotlib)"))
+                 f"not installed: `fxpipe timeline` writes the JSON trace only ({PLOT_INSTALL})"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k.ljust(width)}  {v}")

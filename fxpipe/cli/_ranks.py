@@ -36,7 +36,7 @@ def run_timeline(ns: argparse.Namespace) -> Optional[dict]:
     from fxpipe.capture._meta import is_meta_model
     from fxpipe.cli._model_loader import UsageError
     from fxpipe.cli.viz._rank_trace import plot_rank_timeline, save_rank_chrome_trace
-    from fxpipe.cli.viz._trace import have_matplotlib
+    from fxpipe.cli.viz._trace import have_matplotlib, png_skipped
 
     from ..distributed import pipeline
     from ..distributed.trace import bubble_fractions, record
@@ -80,7 +80,7 @@ def run_timeline(ns: argparse.Namespace) -> Optional[dict]:
         plot_rank_timeline(png, trace.spans, trace.stages, title=title, bubbles=bubbles)
         print(f"wrote {png}")
     else:
-        print(f"not written: {png} (matplotlib is not installed: pip install matplotlib)")
+        print(png_skipped(png))
     return {"ok": True, "bubbles": bubbles}
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch.distributed as dist
 
-from fxpipe.errors import DistributedError, PlanMismatchError
+from fxpipe.errors import PeerFailedError, PlanMismatchError
 from fxpipe.plan._value import Plan
 
 __all__ = ["broadcast_plan", "agree_on_stages", "on_every_rank", "code_hash"]
@@ -38,7 +38,7 @@ def broadcast_plan(make: Optional[Callable[[], Plan]], group: dist.ProcessGroup)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     tag, text = box[0]  # type: ignore[misc]
     if tag == "error":
-        raise DistributedError(f"rank 0 could not make the plan, so there is none to run: {text}")
+        raise PeerFailedError(f"rank 0 could not make the plan, so there is none to run: {text}", 0, f"rank 0: {text}")
     return Plan.from_json(text)
 
 
@@ -51,7 +51,7 @@ def on_every_rank(fn: Callable[[], T], group: dist.ProcessGroup, doing: str, adv
 
     When ``fn`` raised on some rank, no rank goes on to a later collective (where it would
     wait for the failed one until the timeout): the failed rank re-raises its own error and
-    every other rank raises :class:`DistributedError` naming it, ``doing`` what, and ``advice``.
+    every other rank raises :class:`PeerFailedError` naming it, ``doing`` what, and ``advice``.
     """
     failure: Optional[BaseException] = None
     try:
@@ -65,14 +65,14 @@ def on_every_rank(fn: Callable[[], T], group: dist.ProcessGroup, doing: str, adv
     failed = [(r, text) for r, (tag, text) in enumerate(every) if tag == "error"]  # type: ignore[misc]
     if failed:
         r, text = failed[0]
-        raise DistributedError(f"rank {r} could not {doing} ({text}); {advice}")
+        raise PeerFailedError(f"rank {r} could not {doing} ({text}); {advice}", r, f"rank {r}: {text}")
     return [value for _, value in every]  # type: ignore[misc]
 
 
 def agree_on_stages(build: Callable[[], Sequence[str]], group: dist.ProcessGroup) -> None:
     """Runs ``build()`` (this rank's checks and emission, returning every stage's code) and
     makes every rank agree on the outcome: a rank whose build raised re-raises its error and
-    every other rank raises :class:`DistributedError` naming it (no rank is left waiting);
+    every other rank raises :class:`PeerFailedError` naming it (no rank is left waiting);
     ranks whose code differs raise :class:`PlanMismatchError` on every rank."""
     every = on_every_rank(lambda: [code_hash(c) for c in build()], group, "build its pipeline",
                           "every rank must build the same model with the same arguments")

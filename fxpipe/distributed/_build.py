@@ -36,6 +36,7 @@ from fxpipe.progress import Progress, ProgressOption, as_progress
 from ._agree import agree_on_stages, broadcast_plan
 from ._carry import carried_plan
 from ._device import DeviceOption, check_one_gpu_per_rank, ensure_process_group, rank_device
+from ._failures import Failures
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._meta import stage_metas
 from ._pipe import DistributedPipeline
@@ -203,16 +204,16 @@ def pipeline(
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
-    check_sample(model, args, kwargs, state_dict=state_dict)
-    args, kwargs = capture_sample(model, (args, kwargs))
-
     options = BuildOptions(n_stages, chunks, None, balance_by, leaf_modules, split_points, plan, progress=report)
     with preserved(model):
-        checked = capture_and_check(model, args, kwargs, options)  # a meta copy of the sample for a meta model
-        checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
-        captured = checked.capture
-        flat = captured.flatten_inputs(args, kwargs)
-        micro = _micro_batch(captured.flatten_inputs(checked.args, checked.kwargs), chunks)
+        with Failures(group, where).agreed("capture and check its model and sample"):  # a bad sample on one rank
+            check_sample(model, args, kwargs, state_dict=state_dict)
+            args, kwargs = capture_sample(model, (args, kwargs))
+            checked = capture_and_check(model, args, kwargs, options)  # a meta copy of the sample for a meta model
+            checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
+            captured = checked.capture
+            flat = captured.flatten_inputs(args, kwargs)
+            micro = _micro_batch(captured.flatten_inputs(checked.args, checked.kwargs), chunks)
 
         # on rank 0; profiled on one micro-batch (fxpipe.plan._make.profiled_inputs)
         agreed = broadcast_plan(lambda: choose_plan(checked, options), group)

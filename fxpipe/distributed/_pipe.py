@@ -5,6 +5,9 @@ sending and the scheduling; this class adds what makes a step exact against eage
 
 * the batch is checked on every rank before anything is sent (:class:`BatchShapeError`):
   the stages exchange fixed-size buffers, and another shape made gloo abort the process;
+  a batch refused on one rank is refused on every rank, which names it (:mod:`._failures`);
+* an error in the middle of a step on one rank (in ``loss_fn``, in a stage) is named by
+  every rank (:class:`~fxpipe.errors.PeerFailedError`, through the store, :mod:`._failures`);
 * the loss is scaled by ``1 / chunks`` and the schedule runs with ``scale_grads=False``
   (torch's ``scale_grads`` divides the whole accumulated ``.grad``, wrong under gradient
   accumulation), so a mean-reduced ``loss_fn`` gives eager's loss and gradients;
@@ -32,6 +35,7 @@ from fxpipe.errors import BatchShapeError, DistributedError, PipelineClosedError
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
 
+from ._failures import Failures
 from ._ties import TiedGradients, parameters_of
 
 __all__ = ["DistributedPipeline"]
@@ -82,6 +86,7 @@ class DistributedPipeline:
         self._ties = ties
         self._groups = groups
         self._closed = False
+        self._failures = Failures(group, device)  # one rank's error named by every rank
         self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)
@@ -153,23 +158,25 @@ class DistributedPipeline:
         every rank at once. Returns the mini-batch loss (a 0-dim tensor, no grad) on every
         rank, and adds this step's gradients to the ``.grad`` of this rank's parameters."""
         self._check_open()
-        tensors = self._inputs(args, kwargs)
-        if not isinstance(target, torch.Tensor) or target.dim() == 0 or (
-                tensors and target.shape[0] != tensors[0].shape[0]):
-            got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
-            raise BatchShapeError(f"target must be a tensor with the batch's {self._sample_shapes[0][0]} samples "
-                                  f"along dim 0 (it is split into {self.chunks} micro-batches), got {got}")
+        with self._failures.agreed("check its batch"):
+            tensors = self._inputs(args, kwargs)
+            if not isinstance(target, torch.Tensor) or target.dim() == 0 or (
+                    tensors and target.shape[0] != tensors[0].shape[0]):
+                got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+                raise BatchShapeError(f"target must be a tensor with the batch's {self._sample_shapes[0][0]} samples "
+                                      f"along dim 0 (it is split into {self.chunks} micro-batches), got {got}")
         losses: list[torch.Tensor] = []
         last = self.n_stages - 1 in self.local
         self._ties.before_step()
-        try:
-            self._schedule.step(*self._sent(tensors), target=target.to(self.device) if last else None,
-                                losses=losses if last else None, return_outputs=False)
-        except BaseException:
-            self._ties.restore()
-            raise
-        self._ties.after_step()
-        return self._broadcast_loss(torch.stack([x.detach() for x in losses]).sum() if last else None)
+        with self._failures.reported():
+            try:
+                self._schedule.step(*self._sent(tensors), target=target.to(self.device) if last else None,
+                                    losses=losses if last else None, return_outputs=False)
+            except BaseException:
+                self._ties.restore()
+                raise
+            self._ties.after_step()
+            return self._broadcast_loss(torch.stack([x.detach() for x in losses]).sum() if last else None)
 
     def _broadcast_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
         """The last stage's loss on every rank: float64 carries any float dtype exactly, the
@@ -185,8 +192,10 @@ class DistributedPipeline:
         """Forward only: the model's outputs (merged over micro-batches along dim 0) on the
         rank of the last stage, ``None`` on the others."""
         self._check_open()
-        tensors = self._inputs(args, kwargs)
-        out = self._forward_only.step(*self._sent(tensors))
+        with self._failures.agreed("check its batch"):
+            tensors = self._inputs(args, kwargs)
+        with self._failures.reported():
+            out = self._forward_only.step(*self._sent(tensors))
         return None if out is None else self._output.structured(out)
 
     def close(self) -> None:

@@ -343,4 +343,4 @@ def test_timeline_without_matplotlib_writes_the_trace_only(model_file, tmp_path,
     assert rc == 0, err
     assert json.loads(out.read_text())["traceEvents"]
     assert not (tmp_path / "trace.png").exists()
-    assert "not written" in stdout and "pip install matplotlib" in stdout
+    assert f"not written: {tmp_path / 'trace.png'} (matplotlib is not installed: pip install 'fxpipe[plot]')" in stdout

@@ -140,6 +140,27 @@ def test_nproc_usage_errors_are_one_line_before_any_process(capsys: pytest.Captu
 
 
 # -- timeline ------------------------------------------------------------------------------------
+def test_timeline_on_ranks_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    """matplotlib is the ``plot`` extra, not a dependency: the ranks write the JSON trace and
+    rank 0 prints the command that installs the extra (it is in pyproject.toml)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [d.split(">")[0] for d in extras["plot"]] == ["matplotlib"]
+    env = _with_sitecustomize(tmp_path, """
+        import sys
+        sys.modules["matplotlib"] = None  # import matplotlib raises ImportError
+    """)
+    out = tmp_path / "trace.json"
+    res = fx("timeline", f"{ZOO}:unet", "--stages", 2, "--nproc", 2, "--chunks", 2, "--steps", 1,
+             "--balance-by", "params", "--timeout", 150, "-o", out, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(out.read_text())["traceEvents"]
+    assert not (tmp_path / "trace.png").exists()
+    png = tmp_path / "trace.png"
+    assert f"not written: {png} (matplotlib is not installed: pip install 'fxpipe[plot]')" in res.stdout, res.stdout
+
+
 def test_timeline_on_two_ranks(tmp_path: Path) -> None:
     """One lane per rank with a forward and a backward span for every micro-batch of every
     stage and step; a rank's spans never overlap; rank 1 forwards micro-batch i only after

@@ -322,7 +322,7 @@ def test_meta_build_refusals_are_typed_and_on_every_rank(two_ranks: list[dict]) 
         assert seen["meta_sample"].startswith("MetaDeviceError") and "real batch" in seen["meta_sample"], seen
     # the rank whose stage needs the key raises MaterialiseError; the other hears of it
     kinds = sorted(res["errors"]["missing_key"].split(":")[0] for res in two_ranks)
-    assert kinds == ["DistributedError", "MaterialiseError"], kinds
+    assert kinds == ["MaterialiseError", "PeerFailedError"], kinds
 
 
 # -- slow: a tiny HF Llama (rotary inv_freq, non-persistent) from a file and from DCP; DCP for
@@ -360,7 +360,7 @@ def test_meta_build_from_every_state_dict_form_and_hf_llama(tmp_path: Path) -> N
     assert sum("lm.model.rotary_emb.inv_freq" in res["llama-file"]["held"]["buffers"] for res in results) == 1
     # a buffer of the user's own model with no init_buffers=: refused by name, on every rank
     refusals = sorted(res["rotary-refused"].split(":")[0] for res in results)
-    assert refusals == ["DistributedError", "MaterialiseError"], refusals
+    assert refusals == ["MaterialiseError", "PeerFailedError"], refusals
     assert all("'inv_freq'" in res["rotary-refused"] and "init_buffers=" in res["rotary-refused"] for res in results)
     _check_trajectory(results, "llama-full", "llama")
     _check_trajectory(results, "llama-file", "llama", full="llama-full")

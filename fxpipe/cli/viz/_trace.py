@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Box", "lanes", "chrome_trace", "save_chrome_trace", "plot_timeline", "have_matplotlib", "KIND_COLORS", "KIND_LETTER"]
+__all__ = ["Box", "lanes", "chrome_trace", "save_chrome_trace", "plot_timeline", "have_matplotlib", "PLOT_INSTALL",
+           "png_skipped", "KIND_COLORS", "KIND_LETTER"]
 
 KIND_LETTER = {"forward": "F", "backward": "B", "recompute": "R", "copy": "copy"}
 KIND_COLORS = {"forward": "#4e8fd6", "backward": "#f0a043", "recompute": "#9b6fc3", "copy": "#d62728"}
@@ -117,13 +118,23 @@ def save_chrome_trace(path: str, spans: Sequence[Any], devices: Sequence[str], *
     return len(trace["traceEvents"])
 
 
+#: the command that installs what PNG timelines need: fxpipe's ``plot`` extra (matplotlib)
+PLOT_INSTALL = "pip install 'fxpipe[plot]'"
+
+
 def have_matplotlib() -> bool:
-    """PNG timelines need matplotlib (a dev extra); without it the commands write the JSON only."""
+    """PNG timelines need matplotlib (the ``plot`` extra, not a dependency: fxpipe runs without
+    it); without it the commands write the JSON only and say how to get the PNG."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def png_skipped(png: str) -> str:
+    """The line ``fxpipe timeline`` (one process or ``--nproc``) prints for a PNG it could not write."""
+    return f"not written: {png} (matplotlib is not installed: {PLOT_INSTALL})"
 
 
 def plot_timeline(path: str, spans: Sequence[Any], devices: Sequence[str], *,

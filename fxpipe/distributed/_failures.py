@@ -1,0 +1,141 @@
+"""One rank's failure, named by every rank: ``rank R: ErrorType: message``.
+
+Without this, when one rank raised, its peers printed only gloo's "Connection closed by peer"
+and only torchrun's summary said which rank had failed. A rank fails in one of two places,
+and its peers hear of it in one of two ways:
+
+* **Before anything is sent** (the checks of a batch in ``step``/``eval_step``, the capture
+  of the sample at build): every rank runs its checks, then the ranks agree on the outcome
+  (:meth:`Failures.agreed`) -- one all-reduce of a flag per rank (a few bytes per call), and
+  only when a flag is set, the failed ranks' one-line errors gathered. The failed rank
+  re-raises its own error, every other rank raises :class:`~fxpipe.errors.PeerFailedError`
+  naming it. Nothing was sent and no rank is left waiting, so the pipeline can still be used
+  (a batch refused on rank 0 alone refuses that step everywhere).
+* **In the middle of a step** (an error in ``loss_fn``, in a stage, on one rank): its peers
+  are waiting inside torch's transfers for it and cannot be told through them. The failing
+  rank writes its line into the store of the default process group (the first line written
+  stays) and re-raises (:meth:`Failures.reported`). When its process ends, its connections
+  close and its peers' transfers fail within moments; each reads the line and raises
+  ``PeerFailedError`` with it, ending in turn the ranks waiting on it, which read the same
+  line. The exit stays bounded as before (gloo fails a closed connection at once, a stuck
+  rank after ``timeout``).
+
+The store is the rendezvous's. Under torchrun its agent holds it, and it outlives any rank.
+Under ``init_process_group(init_method='tcp://...')`` (or ``env://`` outside torchrun) rank 0
+holds it, and it ends with rank 0's process: when rank 0 fails in the middle of a step, a peer
+reads its line if the store still answers (it did in the tests: the connections close first)
+and otherwise raises ``PeerFailedError`` saying that the store went with its host, rank 0.
+The failures before anything is sent need no store.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import PeerFailedError
+
+__all__ = ["Failures", "failure_line"]
+
+#: the longest error message carried to the other ranks (one line of a terminal log)
+_MAX_CHARS = 2000
+#: what torch's transfers raise when a peer is gone or late (gloo raises plain RuntimeErrors)
+_TRANSPORT = re.compile(r"gloo|nccl|connection (closed|reset)|timed out|broken pipe", re.IGNORECASE)
+
+
+def failure_line(rank: int, error: BaseException) -> str:
+    """``rank R: ErrorType: message``, the message's lines joined into one."""
+    text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+    if len(text) > _MAX_CHARS:
+        text = text[:_MAX_CHARS] + " ..."
+    return f"rank {rank}: {type(error).__name__}: {text}" if text else f"rank {rank}: {type(error).__name__}"
+
+
+def _from_transport(error: BaseException) -> bool:
+    """True for an error of torch's collectives and transfers (a peer gone, a timeout), False
+    for one raised by this rank's own work."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and bool(_TRANSPORT.search(str(error).split("\n", 1)[0]))
+
+
+class Failures:
+    """The failure reporting of one pipeline's process group (both ways, see the module)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device = torch.device("cpu")) -> None:
+        self.group = group
+        self.device = device  # where the flags of :meth:`agreed` live: the group's backend must accept it
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        # one key per pipeline: its group's name is unique in the job and the same on every rank
+        self.key = f"fxpipe/failure/{group.group_name}"
+
+    @contextmanager
+    def agreed(self, doing: str) -> Iterator[None]:
+        """Runs the block (this rank's checks, which send nothing), then makes every rank agree
+        on its outcome: when the block raised on some ranks, each of those re-raises its own
+        error and every other rank raises ``PeerFailedError`` naming the first of them and its
+        error. ``doing`` says what failed (``"check its batch"``)."""
+        failure: Optional[Exception] = None
+        try:
+            yield
+        except Exception as e:  # told to every rank below, then re-raised here
+            failure = e
+        with self.reported():  # a peer gone before it could agree
+            flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+            flags[self.rank] = failure is not None
+            dist.all_reduce(flags, group=self.group)
+            failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+            if not failed:
+                return
+            lines: list[Optional[str]] = [None] * self.world_size
+            mine = failure_line(self.rank, failure) if failure is not None else None
+            dist.all_gather_object(lines, mine, group=self.group)
+        if failure is not None:
+            raise failure
+        rank, line = failed[0], lines[failed[0]] or f"rank {failed[0]}: (no message)"
+        raise PeerFailedError(f"rank {rank} could not {doing}, so no rank runs this call: {line}", rank, line)
+
+    @contextmanager
+    def reported(self) -> Iterator[None]:
+        """The block sends and receives: an error of this rank's own is written to the store
+        (the first written stays) and re-raised; an error of a transfer (a peer gone) is
+        replaced by ``PeerFailedError`` naming the rank that failed first and its error."""
+        try:
+            yield
+        except PeerFailedError:
+            raise
+        except Exception as e:
+            if not _from_transport(e):
+                self._write(failure_line(self.rank, e))
+                raise
+            try:
+                line = self._read()
+            except Exception:  # noqa: BLE001 - the store went away with its host
+                raise PeerFailedError(
+                    f"rank {self.rank}: a transfer with another rank failed ({failure_line(self.rank, e)}), and the "
+                    "store that holds the failing rank's error cannot be reached: its host ended (rank 0, unless "
+                    "torchrun holds the store). See rank 0's error.") from e
+            if line is None:  # no rank wrote first: this rank is the first to see the failure (a stuck peer)
+                self._write(failure_line(self.rank, e))
+                raise
+            rank = int(line.split(":", 1)[0].split()[-1])
+            raise PeerFailedError(f"stopped because another rank failed: {line}", rank, line) from e
+
+    def _write(self, line: str) -> None:
+        """The first line written for this pipeline stays; a store that cannot be reached is
+        ignored (the rank's own error is what it raises)."""
+        try:
+            dist.distributed_c10d._get_default_store().compare_set(self.key, "", line)
+        except Exception:  # noqa: BLE001 - never hide the rank's own error behind the store's
+            pass
+
+    def _read(self) -> Optional[str]:
+        store = dist.distributed_c10d._get_default_store()
+        if not store.check([self.key]):
+            return None
+        return store.get(self.key).decode("utf-8", "replace")

@@ -1,0 +1,232 @@
+"""One rank's failure named on every rank (fxpipe.distributed._failures), gloo ranks on 127.0.0.1.
+
+Each rank writes what it raised (``Type: message``) to ``rank{r}.<what>.txt`` and the parent
+checks every rank's line: the failing rank's own error, the others' ``PeerFailedError``
+naming it. The parent bounds every spawn (no rank may be left waiting), without timing
+anything else.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_harness import SPAWN_SECONDS, environment, free_port
+from dist_models import case
+
+
+def _record(out: str, rank: int, what: str, e: BaseException) -> None:
+    Path(out, f"rank{rank}.{what}.txt").write_text(f"{type(e).__name__}: {e}")
+
+
+def _read(tmp: Path, world: int, what: str) -> list[str]:
+    return [(tmp / f"rank{r}.{what}.txt").read_text() for r in range(world)]
+
+
+def _run(fn: Any, world: int, args: tuple, tmp: Path, port: int = 0) -> list[int]:
+    """``fn(rank, world, port, *args, str(tmp))`` on ``world`` spawned ranks; their exit codes.
+    Fails if any rank is still running after ``SPAWN_SECONDS`` (a rank left waiting)."""
+    import torch.multiprocessing as mp
+
+    environment()
+    ctx = mp.get_context("spawn")
+    port = port or free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, *args, str(tmp))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + SPAWN_SECONDS
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} still running after {SPAWN_SECONDS} s"
+    return [p.exitcode for p in procs]  # type: ignore[misc]
+
+
+def _three_rank_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A bad sample at build and a bad batch at step on rank 0 only (refused on every rank
+    before anything is sent; the pipeline still runs), then an error in the last rank's
+    ``loss_fn`` in the middle of a step (every rank ends, naming it)."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    try:  # rank 0's sample has 7 samples: not a multiple of chunks=2
+        fpd.pipeline(model, x[:7] if rank == 0 else x, chunks=2, loss_fn=loss_fn, timeout=60)
+    except Exception as e:
+        _record(out, rank, "build", e)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
+    try:  # rank 0's batch has 6 samples, the sample 8
+        pipe.step(x[:6] if rank == 0 else x, target=y[:6] if rank == 0 else y)
+    except Exception as e:
+        _record(out, rank, "step", e)
+    try:  # rank 1's target has no batch dimension (it checks the target too, though only the last rank uses it)
+        pipe.step(x, target=y.sum() if rank == 1 else y)
+    except Exception as e:
+        _record(out, rank, "target", e)
+    Path(out, f"rank{rank}.after.txt").write_text(repr(pipe.step(x, target=y).item()))  # still runs
+    pipe.close()
+
+    def failing(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in loss_fn")
+
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=failing, timeout=60)
+    try:
+        pipe.step(x, target=y)
+    except BaseException as e:
+        _record(out, rank, "midstep", e)
+        raise  # ends this process: its peers waiting on it hear of it
+
+
+def test_every_rank_names_the_failing_rank_and_its_error(tmp_path: Path) -> None:
+    codes = _run(_three_rank_worker, 3, (), tmp_path)
+    build = _read(tmp_path, 3, "build")
+    assert build[0].startswith("BatchShapeError: ") and "[(7, 8)]" in build[0], build[0]
+    for line in build[1:]:  # rank 0's own error, in one line, on the others
+        assert line.startswith("PeerFailedError: rank 0 could not capture and check its model and sample"), line
+        assert "rank 0: BatchShapeError: " in line and "[(7, 8)]" in line, line
+
+    step = _read(tmp_path, 3, "step")
+    assert step[0].startswith("BatchShapeError: input tensor 0 has shape (6, 8)"), step[0]
+    for line in step[1:]:
+        assert line.startswith("PeerFailedError: rank 0 could not check its batch"), line
+        assert "rank 0: BatchShapeError: input tensor 0 has shape (6, 8)" in line, line
+    target = _read(tmp_path, 3, "target")
+    assert target[1].startswith("BatchShapeError: target must be a tensor"), target[1]
+    assert all(line.startswith("PeerFailedError: rank 1 could not check its batch") and
+               "rank 1: BatchShapeError: target must be a tensor" in line for line in (target[0], target[2])), target
+    after = _read(tmp_path, 3, "after")  # refused calls send nothing: the pipeline still runs, on every rank
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    assert len(set(after)) == 1 and float(after[0]) == pytest.approx(loss_fn(model(x), y).item(), rel=1e-5)
+
+    midstep = _read(tmp_path, 3, "midstep")
+    assert midstep[2] == "RuntimeError: boom in loss_fn", midstep[2]
+    for line in midstep[:2]:  # rank 1 hears from rank 2's closed connection, rank 0 from rank 1's
+        assert line.startswith("PeerFailedError: stopped because another rank failed: rank 2: "), line
+        assert line.endswith("rank 2: RuntimeError: boom in loss_fn"), line
+    assert all(c != 0 for c in codes), codes
+
+
+def _rank0_worker(rank: int, world: int, port: int, store_host: str, out: str) -> None:
+    """zbv on 2 ranks puts the last stage, and so ``loss_fn``, on rank 0, which raises in the
+    middle of the first step. The store is held by the parent (as torchrun's agent holds it)
+    or by rank 0 (``tcp://``)."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    if store_host == "parent":
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, options = case("gpt", 4)
+
+    def failing(output: Any, target: torch.Tensor) -> torch.Tensor:
+        raise ValueError("no loss on rank 0")
+
+    pipe = fpd.pipeline(model, x, chunks=4, loss_fn=failing, schedule="zbv", stages_per_rank=2, timeout=60,
+                        **options)
+    assert pipe.local == ([0, 3] if rank == 0 else [1, 2])  # the last stage, and loss_fn, on rank 0
+    try:
+        pipe.step(x, target=y)
+    except BaseException as e:
+        _record(out, rank, "midstep", e)
+        raise
+
+
+def _run_with_store(world: int, store_host: str, tmp: Path) -> list[int]:
+    if store_host != "parent":
+        return _run(_rank0_worker, world, (store_host,), tmp)
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
+    codes = _run(_rank0_worker, world, (store_host,), tmp, port)
+    del store  # held by this process until every rank ended, as torchrun's agent holds it
+    return codes
+
+
+def test_rank_0_failing_mid_step_is_named_when_the_store_outlives_it(tmp_path: Path) -> None:
+    """Under torchrun the agent holds the store, so rank 0's line is read after it ended."""
+    codes = _run_with_store(2, "parent", tmp_path)
+    lines = _read(tmp_path, 2, "midstep")
+    assert lines[0] == "ValueError: no loss on rank 0", lines[0]
+    assert lines[1].startswith("PeerFailedError: stopped because another rank failed: rank 0: "), lines[1]
+    assert lines[1].endswith("rank 0: ValueError: no loss on rank 0"), lines[1]
+    assert codes[0] != 0 and codes[1] != 0, codes
+
+
+@pytest.mark.slow
+def test_rank_0_holding_the_store_and_failing_mid_step_is_still_named(tmp_path: Path) -> None:
+    """With ``init_method='tcp://'`` the store ends with rank 0's process. Its peer reads the
+    line if the store is still up when the connection closes (it was, here), and otherwise
+    says the store went with its host: either way a PeerFailedError naming rank 0."""
+    codes = _run_with_store(2, "rank0", tmp_path)
+    lines = _read(tmp_path, 2, "midstep")
+    assert lines[0] == "ValueError: no loss on rank 0", lines[0]
+    assert lines[1].startswith("PeerFailedError: "), lines[1]
+    read = lines[1].endswith("rank 0: ValueError: no loss on rank 0")
+    gone = "cannot be reached: its host ended (rank 0" in lines[1]
+    assert read or gone, lines[1]
+    assert codes[0] != 0 and codes[1] != 0, codes
+
+
+def test_the_store_path_in_one_process() -> None:
+    """In one process (world size 1): a rank's own error is written as one line and re-raised
+    as it was; a transfer error then reads that line (the first written stays) and becomes a
+    PeerFailedError naming its rank; a transfer error with no line written is this rank's own."""
+    import torch.distributed as dist
+
+    from fxpipe.distributed._failures import Failures, failure_line
+    from fxpipe.errors import DistributedError, PeerFailedError
+
+    assert failure_line(3, ValueError("a\n  b\n")) == "rank 3: ValueError: a b"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        group = dist.new_group([0])
+        failures = Failures(group)
+        gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+        with pytest.raises(RuntimeError, match="Connection closed") as raw:  # nobody failed first
+            with failures.reported():
+                raise gone
+        assert raw.type is RuntimeError
+        store = dist.distributed_c10d._get_default_store()
+        assert store.get(failures.key).decode().startswith("rank 0: RuntimeError: [../gloo")
+        store.delete_key(failures.key)
+        with pytest.raises(KeyError):
+            with failures.reported():
+                raise KeyError("bad key")
+        with pytest.raises(ZeroDivisionError):  # a later error of its own: the first line stays
+            with failures.reported():
+                raise ZeroDivisionError("later")
+        named = r"^stopped because another rank failed: rank 0: KeyError: 'bad key'$"
+        with pytest.raises(PeerFailedError, match=named) as caught:
+            with failures.reported():
+                raise gone
+        assert caught.value.rank == 0 and caught.value.error == "rank 0: KeyError: 'bad key'"
+        assert caught.value.__cause__ is gone and isinstance(caught.value, DistributedError)
+        again = pickle.loads(pickle.dumps(caught.value))  # as torch.multiprocessing carries it
+        assert (str(again), again.rank, again.error) == (str(caught.value), 0, caught.value.error)
+        with failures.agreed("check its batch"):  # nothing failed: nothing raised
+            pass
+        with pytest.raises(ValueError, match="own"):  # the failed rank re-raises its own error
+            with failures.agreed("check its batch"):
+                raise ValueError("own")
+    finally:
+        dist.destroy_process_group()
