@@ -142,7 +142,8 @@ def _hf_gpt2() -> nn.Module:
 
 def case(name: str, chunks: int = 1) -> tuple[nn.Module, Any, torch.Tensor, Any, dict]:
     """(model, x, y, loss_fn, pipeline options): the same on every rank and in the parent.
-    The batch is the smallest multiple of ``chunks`` not below the model's usual size."""
+    The batch is the smallest multiple of ``chunks`` not below the model's usual size (the
+    U-Net's: of two samples per micro-batch at least)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
 
@@ -156,8 +157,8 @@ def case(name: str, chunks: int = 1) -> tuple[nn.Module, Any, torch.Tensor, Any,
     if kind == "mlp":
         n = batch(8)
         return MLP(), torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g), F.mse_loss, {}
-    if kind == "unet":
-        n = batch(4)
+    if kind == "unet":  # two samples per micro-batch at least: a cat's input gradient is then strided
+        n = max(batch(4), 2 * chunks)
         model, (x,), _ = zoo.unet(batch=n)
         return model, x, torch.randn(n, 2, 16, 16, generator=g), F.mse_loss, {}
     if kind == "gpt":

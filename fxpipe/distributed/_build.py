@@ -38,7 +38,7 @@ from ._meta import stage_metas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
 from ._sources import StateDictSource
-from ._split_backward import input_pass
+from ._split_backward import backward_pass
 from ._ties import TiedGradients
 from ._values import StageRunner
 
@@ -58,12 +58,11 @@ class CheckpointedStage(PipelineStage):
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        """Zero bubble's input-gradient pass made exact for every parameter (:mod:`._split_backward`)."""
+        """Zero bubble's input-gradient pass made exact for every parameter, and the input
+        gradients sent contiguous (:mod:`._split_backward`)."""
         run = super().backward_maybe_with_nosync
-        if backward_type != "input":
-            return run(backward_type, bwd_kwargs, last_backward)
-        return input_pass(bwd_kwargs, list(self.submod.parameters()),
-                          lambda: run(backward_type, bwd_kwargs, last_backward))
+        return backward_pass(backward_type, bwd_kwargs, list(self.submod.parameters()),
+                             lambda: run(backward_type, bwd_kwargs, last_backward))
 
 
 def check_on_cpu(backend: str, model: nn.Module, sample: Any = ()) -> None:
