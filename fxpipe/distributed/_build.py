@@ -54,7 +54,7 @@ class CheckpointedStage(PipelineStage):
     checkpoint the chosen ones, and whose zero-bubble input pass misses no weight gradient."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self.submod.micro_batch = fwd_chunk_id
+        self.submod.micro_batch, self.submod.index = fwd_chunk_id, self.stage_index
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
@@ -160,9 +160,9 @@ def pipeline(
             ``'time'`` times one micro-batch of the sample, the unit every stage runs.
         checkpoint: ``'except_last'`` (default), ``'always'`` or ``'never'``, as for
             :func:`fxpipe.pipeline`: each checkpointed micro-batch's stage forward keeps no
-            activations and is recomputed in its backward (``torch.utils.checkpoint``,
-            non-reentrant, RNG and autocast state restored: dropout masks match), on every stage;
-            under the zero-bubble schedules it is recomputed in both backward passes.
+            activations and is recomputed once in its backward (RNG and autocast state and
+            buffers restored: dropout masks match), on every stage; under the zero-bubble
+            schedules both backward passes use that one recomputation (:mod:`._recompute`).
         timeout: seconds any rank waits for its peers before the job fails (no hang).
         state_dict: the weights, read by each rank for its own stages only: a mapping, the path
             of a ``torch.save`` file (memory-mapped), the path of a ``torch.distributed.checkpoint``
