@@ -62,6 +62,7 @@ SLOW_CASES_2 = {
        for s, spec in (("interleaved1f1b", ("interleaved1f1b", 2, 4)), ("zbv", ("zbv", 2, 4)),
                        ("interleavedzb", ("interleavedzb", 2, 4)))},
     "unet-gpipe-x2": ("gpipe", 2, 2),
+    "unet-gpipe": ("gpipe", 1, 2),
     "unet-1f1b": ("1f1b", 1, 2),
     "unet-1f1b-always": ("1f1b", 1, 2),
     "gpt-zbv-x2-always": ("zbv", 2, 4),
