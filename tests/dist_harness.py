@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import zoo
-from dist_models import Mixer, Scaled, case
+from dist_models import CountedMLP, Mixer, Scaled, case
 from exact import BF16, Tol, assert_close_scaled, assert_same, largest
 from fxpipe.distributed._launch import free_port
 from fxpipe.distributed._schedules import rank_of_stage, stages_of_rank
@@ -69,6 +69,10 @@ def runcase(fpd: Any, name: str, spec: tuple, rank: int, recomputed: list[int], 
         opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=MOMENTUM)
         torch.manual_seed(100 + rank)  # dropout masks: the same in every checkpoint mode
         recomputed[0] = 0
+        counted = {f"stage {k} {n}": m for k in pipe.local for n, m in pipe.stages[k].named_modules()
+                   if hasattr(m, "runs")}  # dist_models.Counted: forward runs of this rank's layers
+        for m in counted.values():
+            m.runs = 0  # the build ran them too
         losses, grads, params = [], [], []
         for step in TRAJECTORY:
             for b in step:  # no zero_grad in between: accumulation
@@ -79,6 +83,7 @@ def runcase(fpd: Any, name: str, spec: tuple, rank: int, recomputed: list[int], 
             opt.zero_grad()
             params.append({n: p.detach().to("cpu", copy=True) for n, p in pipe.named_parameters()})
         checkpointed = recomputed[0]
+        runs = {n: m.runs for n, m in counted.items()}
         out_eval = pipe.eval_step(x)
     checkpointed_in_eval = recomputed[0] - checkpointed
     cut = pytree.tree_map(lambda t: t[:-1] if isinstance(t, torch.Tensor) else t, x)
@@ -89,7 +94,7 @@ def runcase(fpd: Any, name: str, spec: tuple, rank: int, recomputed: list[int], 
     except Exception as e:
         refused = f"{type(e).__name__}: {e}"
     result = {"losses": losses, "grads": grads, "params": params, "eval": to_cpu(out_eval), "refused": refused,
-              "local": pipe.local, "placement": pipe.placement, "checkpointed": checkpointed,
+              "local": pipe.local, "placement": pipe.placement, "checkpointed": checkpointed, "runs": runs,
               "checkpointed_in_eval": checkpointed_in_eval, "names": [n for n, _ in pipe.named_parameters()]}
     pipe.close()
     return result
@@ -168,20 +173,24 @@ def devices(fpd: Any) -> dict:
     return results
 
 
+def counting(original: Any, counter: list[int]) -> Any:
+    """``original`` (``StageCheckpoint.__call__``: one checkpointed micro-batch forward) counted."""
+
+    def call(self: Any, *a: Any) -> Any:
+        counter[0] += 1
+        return original(self, *a)
+
+    return call
+
+
 def worker(rank: int, world: int, port: int, cases: dict, extras: dict, out: str) -> None:
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
-    import fxpipe.distributed._values as values
+    import fxpipe.distributed._recompute as recompute
 
-    recomputed = [0]  # micro-batch forwards run under torch.utils.checkpoint on this rank
-    original = values.checkpoint
-
-    def counting(*a: Any, **k: Any) -> Any:
-        recomputed[0] += 1
-        return original(*a, **k)
-
-    values.checkpoint = counting
+    recomputed = [0]  # micro-batch forwards run under checkpointing on this rank
+    recompute.StageCheckpoint.__call__ = counting(recompute.StageCheckpoint.__call__, recomputed)
     torch.set_num_threads(1)
     if extras.get("torchrun"):  # torchrun's environment, no group: fxpipe.distributed starts it
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -202,6 +211,24 @@ def worker(rank: int, world: int, port: int, cases: dict, extras: dict, out: str
         results.update(devices(fpd))
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def in_process(cases: dict, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The cases on world size 1, in this process: every stage on rank 0 (stages on one rank
+    pass values by a call, nothing is sent). As :func:`spawn` returns them."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    import fxpipe.distributed._recompute as recompute
+
+    recomputed = [0]
+    monkeypatch.setattr(recompute.StageCheckpoint, "__call__", counting(recompute.StageCheckpoint.__call__, recomputed))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        return [{name: runcase(fpd, name, spec, 0, recomputed) for name, spec in cases.items()}]
+    finally:
+        dist.destroy_process_group()
 
 
 def environment() -> None:
@@ -278,8 +305,13 @@ def check(results: list[dict], cases: dict, device: str = "cpu") -> None:
             assert r["local"] == stages_of_rank(schedule, world, per_rank, rank), (name, rank, r["local"])
             want = {"always": chunks, "except_last": chunks - 1, "never": 0}[mode(name)]
             assert r["checkpointed"] == steps * want * per_rank, (name, r["checkpointed"])
+            # every layer runs once per micro-batch, and once more per checkpointed one (recomputed
+            # once for all its backward passes, also under zero bubble)
+            assert r["runs"] == {n: steps * (chunks + want) for n in r["runs"]}, (name, rank, r["runs"])
             assert r["checkpointed_in_eval"] == 0, name
             assert "shape" in r["refused"] and "micro-batches" in r["refused"], (name, r["refused"])
+        if name.startswith("counted"):  # each of its layers ran on one rank
+            assert sum(len(res[name]["runs"]) for res in results) == len(CountedMLP().layers), name
         if name.startswith("drop"):
             continue  # dropout: see check_same
         eager = eager_run(name, chunks, device)

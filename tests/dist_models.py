@@ -104,6 +104,34 @@ class ParamPaths(nn.Module):
         return self.e(h) + t
 
 
+class Counted(nn.Linear):
+    """A linear layer counting its forward runs. Kept a leaf (``leaf_modules=[Counted]``), so
+    its forward runs in the stage: once per micro-batch, and once more when recomputed."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n)
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return super().forward(x)
+
+
+class CountedMLP(nn.Module):
+    """Eight counted layers: two per stage of four, hence two parameter groups per stage for
+    zero bubble's weight pass (each group an ``autograd.grad`` of its own), and a ``cat``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Counted(8) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(x))
+            x = torch.cat([h[:, :4], x[:, 4:]], 1) if i % 2 else h
+        return x
+
+
 class CenterInTraining(nn.Module):
     """Mixes the samples of a batch in training only: the micro-batch check refuses it."""
 
@@ -142,7 +170,8 @@ def _hf_gpt2() -> nn.Module:
 
 def case(name: str, chunks: int = 1) -> tuple[nn.Module, Any, torch.Tensor, Any, dict]:
     """(model, x, y, loss_fn, pipeline options): the same on every rank and in the parent.
-    The batch is the smallest multiple of ``chunks`` not below the model's usual size."""
+    The batch is the smallest multiple of ``chunks`` not below the model's usual size (the
+    U-Net's: of two samples per micro-batch at least)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
 
@@ -156,8 +185,8 @@ def case(name: str, chunks: int = 1) -> tuple[nn.Module, Any, torch.Tensor, Any,
     if kind == "mlp":
         n = batch(8)
         return MLP(), torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g), F.mse_loss, {}
-    if kind == "unet":
-        n = batch(4)
+    if kind == "unet":  # two samples per micro-batch at least: a cat's input gradient is then strided
+        n = max(batch(4), 2 * chunks)
         model, (x,), _ = zoo.unet(batch=n)
         return model, x, torch.randn(n, 2, 16, 16, generator=g), F.mse_loss, {}
     if kind == "gpt":
@@ -177,6 +206,10 @@ def case(name: str, chunks: int = 1) -> tuple[nn.Module, Any, torch.Tensor, Any,
         n = batch(4)
         return (ParamPaths(), torch.randn(n, 4, generator=g), torch.randn(n, 4, generator=g), F.mse_loss,
                 {"split_points": ["a", "b", "c", "d", "e"]})
+    if kind == "counted":
+        n = batch(8)
+        return (CountedMLP(), torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g), F.mse_loss,
+                {"leaf_modules": [Counted]})
     if kind == "hf":
         from hf_families import SEQ, VOCAB
 

@@ -42,7 +42,7 @@ from ._meta import stage_metas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
 from ._sources import StateDictSource
-from ._split_backward import input_pass
+from ._split_backward import backward_pass
 from ._ties import TiedGradients
 from ._values import StageRunner
 
@@ -58,16 +58,15 @@ class CheckpointedStage(PipelineStage):
     checkpoint the chosen ones, and whose zero-bubble input pass misses no weight gradient."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self.submod.micro_batch = fwd_chunk_id
+        self.submod.micro_batch, self.submod.index = fwd_chunk_id, self.stage_index
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        """Zero bubble's input-gradient pass made exact for every parameter (:mod:`._split_backward`)."""
+        """Zero bubble's input-gradient pass made exact for every parameter, and the input
+        gradients sent contiguous (:mod:`._split_backward`)."""
         run = super().backward_maybe_with_nosync
-        if backward_type != "input":
-            return run(backward_type, bwd_kwargs, last_backward)
-        return input_pass(bwd_kwargs, list(self.submod.parameters()),
-                          lambda: run(backward_type, bwd_kwargs, last_backward))
+        return backward_pass(backward_type, bwd_kwargs, list(self.submod.parameters()),
+                             lambda: run(backward_type, bwd_kwargs, last_backward))
 
 
 def capture_sample(model: nn.Module, sample: Any) -> Any:
@@ -163,9 +162,9 @@ def pipeline(
             ``'time'`` times one micro-batch of the sample, the unit every stage runs.
         checkpoint: ``'except_last'`` (default), ``'always'`` or ``'never'``, as for
             :func:`fxpipe.pipeline`: each checkpointed micro-batch's stage forward keeps no
-            activations and is recomputed in its backward (``torch.utils.checkpoint``,
-            non-reentrant, RNG and autocast state restored: dropout masks match), on every stage;
-            under the zero-bubble schedules it is recomputed in both backward passes.
+            activations and is recomputed once in its backward (RNG and autocast state and
+            buffers restored: dropout masks match), on every stage; under the zero-bubble
+            schedules both backward passes use that one recomputation (:mod:`._recompute`).
         timeout: seconds any rank waits for its peers before the job fails (no hang).
         state_dict: the weights, read by each rank for its own stages only: a mapping, the path
             of a ``torch.save`` file (memory-mapped), the path of a ``torch.distributed.checkpoint``

@@ -23,9 +23,9 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleI
                                           ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from fxpipe.errors import DistributedError
+from fxpipe.errors import ArgumentError, DistributedError
 
-__all__ = ["Schedule", "SCHEDULES", "rank_of_stage", "stages_of_rank", "check_schedule", "make_schedules",
+__all__ = ["Schedule", "SCHEDULES", "rank_of_stage", "stages_of_rank", "rounds", "check_schedule", "make_schedules",
            "PlacedLoopedBFS"]
 
 
@@ -71,28 +71,60 @@ def stages_of_rank(schedule: str, world: int, stages_per_rank: int, rank: int) -
     return [k for k, r in enumerate(rank_of_stage(schedule, world, stages_per_rank)) if r == rank]
 
 
+#: the schedules whose torch class runs the micro-batches in rounds (see :func:`rounds`)
+_IN_ROUNDS = ("interleaved1f1b", "interleavedzb")
+
+
+def rounds(chunks: int, world: int) -> int:
+    """The rounds torch's interleaved schedules split ``chunks`` micro-batches into
+    (``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``): ``chunks`` must be a
+    multiple of it."""
+    return max(1, chunks // world)
+
+
+def _interleaved_chunks(chunks: int, world: int) -> list[int]:
+    """The nearest numbers of micro-batches below and above ``chunks`` the interleaved schedules run."""
+    fits = [c for c in range(1, 2 * chunks + world) if c % rounds(c, world) == 0]
+    below = [c for c in fits if c < chunks][-1:]
+    above = [c for c in fits if c > chunks][:1]
+    return below + above
+
+
 def check_schedule(schedule: str, stages_per_rank: int, chunks: int, world: int) -> None:
-    """``ValueError`` naming the argument for a schedule that cannot run this layout."""
+    """:class:`~fxpipe.errors.ArgumentError` naming the argument for a schedule that cannot run
+    this layout, by torch's own rules (torch.distributed.pipelining.schedules, 2.13):
+    ``1f1b`` (``Schedule1F1B``) needs ``chunks >= world_size``; the interleaved schedules need
+    ``chunks`` to be a multiple of their number of rounds, ``max(1, chunks // world_size)``;
+    gpipe (GPipe, LoopedBFS) and zbv run any number (zbv with fewer micro-batches than stages
+    drops the actions of the missing ones; exact, tested)."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+        raise ArgumentError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}",
+                            argument="schedule")
     if not isinstance(stages_per_rank, int) or isinstance(stages_per_rank, bool) or stages_per_rank < 1:
-        raise ValueError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}")
+        raise ArgumentError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}",
+                            argument="stages_per_rank")
     chosen = SCHEDULES[schedule]
     if chosen.exactly is not None and stages_per_rank != chosen.exactly:
-        raise ValueError(f"schedule {schedule!r} runs exactly {chosen.exactly} stages per rank (a V: rank r holds "
-                         f"stages r and 2 * world_size - 1 - r); got stages_per_rank={stages_per_rank}")
+        raise ArgumentError(f"schedule {schedule!r} runs exactly {chosen.exactly} stages per rank (a V: rank r "
+                            f"holds stages r and 2 * world_size - 1 - r); got stages_per_rank={stages_per_rank}",
+                            argument="stages_per_rank")
     if chosen.torch_class(stages_per_rank) is None:
         which = "one stage per rank" if stages_per_rank == 1 else "several stages per rank"
         fits = [s.name for s in SCHEDULES.values()
                 if s.torch_class(stages_per_rank) is not None and s.exactly in (None, stages_per_rank)]
-        raise ValueError(f"schedule {schedule!r} does not run {which} (stages_per_rank={stages_per_rank}); "
-                         f"use one of {fits}")
-    if schedule != "gpipe" and chunks < world * stages_per_rank:
-        raise ValueError(f"schedule {schedule!r} needs chunks >= the number of stages ({world * stages_per_rank}); "
-                         f"got chunks={chunks}: raise chunks, or use schedule='gpipe'")
-    if schedule == "interleavedzb" and chunks % world:
-        raise ValueError(f"schedule 'interleavedzb' needs chunks to be a multiple of the world size ({world}); "
-                         f"got chunks={chunks}")
+        raise ArgumentError(f"schedule {schedule!r} does not run {which} (stages_per_rank={stages_per_rank}); "
+                            f"use one of {fits}", argument="schedule")
+    if schedule == "1f1b" and chunks < world:
+        raise ArgumentError(f"schedule '1f1b' needs chunks >= the number of stages ({world}), as torch's "
+                            f"Schedule1F1B does; got chunks={chunks}: raise chunks, or use schedule='gpipe'",
+                            argument="chunks")
+    if schedule in _IN_ROUNDS and chunks % rounds(chunks, world):
+        raise ArgumentError(
+            f"schedule {schedule!r} runs the micro-batches in rounds of about world_size ({world}) and needs chunks "
+            f"to be a multiple of its number of rounds, max(1, chunks // world_size) = {rounds(chunks, world)}, as "
+            f"torch's interleaved schedules do; got chunks={chunks}: use chunks="
+            f"{' or '.join(map(str, _interleaved_chunks(chunks, world)))}, or schedule='gpipe' or 'zbv'",
+            argument="chunks")
 
 
 class PlacedLoopedBFS(ScheduleLoopedBFS):

@@ -14,6 +14,12 @@ runs; when there is one, it computes all of that stage's weight gradients right 
 more backward over the retained graph), leaving W nothing to do for this micro-batch. Stages
 without one keep torch's split unchanged. The first stage is not concerned: torch runs its
 whole backward in W.
+
+:func:`backward_pass` runs every backward pass of a stage (full, input, weight) and makes the
+input gradients it returns contiguous: torch sends them as they come, and the input-gradient
+pass returns ``autograd.grad``'s raw results -- the gradient of an input read by ``torch.cat``
+is a strided slice of the ``cat`` gradient, which gloo refuses ("input tensor has to be
+contiguous"; the U-Net with multi-sample micro-batches under ``zbv``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch.autograd.graph import Node, get_gradient_edge
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
                                                     reverse_closure)
 
-__all__ = ["input_pass", "missed_parameters"]
+__all__ = ["backward_pass", "input_pass", "missed_parameters"]
 
 
 def missed_parameters(outputs: Sequence[torch.Tensor], inputs: Sequence[Any],
@@ -79,3 +85,14 @@ def input_pass(bwd_kwargs: dict, params: Sequence[nn.Parameter],
         else:
             p.grad += g
     return grads_input, []
+
+
+def backward_pass(backward_type: str, bwd_kwargs: dict, params: Sequence[nn.Parameter],
+                  run: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """torch's backward pass ``run()`` of type ``backward_type`` ('full', 'input' or 'weight'),
+    the input pass made exact (:func:`input_pass`), and the input gradients of 'full' and
+    'input' (those sent to the previous stage) contiguous."""
+    if backward_type == "weight":
+        return run()
+    grads, groups = input_pass(bwd_kwargs, params, run) if backward_type == "input" else run()
+    return tuple(g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads), groups

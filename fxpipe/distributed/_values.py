@@ -12,16 +12,16 @@ encodes its results, so the generated code itself stays the one ``fxpipe.pipelin
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.utils.checkpoint import checkpoint
 from torch import nn
 
 from fxpipe.errors import DistributedError
+
+from ._recompute import StageCheckpoint
 
 __all__ = ["Kind", "kind_of", "encode", "decode", "meta_of", "StageRunner"]
 
@@ -101,24 +101,6 @@ def meta_of(value: Any, kind: Kind) -> list[torch.Tensor]:
     return [t for v, k in zip(value, kind[1]) for t in meta_of(v, k)]
 
 
-class _Reentered:
-    """A context manager made afresh by ``make()`` each time it is entered (one from
-    ``@contextmanager`` enters once): ``torch.utils.checkpoint`` enters the recompute context
-    at every recomputation, and a zero-bubble schedule recomputes a checkpointed stage twice,
-    in its input-gradient and in its weight-gradient pass."""
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self._make = make
-        self._open: list[Any] = []
-
-    def __enter__(self) -> Any:
-        self._open.append(self._make())
-        return self._open[-1].__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._open.pop().__exit__(*exc)
-
-
 def _own(value: Any) -> Any:
     """A tensor that needs grad, or is a view, cloned: torch's zero-bubble schedules
     ``detach_()`` a stage's outputs after the input-gradient pass, which breaks a backward
@@ -142,12 +124,11 @@ class StageRunner(nn.Module):
     dict, a ``ModelOutput`` or an int there fails; :meth:`structured` rebuilds the model's
     own output structure (``out_spec``) for ``loss_fn`` and ``eval_step``.
 
-    Checkpointing: micro-batches ``0 .. checkpoint_stop - 1`` (``micro_batch`` is set by
-    :class:`CheckpointedStage` before each forward) run under non-reentrant
-    ``torch.utils.checkpoint``, which recomputes the stage in backward with the forward's RNG
-    and autocast state; the stage's buffers are put back to their forward-time values around
-    the recomputation, so a buffer updated in forward is updated once and read as it was.
-    Nothing is checkpointed in eval mode (``training_of.training`` false) or under no_grad.
+    Checkpointing: micro-batches ``0 .. checkpoint_stop - 1`` (``micro_batch`` and ``index``,
+    the stage's, are set by :class:`CheckpointedStage` before each forward) keep no
+    activations; the stage is recomputed once for all the backward passes of the micro-batch,
+    with the forward's RNG and autocast state and buffers (:mod:`._recompute`). Nothing is
+    checkpointed in eval mode (``training_of.training`` false) or under no_grad.
 
     ``clone_outputs`` (zero-bubble schedules): every output tensor that needs grad or is a
     view is returned as a clone (:func:`_own`). ``device``: the rank's, where the encoded
@@ -167,9 +148,11 @@ class StageRunner(nn.Module):
         self.out_spec = out_spec
         self.checkpoint_stop = checkpoint_stop
         self.micro_batch = 0
+        self.index: Optional[int] = None  # the stage's, named in a recomputation's errors
         self.clone_outputs = clone_outputs
         self._leaves: list[Any] = []  # the last stage's output leaves, _TENSOR where a tensor was
         self._training_of = [training_of if training_of is not None else stage]  # not a submodule
+        self._checkpoint = StageCheckpoint(stage, "a checkpointed stage")
 
     def _checkpointed(self) -> bool:
         return (self.micro_batch < self.checkpoint_stop and torch.is_grad_enabled()
@@ -182,8 +165,8 @@ class StageRunner(nn.Module):
         else:
             args = [decode(pending, kind) for kind in self.inputs]
         if self._checkpointed():
-            out = checkpoint(self.stage, *args, use_reentrant=False, preserve_rng_state=True,
-                             context_fn=self._contexts)
+            self._checkpoint.where = "a checkpointed stage" if self.index is None else f"stage {self.index}"
+            out = self._checkpoint(*args)
         else:
             out = self.stage(*args)
         if self.clone_outputs:
@@ -198,34 +181,3 @@ class StageRunner(nn.Module):
         the model's output structure, with the other leaves of the latest forward."""
         pending = list(tensors)
         return pytree.tree_unflatten([pending.pop(0) if v is _TENSOR else v for v in self._leaves], self.out_spec)
-
-    def _contexts(self) -> tuple[Any, Any]:
-        """(forward, recompute) contexts for ``torch.utils.checkpoint``: the buffers' values
-        are saved before the forward and swapped in for each recomputation. Only buffers whose
-        value differs are written: a write bumps the version counter, and a buffer the forward
-        of another micro-batch saved for backward (a rotary ``inv_freq`` in a product) would
-        then fail that backward ("modified by an inplace operation")."""
-        buffers = list(self.stage.buffers())
-        saved: list[torch.Tensor] = []
-
-        def put(values: list[torch.Tensor]) -> None:
-            with torch.no_grad():
-                for b, v in zip(buffers, values):
-                    if not torch.equal(b, v):
-                        b.copy_(v)
-
-        @contextmanager
-        def forward() -> Iterator[None]:
-            saved[:] = [b.detach().clone() for b in buffers]
-            yield
-
-        @contextmanager
-        def recompute() -> Iterator[None]:
-            now = [b.detach().clone() for b in buffers]
-            put(saved)
-            try:
-                yield
-            finally:
-                put(now)
-
-        return forward(), _Reentered(recompute)

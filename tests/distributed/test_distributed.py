@@ -17,6 +17,7 @@ from dist_harness import SLOW_SPAWN_SECONDS, check, check_dropout_acted, check_s
 from dist_models import case
 from exact import assert_close_scaled
 from fxpipe.distributed._schedules import check_schedule, rank_of_stage, stages_of_rank
+from fxpipe.errors import ArgumentError
 
 #: name -> (schedule, stages_per_rank, chunks). A name ending in a checkpoint mode builds
 #: with it, others with the default ('except_last'); '-bf16' trains under bf16 CPU autocast;
@@ -58,6 +59,7 @@ SLOW_CASES_2 = {
        for s, spec in (("interleaved1f1b", ("interleaved1f1b", 2, 4)), ("zbv", ("zbv", 2, 4)),
                        ("interleavedzb", ("interleavedzb", 2, 4)))},
     "unet-gpipe-x2": ("gpipe", 2, 2),
+    "unet-gpipe": ("gpipe", 1, 2),
     "unet-1f1b": ("1f1b", 1, 2),
     "unet-1f1b-always": ("1f1b", 1, 2),
     "gpt-zbv-x2-always": ("zbv", 2, 4),
@@ -65,6 +67,29 @@ SLOW_CASES_2 = {
     "drop-gpipe-x2-always": ("gpipe", 2, 2),
     "drop-gpipe-x2-never": ("gpipe", 2, 2),
 }
+
+
+#: on 2 ranks in CI: the U-Net (two-sample micro-batches: strided input gradients) under the
+#: zero-bubble schedules; recomputation counted across ranks; fewer micro-batches than stages
+#: (torch's rules: zbv any number, the interleaved ones a multiple of their rounds)
+TWO_RANK_CASES = {
+    "unet-zbv-x2": ("zbv", 2, 4),
+    "unet-interleavedzb-x2": ("interleavedzb", 2, 4),
+    "counted-zbv-x2-always": ("zbv", 2, 4),
+    "mlp-zbv-x2-c2": ("zbv", 2, 2),
+    "gpt-interleaved1f1b-x2-c3": ("interleaved1f1b", 2, 3),
+    "dict-interleavedzb-x2-c3": ("interleavedzb", 2, 3),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return spawn(2, TWO_RANK_CASES, tmp_path_factory.mktemp("dist2"))
+
+
+@pytest.mark.parametrize("name", TWO_RANK_CASES)
+def test_exact_against_eager_on_two_ranks(two_ranks: list[dict], name: str) -> None:
+    check(two_ranks, {name: TWO_RANK_CASES[name]})
 
 
 @pytest.fixture(scope="module")
@@ -164,18 +189,26 @@ def test_placement_is_the_schedules() -> None:
 
 
 def test_schedule_arguments_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"'zbv' runs exactly 2 stages per rank .*stages_per_rank=1"):
-        check_schedule("zbv", 1, 8, 2)
-    with pytest.raises(ValueError, match=r"'interleavedzb' does not run one stage per rank.*'gpipe', '1f1b'"):
-        check_schedule("interleavedzb", 1, 8, 2)
-    with pytest.raises(ValueError, match=r"'zbv' needs chunks >= the number of stages \(4\); got chunks=3"):
-        check_schedule("zbv", 2, 3, 2)
-    with pytest.raises(ValueError, match=r"'interleavedzb' needs chunks to be a multiple of the world size \(3\)"):
-        check_schedule("interleavedzb", 2, 7, 3)
-    with pytest.raises(ValueError, match=r"schedule must be one of 'gpipe', '1f1b', 'interleaved1f1b', "
-                                         r"'interleavedzb', 'zbv', got 'zb'"):
-        check_schedule("zb", 2, 8, 2)
-    check_schedule("zbv", 2, 4, 2)
+    """Refused with ArgumentError (a ValueError) naming the argument and what to use."""
+    refusals = [
+        (("zbv", 1, 8, 2), "stages_per_rank", r"'zbv' runs exactly 2 stages per rank .*stages_per_rank=1"),
+        (("interleavedzb", 1, 8, 2), "schedule", r"'interleavedzb' does not run one stage per rank.*'gpipe', '1f1b'"),
+        (("1f1b", 1, 2, 3), "chunks", r"'1f1b' needs chunks >= the number of stages \(3\).*got chunks=2"),
+        (("interleavedzb", 2, 7, 3), "chunks",
+         r"multiple of its number of rounds, max\(1, chunks // world_size\) = 2.*got chunks=7: use chunks=6 or 8"),
+        (("interleaved1f1b", 2, 5, 2), "chunks", r"= 2.*got chunks=5: use chunks=4 or 6, or schedule='gpipe' or 'zbv'"),
+        (("zb", 2, 8, 2), "schedule",
+         r"schedule must be one of 'gpipe', '1f1b', 'interleaved1f1b', 'interleavedzb', 'zbv', got 'zb'"),
+    ]
+    for args, argument, message in refusals:
+        with pytest.raises(ArgumentError, match=message) as caught:
+            check_schedule(*args)
+        assert caught.value.argument == argument
+    # torch's rules, no stricter: zbv and gpipe with fewer micro-batches than stages, the
+    # interleaved schedules with any multiple of their rounds (run exact in TWO_RANK_CASES)
+    for args in [("zbv", 2, 1, 2), ("zbv", 2, 3, 2), ("gpipe", 2, 1, 3), ("1f1b", 1, 3, 3),
+                 ("interleaved1f1b", 2, 3, 2), ("interleavedzb", 2, 4, 3), ("interleavedzb", 2, 5, 3)]:
+        check_schedule(*args)
 
 
 def test_time_balance_profiles_one_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
