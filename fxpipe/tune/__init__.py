@@ -13,7 +13,16 @@ The parts, each a private module with one job:
   schedule tables);
 * :mod:`._simulate`: an action list timed: step time and bubble;
 * :mod:`._memory`: memory per device along the action list, plus parameters, gradients,
-  optimizer state and receive buffers.
+  optimizer state and receive buffers;
+* :mod:`._search`: the candidates, each predicted, and their ranking; :mod:`._result`: the
+  :class:`Tuning` it returns; :mod:`._api`: :func:`tune`; :mod:`._units`: ``'80GiB'``.
 
 Sits with the front doors: it uses :mod:`fxpipe.plan` and :mod:`fxpipe.build`.
 """
+
+from __future__ import annotations
+
+from ._api import SCHEDULES, tune
+from ._result import Choice, Tuning
+
+__all__ = ["tune", "Tuning", "Choice", "SCHEDULES"]
