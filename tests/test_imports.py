@@ -104,7 +104,7 @@ LAYERS = [
     ("emit", ("fxpipe.emit", "fxpipe.portals")),
     ("build", ("fxpipe.build",)),
     ("front doors", ("fxpipe.api", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance", "fxpipe.batchnorm",
-                     "fxpipe.skip", "fxpipe.tune")),
+                     "fxpipe.skip", "fxpipe.tuning")),
     ("cli", ("fxpipe.cli", "fxpipe.__main__")),
 ]
 

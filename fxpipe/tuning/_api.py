@@ -2,7 +2,7 @@
 
 The model is captured and checked once, exactly as ``fxpipe.pipeline`` captures it
 (:func:`fxpipe.build.capture_and_check`): what tune recommends, the build accepts. Then
-:class:`~fxpipe.tune._search.Search` predicts every candidate and ranks them. If none fits
+:class:`~fxpipe.tuning._search.Search` predicts every candidate and ranks them. If none fits
 the memory, :class:`~fxpipe.errors.MemoryBudgetError` names the one that needs the least.
 """
 
@@ -70,7 +70,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
          chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None,
          progress: ProgressOption = False) -> Tuning:
     """Predicts and ranks pipeline configurations of ``model`` for ``devices`` with ``memory``
-    each (see docs/api.md, "fxpipe.tune").
+    each (see docs/api.md, "fxpipe.tuning").
 
     Args:
         model, sample, sample_kwargs, leaf_modules, chunk_dims, output_merge: as for
@@ -91,7 +91,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
             come from shapes (a roofline), never from timing; required for a meta model.
         efficiency: share of that peak reached (default 1).
 
-    Returns: a :class:`~fxpipe.tune._result.Tuning`; ``print`` it, build ``tuning.best.pipeline()``.
+    Returns: a :class:`~fxpipe.tuning._result.Tuning`; ``print`` it, build ``tuning.best.pipeline()``.
 
     Raises:
         fxpipe.errors.MemoryBudgetError: nothing fits ``memory``; names the least requirement.

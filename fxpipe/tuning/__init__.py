@@ -1,4 +1,4 @@
-"""``fxpipe.tune``: pick stages, micro-batches, schedule and checkpointing for given devices
+"""``fxpipe.tuning``, behind ``fxpipe.tune(...)``: pick stages, micro-batches, schedule and checkpointing for given devices
 and memory, predicted by simulating each configuration.
 
 The parts, each a private module with one job:

@@ -65,6 +65,7 @@ class Search:
         self._plans: Dict[int, Plan] = {}
         self._records: Dict[int, Recording] = {}
         self._seconds: Dict[int, Dict[str, float]] = {}
+        self._acts: Dict[Tuple[int, int, Tuple[int, ...]], List[StageActivations]] = {}
 
     # -- made once -----------------------------------------------------------------------------
     def plan(self, n_stages: int) -> Plan:
@@ -169,7 +170,10 @@ class Search:
         return choice
 
     def _activations(self, plan: Plan, size: int, pools: Tuple[int, ...]) -> List[StageActivations]:
-        return stage_activations(self.record(size), plan.assignment, plan.n_stages, list(pools))
+        key = (plan.n_stages, size, pools)
+        if key not in self._acts:
+            self._acts[key] = stage_activations(self.record(size), plan.assignment, plan.n_stages, list(pools))
+        return self._acts[key]
 
     def _kwargs(self, schedule: str, n_stages: int, chunks: int, mode: str, plan: Plan) -> Dict[str, Any]:
         if schedule == "gpipe":

@@ -1,7 +1,7 @@
 """Per stage, what one micro-batch's activations cost: held between its forward and its
 backward, and at the peak of its backward, with and without checkpointing.
 
-From a :class:`~fxpipe.tune._nodes.Recording` (one micro-batch's forward, storage by storage)
+From a :class:`~fxpipe.tuning._nodes.Recording` (one micro-batch's forward, storage by storage)
 and a node -> stage assignment, each stage ``s`` gets (:class:`StageActivations`):
 
 * ``held``: bytes one micro-batch keeps on the stage's device from ``F(s)`` to ``B(s)``.
@@ -30,7 +30,7 @@ simulation counts them inside the next task's ``peak``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence, Set
+from typing import Callable, Dict, List, Mapping, Sequence, Set
 
 from ._nodes import Recording
 
@@ -113,10 +113,21 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         if key in st.producer:
             outputs[stage_of[st.producer[key]]] += nbytes
     result = []
+    by_stage_nc: Dict[int, Set[int]] = {}
+    by_stage_ck: Dict[int, Set[int]] = {}
+    for key, ss in attributed_nc.items():
+        for s in ss:
+            by_stage_nc.setdefault(s, set()).add(key)
+    for key, ss in attributed_ck.items():
+        for s in ss:
+            by_stage_ck.setdefault(s, set()).add(key)
+    per_stage: List[List[int]] = [[] for _ in range(n_stages)]
+    for i, s in enumerate(stage_of):
+        per_stage[s].append(i)
     for s in range(n_stages):
-        nodes = [i for i in range(len(rec.nodes)) if stage_of[i] == s]
-        mine_nc = {k for k, ss in attributed_nc.items() if s in ss}
-        mine_ck = {k for k, ss in attributed_ck.items() if s in ss}
+        nodes = per_stage[s]
+        mine_nc = by_stage_nc.get(s, set())
+        mine_ck = by_stage_ck.get(s, set())
         incoming = _incoming_grads(rec, st, nodes, s)
         peak_nc = _backward_peak(rec, st, nodes, mine_nc, incoming)
         recompute_peak, alive = _recompute(rec, st, nodes, s, mine_ck)
@@ -148,8 +159,9 @@ def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[i
     peak = current
     # a saved storage is freed once the earliest of the stage's nodes saving it has run backward
     free_at: Dict[int, List[int]] = {}
+    node_set = set(nodes)
     for key in saved:
-        mine = [i for i in st.savers.get(key, []) if i in set(nodes)]
+        mine = [i for i in st.savers.get(key, []) if i in node_set]
         if mine:
             free_at.setdefault(min(mine), []).append(key)
     for i in reversed(nodes):
@@ -176,43 +188,48 @@ def _recompute(rec: Recording, st: _Storages, nodes: List[int], s: int, received
     """A checkpointed stage's recomputed forward: (its peak, the storages alive after it:
     the received ones and everything the stage's nodes saved)."""
     node_set = set(nodes)
-    alive: Dict[int, int] = {k: st.bytes[k] for k in received}
+
+    def dies_after(key: int, producer: int) -> int | None:
+        if any(j in node_set for j in st.savers.get(key, [])):
+            return None  # saved by the stage: kept for its backward
+        return max((j for j in st.readers.get(key, []) if j in node_set), default=producer)
+
+    return _walk_forward(rec, st, nodes, {k: st.bytes[k] for k in received}, dies_after)
+
+
+def _walk_forward(rec: Recording, st: _Storages, nodes: List[int], alive: Dict[int, int],
+                  dies_after: Callable[[int, int], int | None]) -> tuple[int, Set[int]]:
+    """The stage's nodes run forward from ``alive``: each makes its storages, each storage
+    freed after node ``dies_after(key, producer)`` (None: kept). (peak, alive at the end)."""
     current = sum(alive.values())
     peak = current
+    free_at: Dict[int, List[int]] = {}
     for i in nodes:
-        node = rec.nodes[i]
-        for key in (*node.makes, *node.saves):
+        for key in (*rec.nodes[i].makes, *rec.nodes[i].saves):
             if key not in alive and st.producer.get(key) == i:
                 alive[key] = st.bytes[key]
                 current += st.bytes[key]
+                last = dies_after(key, i)
+                if last is not None:
+                    free_at.setdefault(max(last, i), []).append(key)
         peak = max(peak, current)
-        for key in list(alive):
-            if key in received or st.producer.get(key) not in node_set:
-                continue
-            saved_here = any(j in node_set for j in st.savers.get(key, []))
-            last_use = max((j for j in st.readers.get(key, []) if j in node_set), default=st.producer[key])
-            if not saved_here and last_use <= i:
-                current -= alive.pop(key)
+        for key in free_at.pop(i, []):
+            current -= alive.pop(key, 0)
     return peak, set(alive)
 
 
 def _forward_extra(rec: Recording, st: _Storages, nodes: List[int], s: int, held: int) -> int:
     """How far the stage's forward rises above what it leaves held (its transient outputs)."""
     node_set = set(nodes)
-    alive: Dict[int, int] = {}
-    current = peak = 0
-    for i in nodes:
-        for key in (*rec.nodes[i].makes, *rec.nodes[i].saves):
-            if key not in alive and st.producer.get(key) == i:
-                alive[key] = st.bytes[key]
-                current += st.bytes[key]
-        peak = max(peak, current)
-        for key in list(alive):
-            readers = st.readers.get(key, [])
-            if st.savers.get(key) or key in rec.outputs or any(st.stage_of[r] > s for r in readers):
-                continue
-            if max((j for j in readers if j in node_set), default=st.producer[key]) <= i:
-                current -= alive.pop(key)
+
+    def dies_after(key: int, producer: int) -> int | None:
+        readers = st.readers.get(key, [])
+        if st.savers.get(key) or key in rec.outputs or any(st.stage_of[r] > s for r in readers):
+            return None
+        return max((j for j in readers if j in node_set), default=producer)
+
+    peak, alive = _walk_forward(rec, st, nodes, {}, dies_after)
+    current = sum(st.bytes[k] for k in alive)
     return max(0, peak - max(current, held))
 
 

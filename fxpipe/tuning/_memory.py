@@ -1,9 +1,9 @@
 """Memory per device: the parameters, gradients and optimizer state of its stages, the
 receive buffers, and the activations in flight under the schedule and checkpoint mode.
 
-Activations are walked along each device's action list (:mod:`fxpipe.tune._orders`). After
+Activations are walked along each device's action list (:mod:`fxpipe.tuning._orders`). After
 ``F(s, i)`` micro-batch ``i`` holds stage ``s``'s ``held`` bytes (checkpointed or not,
-:mod:`fxpipe.tune._activations`) until its backward; while ``B(s, i)`` runs, the device
+:mod:`fxpipe.tuning._activations`) until its backward; while ``B(s, i)`` runs, the device
 holds everything else in flight plus that task's ``peak`` (which includes its own held
 bytes). A zero-bubble input pass ``I`` keeps ``weight_held`` bytes for the weight pass ``W``.
 The peak is the largest of those moments. Which micro-batches are checkpointed follows

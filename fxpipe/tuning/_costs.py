@@ -11,7 +11,7 @@ Two sources, one per kind of model:
 * **roofline** (a model on the meta device, nothing to time): a node's forward takes
   ``max(flops / device_flops, bytes moved / bandwidth)``, with the FLOPs counted by
   ``torch.utils.flop_counter`` on the recorded forward and the bytes its inputs, outputs and
-  parameters (:mod:`fxpipe.tune._nodes`); its backward passes as above.
+  parameters (:mod:`fxpipe.tuning._nodes`); its backward passes as above.
 
 A stage's time is the sum over its nodes: within a stage nodes run one after another.
 """

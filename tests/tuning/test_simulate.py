@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fxpipe.tune._orders import Action, check_complete, placement, single_process_order, torch_orders
-from fxpipe.tune._simulate import simulate
+from fxpipe.tuning._orders import Action, check_complete, placement, single_process_order, torch_orders
+from fxpipe.tuning._simulate import simulate
 
 
 def uniform(f: float, b: float, w: float = 0.0):

@@ -9,10 +9,10 @@ from torch import nn
 
 from fxpipe.build import BuildOptions, capture_and_check
 from fxpipe.capture._prepare import preserved
-from fxpipe.tune._activations import StageActivations, stage_activations
-from fxpipe.tune._memory import LOSS_COPIES, activation_peaks, static_bytes
-from fxpipe.tune._nodes import NodeRecord, Recording, record_nodes
-from fxpipe.tune._orders import single_process_order
+from fxpipe.tuning._activations import StageActivations, stage_activations
+from fxpipe.tuning._memory import LOSS_COPIES, activation_peaks, static_bytes
+from fxpipe.tuning._nodes import NodeRecord, Recording, record_nodes
+from fxpipe.tuning._orders import single_process_order
 
 
 def hand_recording() -> Recording:
@@ -81,7 +81,7 @@ def test_merged_output_and_loss_are_counted_once() -> None:
 
 
 def test_weight_pass_keeps_its_share() -> None:
-    from fxpipe.tune._orders import Action
+    from fxpipe.tuning._orders import Action
 
     st = [StageActivations((100, 10), (150, 60), 0, 30, 0, 0)]
     order = {0: [Action("F", 0, 0), Action("F", 0, 1), Action("I", 0, 0), Action("I", 0, 1),
