@@ -5,6 +5,8 @@
 * ``fxpipe.GPipe(nn.Sequential, balance, ...)`` -- the torchgpipe-compatible API;
 * ``fxpipe.skip`` -- ``@skippable``, ``stash``, ``pop``, ``Namespace``, ``verify_skippables``;
 * ``fxpipe.balance`` -- ``balance_by_time``, ``balance_by_size``;
+* ``fxpipe.tune(model, sample, devices, memory)`` -- stages, micro-batches, schedule and
+  checkpointing predicted and ranked (``fxpipe.tuning.Tuning``);
 * ``fxpipe.errors`` -- every error fxpipe raises on purpose (all subclass ``FxpipeError`` and
   the builtin a caller would catch);
 * ``fxpipe.plan.Plan``, ``fxpipe.distributed`` (``pipeline``, ``trace.record``),
@@ -33,7 +35,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "pipeline", "Pipeline", "Plan", "GPipe", "is_checkpointing", "is_recomputing", "balance", "skip",
+    "pipeline", "Pipeline", "Plan", "GPipe", "tune", "is_checkpointing", "is_recomputing", "balance", "skip",
     "errors", "FxpipeError", "TraceError", "MicroBatchError", "MutationError", "InputMismatchError",
     "PlanError", "PipelineClosedError", "CompileError", "ModelChangedError", "__version__",
 ]
@@ -45,6 +47,7 @@ _LAZY = {
     "GPipe": ".gpipe",
     "is_checkpointing": ".runtime._checkpoint", "is_recomputing": ".runtime._checkpoint",
     "balance": None, "skip": None,
+    "tune": ".tuning",
 }
 
 

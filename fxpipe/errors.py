@@ -234,3 +234,17 @@ class BalanceWarning(UserWarning):
     The message (also in ``print(plan)``) names the node and its module, why it is opaque,
     and what to do.
     """
+
+
+class MemoryBudgetError(FxpipeError, ValueError):
+    """``fxpipe.tune`` found no configuration that fits the memory given per device. The
+    message names the configuration that needs the least, how much it needs on which device
+    and of what (parameters, gradients and optimizer state; activations), and what to do;
+    ``required`` holds that many bytes, ``budget`` the memory given."""
+
+    def __init__(self, message: str, *, required: float = 0.0, budget: float = 0.0) -> None:
+        super().__init__(message)
+        #: the least peak bytes per device any configuration needs
+        self.required = required
+        #: the memory per device that was given
+        self.budget = budget

@@ -92,7 +92,8 @@ def test_sub_packages_are_layered() -> None:
 
 # The build's order, low to high: a module imports only its own layer and those below it.
 # Shared values (errors, tree, progress) sit below everything; the front doors (api,
-# distributed, the torchgpipe-compatible gpipe / balance / batchnorm / skip) above the build;
+# distributed, the torchgpipe-compatible gpipe / balance / batchnorm / skip, and tune, which
+# plans through the build) above the build;
 # the command line on top.
 LAYERS = [
     ("shared", ("fxpipe.errors", "fxpipe.tree", "fxpipe.progress")),
@@ -103,7 +104,7 @@ LAYERS = [
     ("emit", ("fxpipe.emit", "fxpipe.portals")),
     ("build", ("fxpipe.build",)),
     ("front doors", ("fxpipe.api", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance", "fxpipe.batchnorm",
-                     "fxpipe.skip")),
+                     "fxpipe.skip", "fxpipe.tuning")),
     ("cli", ("fxpipe.cli", "fxpipe.__main__")),
 ]
 

@@ -19,7 +19,7 @@ from typing import Any, List, Tuple
 from ..progress import clear_status_line, status_line
 from ._model_loader import UsageError, load_model
 
-__all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_env", "cmd_demo",
+__all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_tune", "cmd_env", "cmd_demo",
            "training_loss", "load_model_and_sample"]
 
 
@@ -339,3 +339,39 @@ def _on_ranks(ns: argparse.Namespace) -> int:
               f"{'; its last line: ' + last[0].strip() if last else ''}{hint}", file=sys.stderr)
         return 1
     return 0 if finished.result.get("ok") else 1
+
+
+# -- tune ------------------------------------------------------------------------------------
+def cmd_tune(ns: argparse.Namespace) -> int:
+    """``fxpipe tune MODEL --devices 8 --memory 80GiB``: the ranked table of fxpipe.tune."""
+    import fxpipe
+    from ._hf_models import PREFIX
+
+    batch = None
+    if ns.batch is not None:
+        text = ns.batch.strip().lower()
+        if "x" in text and ns.model.startswith(PREFIX) and not ns.input:
+            ns.input = [f"{text}:int64"]  # token ids of that shape
+        else:
+            try:
+                batch = int(text)
+            except ValueError:
+                raise UsageError(f"--batch {ns.batch}: expected a number of samples (64), or BxSEQ (64x2048) for an "
+                                 "hf: language model") from None
+    model, args, kwargs = load_model_and_sample(ns)
+    if ns.devices is not None and ns.device is None:
+        devices: Any = ns.devices
+    else:
+        ns.stages = ns.devices or 4
+        devices = _devices(ns)
+    clear_status_line()
+    tuning = fxpipe.tune(model, args, devices, ns.memory, batch=batch, sample_kwargs=kwargs,
+                         schedules=tuple(ns.schedules or ("gpipe", "1f1b", "interleaved1f1b", "zbv")),
+                         checkpoint=tuple(ns.checkpoint or ("never", "except_last", "always")),
+                         chunks=ns.chunks, link=ns.link, optimizer=ns.optimizer, device_flops=ns.device_flops,
+                         bandwidth=ns.bandwidth, efficiency=ns.efficiency, leaf_modules=tuple(ns.leaf))
+    print(tuning)
+    best = tuning.best
+    print(f"best: {best.schedule}, {best.n_stages} stages, chunks={best.chunks}, checkpoint={best.checkpoint!r}"
+          + (" (fxpipe.distributed.pipeline)" if best.distributed else " (fxpipe.pipeline)"))
+    return 0

@@ -1,4 +1,4 @@
-"""``fxpipe`` / ``python -m fxpipe``: plan, render, code, timeline, env, demo.
+"""``fxpipe`` / ``python -m fxpipe``: plan, render, code, timeline, tune, env, demo.
 
 This module owns the command line only: the argument parser and the error policy. The
 subcommands live in :mod:`fxpipe.cli._commands`; turning ``MODEL`` and ``--input`` into a model
@@ -113,6 +113,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", choices=("always", "except_last", "never"), default="except_last")
     _threads_arg(p)
     _nproc_args(p, timeout=600, what="one lane per rank; --stages must be a multiple of N")
+
+    p = sub.add_parser("tune", parents=[common],
+                       help="predict and rank stages, micro-batches, schedule and checkpointing for the devices")
+    p.add_argument("model", metavar="MODEL", help="as for fxpipe plan (hf:<model_type> builds on meta)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="hf: models: a config value")
+    p.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:dtype]", help="as for fxpipe plan")
+    p.add_argument("--vocab", type=_positive_int("--vocab"), default=None, help="range of integer inputs")
+    p.add_argument("--leaf", action="append", default=[], metavar="NAME", help="submodule to keep opaque")
+    p.add_argument("--devices", type=_positive_int("--devices"), default=None, metavar="N",
+                   help="N identical devices (default: --device cpu, N=4 stages on it)")
+    p.add_argument("--device", default=None, help="cpu or cuda: tune for these devices, repeated N times")
+    p.add_argument("--memory", default=None, metavar="SIZE", help="memory per device: 80GiB, 24GB, bytes")
+    p.add_argument("--batch", default=None, metavar="B[xSEQ]",
+                   help="the mini-batch: B samples; BxSEQ for hf: language models (token ids of that shape)")
+    p.add_argument("--device-flops", default=None, metavar="FLOP/S", help="peak FLOP/s of one device (790e12)")
+    p.add_argument("--bandwidth", default=None, metavar="BYTES/S", help="memory bandwidth of one device (4.8e12)")
+    p.add_argument("--efficiency", type=_positive_float("--efficiency"), default=None,
+                   help="share of that peak reached (default 1)")
+    p.add_argument("--link", default="450GB/s", metavar="BYTES/S", help="bandwidth between devices (450GB/s)")
+    p.add_argument("--schedules", nargs="+", default=None, metavar="S",
+                   help="gpipe (fxpipe.pipeline) 1f1b interleaved1f1b interleavedzb zbv (fxpipe.distributed)")
+    p.add_argument("--checkpoint", nargs="+", default=None, choices=("never", "except_last", "always"))
+    p.add_argument("--chunks", nargs="+", type=_positive_int("--chunks"), default=None, metavar="M")
+    p.add_argument("--optimizer", default="adam", choices=("sgd", "momentum", "adam", "adamw"))
 
     sub.add_parser("env", parents=[common], help="versions, devices, graphviz and matplotlib availability")
 

@@ -1,0 +1,174 @@
+"""``fxpipe.tune``'s predictions against measurements, in one run (CPU, one process).
+
+For each model (``tests/zoo.py``'s ``TinyGPT(vocab=64, d=64, heads=4, layers=8, ctx=64)`` on
+``32 x 64`` tokens and ``UNet(c=16)`` on ``32 x 3 x 64 x 64``, as ``activation_memory.py``),
+``fxpipe.tune(model, x, ['cpu'] * 4, schedules=('gpipe',), chunks=CHUNKS)`` predicts every
+(chunks, checkpoint) configuration; then each is built with the tuning's own arguments
+(``choice.kwargs``: the same plan) and measured:
+
+* **memory**: the peak of one training step (``out = model(x); out.float().pow(2).mean().backward()``
+  after one warm-up step, gradients zeroed in place), measured as ``activation_memory.py``
+  measures it (``benchmarks/_memory.py``: the CPU allocator's records), against the predicted
+  peak activation bytes (``choice.activation_bytes``; parameters and gradients exist before
+  the step and are in neither);
+* **time**: the fastest of ``--steps`` steps (other work on the machine only adds time)
+  against the predicted step time;
+* **choice**: for each memory budget (no limit, and budgets that rule out the largest
+  configurations), tune's first-ranked configuration against the best measured among the
+  configurations it found to fit (measured time), and whether that one fits when measured.
+  Budgets filter the one tuning's predictions, as ``fxpipe.tune(..., memory=budget)`` does
+  (a second call would profile again, and plan on other timings).
+
+Usage::
+
+    .venv/bin/python benchmarks/tune.py                 # both models
+    .venv/bin/python benchmarks/tune.py --models gpt --steps 3
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import datetime as _dt  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Dict, List, Optional, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import fxpipe  # noqa: E402
+from zoo import TinyGPT, UNet  # noqa: E402
+
+from _memory import peak  # noqa: E402
+
+torch.set_num_threads(1)
+MIB = float(1 << 20)
+
+
+def step(model: Any, x: torch.Tensor) -> None:
+    out = model(x)
+    out.float().pow(2).mean().backward()
+
+
+def build(name: str) -> tuple:
+    torch.manual_seed(0)
+    if name == "unet":
+        return UNet(16), torch.randn(32, 3, 64, 64), "UNet(c=16), input 32x3x64x64"
+    return TinyGPT(64, 64, 4, 8, 64), torch.randint(0, 64, (32, 64)), "TinyGPT(64, d=64, 4 heads, 8 layers, ctx 64), 32x64"
+
+
+def measure(pipe: Any, x: torch.Tensor, steps: int) -> Dict[str, float]:
+    step(pipe, x)  # warm-up: .grad exists from now on
+    for p in pipe.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    gc.collect()
+    mem = peak(lambda: step(pipe, x), torch.device("cpu"))["peak_bytes"]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step(pipe, x)
+        times.append(time.perf_counter() - t0)
+    return {"peak_bytes": mem, "step_s": min(times)}  # interference only adds time: the fastest step
+
+
+def run_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
+    model, x, what = build(name)
+    t0 = time.perf_counter()
+    tuning = fxpipe.tune(model, x, ["cpu"] * a.stages, None, schedules=("gpipe",), chunks=a.chunks, optimizer="sgd")
+    tune_s = time.perf_counter() - t0
+    print(f"\n{what}: fxpipe.tune took {tune_s:.1f} s\n{tuning}")
+    rows = []
+    for c in tuning.choices:
+        pipe = c.pipeline(progress=False)
+        try:
+            got = measure(pipe, x, a.steps)
+        finally:
+            pipe.close()
+        del pipe
+        gc.collect()
+        rows.append({"chunks": c.chunks, "checkpoint": c.checkpoint, "predicted_bytes": c.activation_bytes["cpu"],
+                     "static_bytes": c.static_bytes["cpu"], "measured_bytes": got["peak_bytes"],
+                     "memory_ratio": c.activation_bytes["cpu"] / got["peak_bytes"],
+                     "predicted_s": c.step_s, "measured_s": got["step_s"], "time_ratio": c.step_s / got["step_s"]})
+    choices = []
+    static = rows[0]["static_bytes"]
+    peaks = sorted(r["predicted_bytes"] for r in rows)
+    budgets: List[Optional[float]] = [None] + [static + peaks[int(q * (len(peaks) - 1))] * 1.02 for q in (0.25, 0.5, 0.75)]
+    for budget in budgets:  # the same predictions, filtered as tune filters them (no second profile)
+        fit = [c for c in tuning.choices if budget is None or c.peak <= budget]
+        if not fit:
+            choices.append({"budget_bytes": budget, "refused": "nothing fits"})
+            continue
+        keys = {(c.chunks, c.checkpoint) for c in fit}
+        candidates = [r for r in rows if (r["chunks"], r["checkpoint"]) in keys]
+        best = min(candidates, key=lambda r: r["measured_s"])
+        first = next(r for r in rows if (r["chunks"], r["checkpoint"]) == (fit[0].chunks, fit[0].checkpoint))
+        fits_measured = budget is None or first["measured_bytes"] + static <= budget
+        choices.append({"budget_bytes": budget, "first": [first["chunks"], first["checkpoint"]],
+                        "best_measured": [best["chunks"], best["checkpoint"]], "first_s": first["measured_s"],
+                        "best_s": best["measured_s"], "ratio": first["measured_s"] / best["measured_s"],
+                        "first_fits_measured": fits_measured, "candidates": len(candidates)})
+    return {"model": name, "description": what, "tune_s": tune_s, "rows": rows, "choices": choices}
+
+
+def print_tables(res: Dict[str, Any]) -> None:
+    print(f"\n{res['description']} (4 stages on one CPU)")
+    print("| chunks | checkpoint | predicted MiB | measured MiB | pred/meas | predicted ms | measured ms | pred/meas |")
+    print("|--:|---|--:|--:|--:|--:|--:|--:|")
+    for r in res["rows"]:
+        print(f"| {r['chunks']} | {r['checkpoint']} | {r['predicted_bytes'] / MIB:.2f} | {r['measured_bytes'] / MIB:.2f} "
+              f"| {r['memory_ratio']:.3f} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
+              f"{r['time_ratio']:.2f} |")
+    print("\n| memory budget | tune's first | best measured among fitting | first / best (time) | first fits measured |")
+    print("|---|---|---|--:|---|")
+    for c in res["choices"]:
+        budget = "no limit" if c["budget_bytes"] is None else f"{c['budget_bytes'] / MIB:.1f} MiB"
+        if "refused" in c:
+            print(f"| {budget} | refused | | | |")
+            continue
+        print(f"| {budget} | chunks {c['first'][0]}, {c['first'][1]} | chunks {c['best_measured'][0]}, "
+              f"{c['best_measured'][1]} | {c['ratio']:.3f} | {'yes' if c['first_fits_measured'] else 'NO'} |")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["gpt", "unet"], choices=["gpt", "unet"])
+    p.add_argument("--chunks", nargs="+", type=int, default=[1, 4, 8, 32])
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    results = []
+    for name in a.models:
+        res = run_model(name, a)
+        print_tables(res)
+        results.append(res)
+    worst_mem = max(abs(1 - r["memory_ratio"]) for res in results for r in res["rows"])
+    worst_choice = max((c["ratio"] for res in results for c in res["choices"] if "ratio" in c), default=1.0)
+    print(f"\nworst memory error {worst_mem:.1%} (goal 10%); worst first/best measured time {worst_choice:.3f} (goal 1.05)")
+    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "tune.json"
+    doc = {"benchmark": "tune", "date": _dt.date.today().isoformat(),
+           "command": " ".join(["benchmarks/tune.py", *(argv if argv is not None else sys.argv[1:])]),
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                       "python": platform.python_version()},
+           "worst_memory_error": worst_mem, "worst_choice_ratio": worst_choice, "models": results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Per stage, what one micro-batch's activations cost: held between its forward and its
+backward, and at the peak of its backward, with and without checkpointing.
+
+From a :class:`~fxpipe.tuning._nodes.Recording` (one micro-batch's forward, storage by storage)
+and a node -> stage assignment, each stage ``s`` gets (:class:`StageActivations`):
+
+* ``held``: bytes one micro-batch keeps on the stage's device from ``F(s)`` to ``B(s)``.
+  Not checkpointed: the storages its nodes saved for backward, each counted at the first stage
+  of its memory pool that saves it (a tensor stage 2 saves and stage 3 saves too is held
+  once when both share a device). Checkpointed: the storages it receives from earlier stages
+  (arguments and popped portals), kept for the recomputation, each counted at the first
+  stage of the pool that receives it. These are ``a_s`` and ``s_s`` of
+  ``benchmarks/_floor.py``, predicted instead of measured.
+* ``peak``: the most bytes of this micro-batch on the stage's device while ``B(s)`` runs,
+  its own ``held`` included: walked node by node in reverse, each node allocating the
+  gradients of its inputs (and a temporary of its parameters' size, accumulated into
+  ``.grad``) and freeing the gradients of its outputs and the saved storages no earlier node
+  of the pool still needs. Checkpointed, the recomputed forward comes first: the stage's own
+  storages are made again (those nothing in the stage saves die after their last use).
+* ``forward``: how far ``F(s)``'s own transient storages rise above what it leaves held.
+* ``weight_held``: what a zero-bubble input pass (``I``) leaves for the weight pass (``W``):
+  the storages saved by nodes with parameters, and the gradients of those nodes' outputs.
+
+What this leaves out, on purpose: temporaries inside one operation (an opaque module's
+scratch during its backward; the allocator's rounding), and gradients in flight between two
+tasks (a stage's input gradient waits for the previous stage's backward; the schedule
+simulation counts them inside the next task's ``peak``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Sequence, Set
+
+from ._nodes import Recording
+
+__all__ = ["StageActivations", "stage_activations"]
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """One micro-batch's activation bytes on stage ``s``'s device (see the module docstring).
+    Index 0 of ``held`` / ``peak`` is not checkpointed, index 1 checkpointed."""
+
+    held: tuple[int, int]
+    peak: tuple[int, int]
+    forward: int
+    weight_held: int
+    #: bytes this stage receives from earlier stages (all of them, for send times and buffers)
+    received: int
+    #: bytes of the model's outputs this stage returns (its last stage only)
+    outputs: int
+
+
+class _Storages:
+    """Who makes, reads and saves each storage, by node position and stage."""
+
+    def __init__(self, rec: Recording, stage_of: Sequence[int]) -> None:
+        self.bytes: Dict[int, int] = {}
+        self.producer: Dict[int, int] = {}
+        self.readers: Dict[int, List[int]] = {}
+        self.savers: Dict[int, List[int]] = {}
+        for i, node in enumerate(rec.nodes):
+            for key, b in node.makes.items():
+                self.bytes[key] = b
+                self.producer.setdefault(key, i)
+            for key, b in node.reads.items():
+                self.bytes.setdefault(key, b)
+                self.readers.setdefault(key, []).append(i)
+            for key, b in node.saves.items():
+                self.bytes[key] = max(b, self.bytes.get(key, 0))
+                self.producer.setdefault(key, i)  # made and saved inside an opaque node
+                self.savers.setdefault(key, []).append(i)
+        self.stage_of = stage_of
+
+
+def _first_per_pool(stages: Set[int], pool: Sequence[int]) -> List[int]:
+    """The first stage of each pool among ``stages``."""
+    first: Dict[int, int] = {}
+    for s in sorted(stages):
+        first.setdefault(pool[s], s)
+    return list(first.values())
+
+
+def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: int,
+                      pool: Sequence[int] | None = None) -> List[StageActivations]:
+    """Per stage, one micro-batch's :class:`StageActivations`. ``assignment`` maps node names
+    to stages (a plan's), ``pool[s]`` says which memory pool (device) stage ``s`` is on:
+    storages shared by stages of one pool are counted once (default: every stage its own)."""
+    pool = list(range(n_stages)) if pool is None else list(pool)
+    stage_of = [int(assignment[r.name]) for r in rec.nodes]
+    st = _Storages(rec, stage_of)
+    held_nc = [0] * n_stages
+    held_ck = [0] * n_stages
+    received = [0] * n_stages
+    attributed_nc: Dict[int, Set[int]] = {}  # key -> stages holding it (not checkpointed)
+    attributed_ck: Dict[int, Set[int]] = {}
+    for key, nbytes in st.bytes.items():
+        savers = {stage_of[i] for i in st.savers.get(key, [])}
+        for s in _first_per_pool(savers, pool):
+            held_nc[s] += nbytes
+            attributed_nc.setdefault(key, set()).add(s)
+        if key in st.producer:
+            p = stage_of[st.producer[key]]
+            later = {stage_of[i] for i in st.readers.get(key, []) if stage_of[i] > p}
+            for s in later:
+                received[s] += nbytes
+            for s in _first_per_pool(later, pool):
+                held_ck[s] += nbytes
+                attributed_ck.setdefault(key, set()).add(s)
+    outputs = [0] * n_stages
+    for key, nbytes in rec.outputs.items():
+        if key in st.producer:
+            outputs[stage_of[st.producer[key]]] += nbytes
+    result = []
+    by_stage_nc: Dict[int, Set[int]] = {}
+    by_stage_ck: Dict[int, Set[int]] = {}
+    for key, ss in attributed_nc.items():
+        for s in ss:
+            by_stage_nc.setdefault(s, set()).add(key)
+    for key, ss in attributed_ck.items():
+        for s in ss:
+            by_stage_ck.setdefault(s, set()).add(key)
+    per_stage: List[List[int]] = [[] for _ in range(n_stages)]
+    for i, s in enumerate(stage_of):
+        per_stage[s].append(i)
+    for s in range(n_stages):
+        nodes = per_stage[s]
+        mine_nc = by_stage_nc.get(s, set())
+        mine_ck = by_stage_ck.get(s, set())
+        incoming = _incoming_grads(rec, st, nodes, s)
+        peak_nc = _backward_peak(rec, st, nodes, mine_nc, incoming)
+        recompute_peak, alive = _recompute(rec, st, nodes, s, mine_ck)
+        peak_ck = max(recompute_peak + sum(incoming.values()),
+                      _backward_peak(rec, st, nodes, alive, incoming))
+        result.append(StageActivations(
+            (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
+            _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s]))
+    return result
+
+
+def _incoming_grads(rec: Recording, st: _Storages, nodes: List[int], s: int) -> Dict[int, int]:
+    """Gradients arriving for the stage's outputs: values later stages read, and the model's."""
+    grads: Dict[int, int] = {}
+    for i in nodes:
+        for key, b in rec.nodes[i].grad_out.items():
+            if key in rec.outputs or any(st.stage_of[r] > s for r in st.readers.get(key, [])):
+                grads[key] = b
+    return grads
+
+
+def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[int],
+                   incoming: Dict[int, int]) -> int:
+    """Peak bytes while the stage's nodes run backward in reverse, from ``saved`` (storages
+    held for it, freed after the last node needing them) and the ``incoming`` gradients."""
+    alive: Dict[int, int] = {k: st.bytes[k] for k in saved}
+    grads: Dict[int, int] = dict(incoming)
+    current = sum(alive.values()) + sum(grads.values())
+    peak = current
+    # a saved storage is freed once the earliest of the stage's nodes saving it has run backward
+    free_at: Dict[int, List[int]] = {}
+    node_set = set(nodes)
+    for key in saved:
+        mine = [i for i in st.savers.get(key, []) if i in node_set]
+        if mine:
+            free_at.setdefault(min(mine), []).append(key)
+    for i in reversed(nodes):
+        node = rec.nodes[i]
+        flows = any(k in grads for k in node.grad_out)
+        temp = 0
+        if flows:
+            for key, b in node.grad_in.items():
+                if key in grads:
+                    temp += b  # a second contribution: made, then added into the first
+                else:
+                    grads[key] = b
+                    current += b
+            temp += node.grad_params
+            peak = max(peak, current + temp)
+            for key in node.grad_out:
+                current -= grads.pop(key, 0)
+        for key in free_at.get(i, []):
+            current -= alive.pop(key, 0)
+    return peak
+
+
+def _recompute(rec: Recording, st: _Storages, nodes: List[int], s: int, received: Set[int]) -> tuple[int, Set[int]]:
+    """A checkpointed stage's recomputed forward: (its peak, the storages alive after it:
+    the received ones and everything the stage's nodes saved)."""
+    node_set = set(nodes)
+
+    def dies_after(key: int, producer: int) -> int | None:
+        if any(j in node_set for j in st.savers.get(key, [])):
+            return None  # saved by the stage: kept for its backward
+        return max((j for j in st.readers.get(key, []) if j in node_set), default=producer)
+
+    return _walk_forward(rec, st, nodes, {k: st.bytes[k] for k in received}, dies_after)
+
+
+def _walk_forward(rec: Recording, st: _Storages, nodes: List[int], alive: Dict[int, int],
+                  dies_after: Callable[[int, int], int | None]) -> tuple[int, Set[int]]:
+    """The stage's nodes run forward from ``alive``: each makes its storages, each storage
+    freed after node ``dies_after(key, producer)`` (None: kept). (peak, alive at the end)."""
+    current = sum(alive.values())
+    peak = current
+    free_at: Dict[int, List[int]] = {}
+    for i in nodes:
+        for key in (*rec.nodes[i].makes, *rec.nodes[i].saves):
+            if key not in alive and st.producer.get(key) == i:
+                alive[key] = st.bytes[key]
+                current += st.bytes[key]
+                last = dies_after(key, i)
+                if last is not None:
+                    free_at.setdefault(max(last, i), []).append(key)
+        peak = max(peak, current)
+        for key in free_at.pop(i, []):
+            current -= alive.pop(key, 0)
+    return peak, set(alive)
+
+
+def _forward_extra(rec: Recording, st: _Storages, nodes: List[int], s: int, held: int) -> int:
+    """How far the stage's forward rises above what it leaves held (its transient outputs)."""
+    node_set = set(nodes)
+
+    def dies_after(key: int, producer: int) -> int | None:
+        readers = st.readers.get(key, [])
+        if st.savers.get(key) or key in rec.outputs or any(st.stage_of[r] > s for r in readers):
+            return None
+        return max((j for j in readers if j in node_set), default=producer)
+
+    peak, alive = _walk_forward(rec, st, nodes, {}, dies_after)
+    current = sum(st.bytes[k] for k in alive)
+    return max(0, peak - max(current, held))
+
+
+def _weight_held(rec: Recording, st: _Storages, nodes: List[int], saved: Set[int]) -> int:
+    """What an input-gradient pass leaves for the weight pass: storages saved by nodes with
+    parameters, and the gradients of those nodes' outputs."""
+    with_params = [i for i in nodes if rec.nodes[i].grad_params]
+    keep = {k for i in with_params for k in rec.nodes[i].saves if k in saved}
+    return sum(st.bytes[k] for k in keep) + sum(b for i in with_params for b in rec.nodes[i].grad_out.values())

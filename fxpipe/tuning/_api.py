@@ -1,0 +1,168 @@
+"""``fxpipe.tune(model, sample, devices, memory)``: the configuration to build, predicted.
+
+The model is captured and checked once, exactly as ``fxpipe.pipeline`` captures it
+(:func:`fxpipe.build.capture_and_check`): what tune recommends, the build accepts. Then
+:class:`~fxpipe.tuning._search.Search` predicts every candidate and ranks them. If none fits
+the memory, :class:`~fxpipe.errors.MemoryBudgetError` names the one that needs the least.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..build import BuildOptions, capture_and_check
+from ..capture._prepare import preserved
+from ..checks._batching import ChunkDims, OutputMerge
+from ..errors import ArgumentError, MemoryBudgetError
+from ..progress import ProgressOption, as_progress
+from ..runtime._frontend import CHECKPOINT_MODES
+from ._memory import OPTIMIZER_STATES
+from ._orders import DISTRIBUTED_SCHEDULES
+from ._result import Tuning
+from ._search import Search, Settings
+from ._units import Size, format_bytes, parse_bytes, parse_rate
+
+__all__ = ["tune", "SCHEDULES"]
+
+#: the schedules tune knows: 'gpipe' is fxpipe.pipeline, the others fxpipe.distributed's
+SCHEDULES = tuple(DISTRIBUTED_SCHEDULES)
+
+
+def _devices(devices: Union[int, Sequence[Any], None]) -> tuple[List[str], Optional[List[torch.device]]]:
+    if devices is None:
+        return ["cpu"], [torch.device("cpu")]
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if devices < 1:
+            raise ArgumentError(f"devices must be a positive count or a list of devices, got {devices!r}",
+                                argument="devices")
+        return [str(i) for i in range(devices)], None
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence) or not devices:
+        raise ArgumentError(f"devices must be a count (devices=8) or a list (devices=['cuda:0', 'cuda:1']), "
+                            f"got {devices!r}", argument="devices")
+    found = [torch.device(d) for d in devices]
+    return [str(d) for d in found], found
+
+
+def _chunk_choices(batch: int, chunks: Optional[Sequence[int]]) -> List[int]:
+    if chunks is not None:
+        bad = [c for c in chunks if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+        if bad or not chunks:
+            raise ArgumentError(f"chunks must be positive integers, got {chunks!r}", argument="chunks")
+        return sorted(set(chunks))
+    found, c = [], 1
+    while c <= batch:
+        if batch % c == 0:
+            found.append(c)
+        c *= 2
+    return found
+
+
+def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None] = None,
+         memory: Optional[Size] = None, *, batch: Optional[int] = None,
+         schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved1f1b", "zbv"),
+         checkpoint: Sequence[str] = ("never", "except_last", "always"),
+         chunks: Optional[Sequence[int]] = None, link: Size = "450GB/s", optimizer: str = "adam",
+         device_flops: Optional[Size] = None, bandwidth: Optional[Size] = None, efficiency: Optional[float] = None,
+         sample_kwargs: Optional[dict] = None, leaf_modules: Sequence[Union[type, str]] = (),
+         chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None,
+         progress: ProgressOption = False) -> Tuning:
+    """Predicts and ranks pipeline configurations of ``model`` for ``devices`` with ``memory``
+    each (see docs/api.md, "fxpipe.tuning").
+
+    Args:
+        model, sample, sample_kwargs, leaf_modules, chunk_dims, output_merge: as for
+            :func:`fxpipe.pipeline`; ``sample``'s batch is the mini-batch unless ``batch``.
+        devices: a count of identical devices (a model on meta, with ``device_flops`` and
+            ``bandwidth``), or the devices themselves (``['cuda:0', 'cuda:1']``; a device
+            repeated shares its memory and its time: ``['cpu'] * 4``). Default: one CPU.
+        memory: per device (``'80GiB'``, bytes); None: no limit.
+        batch: the mini-batch size, when it is not the sample's (micro-batches are cut from
+            the sample, repeated if it is smaller).
+        schedules: ``'gpipe'`` (``fxpipe.pipeline``, one process), ``'1f1b'``,
+            ``'interleaved1f1b'``, ``'interleavedzb'``, ``'zbv'`` (``fxpipe.distributed``).
+        checkpoint: the modes to consider; chunks: the micro-batch counts (default: the powers
+            of two dividing the batch).
+        link: bandwidth between devices (``'450GB/s'``), for the sends between stages.
+        optimizer: ``'sgd'``, ``'momentum'``, ``'adam'`` or ``'adamw'`` (its state per parameter).
+        device_flops, bandwidth: the device's peak (``790e12`` FLOP/s, ``'4.8TB/s'``): costs then
+            come from shapes (a roofline), never from timing; required for a meta model.
+        efficiency: share of that peak reached (default 1).
+
+    Returns: a :class:`~fxpipe.tuning._result.Tuning`; ``print`` it, build ``tuning.best.pipeline()``.
+
+    Raises:
+        fxpipe.errors.MemoryBudgetError: nothing fits ``memory``; names the least requirement.
+        fxpipe.errors.ArgumentError: a bad argument (named).
+        and what :func:`fxpipe.pipeline` raises for a model it cannot capture.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    labels, torch_devices = _devices(devices)
+    budget = parse_bytes(memory, "memory")
+    flops = parse_rate(device_flops, "device_flops", "790e12")
+    bw = parse_rate(bandwidth, "bandwidth", "4.8TB/s")
+    if (flops is None) != (bw is None):
+        raise ArgumentError("device_flops and bandwidth go together (the roofline needs both); pass both or neither",
+                            argument="device_flops")
+    for name in schedules:
+        if name not in SCHEDULES:
+            raise ArgumentError(f"schedules: unknown schedule {name!r}; the schedules are {', '.join(SCHEDULES)}",
+                                argument="schedules")
+    for mode in checkpoint:
+        if mode not in CHECKPOINT_MODES:
+            raise ArgumentError(f"checkpoint: unknown mode {mode!r}; the modes are {', '.join(CHECKPOINT_MODES)}",
+                                argument="checkpoint")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ArgumentError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}",
+                            argument="optimizer")
+    args = sample if isinstance(sample, tuple) else (sample,)
+    kwargs = dict(sample_kwargs or {})
+    options = BuildOptions(len(labels), 1, None, "params", leaf_modules, None, None, chunk_dims, output_merge,
+                           as_progress(progress))
+    with torch.inference_mode(False), preserved(model):
+        checked = capture_and_check(model, args, kwargs, options)
+    if checked.meta and flops is None:
+        raise ArgumentError("a model on the meta device cannot be timed: pass device_flops= and bandwidth= (the "
+                            "device's peak FLOP/s and memory bandwidth) so costs come from shapes",
+                            argument="device_flops")
+    flat = checked.capture.flatten_inputs(checked.args, checked.kwargs)
+    size = batch if batch is not None else checked.batching.batch_size(flat)
+    if not isinstance(size, int) or size < 1:
+        raise ArgumentError(f"batch must be a positive integer, got {batch!r}", argument="batch")
+    skipped = {}
+    if len(set(labels)) < len(labels):
+        for name in schedules:
+            if name != "gpipe":
+                skipped[name] = "fxpipe.distributed runs one rank per device, and the devices given repeat"
+    settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
+                        parse_rate(link, "link") or 0.0, optimizer, flops, bw, efficiency, torch_devices, skipped)
+    with torch.inference_mode(False):
+        choices = Search(model, checked, settings, as_progress(progress)).run()
+    notes = [f"costs from {'a roofline (device_flops, bandwidth)' if flops is not None else 'the profile'}; "
+             f"memory: parameters + gradients + {optimizer} state + activations"
+             + (" + receive buffers (distributed)" if any(s != "gpipe" for s in schedules) else "")]
+    tuning = Tuning(choices, budget, model, sample, sample_kwargs, notes, skipped)
+    for c in choices:
+        c._tuning = tuning
+    if not tuning.fitting:
+        raise _nothing_fits(choices, budget)
+    return tuning
+
+
+def _nothing_fits(choices: List[Any], budget: Optional[float]) -> MemoryBudgetError:
+    sized = [c for c in choices if c.peak_bytes]
+    if not sized:
+        reasons = "; ".join(sorted({c.why for c in choices}))[:400]
+        return MemoryBudgetError(f"no configuration can run: {reasons}", budget=budget or 0.0)
+    least = min(sized, key=lambda c: c.peak)
+    device = max(least.peak_bytes, key=least.peak_bytes.__getitem__)
+    return MemoryBudgetError(
+        f"no configuration fits in memory={format_bytes(budget or 0)} per device: the smallest requirement is "
+        f"{format_bytes(least.peak)} on device {device} (schedule {least.schedule!r}, {least.n_stages} stages, "
+        f"chunks={least.chunks}, checkpoint={least.checkpoint!r}: parameters, gradients and optimizer state "
+        f"{format_bytes(least.static_bytes[device])}, activations {format_bytes(least.activation_bytes[device])}). "
+        "What to do: give more memory or more devices, a lighter optimizer (optimizer='sgd'), "
+        "or a smaller batch", required=least.peak, budget=budget or 0.0)

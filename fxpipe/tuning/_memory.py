@@ -1,0 +1,118 @@
+"""Memory per device: the parameters, gradients and optimizer state of its stages, the
+receive buffers, and the activations in flight under the schedule and checkpoint mode.
+
+Activations are walked along each device's action list (:mod:`fxpipe.tuning._orders`). After
+``F(s, i)`` micro-batch ``i`` holds stage ``s``'s ``held`` bytes (checkpointed or not,
+:mod:`fxpipe.tuning._activations`) until its backward; while ``B(s, i)`` runs, the device
+holds everything else in flight plus that task's ``peak`` (which includes its own held
+bytes). A zero-bubble input pass ``I`` keeps ``weight_held`` bytes for the weight pass ``W``.
+The peak is the largest of those moments. Which micro-batches are checkpointed follows
+``checkpoint_stop``: ``'always'`` all, ``'except_last'`` all but the last, ``'never'`` none.
+
+In one process (``fxpipe.pipeline``) the model's output is merged over all micro-batches
+and held by the caller through the step, and the loss's gradient for all of it arrives
+at once, when the backward begins: both are counted, ``chunks`` micro-batches' worth.
+
+Static bytes per device (:func:`static_bytes`): each stage's parameters once, their
+gradients once, the optimizer state (``'sgd'``: none; ``'momentum'``: one copy; ``'adam'``:
+two copies, in the parameters' dtype), and, for ``fxpipe.distributed``, torch's receive
+buffers: a ``PipelineStage`` allocates one activation buffer and one gradient buffer per
+micro-batch up front (torch 2.x ``_prepare_forward_infra`` / ``_prepare_backward_infra``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Mapping, Sequence
+
+from ._activations import StageActivations
+from ._orders import Action
+
+__all__ = ["LOSS_COPIES", "OPTIMIZER_STATES", "checkpointed", "activation_peaks", "static_bytes"]
+
+#: the loss's backward over the merged output, in copies of it: its gradient and one temporary
+#: (an elementwise or softmax loss: ``2 * out * grad``, ``softmax - onehot``)
+LOSS_COPIES = 3
+
+#: copies of the parameters each optimizer keeps
+OPTIMIZER_STATES = {"none": 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
+def checkpointed(mode: str, chunks: int) -> int:
+    """How many leading micro-batches are checkpointed (``runtime._frontend.checkpoint_stop``)."""
+    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequence[StageActivations],
+                     mode: str, chunks: int, *, merged_output: bool = False) -> Dict[Hashable, int]:
+    """Peak activation bytes per device along its actions (see the module docstring).
+
+    ``merged_output``: the single-process pipeline, whose output all micro-batches share
+    one device with the last stage: count the merged output, the loss's backward over it
+    (:data:`LOSS_COPIES`) and the gradient it leaves."""
+    stop = checkpointed(mode, chunks)
+    last = len(stages) - 1
+    peaks: Dict[Hashable, int] = {}
+    for device, actions in orders.items():
+        held = peak = 0
+        own: Dict[tuple[int, int], int] = {}
+        last_backwards = sum(1 for a in actions if a.stage == last and a.kind in "BI")
+        seen_last = 0
+        for a in actions:
+            st = stages[a.stage]
+            ck = 1 if a.mb < stop else 0
+            if a.kind == "F":
+                held += st.held[ck]
+                own[(a.stage, a.mb)] = st.held[ck]
+                peak = max(peak, held + st.forward)
+                if merged_output and a.stage == last:
+                    held += st.outputs
+                    if a.mb == chunks - 1:
+                        peak = max(peak, held)
+                continue
+            if a.kind == "W":
+                mine = own.pop((a.stage, a.mb), 0)
+                peak = max(peak, held + (st.peak[ck] - st.held[ck] if ck else 0))
+                held -= mine
+                continue
+            mine = own.get((a.stage, a.mb), 0)
+            extra = 0
+            if merged_output and a.stage == last:
+                if seen_last == 0:  # the loss's backward over the whole merged output
+                    peak = max(peak, held + LOSS_COPIES * chunks * st.outputs)
+                    held += chunks * st.outputs  # its gradient, until every micro-batch took its share
+                extra = -st.outputs  # the task's own share of it is in its peak already
+                seen_last += 1
+            peak = max(peak, held - mine + st.peak[ck] + extra)
+            if a.kind == "I":
+                keep = min(mine, st.weight_held)
+                own[(a.stage, a.mb)] = keep
+                held -= mine - keep
+            else:
+                own.pop((a.stage, a.mb), None)
+                held -= mine
+            if merged_output and a.stage == last and seen_last == last_backwards:
+                held -= chunks * st.outputs
+        peaks[device] = peak
+    return peaks
+
+
+def static_bytes(param_bytes: Sequence[int], stage_devices: Sequence[Hashable], optimizer: str,
+                 receive: Sequence[int] = (), chunks: int = 1, send_grads: Sequence[int] = ()) -> Dict[Hashable, int]:
+    """Parameters + gradients + optimizer state of each device's stages, and (distributed)
+    ``chunks`` receive buffers of each stage's inputs and of its outputs' gradients."""
+    copies = 2 + OPTIMIZER_STATES[optimizer]
+    out: Dict[Hashable, int] = {}
+    for s, d in enumerate(stage_devices):
+        extra = 0
+        if receive:
+            extra = chunks * (receive[s] + (send_grads[s] if send_grads else 0))
+        out[d] = out.get(d, 0) + copies * int(param_bytes[s]) + extra
+    return out
+
+
+def devices_in_order(stage_devices: Sequence[Hashable]) -> List[Hashable]:
+    seen: List[Hashable] = []
+    for d in stage_devices:
+        if d not in seen:
+            seen.append(d)
+    return seen

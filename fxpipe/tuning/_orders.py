@@ -1,0 +1,125 @@
+"""Who runs what, in which order: the action list of each device under a schedule.
+
+An action is ``(kind, stage, micro-batch)``: ``'F'`` forward, ``'B'`` full backward, ``'I'``
+input-gradient pass and ``'W'`` weight-gradient pass (zero-bubble schedules). Two sources:
+
+* :func:`single_process_order`: ``fxpipe.pipeline``'s runtime, one process. Forward in
+  clock cycles (tick ``k`` runs every ``(i, j)`` with ``i + j = k``); backward in the exact
+  reverse of that order (autograd runs the latest-created task first; with devices, Fork/Join
+  enforces the same order). Stages on one device run their tasks one after another.
+* :func:`torch_orders`: ``fxpipe.distributed``, one process per rank: the ``pipeline_order``
+  torch's own schedule class builds for every rank (``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``, ...), read from the class itself, so a
+  new torch version's order is the order simulated. The classes are built over stand-in
+  stages that carry only what the order needs (counts and indices): no process group.
+  The one exception is ``Schedule1F1B``: it does not run its ``pipeline_order`` (a drawing,
+  which in torch 2.13 starts the last rank at micro-batch 1 and ends it at one that does not
+  exist) but the loop of its ``_step_microbatches``: ``min(M, K - stage)`` forwards, then one
+  backward and one forward in turn, then the remaining backwards (:func:`one_f_one_b`).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Dict, List, NamedTuple, Sequence
+
+__all__ = ["Action", "single_process_order", "torch_orders", "DISTRIBUTED_SCHEDULES", "placement"]
+
+#: schedules of fxpipe.distributed the tuner knows, with their stages per rank
+DISTRIBUTED_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "interleavedzb": 2, "zbv": 2}
+
+
+class Action(NamedTuple):
+    kind: str  # 'F', 'B', 'I' or 'W'
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+
+def single_process_order(n_stages: int, chunks: int) -> List[Action]:
+    """``fxpipe.pipeline``'s task order: forward clock cycles, then their exact reverse."""
+    forward = [Action("F", j, k - j) for k in range(chunks + n_stages - 1) for j in range(n_stages)
+               if 0 <= k - j < chunks]
+    return forward + [Action("B", a.stage, a.mb) for a in reversed(forward)]
+
+
+def placement(schedule: str, world: int, stages_per_rank: int) -> List[int]:
+    """The rank of each stage (``fxpipe.distributed._schedules.rank_of_stage``'s rule)."""
+    n = world * stages_per_rank
+    if schedule != "zbv":
+        return [k % world for k in range(n)]
+    return [k % world if (k // world) % 2 == 0 else world - 1 - k % world for k in range(n)]
+
+
+_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def torch_orders(schedule: str, world: int, chunks: int) -> Dict[int, List[Action]]:
+    """Each rank's compute actions under torch's class for ``schedule`` (no process group).
+
+    Raises ``ValueError`` (torch's message) when the class refuses ``chunks`` for ``world``.
+    """
+    from fxpipe.distributed._schedules import SCHEDULES
+
+    spr = DISTRIBUTED_SCHEDULES[schedule]
+    cls = SCHEDULES[schedule].torch_class(spr)
+    n = world * spr
+    ranks = placement(schedule, world, spr)
+    import torch
+
+    def stand_in(k: int) -> SimpleNamespace:
+        return SimpleNamespace(num_stages=n, group_size=world, group_rank=ranks[k], stage_index=k,
+                               is_first=k == 0, is_last=k == n - 1, submod=torch.nn.Module(),
+                               stage_index_to_group_rank={})
+
+    if schedule == "1f1b":
+        return {r: one_f_one_b(r, world, chunks) for r in range(world)}
+    orders: Dict[int, List[Action]] = {}
+    if spr == 1:
+        built = cls(stand_in(0), chunks)
+        table = built.pipeline_order
+    else:
+        built = cls([stand_in(k) for k in range(n) if ranks[k] == 0], chunks)
+        table = built.pipeline_order
+    for rank in range(world):
+        actions: List[Action] = []
+        for a in table.get(rank, []):
+            if a is None:
+                continue
+            kind = _KINDS.get(getattr(a.computation_type, "name", str(a.computation_type)))
+            if kind is not None:
+                actions.append(Action(kind, int(a.stage_index), int(a.microbatch_index)))
+        orders[rank] = actions
+    return orders
+
+
+def one_f_one_b(stage: int, n_stages: int, chunks: int) -> List[Action]:
+    """What ``Schedule1F1B._step_microbatches`` runs on ``stage``: warm-up forwards, one
+    backward and one forward in turn, the remaining backwards."""
+    warmup = min(chunks, n_stages - stage)
+    actions = [Action("F", stage, i) for i in range(warmup)]
+    forward, backward = warmup, 0
+    while True:
+        actions.append(Action("B", stage, backward))
+        backward += 1
+        if forward == chunks:
+            break
+        actions.append(Action("F", stage, forward))
+        forward += 1
+    actions.extend(Action("B", stage, i) for i in range(backward, chunks))
+    return actions
+
+
+def check_complete(orders: Dict[int, Sequence[Action]], n_stages: int, chunks: int) -> None:
+    """Every (stage, micro-batch) has one forward and one backward (B, or I and W)."""
+    seen: Dict[tuple[int, int], str] = {}
+    for actions in orders.values():
+        for a in actions:
+            seen[(a.stage, a.mb)] = seen.get((a.stage, a.mb), "") + a.kind
+    for s in range(n_stages):
+        for i in range(chunks):
+            kinds = "".join(sorted(seen.get((s, i), "")))
+            if kinds not in ("BF", "FIW"):
+                raise AssertionError(f"stage {s} micro-batch {i} runs {kinds!r}")

@@ -1,0 +1,130 @@
+"""What ``fxpipe.tune`` returns: every configuration it considered, ranked, and how to build
+the first.
+
+A :class:`Choice` is one configuration with its prediction: step time, bubble, peak memory
+per device (and what it is made of), whether it fits and, if not, why. :class:`Tuning`
+holds them ranked -- fitting ones first, fastest first -- prints as a table, and builds the
+best with the front door its schedule runs on: ``fxpipe.pipeline`` for ``'gpipe'`` (one
+process, the runtime's clock cycles), ``fxpipe.distributed.pipeline`` for torch's schedules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..plan._value import Plan
+from ._units import format_bytes
+
+__all__ = ["Choice", "Tuning"]
+
+
+@dataclass
+class Choice:
+    """One configuration and its prediction."""
+
+    schedule: str
+    n_stages: int
+    chunks: int
+    checkpoint: str
+    #: predicted seconds of one training step, and the idle share of the devices' time
+    step_s: float = 0.0
+    bubble: float = 0.0
+    #: per device: predicted peak bytes (static + activations), and the two parts
+    peak_bytes: Dict[str, float] = field(default_factory=dict)
+    static_bytes: Dict[str, float] = field(default_factory=dict)
+    activation_bytes: Dict[str, float] = field(default_factory=dict)
+    fits: bool = True
+    #: why it does not fit or cannot run ('' when it fits)
+    why: str = ""
+    #: the arguments of the front door that builds it
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    plan: Optional[Plan] = None
+    _tuning: Any = field(default=None, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        """Runs on fxpipe.distributed (one process per rank), not fxpipe.pipeline."""
+        return self.schedule != "gpipe"
+
+    @property
+    def peak(self) -> float:
+        """The largest predicted peak over the devices."""
+        return max(self.peak_bytes.values(), default=0.0)
+
+    def pipeline(self, **more: Any) -> Any:
+        """Builds this configuration: ``fxpipe.pipeline(model, sample, **kwargs)``, or for a
+        torch schedule ``fxpipe.distributed.pipeline(model, sample, **kwargs, **more)`` (which
+        needs ``loss_fn=`` and an initialised process group, on every rank)."""
+        tuning = self._tuning
+        if tuning is None:
+            raise RuntimeError("this Choice belongs to no Tuning: pass its kwargs to fxpipe.pipeline yourself")
+        kwargs = {**self.kwargs, **more}
+        if tuning.sample_kwargs:
+            kwargs.setdefault("sample_kwargs", tuning.sample_kwargs)
+        if self.distributed:
+            import fxpipe.distributed as fpd
+
+            return fpd.pipeline(tuning.model, tuning.sample, **kwargs)
+        from ..api import pipeline
+
+        return pipeline(tuning.model, tuning.sample, **kwargs)
+
+    def row(self) -> List[str]:
+        return [self.schedule, str(self.n_stages), str(self.chunks), self.checkpoint,
+                f"{self.step_s * 1e3:.2f} ms", f"{self.bubble:.1%}", format_bytes(self.peak)]
+
+
+@dataclass
+class Tuning:
+    """Every configuration considered, ranked (``choices[0]`` is the best), and the model and
+    sample they are for. ``print(tuning)`` shows the table."""
+
+    choices: List[Choice]
+    memory: Optional[float]
+    model: Any = field(repr=False, default=None)
+    sample: Any = field(repr=False, default=None)
+    sample_kwargs: Optional[dict] = field(repr=False, default=None)
+    #: where the costs came from ('profile' or 'roofline') and other notes for the table's head
+    notes: List[str] = field(default_factory=list)
+    #: schedules that cannot run here at all, and why
+    skipped: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fitting(self) -> List[Choice]:
+        return [c for c in self.choices if c.fits]
+
+    @property
+    def best(self) -> Choice:
+        """The first-ranked configuration that fits."""
+        if not self.fitting:  # tune() refuses first; reachable only for a hand-made Tuning
+            raise LookupError("no configuration fits")
+        return self.fitting[0]
+
+    def __str__(self) -> str:
+        head = ["rank", "schedule", "stages", "chunks", "checkpoint", "step", "bubble", "peak/device"]
+        rows = [[str(i + 1), *c.row()] for i, c in enumerate(self.fitting)]
+        limit = "no limit" if self.memory is None else format_bytes(self.memory)
+        lines = [f"fxpipe.tune: {len(self.fitting)} of {len(self.choices)} configurations fit ({limit} per device)"]
+        lines += [f"  {n}" for n in self.notes]
+        lines += _table(head, rows[:15])
+        if len(rows) > 15:
+            lines.append(f"  ... and {len(rows) - 15} more that fit")
+        misfits = [c for c in self.choices if not c.fits]
+        if misfits:
+            lines.append(f"do not fit or cannot run ({len(misfits)}), e.g.:")
+            shown = sorted(misfits, key=lambda c: c.peak or float("inf"))[:6]
+            lines += [f"  {c.schedule} stages={c.n_stages} chunks={c.chunks} {c.checkpoint}: {c.why}" for c in shown]
+        for name, why in self.skipped.items():
+            lines.append(f"not considered: {name}: {why}")
+        return "\n".join(lines)
+
+
+def _table(head: List[str], rows: List[List[str]]) -> List[str]:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    left = {1, 4}
+
+    def line(r: List[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    return [line(head), *[line(r) for r in rows]]

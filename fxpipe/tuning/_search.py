@@ -1,0 +1,191 @@
+"""The candidates, each predicted, and their ranking.
+
+A candidate is (schedule, stages, chunks, checkpoint mode). ``'gpipe'`` is
+``fxpipe.pipeline``: one process, one stage per device, the runtime's clock cycles. The
+others are ``fxpipe.distributed`` with torch's schedule of that name: one rank per device,
+one stage per rank (two for the interleaved and V schedules). Each stage count gets one plan
+(``fxpipe.plan``: balanced by profiled time for a model with weights, by parameters on meta),
+and each micro-batch size one recorded forward (:mod:`._nodes`) and, with weights, one
+profile: everything a candidate needs is then arithmetic on those (:mod:`._activations`,
+:mod:`._costs`, :mod:`._simulate`, :mod:`._memory`), so thousands of candidates cost
+milliseconds each.
+
+Ranking: those that fit the memory first, by predicted step time (less peak memory breaks a
+tie); a configuration that fits nowhere says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+
+from ..build import Checked
+from ..capture._prepare import preserved
+from ..plan._make import make_plan
+from ..plan._profile import profile_graph
+from ..plan._value import Plan
+from ._activations import StageActivations, stage_activations
+from ._costs import StageTimes, micro_inputs, stage_times_measured, stage_times_roofline
+from ._memory import activation_peaks, static_bytes
+from ._nodes import Recording, record_nodes
+from ._orders import DISTRIBUTED_SCHEDULES, Action, placement, single_process_order, torch_orders
+from ._result import Choice
+from ._simulate import simulate
+from ._units import format_bytes
+
+__all__ = ["Settings", "Search"]
+
+
+@dataclass
+class Settings:
+    """What the user asked for, checked and in numbers."""
+
+    devices: List[str]               # one label per device (repeats share a device)
+    memory: Optional[float]          # bytes per device (None: no limit)
+    batch: int
+    schedules: Sequence[str]
+    checkpoints: Sequence[str]
+    chunks: Sequence[int]
+    link: float                      # bytes per second between devices
+    optimizer: str
+    device_flops: Optional[float] = None
+    bandwidth: Optional[float] = None
+    efficiency: Optional[float] = None
+    torch_devices: Optional[List[Any]] = None  # the devices fxpipe.pipeline gets (None: labels only)
+    skipped: Dict[str, str] = field(default_factory=dict)
+
+
+class Search:
+    """Plans, recordings and profiles, made once each, and the candidates predicted on them."""
+
+    def __init__(self, model: Any, checked: Checked, settings: Settings, progress: Any) -> None:
+        self.model, self.checked, self.s, self.progress = model, checked, settings, progress
+        self.meta = checked.meta
+        self.flat = checked.capture.flatten_inputs(checked.args, checked.kwargs)
+        self._plans: Dict[int, Plan] = {}
+        self._records: Dict[int, Recording] = {}
+        self._seconds: Dict[int, Dict[str, float]] = {}
+        self._acts: Dict[Tuple[int, int, Tuple[int, ...]], List[StageActivations]] = {}
+
+    # -- made once -----------------------------------------------------------------------------
+    def plan(self, n_stages: int) -> Plan:
+        if n_stages not in self._plans:
+            chunks = max(c for c in self.s.chunks)
+            balance_by = "params" if self.meta else "time"
+            with preserved(self.model):
+                self._plans[n_stages] = make_plan(self.checked.capture, self.checked.args, self.checked.kwargs,
+                                                  n_stages, balance_by=balance_by, chunks=chunks,
+                                                  batching=self.checked.batching, progress=self.progress)
+        return self._plans[n_stages]
+
+    def micro(self, size: int) -> List[Any]:
+        return micro_inputs(self.checked.batching, self.flat, size)
+
+    def record(self, size: int) -> Recording:
+        if size not in self._records:
+            with preserved(self.model):
+                self._records[size] = record_nodes(self.checked.capture.graph_module, self.micro(size))
+        return self._records[size]
+
+    def seconds(self, size: int) -> Dict[str, float]:
+        if size not in self._seconds:
+            with preserved(self.model):
+                costs = profile_graph(self.checked.capture.graph_module, self.micro(size))
+            self._seconds[size] = {name: c.seconds for name, c in costs.items()}
+        return self._seconds[size]
+
+    def times(self, plan: Plan, size: int) -> List[StageTimes]:
+        rec = self.record(size)
+        if self.s.device_flops is not None:
+            return stage_times_roofline(rec, plan.assignment, plan.n_stages, self.s.device_flops,
+                                        self.s.bandwidth or float("inf"), self.s.efficiency)
+        return stage_times_measured(rec, self.seconds(size), plan.assignment, plan.n_stages)
+
+    # -- one candidate -------------------------------------------------------------------------
+    def layout(self, schedule: str) -> Tuple[int, List[Hashable]]:
+        """(stages, the device of each stage)."""
+        n = len(self.s.devices)
+        if schedule == "gpipe":
+            return n, list(self.s.devices)
+        spr = DISTRIBUTED_SCHEDULES[schedule]
+        return n * spr, [self.s.devices[r] for r in placement(schedule, n, spr)]
+
+    def orders(self, schedule: str, n_stages: int, chunks: int, where: List[Hashable]) -> Dict[Hashable, List[Action]]:
+        if schedule == "gpipe":
+            order = single_process_order(n_stages, chunks)
+            return {d: [a for a in order if where[a.stage] == d] for d in dict.fromkeys(where)}
+        by_rank = torch_orders(schedule, len(self.s.devices), chunks)
+        return {self.s.devices[r]: acts for r, acts in by_rank.items()}
+
+    def predict(self, schedule: str, chunks: int, mode: str) -> Choice:
+        n_stages, where = self.layout(schedule)
+        choice = Choice(schedule, n_stages, chunks, mode)
+        if self.s.batch % chunks:
+            choice.fits, choice.why = False, f"chunks={chunks} does not divide the batch of {self.s.batch}"
+            return choice
+        try:
+            orders = self.orders(schedule, n_stages, chunks, where)
+        except ValueError as e:  # torch's schedule refuses this chunks for this world size
+            choice.fits, choice.why = False, f"torch's schedule refuses it: {str(e).splitlines()[0]}"
+            return choice
+        plan = self.plan(n_stages)
+        size = self.s.batch // chunks
+        pools = [list(dict.fromkeys(where)).index(d) for d in where]
+        acts = self._activations(plan, size, tuple(pools))
+        times = self.times(plan, size)
+        stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+        def duration(a: Action) -> float:
+            t = times[a.stage]
+            recompute = t.forward if a.mb < stop else 0.0
+            return {"F": t.forward, "B": t.backward + recompute, "I": t.input_grad + recompute,
+                    "W": t.weight_grad + (recompute if a.mb < stop else 0.0)}[a.kind]
+
+        def send(a: Action) -> float:
+            nbytes = acts[a.stage].received if a.kind == "F" else acts[min(a.stage + 1, n_stages - 1)].received
+            return nbytes / self.s.link
+
+        timeline = simulate(orders, duration, where, send)
+        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe")
+        params = [st.param_bytes for st in plan.stages]
+        if schedule == "gpipe":
+            static = static_bytes(params, where, self.s.optimizer)
+        else:
+            static = static_bytes(params, where, self.s.optimizer, receive=[a.received for a in acts], chunks=chunks,
+                                  send_grads=[acts[s + 1].received if s + 1 < n_stages else 0 for s in range(n_stages)])
+        choice.step_s, choice.bubble = timeline.step_s, timeline.bubble
+        for d in orders:
+            label = str(d)
+            choice.static_bytes[label] = float(static.get(d, 0))
+            choice.activation_bytes[label] = float(peaks.get(d, 0))
+            choice.peak_bytes[label] = choice.static_bytes[label] + choice.activation_bytes[label]
+        choice.plan = plan
+        choice.kwargs = self._kwargs(schedule, n_stages, chunks, mode, plan)
+        if self.s.memory is not None and choice.peak > self.s.memory:
+            worst = max(choice.peak_bytes, key=choice.peak_bytes.__getitem__)
+            choice.fits = False
+            choice.why = (f"needs {format_bytes(choice.peak)} on device {worst} "
+                          f"(parameters, gradients and optimizer state {format_bytes(choice.static_bytes[worst])}, "
+                          f"activations {format_bytes(choice.activation_bytes[worst])})")
+        return choice
+
+    def _activations(self, plan: Plan, size: int, pools: Tuple[int, ...]) -> List[StageActivations]:
+        key = (plan.n_stages, size, pools)
+        if key not in self._acts:
+            self._acts[key] = stage_activations(self.record(size), plan.assignment, plan.n_stages, list(pools))
+        return self._acts[key]
+
+    def _kwargs(self, schedule: str, n_stages: int, chunks: int, mode: str, plan: Plan) -> Dict[str, Any]:
+        if schedule == "gpipe":
+            kwargs: Dict[str, Any] = {"n_stages": n_stages, "chunks": chunks, "checkpoint": mode, "plan": plan}
+            if self.s.torch_devices is not None:
+                kwargs["devices"] = list(self.s.torch_devices)
+            return kwargs
+        return {"chunks": chunks, "schedule": schedule, "stages_per_rank": DISTRIBUTED_SCHEDULES[schedule],
+                "checkpoint": mode, "plan": plan}
+
+    def run(self) -> List[Choice]:
+        choices = [self.predict(schedule, chunks, mode)
+                   for schedule in self.s.schedules if schedule not in self.s.skipped
+                   for chunks in self.s.chunks for mode in self.s.checkpoints]
+        return sorted(choices, key=lambda c: (not c.fits, c.step_s if c.fits else float("inf"), c.peak))

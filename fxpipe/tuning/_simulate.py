@@ -1,0 +1,104 @@
+"""An action list, timed: step time and bubble fraction of one training step.
+
+Each device runs its actions in its list's order, one at a time; an action starts when its
+device is free and its inputs are there:
+
+* ``F(s, i)`` after ``F(s-1, i)``, plus the send of what stage ``s`` receives when the two
+  stages are on different devices (bytes over the link: sends overlap compute, as
+  torch's asynchronous ``isend`` / fxpipe's copy streams do);
+* ``B(s, i)`` / ``I(s, i)`` after ``F(s, i)`` and after ``B`` or ``I`` of ``(s+1, i)`` plus the
+  send of the gradient back;
+* ``W(s, i)`` after ``I(s, i)``.
+
+The step time is when the last action ends; the bubble fraction is the share of device time
+spent idle, ``1 - busy / (devices * step)``: for ``K`` equal stages on ``K`` devices and
+``M`` micro-batches under GPipe it is ``(K-1) / (M+K-1)``. A list whose orders wait on each
+other forever is refused (``ValueError`` naming the stuck actions), never looped on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Hashable, List, Mapping, Sequence
+
+from ._orders import Action
+
+__all__ = ["Timeline", "simulate"]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """When each action ran, and what that adds up to."""
+
+    start: Dict[Action, float]
+    end: Dict[Action, float]
+    step_s: float
+    busy_s: Dict[Hashable, float]
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of all devices' time over the step."""
+        if self.step_s <= 0 or not self.busy_s:
+            return 0.0
+        return 1.0 - sum(self.busy_s.values()) / (len(self.busy_s) * self.step_s)
+
+    def order(self) -> List[Action]:
+        """Every action, by start time (ties: by end, then stage)."""
+        return sorted(self.start, key=lambda a: (self.start[a], self.end[a], a.stage))
+
+
+def simulate(orders: Mapping[Hashable, Sequence[Action]], duration: Callable[[Action], float],
+             device_of_stage: Sequence[Hashable], send_s: Callable[[Action], float] = lambda a: 0.0) -> Timeline:
+    """Times ``orders`` (device -> its actions in order). ``duration(a)`` is an action's
+    compute time; ``send_s(a)`` the transfer it waits for when its input comes from another
+    device (``F``: the activations stage ``a.stage`` receives; ``B``/``I``: the gradient from
+    stage ``a.stage + 1``)."""
+    n_stages = len(device_of_stage)
+    kinds = {(a.stage, a.mb): a.kind for acts in orders.values() for a in acts if a.kind in "BI"}
+    end: Dict[Action, float] = {}
+    start: Dict[Action, float] = {}
+    free = {d: 0.0 for d in orders}
+    busy = {d: 0.0 for d in orders}
+    pos = {d: 0 for d in orders}
+
+    def ready(a: Action) -> float | None:
+        deps: List[tuple[Action, bool]] = []  # (action, crosses devices)
+        if a.kind == "F":
+            if a.stage > 0:
+                deps.append((Action("F", a.stage - 1, a.mb), True))
+        elif a.kind in "BI":
+            deps.append((Action("F", a.stage, a.mb), False))
+            if a.stage < n_stages - 1:
+                deps.append((Action(kinds.get((a.stage + 1, a.mb), "B"), a.stage + 1, a.mb), True))
+        else:
+            deps.append((Action("I", a.stage, a.mb), False))
+        t = 0.0
+        for dep, crosses in deps:
+            if dep not in end:
+                return None
+            extra = 0.0
+            if crosses and device_of_stage[dep.stage] != device_of_stage[a.stage]:
+                extra = send_s(a)
+            t = max(t, end[dep] + extra)
+        return t
+
+    remaining = sum(len(v) for v in orders.values())
+    while remaining:
+        progressed = False
+        for d, acts in orders.items():
+            while pos[d] < len(acts):
+                a = acts[pos[d]]
+                t = ready(a)
+                if t is None:
+                    break
+                s = max(t, free[d])
+                start[a], end[a] = s, s + duration(a)
+                free[d] = end[a]
+                busy[d] += end[a] - s
+                pos[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(acts[pos[d]]) for d, acts in orders.items() if pos[d] < len(acts)]
+            raise ValueError(f"the action lists wait on each other forever (next actions: {', '.join(stuck)})")
+    return Timeline(start, end, max(end.values(), default=0.0), busy)

@@ -1,0 +1,61 @@
+"""Sizes and rates as people write them: ``'80GiB'``, ``'450GB/s'``, ``'790e12'``, ``64``.
+
+Binary prefixes (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers
+of 1000, as the IEC and SI define them (GPU memory is sold in GiB-ish "GB", links in decimal
+GB/s: say which you mean). A bad value is an :class:`~fxpipe.errors.ArgumentError` naming
+the argument and the forms it takes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional, Union
+
+from ..errors import ArgumentError
+
+__all__ = ["parse_bytes", "parse_rate", "format_bytes"]
+
+_PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
+           "ki": 1024.0, "mi": 1024.0 ** 2, "gi": 1024.0 ** 3, "ti": 1024.0 ** 4, "pi": 1024.0 ** 5}
+_FORM = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]i?)?\s*(b|bytes?|flops?|/s|b/s|flop/s)?\s*(/s)?\s*$",
+                   re.IGNORECASE)
+
+Size = Union[int, float, str]
+
+
+def _parse(value: Size, argument: str, example: str) -> float:
+    if isinstance(value, bool):
+        raise ArgumentError(f"{argument} must be a number or a string such as {example!r}, got {value!r}",
+                            argument=argument)
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = _FORM.match(str(value))
+        if not match:
+            raise ArgumentError(f"{argument}={value!r} is not a size: write a number, or a number with a unit "
+                                f"such as {example!r} (KiB/MiB/GiB: powers of 1024; KB/MB/GB: of 1000)",
+                                argument=argument)
+        number = float(match.group(1)) * _PREFIX[(match.group(2) or "").lower()]
+    if not (number > 0 and math.isfinite(number)):
+        raise ArgumentError(f"{argument} must be positive and finite, got {value!r}", argument=argument)
+    return number
+
+
+def parse_bytes(value: Optional[Size], argument: str) -> Optional[float]:
+    """``'80GiB'`` -> 85899345920.0; None stays None (no limit)."""
+    return None if value is None else _parse(value, argument, "80GiB")
+
+
+def parse_rate(value: Optional[Size], argument: str, example: str = "450GB/s") -> Optional[float]:
+    """``'450GB/s'`` -> 4.5e11 (per second); ``'790e12'`` -> 7.9e14; None stays None."""
+    return None if value is None else _parse(value, argument, example)
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

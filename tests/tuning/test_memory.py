@@ -1,0 +1,134 @@
+"""Memory accounting against hand counts: stage activations from a hand-made recording, the
+schedule walk, the static bytes, and the recorder against autograd's own saved tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe.build import BuildOptions, capture_and_check
+from fxpipe.capture._prepare import preserved
+from fxpipe.tuning._activations import StageActivations, stage_activations
+from fxpipe.tuning._memory import LOSS_COPIES, activation_peaks, static_bytes
+from fxpipe.tuning._nodes import NodeRecord, Recording, record_nodes
+from fxpipe.tuning._orders import single_process_order
+
+
+def hand_recording() -> Recording:
+    """x (external) -> lin1 -> relu -> lin2 -> output; relu saves its output, lin2 its input
+    (the same storage), lin1 its input (external: not counted)."""
+    return Recording([
+        NodeRecord("lin1", makes={10: 100}, grad_out={10: 100}, grad_params=40),
+        NodeRecord("relu", makes={11: 100}, reads={10: 100}, saves={11: 100}, grad_in={10: 100}, grad_out={11: 100}),
+        NodeRecord("lin2", makes={12: 50}, reads={11: 100}, saves={11: 100}, grad_in={11: 100}, grad_out={12: 50},
+                   grad_params=20),
+    ], outputs={12: 50}, external={1})
+
+
+def test_stage_activations_by_hand() -> None:
+    s0, s1 = stage_activations(hand_recording(), {"lin1": 0, "relu": 1, "lin2": 1}, 2, pool=[0, 0])
+    assert s0.held == (0, 0)        # nothing saved; receives only the external input
+    assert s1.held == (100, 100)    # relu's output saved once (two savers, one storage); receives lin1's output
+    # stage 0 backward: the incoming gradient of lin1's output (100) + its weight-gradient temporary (40)
+    assert s0.peak[0] == 140
+    # stage 1: saved 100 + output gradient 50; lin2 makes relu's gradient (100, peak with its 20 weight
+    # temporary: 270), frees its output's; relu makes lin1's output gradient (100): 300
+    assert s1.peak[0] == 300
+    # checkpointed: received 100, recompute makes 100 (saved) + 50 (output, dropped after) -> 250 + 50 incoming
+    # gradient; then the backward from received + saved: 200 + 50 + 100 (relu grad) + 100 (lin1's) = 400
+    assert s1.peak[1] == 400
+    assert s1.forward == 0
+    assert s1.weight_held == 150    # lin2's saved input and its output gradient
+    assert (s0.outputs, s1.outputs) == (0, 50)
+    assert s1.received == 100
+
+
+def test_separate_devices_count_a_shared_storage_on_each() -> None:
+    rec = hand_recording()
+    rec.nodes[1].saves = {10: 100, 11: 100}  # relu also saves its input (made on stage 0)
+    rec.nodes[0].saves = {10: 100}           # and lin1 its output
+    one_pool = stage_activations(rec, {"lin1": 0, "relu": 1, "lin2": 1}, 2, pool=[0, 0])
+    two = stage_activations(rec, {"lin1": 0, "relu": 1, "lin2": 1}, 2, pool=[0, 1])
+    assert [s.held[0] for s in one_pool] == [100, 100]   # 10 counted at its first saver only
+    assert [s.held[0] for s in two] == [100, 200]        # stage 1 holds its own copy of 10
+
+
+def acts(held, peak, outputs=0) -> StageActivations:
+    return StageActivations(held, peak, 0, 0, 0, outputs)
+
+
+def test_schedule_walk_by_hand() -> None:
+    """Two stages on one device, two micro-batches, fxpipe.pipeline's order:
+    F00 F01 F10 F11, then B11 B10 B01 B00 (stage, micro-batch)."""
+    stages = [acts((10, 0), (15, 12)), acts((20, 4), (30, 26))]
+    order = {0: single_process_order(2, 2)}
+    # never: 60 held after forward; B(1,1): 60 - 20 + 30
+    assert activation_peaks(order, stages, "never", 2)[0] == 70
+    # always: 8 held; B(1,1): 8 - 4 + 26
+    assert activation_peaks(order, stages, "always", 2)[0] == 30
+    # except_last: micro-batch 0 checkpointed (4), micro-batch 1 not (30); B(1,1): 34 - 20 + 30
+    assert activation_peaks(order, stages, "except_last", 2)[0] == 44
+
+
+def test_merged_output_and_loss_are_counted_once() -> None:
+    stages = [acts((10, 0), (15, 12)), acts((20, 4), (30, 26), outputs=5)]
+    order = {0: single_process_order(2, 2)}
+    # forward leaves 60 + the merged output 10; the loss: + LOSS_COPIES * 10; then its gradient (10)
+    # stays while B(1,1) runs: 70 + 10 - 20 + 30 - 5 (the task's own share is in its peak)
+    expected = max(70 + LOSS_COPIES * 10, 70 + 10 - 20 + 30 - 5)
+    assert activation_peaks(order, stages, "never", 2, merged_output=True)[0] == expected
+
+
+def test_weight_pass_keeps_its_share() -> None:
+    from fxpipe.tuning._orders import Action
+
+    st = [StageActivations((100, 10), (150, 60), 0, 30, 0, 0)]
+    order = {0: [Action("F", 0, 0), Action("F", 0, 1), Action("I", 0, 0), Action("I", 0, 1),
+                 Action("W", 0, 0), Action("W", 0, 1)]}
+    # after both I: 2 * 30 held; peaks: I(0,0) 200 - 100 + 150 = 250
+    assert activation_peaks(order, st, "never", 2)[0] == 250
+
+
+def test_static_bytes_by_hand() -> None:
+    # params + grads + Adam's two moments = 4 copies; stages 0 and 1 share device 'a'
+    assert static_bytes([100, 50, 10], ["a", "a", "b"], "adam") == {"a": 600, "b": 40}
+    assert static_bytes([100], ["a"], "sgd") == {"a": 200}
+    # receive buffers: chunks x (activations in + gradients of the outputs)
+    assert static_bytes([0, 0], [0, 1], "sgd", receive=[0, 8], chunks=4, send_grads=[8, 0]) == {0: 32, 1: 32}
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+def test_recorder_matches_autograds_saved_tensors() -> None:
+    """The saved bytes the recorder sees, summed over stages of one pool, are the distinct
+    storages eager's forward saves (parameters and the input left out)."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(6, 16)
+    with preserved(model):
+        checked = capture_and_check(model, (x,), {}, BuildOptions(2, balance_by="params"))
+        gm = checked.capture.graph_module
+        rec = record_nodes(gm, checked.capture.flatten_inputs((x,), {}))
+    names = [r.name for r in rec.nodes]
+    assignment = {n: (0 if i < len(names) // 2 else 1) for i, n in enumerate(names)}
+    total = sum(s.held[0] for s in stage_activations(rec, assignment, 2, pool=[0, 0]))
+    external = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in external:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    assert total == sum(seen.values()) > 0
+    assert sum(rec.outputs.values()) == out.numel() * 4

@@ -1,0 +1,126 @@
+"""fxpipe.tune end to end on small models: the ranked result, building its best, the
+refusal naming the smallest requirement, argument errors, meta models, the command line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import ArgumentError, MemoryBudgetError
+from fxpipe.tuning import Tuning
+from fxpipe.tuning._units import parse_bytes, parse_rate
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+def test_tune_ranks_and_builds_its_best_leaving_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    t = fxpipe.tune(model, x, ["cpu"] * 2, schedules=("gpipe",), chunks=[1, 2, 4], optimizer="sgd")
+    assert isinstance(t, Tuning) and len(t.choices) == 9 and all(c.fits for c in t.choices)
+    steps = [c.step_s for c in t.choices]
+    assert steps == sorted(steps) and t.best is t.choices[0]
+    text = str(t)
+    assert "rank" in text and "checkpoint" in text and "gpipe" in text
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    pipe = t.best.pipeline(progress=False)
+    try:
+        assert pipe.chunks == t.best.chunks and pipe.checkpoint == t.best.checkpoint
+        assert pipe.plan is t.best.plan
+        torch.testing.assert_close(pipe(x), model(x))
+    finally:
+        pipe.close()
+
+
+def test_nothing_fits_names_the_smallest_requirement() -> None:
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    free = fxpipe.tune(model, x, ["cpu"] * 2, schedules=("gpipe",), chunks=[1, 2, 4], optimizer="adam")
+    least = min(c.peak for c in free.choices)
+    with pytest.raises(MemoryBudgetError, match="smallest requirement") as info:
+        fxpipe.tune(model, x, ["cpu"] * 2, "1KiB", schedules=("gpipe",), chunks=[1, 2, 4], optimizer="adam")
+    assert info.value.required == pytest.approx(least)
+    assert info.value.budget == 1024
+    assert isinstance(info.value, ValueError)
+    # just enough memory for the smallest: that one fits, and is the only one if it is unique
+    t = fxpipe.tune(model, x, ["cpu"] * 2, least, schedules=("gpipe",), chunks=[1, 2, 4], optimizer="adam")
+    assert t.best.peak <= least and all(c.peak > least for c in t.choices if not c.fits)
+
+
+@pytest.mark.parametrize("kwargs,argument", [
+    ({"memory": "lots"}, "memory"),
+    ({"memory": -1}, "memory"),
+    ({"schedules": ("pipedream",)}, "schedules"),
+    ({"checkpoint": ("sometimes",)}, "checkpoint"),
+    ({"optimizer": "lion"}, "optimizer"),
+    ({"device_flops": 1e12}, "device_flops"),
+    ({"devices": 0}, "devices"),
+    ({"chunks": [0]}, "chunks"),
+])
+def test_bad_arguments_are_named(kwargs: dict, argument: str) -> None:
+    with pytest.raises(ArgumentError) as info:
+        fxpipe.tune(MLP(), torch.randn(4, 32), **{"devices": ["cpu"] * 2, **kwargs})
+    assert info.value.argument == argument
+
+
+def test_a_meta_model_is_tuned_from_shapes() -> None:
+    with torch.device("meta"):
+        model = MLP()
+    x = torch.randn(16, 32)
+    with pytest.raises(ArgumentError, match="device_flops"):
+        fxpipe.tune(model, x, 2)
+    t = fxpipe.tune(model, x, 2, "1GiB", device_flops=1e12, bandwidth=1e11, chunks=[2, 4, 8])
+    names = {c.schedule for c in t.choices}
+    assert names == {"gpipe", "1f1b", "interleaved1f1b", "zbv"}
+    assert any(c.distributed for c in t.fitting)
+    refused = [c for c in t.choices if "torch's schedule refuses" in c.why]
+    assert all(c.schedule != "gpipe" for c in refused)
+    d = next(c for c in t.fitting if c.distributed)
+    assert d.kwargs["schedule"] == d.schedule and d.kwargs["plan"].n_stages == d.n_stages
+
+
+def test_units() -> None:
+    assert parse_bytes("80GiB", "memory") == 80 * 2 ** 30
+    assert parse_bytes("24 GB", "memory") == 24e9
+    assert parse_bytes(1024, "memory") == 1024
+    assert parse_rate("450GB/s", "link") == 450e9
+    assert parse_rate("790e12", "device_flops") == 790e12
+    assert parse_bytes(None, "memory") is None
+
+
+def test_command_line_tunes_an_hf_model_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from fxpipe.cli._main import main
+
+    code = main(["tune", "hf:llama", "--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set",
+                 "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+                 "--set", "vocab_size=128", "--devices", "2", "--memory", "1GiB", "--batch", "4x16",
+                 "--device-flops", "1e12", "--bandwidth", "1e11", "--chunks", "2", "4", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "best:" in out and "rank" in out
+
+
+def test_command_line_refusal_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from fxpipe.cli._main import main
+
+    code = main(["tune", "hf:llama", "--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set",
+                 "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+                 "--set", "vocab_size=128", "--devices", "2", "--memory", "1KiB", "--batch", "4x16",
+                 "--device-flops", "1e12", "--bandwidth", "1e11", "--chunks", "2", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "smallest requirement" in err[0]
