@@ -184,8 +184,14 @@ class Search:
         return {"chunks": chunks, "schedule": schedule, "stages_per_rank": DISTRIBUTED_SCHEDULES[schedule],
                 "checkpoint": mode, "plan": plan}
 
+    def _same_as_never(self, chunks: int, mode: str) -> bool:
+        """``'except_last'`` with one micro-batch checkpoints nothing: the run of ``'never'``,
+        listed once (as ``'never'``) when both are candidates."""
+        return chunks == 1 and mode == "except_last" and "never" in self.s.checkpoints
+
     def run(self) -> List[Choice]:
         choices = [self.predict(schedule, chunks, mode)
                    for schedule in self.s.schedules if schedule not in self.s.skipped
-                   for chunks in self.s.chunks for mode in self.s.checkpoints]
+                   for chunks in self.s.chunks for mode in self.s.checkpoints
+                   if not self._same_as_never(chunks, mode)]
         return sorted(choices, key=lambda c: (not c.fits, c.step_s if c.fits else float("inf"), c.peak))

@@ -28,7 +28,9 @@ def test_tune_ranks_and_builds_its_best_leaving_the_model_as_it_was() -> None:
     model, x = MLP(), torch.randn(8, 32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     t = fxpipe.tune(model, x, ["cpu"] * 2, schedules=("gpipe",), chunks=[1, 2, 4], optimizer="sgd")
-    assert isinstance(t, Tuning) and len(t.choices) == 9 and all(c.fits for c in t.choices)
+    # 3 chunk counts x 3 modes, less chunks=1 'except_last' (it checkpoints nothing: the 'never' run)
+    assert isinstance(t, Tuning) and len(t.choices) == 8 and all(c.fits for c in t.choices)
+    assert not any(c.chunks == 1 and c.checkpoint == "except_last" for c in t.choices)
     steps = [c.step_s for c in t.choices]
     assert steps == sorted(steps) and t.best is t.choices[0]
     text = str(t)
