@@ -46,6 +46,15 @@ def test_under_torchrun_the_group_is_started_for_the_hardware(one_rank: list[dic
     assert r["device"] == "cpu" and r["grad_devices"] == ["cpu"]
 
 
+def test_two_torchrun_ranks_without_a_group_train_exactly(tmp_path: Path) -> None:
+    """The group fxpipe starts from torchrun's environment joins several ranks: 2 ranks, a V of
+    4 stages, the U-Net's skips crossing ranks."""
+    cases = {"unet-zbv": ("zbv", 2, 4)}
+    results = spawn(2, cases, tmp_path, {"torchrun": True})
+    assert [r["backend"] for r in results] == ["gloo", "gloo"]
+    check(results, cases)
+
+
 def test_a_device_the_backend_cannot_send_from_is_refused(one_rank: list[dict]) -> None:
     r = one_rank[0]
     assert "would run its stages on 'cuda'" in r["refused_cuda"] and "uses 'gloo'" in r["refused_cuda"]
