@@ -13,6 +13,7 @@ import re
 from typing import Optional, Union
 
 from ..errors import ArgumentError
+from ..plan._value import human_bytes
 
 __all__ = ["parse_bytes", "parse_rate", "format_bytes"]
 
@@ -52,10 +53,5 @@ def parse_rate(value: Optional[Size], argument: str, example: str = "450GB/s") -
     return None if value is None else _parse(value, argument, example)
 
 
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+#: 1536 -> '1.5 KiB': sizes are written as the plan writes them
+format_bytes = human_bytes
