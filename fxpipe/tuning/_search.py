@@ -146,7 +146,8 @@ class Search:
             return nbytes / self.s.link
 
         timeline = simulate(orders, duration, where, send)
-        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe")
+        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe",
+                                 torch_stages=schedule != "gpipe")
         params = [st.param_bytes for st in plan.stages]
         if schedule == "gpipe":
             static = static_bytes(params, where, self.s.optimizer)
