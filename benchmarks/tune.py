@@ -19,10 +19,15 @@ For each model (``tests/zoo.py``'s ``TinyGPT(vocab=64, d=64, heads=4, layers=8, 
   Budgets filter the one tuning's predictions, as ``fxpipe.tune(..., memory=budget)`` does
   (a second call would profile again, and plan on other timings).
 
+With ``--distributed`` (``benchmarks/_tune_dist.py``): the distributed schedules on 2 gloo
+ranks, each rank's predicted activation peak against its measured one, and each rank's
+measured action order against the simulated one.
+
 Usage::
 
     .venv/bin/python benchmarks/tune.py                 # both models
     .venv/bin/python benchmarks/tune.py --models gpt --steps 3
+    .venv/bin/python benchmarks/tune.py --distributed   # also the gloo ranks
 """
 
 from __future__ import annotations
@@ -150,21 +155,42 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--out", default=None)
+    p.add_argument("--distributed", action="store_true", help="also the distributed schedules on gloo ranks")
+    p.add_argument("--only-distributed", action="store_true", help="only the gloo ranks")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--dist-chunks", nargs="+", type=int, default=[2, 4, 8])
     a = p.parse_args(argv)
     results = []
-    for name in a.models:
+    for name in ([] if a.only_distributed else a.models):
         res = run_model(name, a)
         print_tables(res)
         results.append(res)
-    worst_mem = max(abs(1 - r["memory_ratio"]) for res in results for r in res["rows"])
+    distributed = []
+    if a.distributed or a.only_distributed:
+        import tempfile
+
+        import _tune_dist
+
+        for name in a.models:
+            model, x, what = build(name)
+            with tempfile.TemporaryDirectory() as tmp:
+                res = _tune_dist.run(model, x, a.world, a.dist_chunks, Path(tmp), what)
+            _tune_dist.print_table(res)
+            distributed.append(res)
+    worst_mem = max((abs(1 - r["memory_ratio"]) for res in results for r in res["rows"]), default=0.0)
     worst_choice = max((c["ratio"] for res in results for c in res["choices"] if "ratio" in c), default=1.0)
     print(f"\nworst memory error {worst_mem:.1%} (goal 10%); worst first/best measured time {worst_choice:.3f} (goal 1.05)")
+    if distributed:
+        rows = [r for res in distributed for r in res["rows"]]
+        print(f"gloo ranks: worst memory error {max(abs(1 - r['memory_ratio']) for r in rows):.1%}; action order "
+              f"as simulated on {sum(r['order_same'] for r in rows)} of {len(rows)} (configuration, rank)")
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "tune.json"
     doc = {"benchmark": "tune", "date": _dt.date.today().isoformat(),
            "command": " ".join(["benchmarks/tune.py", *(argv if argv is not None else sys.argv[1:])]),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                        "python": platform.python_version()},
-           "worst_memory_error": worst_mem, "worst_choice_ratio": worst_choice, "models": results}
+           "worst_memory_error": worst_mem, "worst_choice_ratio": worst_choice, "models": results,
+           "distributed": distributed}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}", file=sys.stderr)

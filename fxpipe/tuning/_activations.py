@@ -20,6 +20,10 @@ and a node -> stage assignment, each stage ``s`` gets (:class:`StageActivations`
 * ``forward``: how far ``F(s)``'s own transient storages rise above what it leaves held.
 * ``weight_held``: what a zero-bubble input pass (``I``) leaves for the weight pass (``W``):
   the storages saved by nodes with parameters, and the gradients of those nodes' outputs.
+* ``sent``, ``grads_in``: for torch's ``PipelineStage`` (``fxpipe.distributed``), which keeps
+  a micro-batch's outputs until its backward and, between a zero-bubble input pass and its
+  weight pass, the whole retained graph with the gradients that arrived
+  (:func:`fxpipe.tuning._memory.activation_peaks`).
 
 What this leaves out, on purpose: temporaries inside one operation (an opaque module's
 scratch during its backward; the allocator's rounding), and gradients in flight between two
@@ -50,6 +54,12 @@ class StageActivations:
     received: int
     #: bytes of the model's outputs this stage returns (its last stage only)
     outputs: int
+    #: bytes of the stage's outputs (sent on, or the model's) that ``held`` does not count on
+    #: its device (not / checkpointed): a torch ``PipelineStage`` keeps them until its backward
+    sent: tuple[int, int] = (0, 0)
+    #: bytes of the gradients arriving for the stage's outputs (kept from a zero-bubble
+    #: input pass to its weight pass)
+    grads_in: int = 0
 
 
 class _Storages:
@@ -133,9 +143,15 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         recompute_peak, alive = _recompute(rec, st, nodes, s, mine_ck)
         peak_ck = max(recompute_peak + sum(incoming.values()),
                       _backward_peak(rec, st, nodes, alive, incoming))
+        sent = [0, 0]
+        for key in _sent(rec, st, nodes, s):
+            for ck, attributed in enumerate((attributed_nc, attributed_ck)):
+                if not any(pool[t] == pool[s] for t in attributed.get(key, ())):
+                    sent[ck] += st.bytes[key]
         result.append(StageActivations(
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
-            _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s]))
+            _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
+            sum(incoming.values())))
     return result
 
 
@@ -147,6 +163,13 @@ def _incoming_grads(rec: Recording, st: _Storages, nodes: List[int], s: int) -> 
             if key in rec.outputs or any(st.stage_of[r] > s for r in st.readers.get(key, [])):
                 grads[key] = b
     return grads
+
+
+def _sent(rec: Recording, st: _Storages, nodes: List[int], s: int) -> Set[int]:
+    """Storages the stage makes that later stages read, or that the model returns."""
+    mine = set(nodes)
+    return {key for key, p in st.producer.items() if p in mine and (
+        key in rec.outputs or any(st.stage_of[r] > s for r in st.readers.get(key, [])))}
 
 
 def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[int],

@@ -139,11 +139,16 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
                 skipped[name] = "fxpipe.distributed runs one rank per device, and the devices given repeat"
     settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
                         parse_rate(link, "link") or 0.0, optimizer, flops, bw, efficiency, torch_devices, skipped)
+    search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
-        choices = Search(model, checked, settings, as_progress(progress)).run()
+        choices = search.run()
     notes = [f"costs from {'a roofline (device_flops, bandwidth)' if flops is not None else 'the profile'}; "
              f"memory: parameters + gradients + {optimizer} state + activations"
              + (" + receive buffers (distributed)" if any(s != "gpipe" for s in schedules) else "")]
+    if search.derived:
+        notes.append(f"forwards recorded at micro-batch sizes {', '.join(map(str, sorted(search.recorded)))}; "
+                     f"sizes {', '.join(map(str, sorted(search.derived)))} derived from them (every shape linear "
+                     f"in the size, checked on the largest)")
     tuning = Tuning(choices, budget, model, sample, sample_kwargs, notes, skipped)
     for c in choices:
         c._tuning = tuning

@@ -43,15 +43,19 @@ def checkpointed(mode: str, chunks: int) -> int:
 
 
 def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequence[StageActivations],
-                     mode: str, chunks: int, *, merged_output: bool = False) -> Dict[Hashable, int]:
+                     mode: str, chunks: int, *, merged_output: bool = False,
+                     torch_stages: bool = False) -> Dict[Hashable, int]:
     """Peak activation bytes per device along its actions (see the module docstring).
 
     ``merged_output``: the single-process pipeline, whose output all micro-batches share
     one device with the last stage: count the merged output, the loss's backward over it
-    (:data:`LOSS_COPIES`) and the gradient it leaves."""
+    (:data:`LOSS_COPIES`) and the gradient it leaves. ``torch_stages``: ``fxpipe.distributed``,
+    whose stages are torch ``PipelineStage`` objects (:func:`_torch_stage_peak`)."""
     stop = checkpointed(mode, chunks)
     last = len(stages) - 1
     peaks: Dict[Hashable, int] = {}
+    if torch_stages:
+        return {device: _torch_stage_peak(actions, stages, stop) for device, actions in orders.items()}
     for device, actions in orders.items():
         held = peak = 0
         own: Dict[tuple[int, int], int] = {}
@@ -94,6 +98,41 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
                 held -= chunks * st.outputs
         peaks[device] = peak
     return peaks
+
+
+def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivations], stop: int) -> int:
+    """One rank's peak under torch's ``PipelineStage`` (torch 2.13 ``stage.py``), which keeps
+    more than autograd saves: each micro-batch's outputs until its backward (``fwd_cache``;
+    the last stage's until the step ends, ``output_chunks``); between a zero-bubble input pass
+    and its weight pass the retained graph (everything the stage saved, recomputed ones
+    included: fxpipe recomputes once per micro-batch), its outputs and the gradients that
+    arrived (``backward_state``); and the first stage runs its whole backward in ``W``."""
+    last = len(stages) - 1
+    held = peak = 0
+    own: Dict[tuple[int, int], int] = {}
+    for a in actions:
+        st, key = stages[a.stage], (a.stage, a.mb)
+        ck = 1 if a.mb < stop else 0
+        stays = st.sent[ck] if a.stage == last else 0
+        backward = st.peak[ck] + st.sent[ck]  # its own held bytes are in its peak
+        if a.kind == "F":
+            own[key] = st.held[ck] + st.sent[ck]
+            held += own[key]
+            peak = max(peak, held + st.forward)
+            continue
+        mine = own.pop(key, 0)
+        if a.kind == "I":
+            if a.stage == 0:  # nothing runs: W does the whole backward
+                own[key] = mine + st.grads_in
+            else:
+                peak = max(peak, held - mine + backward)
+                own[key] = max(st.held[0], st.held[ck]) + st.sent[ck] + st.grads_in
+            held += own[key] - mine
+            continue
+        if a.kind == "B" or (a.kind == "W" and a.stage == 0):
+            peak = max(peak, held - mine + backward)
+        held -= mine - stays
+    return peak
 
 
 def static_bytes(param_bytes: Sequence[int], stage_devices: Sequence[Hashable], optimizer: str,

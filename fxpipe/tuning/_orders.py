@@ -16,14 +16,18 @@ input-gradient pass and ``'W'`` weight-gradient pass (zero-bubble schedules). Tw
   which in torch 2.13 starts the last rank at micro-batch 1 and ends it at one that does not
   exist) but the loop of its ``_step_microbatches``: ``min(M, K - stage)`` forwards, then one
   backward and one forward in turn, then the remaining backwards (:func:`one_f_one_b`).
+
+Both are checked against runs (``tests/tuning/test_orders_measured.py``): the order each
+device ran its actions in, read from recorded spans by :func:`measured_orders`.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Dict, List, NamedTuple, Sequence
+from typing import Any, Dict, List, NamedTuple, Sequence
 
-__all__ = ["Action", "single_process_order", "torch_orders", "DISTRIBUTED_SCHEDULES", "placement"]
+__all__ = ["Action", "single_process_order", "torch_orders", "DISTRIBUTED_SCHEDULES", "placement",
+           "measured_orders"]
 
 #: schedules of fxpipe.distributed the tuner knows, with their stages per rank
 DISTRIBUTED_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "interleavedzb": 2, "zbv": 2}
@@ -59,11 +63,18 @@ _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD
 def torch_orders(schedule: str, world: int, chunks: int) -> Dict[int, List[Action]]:
     """Each rank's compute actions under torch's class for ``schedule`` (no process group).
 
-    Raises ``ValueError`` (torch's message) when the class refuses ``chunks`` for ``world``.
+    Raises ``ValueError`` (the message of ``fxpipe.distributed.pipeline``'s refusal, or
+    torch's) when ``fxpipe.distributed`` or the class refuses ``chunks`` for ``world``: an
+    order is only predicted for what can be built.
     """
-    from fxpipe.distributed._schedules import SCHEDULES
+    from fxpipe.distributed._schedules import SCHEDULES, check_schedule
+    from fxpipe.errors import ArgumentError
 
     spr = DISTRIBUTED_SCHEDULES[schedule]
+    try:
+        check_schedule(schedule, spr, chunks, world)
+    except ArgumentError as e:
+        raise ValueError(str(e)) from e
     cls = SCHEDULES[schedule].torch_class(spr)
     n = world * spr
     ranks = placement(schedule, world, spr)
@@ -123,3 +134,31 @@ def check_complete(orders: Dict[int, Sequence[Action]], n_stages: int, chunks: i
             kinds = "".join(sorted(seen.get((s, i), "")))
             if kinds not in ("BF", "FIW"):
                 raise AssertionError(f"stage {s} micro-batch {i} runs {kinds!r}")
+
+
+#: span kinds of the two recorders -> action kinds ('backward' is 'I' where a 'weight' follows)
+_SPAN_KINDS = {"forward": "F", "backward": "B", "weight": "W"}
+
+
+def measured_orders(spans: Sequence[Any], step: int | None = None) -> Dict[Any, List[Action]]:
+    """Each device's actions in the order they started, read from recorded spans: those of
+    ``fxpipe.distributed.trace.record`` (by ``rank``; ``step``: one ``pipe.step`` of several)
+    or of the single-process runtime's ``fxpipe.runtime._timeline.Recorder`` (by ``device``,
+    every partition on one key when they share it). Only compute spans count (forward,
+    backward, weight): a recomputation runs inside its backward, and copies, transfers and
+    the loss are not actions. A backward whose (stage, micro-batch) also has a weight span is
+    a zero-bubble input pass ``I``."""
+    rows = []
+    for s in spans:
+        kind = _SPAN_KINDS.get(s.kind)
+        if kind is None or (step is not None and getattr(s, "step", step) != step):
+            continue
+        stage = s.stage if hasattr(s, "stage") else s.partition
+        rows.append((s.start, getattr(s, "rank", getattr(s, "device", 0)), kind, int(stage), int(s.microbatch)))
+    weights = {(r[3], r[4]) for r in rows if r[2] == "W"}
+    orders: Dict[Any, List[Action]] = {}
+    for _, where, kind, stage, mb in sorted(rows, key=lambda r: r[0]):
+        if kind == "B" and (stage, mb) in weights:
+            kind = "I"
+        orders.setdefault(where, []).append(Action(kind, stage, mb))
+    return orders

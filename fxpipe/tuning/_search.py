@@ -5,8 +5,9 @@ A candidate is (schedule, stages, chunks, checkpoint mode). ``'gpipe'`` is
 others are ``fxpipe.distributed`` with torch's schedule of that name: one rank per device,
 one stage per rank (two for the interleaved and V schedules). Each stage count gets one plan
 (``fxpipe.plan``: balanced by profiled time for a model with weights, by parameters on meta),
-and each micro-batch size one recorded forward (:mod:`._nodes`) and, with weights, one
-profile: everything a candidate needs is then arithmetic on those (:mod:`._activations`,
+and each micro-batch size one recorded forward (:mod:`._nodes`; with four sizes or more,
+two recorded and the others derived where shapes are linear in the size, checked on the
+largest: :mod:`._scaling`) and, with weights, one profile: everything a candidate needs is then arithmetic on those (:mod:`._activations`,
 :mod:`._costs`, :mod:`._simulate`, :mod:`._memory`), so thousands of candidates cost
 milliseconds each.
 
@@ -30,6 +31,7 @@ from ._memory import activation_peaks, static_bytes
 from ._nodes import Recording, record_nodes
 from ._orders import DISTRIBUTED_SCHEDULES, Action, placement, single_process_order, torch_orders
 from ._result import Choice
+from ._scaling import derive, fit, same
 from ._simulate import simulate
 from ._units import format_bytes
 
@@ -66,6 +68,10 @@ class Search:
         self._records: Dict[int, Recording] = {}
         self._seconds: Dict[int, Dict[str, float]] = {}
         self._acts: Dict[Tuple[int, int, Tuple[int, ...]], List[StageActivations]] = {}
+        self._fit: Any = None  # None: not tried; False: the sizes are recorded one by one
+        #: micro-batch sizes recorded, and derived from two of them (checked on a third)
+        self.recorded: List[int] = []
+        self.derived: List[int] = []
 
     # -- made once -----------------------------------------------------------------------------
     def plan(self, n_stages: int) -> Plan:
@@ -82,10 +88,37 @@ class Search:
         return micro_inputs(self.checked.batching, self.flat, size)
 
     def record(self, size: int) -> Recording:
+        """One micro-batch's recording: recorded, or derived (:mod:`._scaling`) when the
+        tuner needs four sizes or more above 1 and the two smallest give the largest exactly."""
+        if size not in self._records:
+            derived = self._derive(size)
+            self._records[size] = derived if derived is not None else self._record_now(size)
+        return self._records[size]
+
+    def _record_now(self, size: int) -> Recording:
         if size not in self._records:
             with preserved(self.model):
                 self._records[size] = record_nodes(self.checked.capture.graph_module, self.micro(size))
+            self.recorded.append(size)
         return self._records[size]
+
+    def _derive(self, size: int) -> Optional[Recording]:
+        # size 1 is recorded as it is: there, reshapes and contiguous() of a batch dim of
+        # one return views, which larger sizes copy (other storages, not a linear change)
+        sizes = sorted({self.s.batch // c for c in self.s.chunks if self.s.batch % c == 0} - {1})
+        if size not in sizes or len(sizes) < 4:
+            return None
+        if self._fit is None:
+            s1, s2, largest = sizes[0], sizes[1], sizes[-1]
+            found = fit(self._record_now(s1), s1, self._record_now(s2), s2)
+            check = derive(found, largest) if found is not None else None
+            self._fit = found if check is not None and same(check, self._record_now(largest)) else False
+        if self._fit is False or size in self._records:
+            return None
+        got = derive(self._fit, size)
+        if got is not None:
+            self.derived.append(size)
+        return got
 
     def seconds(self, size: int) -> Dict[str, float]:
         if size not in self._seconds:
@@ -146,7 +179,8 @@ class Search:
             return nbytes / self.s.link
 
         timeline = simulate(orders, duration, where, send)
-        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe")
+        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe",
+                                 torch_stages=schedule != "gpipe")
         params = [st.param_bytes for st in plan.stages]
         if schedule == "gpipe":
             static = static_bytes(params, where, self.s.optimizer)

@@ -132,3 +132,27 @@ def test_recorder_matches_autograds_saved_tensors() -> None:
         out = model(x)
     assert total == sum(seen.values()) > 0
     assert sum(rec.outputs.values()) == out.numel() * 4
+
+
+def test_torch_stages_keep_outputs_and_the_retained_graph_by_hand() -> None:
+    """fxpipe.distributed's walk: a PipelineStage keeps its outputs until the backward (the
+    last stage's to the end), a zero-bubble I keeps the graph, its outputs and the gradients
+    that came until W, and the first stage's whole backward runs in W."""
+    from fxpipe.tuning._orders import Action
+
+    first = StageActivations((10, 2), (15, 12), 0, 0, 0, 0, sent=(3, 3), grads_in=4)
+    last = StageActivations((20, 4), (30, 26), 0, 0, 0, 5, sent=(5, 5), grads_in=7)
+    stages = [first, last]
+    one_f_one_b = {0: [Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("B", 0, 1)]}
+    # F, F: 2 x (10 + 3) held; B(0,0): 26 - 13 + 15 + 3
+    assert activation_peaks(one_f_one_b, stages, "never", 2, torch_stages=True)[0] == 31
+    # checkpointed: 2 x (2 + 3); B(0,0): 10 - 5 + 12 + 3
+    assert activation_peaks(one_f_one_b, stages, "always", 2, torch_stages=True)[0] == 20
+    zero_bubble = {0: [Action("F", 0, 0), Action("I", 0, 0), Action("W", 0, 0)],
+                   1: [Action("F", 1, 0), Action("I", 1, 0), Action("W", 1, 0), Action("F", 1, 1)]}
+    peaks = activation_peaks(zero_bubble, stages, "never", 2, torch_stages=True)
+    # stage 0: I keeps 13 + 4; W runs the whole backward: 17 - 17 + 15 + 3
+    assert peaks[0] == 18
+    # stage 1: I at 25 - 25 + 30 + 5 = 35, keeps 20 + 5 + 7 = 32 until W, which leaves the
+    # output (5, the last stage's stays); F(1,1): 5 + 25
+    assert peaks[1] == 35

@@ -94,3 +94,11 @@ def test_zero_bubble_v_beats_1f1b_on_equal_passes() -> None:
     zbv = simulate(torch_orders("zbv", world, m), uniform(1.0, 1.0, 1.0), placement("zbv", world, 2))
     assert zbv.step_s < one.step_s
     assert zbv.bubble < one.bubble
+
+
+@pytest.mark.parametrize("schedule,world,chunks", [("1f1b", 4, 3), ("interleaved1f1b", 2, 5), ("interleavedzb", 2, 7)])
+def test_no_order_for_what_fxpipe_distributed_refuses(schedule: str, world: int, chunks: int) -> None:
+    """torch's tables exist for these, but fxpipe.distributed.pipeline refuses them: the tuner
+    predicts no order (its candidate says why) instead of recommending what cannot be built."""
+    with pytest.raises(ValueError, match="chunks"):
+        torch_orders(schedule, world, chunks)

@@ -1,0 +1,124 @@
+"""``benchmarks/tune.py --distributed``: fxpipe.tune's distributed predictions on gloo ranks.
+
+The parent runs ``fxpipe.tune(model, x, devices=WORLD, schedules=(1f1b, interleaved1f1b,
+zbv), optimizer='sgd')`` once (profiled costs: the model has weights), then spawns ``WORLD``
+gloo ranks (one torch thread each) that build every configuration it predicted, from its
+own ``kwargs`` (the same plan), with ``F.mse_loss`` against zeros, and per configuration:
+
+* **order**: one traced step (``fxpipe.distributed.trace.record``), each rank's
+  (kind, stage, micro-batch) sequence (``fxpipe.tuning._orders.measured_orders``) against
+  the order the tuner simulated for it;
+* **memory**: after a warm-up step (gradients and torch's receive buffers exist from then
+  on, gradients zeroed in place), one step under ``benchmarks/_memory.py``'s CPU ``Meter``
+  inside each rank: the allocator's records of this process, on every thread (gloo's
+  included), running sum, maximum. Against it the rank's predicted activation bytes
+  (``choice.activation_bytes[rank]``): what the step allocates on top of what exists before
+  it. The predicted static part (parameters, gradients, receive buffers) is reported beside.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+SCHEDULES = ("1f1b", "interleaved1f1b", "zbv")
+MIB = float(1 << 20)
+
+
+def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out.float(), target)
+
+
+def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs: List[Dict[str, Any]],
+          out: str) -> None:
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    from fxpipe.distributed.trace import record
+    from fxpipe.tuning._orders import measured_orders
+
+    from _memory import Meter
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    with torch.no_grad():
+        y = torch.zeros_like(model(x).float())
+    found = []
+    for cfg in configs:
+        pipe = fpd.pipeline(model, x, loss_fn=_loss, timeout=300, progress=False, **cfg["kwargs"])
+        try:
+            pipe.step(x, target=y)
+            for p in pipe.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            gc.collect()
+            dist.barrier()
+            mem = Meter().run(lambda: pipe.step(x, target=y))
+            with record(pipe) as trace:
+                pipe.step(x, target=y)
+        finally:
+            pipe.close()
+        del pipe
+        gc.collect()
+        orders = measured_orders(trace.spans)
+        found.append({"peak_bytes": mem["peak_bytes"], "end_bytes": mem["end_bytes"],
+                      "order": [str(a) for a in orders.get(rank, [])]})
+    torch.save(found, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, what: str) -> Dict[str, Any]:
+    import time
+
+    import fxpipe
+    from fxpipe.distributed._launch import free_port
+    from fxpipe.tuning._orders import torch_orders
+
+    t0 = time.perf_counter()
+    tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd")
+    tune_s = time.perf_counter() - t0
+    print(f"\n{what}, {world} gloo ranks: fxpipe.tune took {tune_s:.1f} s\n{tuning}")
+    chosen = [c for c in tuning.choices if c.fits]
+    configs = [{"kwargs": c.kwargs} for c in chosen]
+    here = Path(__file__).resolve().parent
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), str(here.parent / "tests"),
+                                                os.environ.get("PYTHONPATH", "")])
+    ctx = mp.start_processes(_rank, args=(world, free_port(), model, x, configs, str(tmp)), nprocs=world,
+                             join=True, start_method="spawn")
+    del ctx
+    ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    rows = []
+    for i, c in enumerate(chosen):
+        predicted_order = torch_orders(c.schedule, world, c.chunks)
+        for r in range(world):
+            got = ranks[r][i]
+            pred = c.activation_bytes[str(r)]
+            rows.append({"schedule": c.schedule, "stages": c.n_stages, "chunks": c.chunks, "checkpoint": c.checkpoint,
+                         "rank": r, "predicted_bytes": pred, "static_bytes": c.static_bytes[str(r)],
+                         "measured_bytes": got["peak_bytes"], "end_bytes": got["end_bytes"],
+                         "memory_ratio": pred / got["peak_bytes"] if got["peak_bytes"] else float("nan"),
+                         "order_same": got["order"] == [str(a) for a in predicted_order[r]],
+                         "actions": len(got["order"])})
+    return {"model": what, "world": world, "tune_s": tune_s, "rows": rows,
+            "skipped": [f"{c.schedule} chunks {c.chunks} {c.checkpoint}: {c.why}" for c in tuning.choices if not c.fits]}
+
+
+def print_table(res: Dict[str, Any]) -> None:
+    print(f"\n{res['model']}, {res['world']} gloo ranks")
+    print("| schedule | stages | chunks | checkpoint | rank | predicted MiB | measured MiB | pred/meas | "
+          "static MiB (predicted) | order = simulated |")
+    print("|---|--:|--:|---|--:|--:|--:|--:|--:|---|")
+    for r in res["rows"]:
+        print(f"| {r['schedule']} | {r['stages']} | {r['chunks']} | {r['checkpoint']} | {r['rank']} | "
+              f"{r['predicted_bytes'] / MIB:.2f} | {r['measured_bytes'] / MIB:.2f} | {r['memory_ratio']:.3f} | "
+              f"{r['static_bytes'] / MIB:.2f} | {'yes' if r['order_same'] else 'NO'} ({r['actions']} actions) |")
+    for s in res["skipped"]:
+        print(f"not built: {s}")
