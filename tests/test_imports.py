@@ -102,7 +102,7 @@ LAYERS = [
     ("plan", ("fxpipe.plan",)),
     ("emit", ("fxpipe.emit", "fxpipe.portals")),
     ("build", ("fxpipe.build",)),
-    ("front doors", ("fxpipe.api", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance", "fxpipe.batchnorm",
+    ("front doors", ("fxpipe.api", "fxpipe._step", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance", "fxpipe.batchnorm",
                      "fxpipe.skip")),
     ("cli", ("fxpipe.cli", "fxpipe.__main__")),
 ]
