@@ -14,6 +14,8 @@ one device: one memory pool) is measured in both orders, and ``out = pipe(x)`` w
   keep for their recomputation (weak references); each storage counted once, for the first
   task that holds it; parameters, buffers and the user's batch not counted. Beside the bytes,
   the most micro-batches a stage held at once: ``m`` in GPipe's order, ``n - j`` in 1F1B's.
+  CPU only: on CUDA the stages run on worker threads, which this thread's saved-tensor hooks
+  do not reach (the columns show '-').
 
 The floor is GPipe's for ``out = pipe(x); loss(out).backward()``, the merged output held
 meanwhile, which ``pipe(x)`` rows measure. A GPipe-order ``step`` never merges the outputs, so
@@ -164,6 +166,9 @@ def measure(pipe: Any, model: torch.nn.Module, x: torch.Tensor, device: torch.de
     row = peak(step, device)
     row.pop("phases", None)
     am.zero_grads(model)
+    if device.type != "cpu":  # stages run on worker threads there, outside this thread's saved-tensor hooks
+        row.update(held_bytes=None, held_micro_batches=None)
+        return row
     exclude = {floor.storage_key(t) for t in [*model.parameters(), *model.buffers(), x]}
     row.update(HeldPerStage(pipe.stages.modules, exclude).run(step))
     return row
@@ -205,7 +210,8 @@ def print_table(result: Dict[str, Any], device: str) -> None:
     print(f"| chunks | checkpoint | order | step peak MiB | GPipe floor MiB | peak / floor | {stage_cols} |")
     print("|--:|---|---|--:|--:|--:|" + "--:|" * n)
     for r in result["rows"]:
-        stages = " | ".join(f"{b / MIB:.2f} ({k})" for b, k in zip(r["held_bytes"], r["held_micro_batches"]))
+        held = zip(r["held_bytes"], r["held_micro_batches"]) if r["held_bytes"] is not None else [None] * n
+        stages = " | ".join("-" if h is None else f"{h[0] / MIB:.2f} ({h[1]})" for h in held)
         print(f"| {r['chunks']} | {r['checkpoint']} | {r['order']} | {r['peak_bytes'] / MIB:.2f} | "
               f"{r['floor_bytes'] / MIB:.2f} | {r['ratio']:.3f} | {stages} |")
 
