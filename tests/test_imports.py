@@ -102,8 +102,8 @@ LAYERS = [
     ("plan", ("fxpipe.plan",)),
     ("emit", ("fxpipe.emit", "fxpipe.portals")),
     ("build", ("fxpipe.build",)),
-    ("front doors", ("fxpipe.api", "fxpipe._step", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance", "fxpipe.batchnorm",
-                     "fxpipe.skip")),
+    ("front doors", ("fxpipe.api", "fxpipe._step", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance",
+                     "fxpipe.batchnorm", "fxpipe.skip")),
     ("cli", ("fxpipe.cli", "fxpipe.__main__")),
 ]
 

@@ -300,3 +300,44 @@ def test_a_step_keyword_the_model_also_takes_is_refused():
     with pytest.raises(InputMismatchError):
         with _build(model, (x, t), 1, chunks=2, output_merge="mean") as pipe:
             pipe.step(x)  # the model's loss needs the target: flatten_inputs names it
+
+
+def test_a_failing_one_f_one_b_step_says_gradients_are_partial():
+    model = _mlp()
+    x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+    calls = []
+
+    def loss_fn(out, target):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom in the loss")
+        return F.cross_entropy(out, target)
+
+    with _build(model, x, 2, chunks=4, schedule="1f1b") as pipe:
+        with pytest.raises(RuntimeError, match="boom") as info:
+            pipe.step(x, loss_fn=loss_fn, target=y)
+    assert any("2 of 4 micro-batches had run their backward" in note for note in info.value.__notes__)
+    assert all(p.grad is not None for p in model.parameters())  # what the note warns about
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_step_on_one_gpu(schedule, checkpoint):
+    """Stages on cuda:0 run on worker threads with copy streams; backward per micro-batch in 1F1B."""
+    model, (x,), _ = unet(batch=8)
+    model, x = model.cuda(), x.cuda()
+    ref = copy.deepcopy(model)
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        pipe = _build(model, x, 3, chunks=4, checkpoint=checkpoint, schedule=schedule, devices=["cuda:0"] * 3)
+        with pipe:
+            loss = pipe.step(x, loss_fn=lambda out: out.pow(2).mean())
+        want = ref(x).pow(2).mean()
+        want.backward()
+        torch.cuda.synchronize()
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert_close_scaled(loss, want.detach(), what="loss", rtol=1e-3, atol=5e-5)
+    assert_grads_equal(model, ref, rtol=1e-3, atol=5e-5)
