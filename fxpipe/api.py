@@ -8,11 +8,12 @@ The data path (docs/how-it-works.md): capture -> profile -> OpGraph -> partition
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from ._step import run_step, refuse_forward_with_grad
 from .build import BuildOptions, build, check_split_points
 from .capture._meta import refuse_running
 from .capture._model_check import ModelCheck
@@ -29,6 +30,7 @@ from .runtime._batchnorm import commit_deferred_batch_norm
 from .runtime._devices import Device, default_devices
 from .runtime._frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .runtime._microbatch import Batch
+from .runtime._orders import check_schedule
 from .runtime._pipeline import PipelineRunner
 from .runtime._skip_layout import SkipLayout
 
@@ -80,7 +82,7 @@ class Pipeline(PlacedModule):
             ``torch.fx.GraphModule`` (readable ``.code``); ``print(stages)`` shows them all
             with their inputs, outputs, stashes and pops.
         plan: the :class:`~fxpipe.plan._value.Plan` (print it; ``plan.save(path)`` to reuse it).
-        devices, chunks, checkpoint: as given.
+        devices, chunks, checkpoint, schedule: as given.
         meta: built from a model on the meta device: planned and emitted, but calling it
             raises :class:`~fxpipe.errors.MetaDeviceError` (there are no values to run on).
     """
@@ -89,6 +91,7 @@ class Pipeline(PlacedModule):
         self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages,
         devices: List[torch.device], chunks: int, checkpoint: str, deferred_batch_norm: bool,
         mode_sensitive: str = "", batching: Optional[Batching] = None, meta: bool = False,
+        schedule: str = "gpipe",
     ) -> None:
         super().__init__()
         self.module = model
@@ -101,6 +104,8 @@ class Pipeline(PlacedModule):
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
+        #: the order of a training step: 'gpipe' or '1f1b' (:mod:`fxpipe.runtime._orders`)
+        self.schedule = check_schedule(schedule)
         # Graphs that baked the training mode in cannot follow .train()/.eval().
         self.captured_training = model.training
         self.mode_sensitive = mode_sensitive
@@ -162,6 +167,36 @@ class Pipeline(PlacedModule):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        flat, micro, sizes, weights, batches = self._micro_batches(args, kwargs)
+        refuse_forward_with_grad(self.schedule, self.training)  # 1F1B's backward is step()'s
+        stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
+        self._runtime.run(batches, stop)
+        if self.training:  # as eager BatchNorm: training mode updates statistics, grad or not
+            commit_deferred_batch_norm(self._deferred)
+        merged = self.batching.merge([b.values for b in batches], sizes, weights)
+        return self.capture.unflatten_output(merged)
+
+    def step(self, *args: Any, loss_fn: Optional[Callable[..., torch.Tensor]] = None, target: Any = None,
+             loss_reduction: str = "mean", **kwargs: Any) -> torch.Tensor:
+        """One training step: forward, loss and backward of ``pipe(*args, **kwargs)``, in the
+        pipeline's ``schedule`` order; adds eager's gradients on the whole batch to ``.grad``
+        and returns the step's loss (0-dim, no grad).
+
+        The loss is the model's own (the 0-dim output merged with ``'mean'`` or ``'sum'``,
+        ``labels=`` losses) when ``loss_fn`` is None, else ``loss_fn(output)`` or
+        ``loss_fn(output, target)`` per micro-batch (``target`` split along dim 0),
+        ``loss_reduction='mean'`` for a loss averaged over the micro-batch's samples (the step
+        weighs micro-batches by size), ``'sum'`` for a summed one (added up). Under
+        ``schedule='1f1b'`` each micro-batch's backward runs as soon as its forward is done
+        (:mod:`fxpipe.runtime._orders`). Refusals: :class:`~fxpipe.errors.StepError`.
+        """
+        given = [k for k, v in (("loss_fn", loss_fn), ("target", target)) if v is not None]
+        given += ["loss_reduction"] if loss_reduction != "mean" else []
+        return run_step(self, args, kwargs, loss_fn, target, loss_reduction, given)
+
+    def _micro_batches(self, args: tuple, kwargs: dict) -> Tuple[List[Any], List[List[Any]], List[int], Any,
+                                                                  List[Batch]]:
+        """A call's checks, then its flat inputs, micro-batches, sizes, loss weights and batches."""
         refuse_whole_pipeline_compile()  # torch.compile(pipe): a typed error naming stage.compile()
         if self.meta:
             raise refuse_running(self.n_stages)
@@ -187,15 +222,12 @@ class Pipeline(PlacedModule):
             Batch(tuple(x.to(first, non_blocking=True) if isinstance(x, torch.Tensor) else x for x in leaves), atomic=False)
             for leaves in micro
         ]
-        stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
-        self._runtime.run(batches, stop)
-        if self.training:  # as eager BatchNorm: training mode updates statistics, grad or not
-            commit_deferred_batch_norm(self._deferred)
-        merged = self.batching.merge([b.values for b in batches], sizes, weights)
-        return self.capture.unflatten_output(merged)
+        return flat, micro, sizes, weights, batches
 
     def extra_repr(self) -> str:
-        return f"n_stages={self.n_stages}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, devices={self.devices}"
+        order = f", schedule={self.schedule!r}" if self.schedule != "gpipe" else ""
+        return (f"n_stages={self.n_stages}, chunks={self.chunks}, checkpoint={self.checkpoint!r}{order}, "
+                f"devices={self.devices}")
 
 
 def pipeline(
@@ -216,6 +248,7 @@ def pipeline(
     output_merge: Optional[OutputMerge] = None,
     compile: CompileOption = False,
     progress: ProgressOption = True,
+    schedule: str = "gpipe",
 ) -> Pipeline:
     """Turns ``model`` into a GPipe pipeline of ``n_stages`` stages.
 
@@ -253,6 +286,12 @@ def pipeline(
             while stderr is a terminal; ``False`` shows nothing. Each phase is also logged at
             INFO on the ``"fxpipe"`` logger; setting that logger to WARNING turns the bar off
             too (:mod:`fxpipe.progress`).
+        schedule: the order of a training step. ``'gpipe'`` (default, the paper's): every
+            forward, then backward, which ``pipe(x)`` and the user's ``loss.backward()`` run.
+            ``'1f1b'``: each micro-batch's backward as soon as its forward left the last
+            stage, so stage ``j`` holds at most ``n_stages - j`` micro-batches' activations;
+            only :meth:`Pipeline.step` can run it (``pipe(x)`` with gradients in training
+            mode is refused). Both give eager's loss and gradients.
 
     Raises:
         fxpipe.TraceError: the model cannot be captured (the message says where and what to do).
@@ -266,6 +305,7 @@ def pipeline(
         fxpipe.errors.DevicesError: fewer devices than stages (an ``IndexError``).
     """
     _check_args(model, n_stages, chunks, checkpoint, balance_by, split_points, plan)
+    schedule = check_schedule(schedule)
     chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
     compile_options = check_compile_option(compile)
     report = as_progress(progress)
@@ -276,7 +316,7 @@ def pipeline(
                            output_merge, report)
     built = build(model, args, dict(sample_kwargs or {}), options)  # fxpipe.build: the one build sequence
     pipe = Pipeline(model, built.capture, built.plan, built.stages, device_list, chunks, checkpoint,
-                    deferred_batch_norm, built.mode_sensitive, built.batching, meta=built.meta)
+                    deferred_batch_norm, built.mode_sensitive, built.batching, meta=built.meta, schedule=schedule)
     if compile_options is not None:
         compile_stages(pipe.stages, compile_options)
     return pipe

@@ -228,6 +228,15 @@ class ModelChangedError(FxpipeError, RuntimeError):
         self.changes = list(changes or [])
 
 
+class StepError(FxpipeError, RuntimeError):
+    """A training step (``Pipeline.step``) that cannot run exactly as asked: no loss to train
+    (the model returns none and no ``loss_fn`` is given), a loss that is not a 0-dim float
+    requiring grad, a ``'mean'`` ``loss_fn`` over labels holding ``-100``, a step under
+    ``torch.no_grad()``; or ``pipe(x)`` with gradients in training mode under
+    ``schedule='1f1b'``, whose backward only ``step()`` can run in that order. The message
+    says what to do."""
+
+
 class BalanceWarning(UserWarning):
     """One node fxpipe cannot split makes a stage far slower than the others.
 

@@ -103,8 +103,8 @@ LAYERS = [
     ("plan", ("fxpipe.plan",)),
     ("emit", ("fxpipe.emit", "fxpipe.portals")),
     ("build", ("fxpipe.build",)),
-    ("front doors", ("fxpipe.api", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance", "fxpipe.batchnorm",
-                     "fxpipe.skip", "fxpipe.tuning")),
+    ("front doors", ("fxpipe.api", "fxpipe._step", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance",
+                     "fxpipe.batchnorm", "fxpipe.skip", "fxpipe.tuning")),
     ("cli", ("fxpipe.cli", "fxpipe.__main__")),
 ]
 

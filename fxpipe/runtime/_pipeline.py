@@ -181,23 +181,34 @@ class PipelineRunner:
                 streams.append(new_stream(device))
         return self._copy_streams
 
-    def run(self, batches: List[Batch], checkpoint_stop: int) -> None:
+    def run(self, batches: List[Batch], checkpoint_stop: int,
+            on_output: Optional[Callable[[int, Batch], Batch]] = None) -> None:
         """Runs every micro-batch through every partition; ``batches`` become the outputs.
 
         Micro-batches ``i < checkpoint_stop`` are checkpointed.
+
+        ``on_output`` gives the 1F1B order (:mod:`fxpipe.runtime._orders`): right after the
+        tick in which micro-batch ``i`` leaves the last partition, ``on_output(i, output)``
+        runs (its loss and backward) and what it returns replaces the output in ``batches``.
+        No Fork/Join then links micro-batches: each one's graph is its own, backwarded alone.
         """
         self.check_open()
         m = len(batches)
+        n = len(self.partitions)
         skip_trackers: List[Tracker] = [self._tracker(self.skip_layout) for _ in range(m)]
         copy_streams = self.copy_streams(m)
         results: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         ahead = self._recompute_ahead()
         order = not self.workers.inline if self.order_backward is None else self.order_backward
+        order = order and on_output is None
         # Once per stage per forward: the modes and weights its recomputations must match.
         modes = [ForwardModes(layout) for layout in self._layouts] if checkpoint_stop > 0 else None
-        for schedule in clock_cycles(m, len(self.partitions)):
+        for schedule in clock_cycles(m, n):
             self._fence(batches, schedule, skip_trackers, copy_streams, order)
             self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead, modes)
+            if on_output is not None and schedule[-1][1] == n - 1:
+                i = schedule[-1][0]  # the micro-batch that left the last partition in this tick
+                batches[i] = on_output(i, batches[i])
 
     def _recompute_ahead(self) -> List[bool]:
         """Per partition: recompute ahead of its backward? (see ``recompute_ahead``)."""

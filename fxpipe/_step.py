@@ -1,0 +1,206 @@
+"""``Pipeline.step``: one training step, forward and backward, in the pipeline's schedule.
+
+``pipe(x)`` returns the merged output, and the user's ``loss.backward()`` runs backward
+after every forward: GPipe's order, the only one possible there. ``pipe.step(...)`` knows
+each micro-batch's loss, so it can also run the 1F1B order (:mod:`fxpipe.runtime._orders`):
+each micro-batch's backward as soon as its forward is done, holding fewer micro-batches'
+activations. The loss of a micro-batch is either
+
+* **the model's own** (``labels=`` losses): the 0-dim output merged with ``'mean'`` or
+  ``'sum'`` (``output_merge=``), weighted exactly as the forward merges it (a mean over
+  counted labels by each micro-batch's count, :mod:`fxpipe.checks._counted_labels`); or
+* ``loss_fn(output)`` / ``loss_fn(output, target)``: the model's output structure of one
+  micro-batch (a ``ModelOutput`` too), ``target`` split along dim 0 like the batch. With
+  ``loss_reduction='mean'`` (a loss averaged over the micro-batch's samples) the step's loss
+  is the mean weighted by micro-batch sizes, as eager's loss on the whole batch; with
+  ``'sum'``, their sum (return a sum and divide by what the whole batch counts: any
+  normalisation is then exact).
+
+Either way the step's loss and every ``.grad`` are eager's on the whole batch. What could
+be silently wrong is refused (:class:`~fxpipe.errors.StepError`): a merge that is not linear
+in the losses, a ``'mean'`` ``loss_fn`` over labels holding ``-100`` (a token mean counts
+them out, so micro-batches weigh differently), a target split along another dim than the
+inputs', a step keyword the model's own ``forward`` also takes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .checks._counted_labels import IGNORE_INDEX
+from .errors import ArgumentError, StepError
+from .runtime._batchnorm import commit_deferred_batch_norm
+from .runtime._frontend import checkpoint_stop
+from .runtime._microbatch import Batch
+from .runtime._orders import StepLosses
+
+__all__ = ["run_step", "REDUCTIONS", "refuse_forward_with_grad"]
+
+REDUCTIONS = ("mean", "sum")
+_STEP_KEYWORDS = ("loss_fn", "target", "loss_reduction")
+
+
+def refuse_forward_with_grad(schedule: str, training: bool) -> None:
+    """``pipe(x)`` in training mode with gradients under ``schedule='1f1b'``: its backward
+    would be the user's, after every forward, i.e. GPipe's order holding every activation."""
+    if schedule == "1f1b" and training and torch.is_grad_enabled():
+        raise StepError(
+            "this pipeline was built with schedule='1f1b', whose backward runs per micro-batch inside "
+            "pipe.step(...); pipe(x) followed by loss.backward() can only run all forwards before any backward "
+            "(GPipe's order, every micro-batch's activations held). Train with loss = pipe.step(x, loss_fn=..., "
+            "target=y) (or pipe.step(**batch) for a model returning its loss), call pipe(x) under torch.no_grad() "
+            "or in eval mode for outputs, or build with schedule='gpipe' to backward pipe(x) yourself.")
+
+
+def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..., Tensor]],
+             target: Any, reduction: str, given: Sequence[str]) -> Tensor:
+    """One step of ``pipe`` (an :class:`fxpipe.Pipeline`); returns the step's loss (no grad).
+    ``given``: the step keywords the caller passed (checked against the model's signature)."""
+    _check_call(pipe, loss_fn, reduction, given)
+    flat, micro, sizes, weights, batches = pipe._micro_batches(args, kwargs)
+    m = len(batches)
+    if loss_fn is None:
+        if target is not None:
+            raise ArgumentError("target= is given without loss_fn=: pass loss_fn(output, target), or leave target "
+                                "out when the model returns its loss", argument="target")
+        losses = _model_loss(pipe, sizes, weights, m)
+    else:
+        losses = _fn_loss(pipe, loss_fn, target, flat, micro, sizes, reduction)
+    stop = checkpoint_stop(pipe.checkpoint, m, pipe.training)
+    if pipe.schedule == "1f1b":
+        try:
+            pipe._runtime.run(batches, stop, on_output=losses.backward_now)
+        except BaseException as e:
+            if losses.backwarded:
+                e.add_note(f"fxpipe: {losses.backwarded} of {m} micro-batches had run their backward in this "
+                           "1F1B step: .grad holds part of its gradients; zero them before another step.")
+            raise
+    else:
+        pipe._runtime.run(batches, stop)
+        losses.backward_all(batches)
+    if pipe.training:
+        commit_deferred_batch_norm(pipe._deferred)
+    return losses.merged()
+
+
+def _check_call(pipe: Any, loss_fn: Any, reduction: str, given: Sequence[str]) -> None:
+    if not torch.is_grad_enabled():
+        raise StepError("pipe.step() runs backward, and gradients are disabled here (torch.no_grad() or "
+                        "torch.inference_mode()); call pipe(x) for outputs without gradients, or step outside it")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentError(f"loss_fn must be callable as loss_fn(output) or loss_fn(output, target), got "
+                            f"{type(loss_fn).__name__}", argument="loss_fn")
+    if reduction not in REDUCTIONS:
+        raise ArgumentError(f"loss_reduction must be 'mean' (loss_fn averages over a micro-batch's samples) or "
+                            f"'sum' (it sums them), got {reduction!r}", argument="loss_reduction")
+    try:
+        params = inspect.signature(pipe.module.forward).parameters
+    except (TypeError, ValueError):
+        return
+    clash = [k for k in given if k in params]
+    if clash:
+        raise ArgumentError(
+            f"pipe.step() was given {', '.join(f'{k}=' for k in clash)}, which is step()'s own keyword, but "
+            f"{type(pipe.module).__name__}.forward also takes an argument of that name: pass the model's "
+            "argument positionally, so that step()'s keyword is not mistaken for it", argument=clash[0])
+
+
+def _model_loss(pipe: Any, sizes: List[int], weights: dict, m: int) -> StepLosses:
+    """The model's own loss output, merged as the forward merges it."""
+    batching = pipe.batching
+    names = batching.out_names
+    merges = batching.merges
+    linear = [i for i, merge in enumerate(merges) if isinstance(merge, str) and merge in ("mean", "sum")]
+    if len(linear) > 1:
+        linear = [i for i in linear if names[i] == "loss"] or linear
+    if len(linear) != 1:
+        found = "no output" if not linear else f"outputs {[names[i] for i in linear]}"
+        raise StepError(
+            f"pipe.step() without loss_fn= trains the model's own loss: the one 0-dim output merged with 'mean' or "
+            f"'sum' (output_merge={{'loss': 'mean'}}), and {found} of this model "
+            f"{'is' if not linear else 'are'} merged so. Pass loss_fn=lambda out, y: ... with target=y, or build "
+            "with output_merge naming the loss output")
+    k = linear[0]
+    label = f"output {names[k]!r}" if names[k] else "the output"
+
+    def loss_of(i: int, out: Batch) -> Tensor:
+        return _checked(out.values[k], i, label)
+
+    def merge(parts: List[Tensor]) -> Tensor:
+        return batching._merge_leaf(k, parts, sizes, weights.get(k))
+
+    return StepLosses(loss_of, merge, m)
+
+
+def _fn_loss(pipe: Any, loss_fn: Callable[..., Tensor], target: Any, flat: List[Any], micro: List[List[Any]],
+             sizes: List[int], reduction: str) -> StepLosses:
+    batching = pipe.batching
+    targets: Optional[List[Any]] = None
+    if target is not None:
+        targets = _split_target(batching, target, sizes)
+    if reduction == "mean" and len(sizes) > 1:
+        _refuse_ignored_labels(batching, flat, target)
+
+    def loss_of(i: int, out: Batch) -> Tensor:
+        output = pipe.capture.unflatten_output(list(out.values))
+        loss = loss_fn(output) if targets is None else loss_fn(output, targets[i])
+        return _checked(loss, i, "loss_fn's result")
+
+    def merge(parts: List[Tensor]) -> Tensor:
+        stacked = torch.stack(parts)
+        if reduction == "sum":
+            return stacked.sum(0)
+        if len(set(sizes)) == 1:
+            return stacked.mean(0)
+        total = sum(sizes)
+        return torch.stack([p * (n / total) for p, n in zip(parts, sizes)]).sum(0)
+
+    return StepLosses(loss_of, merge, len(sizes))
+
+
+def _split_target(batching: Any, target: Any, sizes: List[int]) -> List[Tensor]:
+    if not isinstance(target, Tensor) or target.dim() == 0:
+        got = f"a 0-dim tensor" if isinstance(target, Tensor) else type(target).__name__
+        raise ArgumentError(f"target must be a tensor with the batch along dim 0 (it is split into micro-batches "
+                            f"like the inputs), got {got}", argument="target")
+    other = sorted({d for d in batching.in_dims if d not in (None, 0)})
+    if other:
+        raise ArgumentError(
+            f"target= is split along dim 0, but the inputs are split along {batching.dims_text()}: where the "
+            "target's batch is cannot be told. Compute the loss in the model (labels=, output_merge={'loss': "
+            "'mean'}) or move the target's batch to dim 0 and the inputs' too", argument="target")
+    if target.size(0) != sum(sizes):
+        raise ArgumentError(f"target has {target.size(0)} samples along dim 0 but the batch has {sum(sizes)}",
+                            argument="target")
+    return list(target.split(sizes, dim=0))
+
+
+def _refuse_ignored_labels(batching: Any, flat: Sequence[Any], target: Any) -> None:
+    """A 'mean' loss_fn weighs micro-batches by their sizes; a token mean over labels holding
+    -100 counts them out, and the micro-batches would weigh differently: refused."""
+    labelled = [("target", target)] + [(n, x) for n, d, x in zip(batching.in_names, batching.in_dims, flat)
+                                       if d is not None]
+    for name, x in labelled:
+        if (isinstance(x, Tensor) and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+                and bool((x == IGNORE_INDEX).any())):
+            raise StepError(
+                f"{'target' if name == 'target' else f'argument {name!r}'} holds {IGNORE_INDEX} (an ignored label), "
+                "and loss_reduction='mean' weighs each micro-batch's loss by its number of samples: a mean over "
+                "the labels that are not ignored weighs them by their counts instead, and the step would silently "
+                "differ from the model. Return the loss's sum (reduction='sum') divided by the whole batch's count "
+                "with loss_reduction='sum', e.g. loss_fn=lambda out, y: F.cross_entropy(out, y, reduction='sum') / "
+                "n where n = (y != -100).sum() of the whole batch")
+
+
+def _checked(loss: Any, i: int, what: str) -> Tensor:
+    if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
+        raise StepError(f"{what} for micro-batch {i} must be a 0-dim floating tensor (a loss), got {got}")
+    if not loss.requires_grad:
+        raise StepError(f"{what} for micro-batch {i} does not require grad: no parameter it depends on requires "
+                        "grad, or it was computed without gradients; nothing to backward")
+    return loss

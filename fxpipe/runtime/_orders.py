@@ -1,0 +1,115 @@
+"""The order of a training step: GPipe's fill-drain, or 1F1B.
+
+``pipe(x)`` followed by ``loss.backward()`` can only run GPipe's order: backward starts when
+the user calls it, after every micro-batch's forward, so each device holds the activations of
+all ``m`` micro-batches at once. A step that knows the loss of each micro-batch
+(``Pipeline.step``) can run **1F1B** instead: micro-batch ``i``'s backward runs as soon as its
+forward left the last partition, before micro-batch ``i + n`` enters the first one, so
+partition ``j`` holds at most ``n - j`` micro-batches' activations (``n`` partitions), however
+many micro-batches the step has.
+
+Both orders give the same result, because both differentiate the same sum:
+
+* each micro-batch's loss ``L_i`` enters the step's loss through a merge that is linear in
+  it (a mean weighted by sizes or by counted labels, or a sum), so the gradient that reaches
+  ``L_i`` is the constant ``dmerge/dL_i``, computed once by autograd on the merge itself
+  (:func:`loss_scales`) rather than re-derived here;
+* GPipe: every forward, then one ``backward`` over all ``L_i`` with those gradients, in the
+  order Fork/Join imposes (micro-batch ``i-1`` after ``i`` on each partition);
+* 1F1B: ``backward(L_i, dmerge/dL_i)`` after the tick in which micro-batch ``i`` left the
+  last partition (:meth:`~fxpipe.runtime._pipeline.PipelineRunner.run`'s ``on_output``), with
+  no Fork/Join between micro-batches: each has its own graph. Forward ticks stay those of
+  the clock cycles and checkpointed tasks restore their RNG states for recomputation, so
+  every forward draws the same random numbers in both orders; gradients accumulate into
+  ``.grad`` in micro-batch order rather than in reverse (float sums in another order).
+
+What 1F1B gives up: its backward runs on the caller's thread between forward ticks, one
+micro-batch through every partition, so on several devices a backward does not overlap the
+other devices' forwards (on one device, nothing overlaps in either order). Its point is
+memory, not speed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import ArgumentError
+from ._microbatch import Batch
+
+__all__ = ["SCHEDULES", "check_schedule", "loss_scales", "StepLosses"]
+
+#: the orders a pipeline's training step runs in; 'gpipe' (the paper's) is the default
+SCHEDULES = ("gpipe", "1f1b")
+
+LossOf = Callable[[int, Batch], Tensor]
+Merge = Callable[[List[Tensor]], Tensor]
+
+
+def check_schedule(schedule: object) -> str:
+    if schedule not in SCHEDULES:
+        raise ArgumentError(
+            f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got schedule={schedule!r}; pass 'gpipe' "
+            "(the default: all forwards, then backward) or '1f1b' (each micro-batch's backward as soon as its "
+            "forward is done, in pipe.step(): less activation memory)", argument="schedule")
+    return str(schedule)
+
+
+def loss_scales(merge: Merge, m: int, like: Tensor) -> List[Tensor]:
+    """``dmerge/dL_i`` for each of ``m`` micro-batch losses shaped and typed like ``like``.
+
+    The merge is linear in the losses (the caller only passes such merges), so its gradient
+    does not depend on their values: autograd takes it on stand-ins, giving exactly the
+    gradient ``merge(losses).backward()`` would hand each loss.
+    """
+    stand_ins = [torch.ones_like(like, requires_grad=True) for _ in range(m)]
+    with torch.enable_grad():
+        merged = merge(stand_ins)
+    grads = torch.autograd.grad(merged, stand_ins, allow_unused=True)
+    return [torch.zeros_like(like) if g is None else g for g in grads]
+
+
+class StepLosses:
+    """The micro-batch losses of one step, and their backward in either order.
+
+    ``loss_of(i, output)`` makes micro-batch ``i``'s 0-dim loss from its output batch;
+    ``merge`` combines the ``m`` losses into the step's (linear in each).
+    """
+
+    def __init__(self, loss_of: LossOf, merge: Merge, m: int) -> None:
+        self.loss_of = loss_of
+        self.merge = merge
+        self.m = m
+        self.losses: List[Optional[Tensor]] = [None] * m  # detached, once computed
+        self._scales: Optional[List[Tensor]] = None
+        #: micro-batches whose backward ran (1F1B): gradients are partly accumulated
+        self.backwarded = 0
+
+    def _loss(self, i: int, output: Batch) -> Tensor:
+        loss = self.loss_of(i, output)
+        self.losses[i] = loss.detach()
+        if self._scales is None:
+            self._scales = loss_scales(self.merge, self.m, loss.detach())
+        return loss
+
+    def backward_now(self, i: int, output: Batch) -> Batch:
+        """1F1B: micro-batch ``i``'s loss and backward; its output is dropped (returned empty)."""
+        loss = self._loss(i, output)
+        del output
+        assert self._scales is not None
+        torch.autograd.backward(loss, self._scales[i])
+        self.backwarded += 1
+        return Batch((), atomic=False)
+
+    def backward_all(self, outputs: Sequence[Batch]) -> None:
+        """GPipe: every micro-batch's loss, then one backward over all of them."""
+        losses = [self._loss(i, out) for i, out in enumerate(outputs)]
+        assert self._scales is not None
+        torch.autograd.backward(losses, self._scales)
+
+    def merged(self) -> Tensor:
+        """The step's loss (no grad): the merge of the micro-batch losses."""
+        with torch.no_grad():
+            return self.merge([x for x in self.losses if x is not None])
