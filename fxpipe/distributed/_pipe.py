@@ -10,7 +10,9 @@ sending and the scheduling; this class adds what makes a step exact against eage
   every rank (:class:`~fxpipe.errors.PeerFailedError`, through the store, :mod:`._failures`);
 * the loss is scaled by ``1 / chunks`` and the schedule runs with ``scale_grads=False``
   (torch's ``scale_grads`` divides the whole accumulated ``.grad``, wrong under gradient
-  accumulation), so a mean-reduced ``loss_fn`` gives eager's loss and gradients;
+  accumulation), so a mean-reduced ``loss_fn`` gives eager's loss and gradients; an integer
+  target holding ``-100`` in unequal numbers per micro-batch is refused (that mean is not the
+  whole batch's mean over its counted labels: :func:`check_counted_labels`);
 * tied parameters used on several ranks have their gradients summed (:mod:`._ties`);
 * ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank);
 * a step after the model changed in a way the stages cannot see (a submodule or parameter
@@ -31,7 +33,8 @@ from torch import nn
 
 from fxpipe.capture._tracing import Capture
 from fxpipe.emit._stages import Stages
-from fxpipe.errors import BatchShapeError, DistributedError, PipelineClosedError
+from fxpipe.checks._counted_labels import IGNORE_INDEX
+from fxpipe.errors import BatchShapeError, DistributedError, MicroBatchError, PipelineClosedError
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
 
@@ -41,6 +44,27 @@ from ._ties import TiedGradients, parameters_of
 __all__ = ["DistributedPipeline"]
 
 _FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def check_counted_labels(target: torch.Tensor, chunks: int) -> None:
+    """Refuses an integer target holding ``-100`` (labels a cross entropy ignores) in unequal
+    numbers per micro-batch: each micro-batch's mean ``loss_fn`` is weighted ``1 / chunks``,
+    which is the mean over the whole batch's counted labels (eager's) only when every
+    micro-batch counts as many (:class:`~fxpipe.errors.MicroBatchError`, with what to do)."""
+    if chunks == 1 or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        return
+    ignored = target == IGNORE_INDEX
+    if not bool(ignored.any()):
+        return
+    counted = (~ignored).reshape(chunks, -1).sum(1).tolist()
+    if len(set(counted)) == 1:
+        return
+    raise MicroBatchError(
+        f"target holds {IGNORE_INDEX} (ignored labels) in unequal numbers per micro-batch (counted labels per "
+        f"micro-batch: {counted}): each micro-batch's mean loss is weighted 1/{chunks}, which is not eager's mean "
+        "over the batch's counted labels. Make loss_fn a sum scaled to the whole batch, e.g. "
+        f"loss_fn=lambda out, y: F.cross_entropy(out, y, reduction='sum') * {chunks} / n with "
+        f"n = (target != {IGNORE_INDEX}).sum() of this step's batch, or pad so every micro-batch counts as many labels")
 
 
 def _autocast(device_type: str) -> Optional[torch.dtype]:
@@ -165,6 +189,7 @@ class DistributedPipeline:
                 got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
                 raise BatchShapeError(f"target must be a tensor with the batch's {self._sample_shapes[0][0]} samples "
                                       f"along dim 0 (it is split into {self.chunks} micro-batches), got {got}")
+            check_counted_labels(target, self.chunks)
         losses: list[torch.Tensor] = []
         last = self.n_stages - 1 in self.local
         self._ties.before_step()
