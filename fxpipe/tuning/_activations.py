@@ -25,10 +25,13 @@ and a node -> stage assignment, each stage ``s`` gets (:class:`StageActivations`
   weight pass, the whole retained graph with the gradients that arrived
   (:func:`fxpipe.tuning._memory.activation_peaks`).
 
-What this leaves out, on purpose: temporaries inside one operation (an opaque module's
-scratch during its backward; the allocator's rounding), and gradients in flight between two
-tasks (a stage's input gradient waits for the previous stage's backward; the schedule
-simulation counts them inside the next task's ``peak``).
+Inside one operation, what it allocates and frees for itself (a convolution's column
+buffers, the contiguous copy of a gradient that arrives as a slice) is the node's measured
+scratch (:mod:`fxpipe.tuning._scratch`): added on top of the bytes alive while that node runs,
+forward (recomputation included) and backward. What this leaves out, on purpose: the
+allocator's rounding, and gradients in flight between two tasks (a stage's input gradient
+waits for the previous stage's backward; the schedule simulation counts them inside the next
+task's ``peak``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class StageActivations:
     #: bytes of the gradients arriving for the stage's outputs (kept from a zero-bubble
     #: input pass to its weight pass)
     grads_in: int = 0
+    #: (earlier stage of the same pool, bytes) of the gradients the stage's backward makes for
+    #: what that stage sent it: they wait for that stage's backward (a skip's for long)
+    grads_back: tuple[tuple[int, int], ...] = ()
 
 
 class _Storages:
@@ -151,8 +157,26 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         result.append(StageActivations(
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
-            sum(incoming.values())))
+            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool)))
     return result
+
+
+def _grads_back(rec: Recording, st: _Storages, nodes: List[int], s: int,
+                pool: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Per earlier stage on the stage's device, the bytes of the gradients this stage's
+    backward makes for the storages that stage produced (one per storage; the storage a
+    gradient keeps alive, where the recording saw a larger one)."""
+    found: Dict[int, int] = {}
+    for i in nodes:
+        for key, b in rec.nodes[i].grad_in.items():
+            p = st.stage_of[st.producer[key]] if key in st.producer else s
+            if p < s and pool[p] == pool[s]:  # as made: a view keeps its whole storage
+                found[key] = max(found.get(key, 0), rec.nodes[i].grad_storage.get(key, b))
+    per: Dict[int, int] = {}
+    for key, b in found.items():
+        p = st.stage_of[st.producer[key]]
+        per[p] = per.get(p, 0) + b
+    return tuple(sorted(per.items()))
 
 
 def _incoming_grads(rec: Recording, st: _Storages, nodes: List[int], s: int) -> Dict[int, int]:
@@ -199,7 +223,7 @@ def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[i
                     grads[key] = b
                     current += b
             temp += node.grad_params
-            peak = max(peak, current + temp)
+            peak = max(peak, current + temp + node.scratch_backward)
             for key in node.grad_out:
                 current -= grads.pop(key, 0)
         for key in free_at.get(i, []):
@@ -235,7 +259,7 @@ def _walk_forward(rec: Recording, st: _Storages, nodes: List[int], alive: Dict[i
                 last = dies_after(key, i)
                 if last is not None:
                     free_at.setdefault(max(last, i), []).append(key)
-        peak = max(peak, current)
+        peak = max(peak, current + rec.nodes[i].scratch_forward)
         for key in free_at.pop(i, []):
             current -= alive.pop(key, 0)
     return peak, set(alive)

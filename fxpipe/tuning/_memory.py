@@ -6,6 +6,10 @@ Activations are walked along each device's action list (:mod:`fxpipe.tuning._ord
 :mod:`fxpipe.tuning._activations`) until its backward; while ``B(s, i)`` runs, the device
 holds everything else in flight plus that task's ``peak`` (which includes its own held
 bytes). A zero-bubble input pass ``I`` keeps ``weight_held`` bytes for the weight pass ``W``.
+The gradients a backward makes for what an earlier stage of the same device sent it
+(``grads_back``) stay until that stage's backward of the micro-batch, which counts them in its
+peak: a skip connection's gradient from the last stage to the first waits through every
+backward in between.
 The peak is the largest of those moments. Which micro-batches are checkpointed follows
 ``checkpoint_stop``: ``'always'`` all, ``'except_last'`` all but the last, ``'never'`` none.
 
@@ -59,6 +63,7 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
     for device, actions in orders.items():
         held = peak = 0
         own: Dict[tuple[int, int], int] = {}
+        waiting: Dict[tuple[int, int], int] = {}  # gradients made for (stage, micro-batch), not yet used
         last_backwards = sum(1 for a in actions if a.stage == last and a.kind in "BI")
         seen_last = 0
         for a in actions:
@@ -86,7 +91,12 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
                     held += chunks * st.outputs  # its gradient, until every micro-batch took its share
                 extra = -st.outputs  # the task's own share of it is in its peak already
                 seen_last += 1
+            arrived = waiting.pop((a.stage, a.mb), 0)  # its peak counts them as incoming
+            held -= arrived
             peak = max(peak, held - mine + st.peak[ck] + extra)
+            for p, nbytes in st.grads_back:
+                waiting[(p, a.mb)] = waiting.get((p, a.mb), 0) + nbytes
+                held += nbytes
             if a.kind == "I":
                 keep = min(mine, st.weight_held)
                 own[(a.stage, a.mb)] = keep

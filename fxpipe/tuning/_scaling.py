@@ -24,8 +24,8 @@ from ._nodes import NodeRecord, Recording
 
 __all__ = ["Fit", "fit", "derive", "same"]
 
-_MAPS = ("makes", "reads", "saves", "grad_in", "grad_out")
-_NUMBERS = ("grad_params", "param_bytes", "flops", "moved")
+_MAPS = ("makes", "reads", "saves", "grad_in", "grad_out", "grad_storage")
+_NUMBERS = ("grad_params", "param_bytes", "flops", "moved", "scratch_forward", "scratch_backward")
 
 
 @dataclass(frozen=True)

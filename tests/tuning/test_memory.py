@@ -156,3 +156,84 @@ def test_torch_stages_keep_outputs_and_the_retained_graph_by_hand() -> None:
     # stage 1: I at 25 - 25 + 30 + 5 = 35, keeps 20 + 5 + 7 = 32 until W, which leaves the
     # output (5, the last stage's stays); F(1,1): 5 + 25
     assert peaks[1] == 35
+
+
+def test_gradients_sent_back_wait_for_their_stage_by_hand() -> None:
+    """A backward's gradients for what an earlier stage of the device sent it stay until that
+    stage's backward of the micro-batch (whose peak counts them as incoming)."""
+    first = StageActivations((10, 0), (15, 12), 0, 0, 0, 0)
+    middle = StageActivations((4, 0), (6, 6), 0, 0, 0, 0)
+    last = StageActivations((20, 0), (30, 26), 0, 0, 0, 0, grads_back=((0, 7),))  # a skip to stage 0
+    order = {0: single_process_order(3, 2)}
+    # F: 2 x 34 held. Backwards: B(2,1) 68 - 20 + 30 = 78, leaves 48 + 7; B(2,0): 55 - 20 + 30 = 65,
+    # leaves 35 + 7 = 42; B(1,1): 42 - 4 + 6 = 44 ... B(0,1): 42 - 7 - 8 ... every later one lower
+    assert activation_peaks(order, [first, middle, last], "never", 2)[0] == 78
+    # the skip's gradients make the second backward of the last stage the peak when it is larger
+    big = StageActivations((20, 0), (30, 26), 0, 0, 0, 0, grads_back=((0, 25),))
+    # B(2,1): 78, leaves 48 + 25 = 73; B(2,0): 73 - 20 + 30 = 83
+    assert activation_peaks(order, [first, middle, big], "never", 2)[0] == 83
+    # without it, the same walk: B(2,0) 48 - 20 + 30 = 58 < 78
+    plain = StageActivations((20, 0), (30, 26), 0, 0, 0, 0)
+    assert activation_peaks(order, [first, middle, plain], "never", 2)[0] == 78
+
+
+def test_stage_activations_scratch_and_gradient_views_by_hand() -> None:
+    """A node's measured scratch rises above what is alive while it runs (its backward, its
+    forward and recomputation); a gradient that keeps a larger storage is sent back as that."""
+    rec = hand_recording()
+    rec.nodes[2].scratch_backward = 1000   # lin2's backward: at its node, 250 + 20 + 1000
+    rec.nodes[2].scratch_forward = 2000    # lin2's forward: relu's output (100) and its own (50) alive
+    s0, s1 = stage_activations(rec, {"lin1": 0, "relu": 1, "lin2": 1}, 2, pool=[0, 0])
+    assert s1.peak[0] == 150 + 100 + 20 + 1000
+    assert s1.forward == 2000                    # 2150 above the 150 left (saved 100, the output 50)
+    # checkpointed: the recomputation with the scratch, 100 received + 100 + 50 + 2000, + 50 incoming
+    assert s1.peak[1] == 100 + 100 + 50 + 2000 + 50
+    assert s1.grads_back == ((0, 100),)          # relu's gradient for lin1's output (stage 0)
+    rec.nodes[1].grad_storage = {10: 300}        # as a slice of a 300-byte gradient
+    assert stage_activations(rec, {"lin1": 0, "relu": 1, "lin2": 1}, 2, pool=[0, 0])[1].grads_back == ((0, 300),)
+    # stages on different devices: the gradient is not held on the sender's
+    assert stage_activations(rec, {"lin1": 0, "relu": 1, "lin2": 1}, 2, pool=[0, 1])[1].grads_back == ()
+
+
+class Concat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(torch.cat([h, h * 2], dim=1))
+
+
+def test_recorder_measures_scratch_and_gradient_views() -> None:
+    """The recording's backward: a concatenation's input gradients keep its output gradient's
+    storage (both slices of it), convolution's backward scratch is measured, and no .grad is written."""
+    torch.manual_seed(0)
+    model, x = Concat(), torch.randn(64, 16)
+    with preserved(model):
+        checked = capture_and_check(model, (x,), {}, BuildOptions(1, balance_by="params"))
+        rec = record_nodes(checked.capture.graph_module, checked.capture.flatten_inputs((x,), {}))
+    cat = next(r for r in rec.nodes if r.name == "cat")
+    assert sorted(cat.grad_in.values()) == [64 * 16 * 4] * 2
+    assert sorted(cat.grad_storage.values()) == [64 * 32 * 4] * 2
+    assert all(p.grad is None for p in model.parameters())
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    y = torch.randn(4, 3, 32, 32)
+    with preserved(conv):
+        checked = capture_and_check(conv, (y,), {}, BuildOptions(1, balance_by="params"))
+        rec = record_nodes(checked.capture.graph_module, checked.capture.flatten_inputs((y,), {}))
+    # the second convolution's backward: at least a gradient-sized buffer of its own (CPU kernels
+    # unfold the input), never more than a few times its input
+    last = rec.nodes[-1]
+    assert 0 < last.scratch_backward
+    assert last.scratch_backward <= 16 * 9 * 4 * 8 * 32 * 32 * 4
+    assert all(p.grad is None for p in conv.parameters())
+
+
+def test_recording_on_meta_measures_nothing() -> None:
+    model = Concat().to("meta")
+    x = torch.randn(64, 16, device="meta")
+    with preserved(model):
+        checked = capture_and_check(model, (x,), {}, BuildOptions(1, balance_by="params"))
+        rec = record_nodes(checked.capture.graph_module, checked.capture.flatten_inputs((x,), {}))
+    assert all(r.scratch_forward == r.scratch_backward == 0 and not r.grad_storage for r in rec.nodes)
