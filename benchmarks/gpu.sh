@@ -125,7 +125,7 @@ fi
 # of its time. Then the 0.94B Llama's table, and a profile of its fxpipe chunks=1 'never' step
 # by fxpipe frame (issue 21 §0).
 step one_gpu_gpt2 180 $PY benchmarks/one_gpu.py --device cuda --model gpt2 --steps 6 --warmup 1 \
-  --rows uncompiled pipe:4:never:ro ro_accum compiled pipe:4:never:compile --out "$RES/one_gpu_gpt2.json"
+  --rows uncompiled pipe:4:never:ro ro_accum compiled pipe:4:never:compile --floor --out "$RES/one_gpu_gpt2.json"
 step one_gpu_llama 110 $PY benchmarks/one_gpu.py --device cuda --model llama1b --steps 5 --warmup 1 \
   --out "$RES/one_gpu_llama.json" --profile "$RES/profile"
 

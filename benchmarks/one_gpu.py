@@ -64,6 +64,7 @@ import fxpipe  # noqa: E402
 import _one_gpu_rows as R  # noqa: E402
 from _device import add_device_argument, check_device, first_device, label, timed  # noqa: E402
 from _memory import Meter  # noqa: E402
+from _one_gpu_floor import floor_row, print_floors  # noqa: E402
 from _one_gpu_goals import goals, print_goals  # noqa: E402
 from _results import header, write_json  # noqa: E402
 
@@ -101,7 +102,7 @@ def measure(runner: R.Runner, ids: torch.Tensor, targets: torch.Tensor, a: argpa
 
 
 def run_row(key: str, master: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor, a: argparse.Namespace,
-            device: torch.device, ref: Optional[tuple]) -> tuple:
+            device: torch.device, ref: Optional[tuple], floors: Dict[int, Any]) -> tuple:
     """One row: build, warm up, check against ``ref`` (eager's; None: this row is eager), time."""
     row: Dict[str, Any] = {"key": key, "label": R.label(key, a.chunks)}
     runner: Optional[R.Runner] = None
@@ -129,6 +130,12 @@ def run_row(key: str, master: torch.nn.Module, ids: torch.Tensor, targets: torch
             else:
                 row.update(measure(runner, ids, targets, a, device))
                 row["status"] = "ok"
+                if a.floor and key.startswith("pipe:") and not R.is_compiled(key):
+                    try:
+                        row["floor"] = floor_row(runner, key, ids, targets, device, floors)
+                    except Exception as e:  # the row's times stand; its floor is reported as failed
+                        row["floor"] = {"error": "floor failed: " + first_line(e)}
+                        print(traceback.format_exc(), file=sys.stderr, flush=True)
     except Exception as e:  # reported in the row; the next row runs
         refused = isinstance(e, fxpipe.errors.FxpipeError)
         row["status"] = ("refused: " if refused else "failed: ") + first_line(e)
@@ -188,9 +195,9 @@ def run_model(name: str, a: argparse.Namespace, device: torch.device, doc: Dict[
             f"{'bf16 autocast' if a.autocast == 'bf16' else 'float32'}, TF32 {'on' if a.tf32 else 'off'}")
     result: Dict[str, Any] = {"model": name, "description": what, "params": params, "rows": []}
     doc["models"].append(result)
-    ref, gib = None, device.type == "cuda"
+    ref, gib, floors = None, device.type == "cuda", {}
     for key in keys:
-        row, ref = run_row(key, master, ids, targets, a, device, ref)
+        row, ref = run_row(key, master, ids, targets, a, device, ref, floors)
         result["rows"].append(row)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1))  # after every row: a run cut short keeps its rows
@@ -208,6 +215,7 @@ def run_model(name: str, a: argparse.Namespace, device: torch.device, doc: Dict[
             break
     result["goals"] = goals(result["rows"], a.chunks)
     print_goals(name, result["goals"])
+    print_floors(name, result["rows"], gib)
     if a.profile:
         from _one_gpu_profile import profile_pipe
         with autocast(a, device):
@@ -235,6 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny configs, 3 timed steps: a smoke run")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also profile one fxpipe chunks=1 'never' step (torch.profiler) into DIR")
+    p.add_argument("--floor", action="store_true",
+                   help="also each uncompiled pipeline row's peak against its activation-memory floor (_floor.py)")
     p.add_argument("--out", default=None, help="JSON result (default benchmarks/results/one_gpu_<device>.json)")
     a = p.parse_args(argv)
     check_device(a.device)
