@@ -8,8 +8,10 @@
 # Environment: PYTHON (default python3), GPU_BUDGET_S (default 450: the whole run's wall-time
 # budget; each step is bounded by `timeout`, by its own limit and by what is left of the
 # budget; steps that no longer fit are recorded as skipped). A failing or timed-out step is
-# recorded in the summary and the next step runs. Exit status: 2 without a CUDA device,
-# 1 if any step failed, timed out or was skipped for time, 0 otherwise.
+# recorded in the summary and the next step runs. GPU_STEPS (default: all) names the steps to
+# run, e.g. GPU_STEPS="cuda_tests one_gpu_gpt2 one_gpu_llama"; the others are left out of the
+# summary. Exit status: 2 without a CUDA device, 1 if any step failed, timed out or was skipped
+# for time, 0 otherwise.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -62,6 +64,9 @@ tables() {
 step() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "${GPU_STEPS:-}" ] && [[ " $GPU_STEPS " != *" $name "* ]]; then
+    return  # not selected
+  fi
   local left=$((BUDGET - ($(date +%s) - START)))
   {
     echo
@@ -112,6 +117,17 @@ if [ -f "$RES/cuda_tests.md" ]; then
   grep -E '(passed|failed|error|skipped)' "$RES/cuda_tests.md" | tail -n 1 | sed 's/^/result: /' >> "$SUMMARY"
   grep -E '^(FAILED|ERROR)' "$RES/cuda_tests.md" | head -n 20 | sed 's/^/- /' >> "$SUMMARY"
 fi
+
+# 1b. issue 21, one GPU measured: eager, accumulation, HF checkpointing, torch.compile (its
+# CUDA-graphs floor) and fxpipe on one device, each row checked against eager, rows printed as
+# measured (a timeout keeps those done). GPT-2 124M: the uncompiled rows, then the graph rows
+# (fxpipe's reduce-overhead, the floor), torch.compile and compile=True; compiling costs most
+# of its time. Then the 0.94B Llama's table, and a profile of its fxpipe chunks=1 'never' step
+# by fxpipe frame (issue 21 §0).
+step one_gpu_gpt2 180 $PY benchmarks/one_gpu.py --device cuda --model gpt2 --steps 6 --warmup 1 \
+  --rows uncompiled pipe:4:never:ro ro_accum compiled pipe:4:never:compile --floor --out "$RES/one_gpu_gpt2.json"
+step one_gpu_llama 110 $PY benchmarks/one_gpu.py --device cuda --model llama1b --steps 5 --warmup 1 \
+  --out "$RES/one_gpu_llama.json" --profile "$RES/profile"
 
 # 2. the headline claims: throughput vs torchgpipe, and the ablation
 step throughput 100 $PY benchmarks/throughput.py --device cuda --quick \
