@@ -118,6 +118,14 @@ if [ -f "$RES/cuda_tests.md" ]; then
   grep -E '^(FAILED|ERROR)' "$RES/cuda_tests.md" | head -n 20 | sed 's/^/- /' >> "$SUMMARY"
 fi
 
+# 1a. fxpipe.distributed on one GPU over NCCL: world size 1, two stages on the rank (zbv's V and
+# interleaved 1F1B: no send between ranks), against torch.distributed.pipelining driven by hand
+# on the same split; every contender checked exact against eager first
+step distributed 60 $PY benchmarks/distributed.py --device cuda --nproc 1 --stages-per-rank 2 \
+  --schedules zbv,interleaved1f1b --chunks 4 --quick --output "$RES/distributed.json"
+
+# (never measured on a GPU before: the steps above and below come first; the earlier
+# benchmarks from 2. on were measured on an H100 and get what is left of the budget)
 # 1b. issue 21, one GPU measured: eager, accumulation, HF checkpointing, torch.compile (its
 # CUDA-graphs floor) and fxpipe on one device, each row checked against eager, rows printed as
 # measured (a timeout keeps those done). GPT-2 124M: the uncompiled rows, then the graph rows
@@ -155,12 +163,6 @@ step planning 60 $PY benchmarks/planning.py --device cuda --models gpt2-12 --rep
 
 # 9. compiled stages at chunks=1 (the goal row; inductor/Triton compile time dominates, so last: it gets what is left)
 step compiled 90 $PY benchmarks/compiled.py --device cuda --chunks 1 --repeat 5 --warmup 2 --out "$RES/compiled.json"
-
-# 10. fxpipe.distributed on one GPU over NCCL: world size 1, two stages on the rank (zbv's V and
-# interleaved 1F1B: no send between ranks), against torch.distributed.pipelining driven by hand
-# on the same split; every contender checked exact against eager first
-step distributed 60 $PY benchmarks/distributed.py --device cuda --nproc 1 --stages-per-rank 2 \
-  --schedules zbv,interleaved1f1b --chunks 4 --quick --output "$RES/distributed.json"
 
 echo >> "$SUMMARY"
 echo "total: $(($(date +%s) - START))s of the ${BUDGET}s budget" >> "$SUMMARY"
