@@ -25,6 +25,7 @@ sending and the scheduling; this class adds what makes a step exact against eage
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -110,6 +111,7 @@ class DistributedPipeline:
         self._ties = ties
         self._groups = groups
         self._closed = False
+        self._broken: Optional[str] = None  # the error that stopped a step midway (peers then gone or waiting)
         self._failures = Failures(group, device)  # one rank's error named by every rank
         self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
@@ -176,6 +178,23 @@ class DistributedPipeline:
     def _check_open(self) -> None:
         if self._closed:
             raise PipelineClosedError("this fxpipe.distributed pipeline was closed; build a new one")
+        if self._broken is not None:
+            raise PipelineClosedError(
+                f"an earlier step of this pipeline stopped while the ranks were exchanging values ({self._broken}): "
+                "the other ranks stopped or wait at another point of the schedule, so no further step can be "
+                "exact. Build a new pipeline (in a new job if a rank ended)")
+
+    @contextmanager
+    def _exchanging(self) -> Iterator[None]:
+        """The schedule's run: an error names the failing rank on every rank
+        (:meth:`Failures.reported`), and leaves the pipeline refusing further steps."""
+        try:
+            with self._failures.reported():
+                yield
+        except BaseException as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            self._broken = f"{type(e).__name__}: {first[:300]}"
+            raise
 
     def step(self, *args: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """One training step of the mini-batch ``args``/``kwargs`` against ``target``, on
@@ -193,7 +212,7 @@ class DistributedPipeline:
         losses: list[torch.Tensor] = []
         last = self.n_stages - 1 in self.local
         self._ties.before_step()
-        with self._failures.reported():
+        with self._exchanging():
             try:
                 self._schedule.step(*self._sent(tensors), target=target.to(self.device) if last else None,
                                     losses=losses if last else None, return_outputs=False)
@@ -219,7 +238,7 @@ class DistributedPipeline:
         self._check_open()
         with self._failures.agreed("check its batch"):
             tensors = self._inputs(args, kwargs)
-        with self._failures.reported():
+        with self._exchanging():
             out = self._forward_only.step(*self._sent(tensors))
         return None if out is None else self._output.structured(out)
 

@@ -230,3 +230,37 @@ def test_the_store_path_in_one_process() -> None:
                 raise ValueError("own")
     finally:
         dist.destroy_process_group()
+
+
+def test_a_step_stopped_midway_leaves_the_pipeline_refusing_further_steps() -> None:
+    """An error inside the schedule (here loss_fn, world size 1 in this process) leaves the
+    other ranks stopped or waiting elsewhere in the schedule: a further step or eval_step is
+    refused with PipelineClosedError naming the first error, never a hang or a partial step."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    from fxpipe.errors import PipelineClosedError
+
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    calls = [0]
+
+    def failing_once(out: Any, target: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ValueError("boom in loss_fn")
+        return loss_fn(out, target)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        pipe = fpd.pipeline(model, x, chunks=2, loss_fn=failing_once, schedule="gpipe", stages_per_rank=2,
+                            timeout=60)
+        with pytest.raises(ValueError, match="boom in loss_fn"):
+            pipe.step(x, target=y)
+        for again in (lambda: pipe.step(x, target=y), lambda: pipe.eval_step(x)):
+            with pytest.raises(PipelineClosedError, match=r"stopped while the ranks were exchanging values "
+                                                          r"\(ValueError: boom in loss_fn\).*Build a new pipeline"):
+                again()
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
