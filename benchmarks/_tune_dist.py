@@ -8,12 +8,14 @@ own ``kwargs`` (the same plan), with ``F.mse_loss`` against zeros, and per confi
 * **order**: one traced step (``fxpipe.distributed.trace.record``), each rank's
   (kind, stage, micro-batch) sequence (``fxpipe.tuning._orders.measured_orders``) against
   the order the tuner simulated for it;
-* **memory**: after a warm-up step (gradients and torch's receive buffers exist from then
-  on, gradients zeroed in place), one step under ``benchmarks/_memory.py``'s CPU ``Meter``
-  inside each rank: the allocator's records of this process, on every thread (gloo's
-  included), running sum, maximum. Against it the rank's predicted activation bytes
-  (``choice.activation_bytes[rank]``): what the step allocates on top of what exists before
-  it. The predicted static part (parameters, gradients, receive buffers) is reported beside.
+* **memory**: one step after a warm-up step, under ``benchmarks/_memory.py``'s CPU ``Meter``
+  inside each rank (this process's allocator records, every thread, gloo's included),
+  profiled from before the pipeline is built: the profiler does not see the free of a block
+  allocated before it started, and a step frees what the previous one left (zero bubble's
+  input gradients, the V's hand-overs). Measured: the step's peak above its own lowest point
+  (what the pipeline holds all through it: parameters, ``.grad`` made before the base,
+  receive buffers), against the rank's predicted activation bytes
+  (``choice.activation_bytes[rank]``). The predicted static part is reported beside.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ The gradients a backward makes for what an earlier stage of the same device sent
 (``grads_back``) stay until that stage's backward of the micro-batch, which counts them in its
 peak: a skip connection's gradient from the last stage to the first waits through every
 backward in between.
-The peak is the largest of those moments. Which micro-batches are checkpointed follows
+For ``fxpipe.distributed`` the walk follows torch's ``PipelineStage`` and schedule runtime
+instead (:func:`_torch_stage_peak`, :class:`TorchRun`): outputs kept until the backward,
+sends kept to the step's end by the multi-stage runtime, zero bubble's clones and kept
+input gradients. The peak is the largest of those moments. Which micro-batches are checkpointed follows
 ``checkpoint_stop``: ``'always'`` all, ``'except_last'`` all but the last, ``'never'`` none.
 
 In one process (``fxpipe.pipeline``) the model's output is merged over all micro-batches
