@@ -57,7 +57,8 @@ class Meter:
     def run(self, fn: Callable[[], None]) -> Dict[str, Any]:
         """Runs ``fn()``; returns peak_bytes, end_bytes and ``phases``: one dict per phase
         (``label``: the mark that began it, None for the first; ``peak_bytes``: the most
-        allocated during it, relative to before the call), plus profiler details on CPU."""
+        allocated during it, relative to before the call; on CPU ``start_bytes`` and ``min_bytes``: allocated
+        when it began, and the least during it), plus profiler details on CPU."""
         if self.device.type == "cuda":
             return self._run_cuda(fn)
         return self._run_cpu(fn)
@@ -86,19 +87,21 @@ class Meter:
             if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU and e.nbytes()
         ]
         records.sort(key=lambda r: r[0])  # stable: records of one moment keep their order
-        phases = [{"label": None, "peak_bytes": 0}]
+        phases = [{"label": None, "peak_bytes": 0, "start_bytes": 0, "min_bytes": 0}]
         running = count = 0
         threads = set()
         for _, nbytes, thread in records:
             k = abs(nbytes) - MARK_BASE
             if 0 <= k < MARK_SPAN:  # a mark, not memory
                 if nbytes > 0:
-                    phases.append({"label": k, "peak_bytes": running})
+                    phases.append({"label": k, "peak_bytes": running, "start_bytes": running,
+                                   "min_bytes": running})
                 continue
             running += nbytes
             count += 1
             threads.add(thread)
             phases[-1]["peak_bytes"] = max(phases[-1]["peak_bytes"], running)
+            phases[-1]["min_bytes"] = min(phases[-1]["min_bytes"], running)
         return {"peak_bytes": max(p["peak_bytes"] for p in phases), "end_bytes": running, "phases": phases,
                 "alloc_events": count, "threads": len(threads), "how": HOW}
 

@@ -8,12 +8,14 @@ own ``kwargs`` (the same plan), with ``F.mse_loss`` against zeros, and per confi
 * **order**: one traced step (``fxpipe.distributed.trace.record``), each rank's
   (kind, stage, micro-batch) sequence (``fxpipe.tuning._orders.measured_orders``) against
   the order the tuner simulated for it;
-* **memory**: after a warm-up step (gradients and torch's receive buffers exist from then
-  on, gradients zeroed in place), one step under ``benchmarks/_memory.py``'s CPU ``Meter``
-  inside each rank: the allocator's records of this process, on every thread (gloo's
-  included), running sum, maximum. Against it the rank's predicted activation bytes
-  (``choice.activation_bytes[rank]``): what the step allocates on top of what exists before
-  it. The predicted static part (parameters, gradients, receive buffers) is reported beside.
+* **memory**: one step after a warm-up step, under ``benchmarks/_memory.py``'s CPU ``Meter``
+  inside each rank (this process's allocator records, every thread, gloo's included),
+  profiled from before the pipeline is built: the profiler does not see the free of a block
+  allocated before it started, and a step frees what the previous one left (zero bubble's
+  input gradients, the V's hand-overs). Measured: the step's peak above its own lowest point
+  (what the pipeline holds all through it: parameters, ``.grad`` made before the base,
+  receive buffers), against the rank's predicted activation bytes
+  (``choice.activation_bytes[rank]``). The predicted static part is reported beside.
 """
 
 from __future__ import annotations
@@ -53,23 +55,43 @@ def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs
         y = torch.zeros_like(model(x).float())
     found = []
     for cfg in configs:
-        pipe = fpd.pipeline(model, x, loss_fn=_loss, timeout=300, progress=False, **cfg["kwargs"])
-        try:
-            pipe.step(x, target=y)
+        held: Dict[str, Any] = {}
+        meter = Meter()
+
+        def build_and_step() -> None:  # profiled from before the build: every free is seen
+            held["pipe"] = pipe = fpd.pipeline(model, x, loss_fn=_loss, timeout=300, progress=False, **cfg["kwargs"])
+            for p in pipe.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)  # static, like the parameters: made before the base
+            gc.collect()
+            meter.mark(1)  # the base: the built pipeline, its receive buffers, parameters and .grad
+            pipe.step(x, target=y)  # warm-up
             for p in pipe.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
             gc.collect()
             dist.barrier()
-            mem = Meter().run(lambda: pipe.step(x, target=y))
-            with record(pipe) as trace:
-                pipe.step(x, target=y)
+            meter.mark(2)
+            pipe.step(x, target=y)  # measured
+            meter.mark(3)
+
+        try:
+            mem = meter.run(build_and_step)
+            phases = {ph["label"]: ph for ph in mem["phases"]}
+            base = phases[1]["start_bytes"]
+            low = phases[2]["min_bytes"]  # what the pipeline holds all through the step
+            mem = {"peak_bytes": phases[2]["peak_bytes"] - low, "end_bytes": phases[3]["start_bytes"] - low,
+                   "start_bytes": phases[2]["start_bytes"] - low, "held_bytes": low - base}
+            with record(held["pipe"]) as trace:
+                held["pipe"].step(x, target=y)
         finally:
-            pipe.close()
-        del pipe
+            if "pipe" in held:
+                held["pipe"].close()
+        held.clear()
         gc.collect()
         orders = measured_orders(trace.spans)
-        found.append({"peak_bytes": mem["peak_bytes"], "end_bytes": mem["end_bytes"],
+        found.append({"peak_bytes": mem["peak_bytes"], "end_bytes": mem["end_bytes"], "start_bytes": mem["start_bytes"],
+                      "held_bytes": mem["held_bytes"],
                       "order": [str(a) for a in orders.get(rank, [])]})
     torch.save(found, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -104,6 +126,7 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
             rows.append({"schedule": c.schedule, "stages": c.n_stages, "chunks": c.chunks, "checkpoint": c.checkpoint,
                          "rank": r, "predicted_bytes": pred, "static_bytes": c.static_bytes[str(r)],
                          "measured_bytes": got["peak_bytes"], "end_bytes": got["end_bytes"],
+                         "start_bytes": got["start_bytes"], "held_bytes": got["held_bytes"],
                          "memory_ratio": pred / got["peak_bytes"] if got["peak_bytes"] else float("nan"),
                          "order_same": got["order"] == [str(a) for a in predicted_order[r]],
                          "actions": len(got["order"])})

@@ -66,6 +66,14 @@ class StageActivations:
     #: (earlier stage of the same pool, bytes) of the gradients the stage's backward makes for
     #: what that stage sent it: they wait for that stage's backward (a skip's for long)
     grads_back: tuple[tuple[int, int], ...] = ()
+    #: bytes of every value crossing from this stage to the next (``fxpipe.distributed``
+    #: carries a skip through each stage it crosses): made here, and ``boundary_carried`` of
+    #: them made before (a carry: a view of what the stage received)
+    boundary_out: int = 0
+    boundary_carried: int = 0
+    #: bytes of the gradients this stage's backward sends to the previous stage (of every
+    #: value crossing into it)
+    boundary_grads: int = 0
 
 
 class _Storages:
@@ -157,8 +165,32 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         result.append(StageActivations(
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
-            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool)))
+            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *_boundary(rec, st, s)))
     return result
+
+
+def _boundary(rec: Recording, st: _Storages, s: int) -> tuple[int, int, int]:
+    """(bytes crossing from stage ``s`` to ``s + 1``, those of them made before ``s``, bytes
+    of the gradients of the values crossing into ``s``): the boundaries of the carried graph
+    ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value read by a
+    later stage crosses every stage between. Storages no node makes (parameters, the model's
+    inputs) are left out, as in ``received``."""
+    grad_bytes: Dict[int, int] = {}
+    for node in rec.nodes:
+        for key, b in node.grad_in.items():
+            grad_bytes[key] = max(b, grad_bytes.get(key, 0))
+    out = carried = grads = 0
+    for key, nbytes in st.bytes.items():
+        if key not in st.producer:
+            continue
+        made = st.stage_of[st.producer[key]]
+        last = max((st.stage_of[r] for r in st.readers.get(key, [])), default=made)
+        if made <= s < last:
+            out += nbytes
+            carried += nbytes if made < s else 0
+        if made < s <= last:
+            grads += grad_bytes.get(key, 0)
+    return out, carried, grads
 
 
 def _grads_back(rec: Recording, st: _Storages, nodes: List[int], s: int,

@@ -10,7 +10,10 @@ The gradients a backward makes for what an earlier stage of the same device sent
 (``grads_back``) stay until that stage's backward of the micro-batch, which counts them in its
 peak: a skip connection's gradient from the last stage to the first waits through every
 backward in between.
-The peak is the largest of those moments. Which micro-batches are checkpointed follows
+For ``fxpipe.distributed`` the walk follows torch's ``PipelineStage`` and schedule runtime
+instead (:func:`_torch_stage_peak`, :class:`TorchRun`): outputs kept until the backward,
+sends kept to the step's end by the multi-stage runtime, zero bubble's clones and kept
+input gradients. The peak is the largest of those moments. Which micro-batches are checkpointed follows
 ``checkpoint_stop``: ``'always'`` all, ``'except_last'`` all but the last, ``'never'`` none.
 
 In one process (``fxpipe.pipeline``) the model's output is merged over all micro-batches
@@ -26,12 +29,13 @@ micro-batch up front (torch 2.x ``_prepare_forward_infra`` / ``_prepare_backward
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence
 
 from ._activations import StageActivations
-from ._orders import Action
+from ._orders import DISTRIBUTED_SCHEDULES, Action
 
-__all__ = ["LOSS_COPIES", "OPTIMIZER_STATES", "checkpointed", "activation_peaks", "static_bytes"]
+__all__ = ["LOSS_COPIES", "OPTIMIZER_STATES", "TorchRun", "torch_run", "checkpointed", "activation_peaks", "static_bytes"]
 
 #: the loss's backward over the merged output, in copies of it: its gradient and one temporary
 #: (an elementwise or softmax loss: ``2 * out * grad``, ``softmax - onehot``)
@@ -48,18 +52,20 @@ def checkpointed(mode: str, chunks: int) -> int:
 
 def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequence[StageActivations],
                      mode: str, chunks: int, *, merged_output: bool = False,
-                     torch_stages: bool = False) -> Dict[Hashable, int]:
+                     torch_stages: bool | TorchRun = False) -> Dict[Hashable, int]:
     """Peak activation bytes per device along its actions (see the module docstring).
 
     ``merged_output``: the single-process pipeline, whose output all micro-batches share
     one device with the last stage: count the merged output, the loss's backward over it
     (:data:`LOSS_COPIES`) and the gradient it leaves. ``torch_stages``: ``fxpipe.distributed``,
-    whose stages are torch ``PipelineStage`` objects (:func:`_torch_stage_peak`)."""
+    whose stages are torch ``PipelineStage`` objects (:func:`_torch_stage_peak`; a
+    :class:`TorchRun` says how torch's schedule keeps sends and gradients)."""
     stop = checkpointed(mode, chunks)
     last = len(stages) - 1
     peaks: Dict[Hashable, int] = {}
     if torch_stages:
-        return {device: _torch_stage_peak(actions, stages, stop) for device, actions in orders.items()}
+        run = torch_stages if isinstance(torch_stages, TorchRun) else None
+        return {device: _torch_stage_peak(actions, stages, stop, run) for device, actions in orders.items()}
     for device, actions in orders.items():
         held = peak = 0
         own: Dict[tuple[int, int], int] = {}
@@ -110,23 +116,76 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
     return peaks
 
 
-def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivations], stop: int) -> int:
+@dataclass(frozen=True)
+class TorchRun:
+    """How torch runs ``fxpipe.distributed``'s stages, for the walk of one rank.
+
+    ``device_of[s]``: the rank of stage ``s`` (which neighbours are local). ``held_sends``:
+    the schedule runs torch's ``_PipelineScheduleRuntime`` (interleaved and V schedules),
+    which keeps every send's ``Work`` -- and with it the tensor sent, activations and
+    gradients alike -- until the step ends (``send_ops``, waited after the last action);
+    ``Schedule1F1B`` / ``ScheduleGPipe`` wait each send in turn. ``split``: a zero-bubble
+    schedule, whose stages return clones of their outputs (a carried view included,
+    ``fxpipe.distributed._values._own``) and whose input pass leaves each input gradient in
+    the ``.grad`` of the stage's receive buffer until the next step (``stage_backward_input``;
+    ``clear_runtime_states`` drops it)."""
+
+    device_of: Sequence[Hashable]
+    held_sends: bool = False
+    split: bool = False
+
+
+def torch_run(schedule: str, stage_devices: Sequence[Hashable]) -> TorchRun:
+    """How torch runs ``schedule``'s stages: its multi-stage classes are
+    ``_PipelineScheduleRuntime`` (sends kept to the step's end), the zero-bubble ones split
+    the backward (``fxpipe.distributed._schedules``)."""
+    from fxpipe.distributed._schedules import SCHEDULES
+
+    return TorchRun(list(stage_devices), held_sends=DISTRIBUTED_SCHEDULES[schedule] > 1,
+                    split=SCHEDULES[schedule].split_backward)
+
+
+def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivations], stop: int,
+                      run: Optional[TorchRun] = None) -> int:
     """One rank's peak under torch's ``PipelineStage`` (torch 2.13 ``stage.py``), which keeps
     more than autograd saves: each micro-batch's outputs until its backward (``fwd_cache``;
     the last stage's until the step ends, ``output_chunks``); between a zero-bubble input pass
     and its weight pass the retained graph (everything the stage saved, recomputed ones
     included: fxpipe recomputes once per micro-batch), its outputs and the gradients that
-    arrived (``backward_state``); and the first stage runs its whole backward in ``W``."""
+    arrived (``backward_state``); and the first stage runs its whole backward in ``W``.
+
+    With ``run`` (:class:`TorchRun`): what is sent to another rank stays until the step ends
+    under ``held_sends``; an output handed to the next stage on the same rank (the V's turn)
+    takes the place of the one the previous step left in that stage's receive buffer (a
+    static receive buffer, nothing more), and so does a gradient handed back; under
+    ``split`` the outputs are clones (every value crossing, carried ones too) and the input
+    gradients stay to the end of the step."""
     last = len(stages) - 1
+    run = run or TorchRun(device_of=())
+    local = run.device_of
+
+    def same(a: int, b: int) -> bool:
+        return bool(local) and 0 <= b <= last and local[a] == local[b]
+
     held = peak = 0
     own: Dict[tuple[int, int], int] = {}
     for a in actions:
         st, key = stages[a.stage], (a.stage, a.mb)
         ck = 1 if a.mb < stop else 0
+        sent = st.sent[ck]
+        if a.stage != last and run.split:
+            sent = st.boundary_out  # clones, kept past the stage's own saved tensors
+        if a.stage != last and same(a.stage, a.stage + 1):
+            sent = 0  # takes the place of last step's output in the next stage's buffer
         stays = st.sent[ck] if a.stage == last else 0
-        backward = st.peak[ck] + st.sent[ck]  # its own held bytes are in its peak
+        if a.stage != last and run.held_sends and not same(a.stage, a.stage + 1):
+            stays = st.boundary_out if run.split else st.boundary_out - st.boundary_carried
+        backward = st.peak[ck] + sent  # its own held bytes are in its peak
+        grads_kept = 0
+        if a.stage > 0 and not same(a.stage, a.stage - 1) and (run.held_sends or run.split):
+            grads_kept = st.boundary_grads  # in a send's Work, or the receive buffer's .grad
         if a.kind == "F":
-            own[key] = st.held[ck] + st.sent[ck]
+            own[key] = st.held[ck] + sent
             held += own[key]
             peak = max(peak, held + st.forward)
             continue
@@ -136,11 +195,14 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
                 own[key] = mine + st.grads_in
             else:
                 peak = max(peak, held - mine + backward)
-                own[key] = max(st.held[0], st.held[ck]) + st.sent[ck] + st.grads_in
+                own[key] = max(st.held[0], st.held[ck]) + sent + st.grads_in
+                held += grads_kept
             held += own[key] - mine
             continue
         if a.kind == "B" or (a.kind == "W" and a.stage == 0):
             peak = max(peak, held - mine + backward)
+            if a.kind == "B":
+                held += grads_kept
         held -= mine - stays
     return peak
 

@@ -27,7 +27,7 @@ from ..plan._profile import profile_graph
 from ..plan._value import Plan
 from ._activations import StageActivations, stage_activations
 from ._costs import StageTimes, micro_inputs, stage_times_measured, stage_times_roofline
-from ._memory import activation_peaks, static_bytes
+from ._memory import activation_peaks, static_bytes, torch_run
 from ._nodes import Recording, record_nodes
 from ._orders import DISTRIBUTED_SCHEDULES, Action, placement, single_process_order, torch_orders
 from ._result import Choice
@@ -179,8 +179,8 @@ class Search:
             return nbytes / self.s.link
 
         timeline = simulate(orders, duration, where, send)
-        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe",
-                                 torch_stages=schedule != "gpipe")
+        run = False if schedule == "gpipe" else torch_run(schedule, where)
+        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe", torch_stages=run)
         params = [st.param_bytes for st in plan.stages]
         if schedule == "gpipe":
             static = static_bytes(params, where, self.s.optimizer)

@@ -10,7 +10,7 @@ from torch import nn
 from fxpipe.build import BuildOptions, capture_and_check
 from fxpipe.capture._prepare import preserved
 from fxpipe.tuning._activations import StageActivations, stage_activations
-from fxpipe.tuning._memory import LOSS_COPIES, activation_peaks, static_bytes
+from fxpipe.tuning._memory import LOSS_COPIES, TorchRun, activation_peaks, static_bytes, torch_run
 from fxpipe.tuning._nodes import NodeRecord, Recording, record_nodes
 from fxpipe.tuning._orders import single_process_order
 
@@ -156,6 +156,70 @@ def test_torch_stages_keep_outputs_and_the_retained_graph_by_hand() -> None:
     # stage 1: I at 25 - 25 + 30 + 5 = 35, keeps 20 + 5 + 7 = 32 until W, which leaves the
     # output (5, the last stage's stays); F(1,1): 5 + 25
     assert peaks[1] == 35
+
+
+def test_boundaries_of_the_carried_graph_by_hand() -> None:
+    """A value made on stage 0 and read on stage 2 crosses both boundaries (carried through
+    stage 1); its gradient goes back over both."""
+    rec = Recording([
+        NodeRecord("a", makes={10: 100}, grad_out={10: 100}),
+        NodeRecord("b", makes={11: 30}, reads={10: 100}, grad_in={10: 100}, grad_out={11: 30}),
+        NodeRecord("c", makes={12: 20}, reads={11: 30, 10: 100}, grad_in={11: 30, 10: 100}, grad_out={12: 20}),
+    ], outputs={12: 20}, external={1})
+    s0, s1, s2 = stage_activations(rec, {"a": 0, "b": 1, "c": 2}, 3)
+    assert (s0.boundary_out, s0.boundary_carried, s0.boundary_grads) == (100, 0, 0)
+    # 11 made here, 10 carried on; gradients back: 10's
+    assert (s1.boundary_out, s1.boundary_carried, s1.boundary_grads) == (130, 100, 100)
+    assert (s2.boundary_out, s2.boundary_carried, s2.boundary_grads) == (0, 0, 130)
+    assert s1.sent == (30, 30)  # what it makes: the carried view is the received buffer's storage
+
+
+def test_held_sends_stay_to_the_end_of_the_step_by_hand() -> None:
+    """torch's _PipelineScheduleRuntime waits its sends after the last action: the outputs
+    sent to another rank (made by the stage, not carried) and the input gradients sent back
+    stay until the step ends."""
+    from fxpipe.tuning._orders import Action
+
+    first = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, sent=(3, 3), boundary_out=5, boundary_carried=1)
+    last = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, boundary_grads=4)
+    stages = [first, last]
+    orders = {0: [Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
+              1: [Action("F", 1, 0), Action("B", 1, 0), Action("F", 1, 1), Action("B", 1, 1)]}
+    plain = activation_peaks(orders, stages, "never", 2, torch_stages=TorchRun([0, 1]))
+    # F: 10 + 3; B: 15 + 3 = 18, frees all; the same again
+    assert plain == {0: 18, 1: 15}
+    held = activation_peaks(orders, stages, "never", 2, torch_stages=TorchRun([0, 1], held_sends=True))
+    # rank 0: B(0,0) leaves the 5 - 1 bytes it made and sent; B(0,1): 4 + 13 - 13 + 18 = 22
+    # rank 1: B(1,0) leaves the 4 bytes of gradient it sent; B(1,1): 4 + 15 = 19
+    assert held == {0: 22, 1: 19}
+
+
+def test_zero_bubble_clones_local_turn_and_kept_input_gradients_by_hand() -> None:
+    """A V rank (stages 1 and 2 of 4): stage 1 hands its output to stage 2 on the same rank
+    (it replaces last step's in the receive buffer: nothing more), stage 2 sends clones of
+    everything crossing (carried too) to stage 3 on the other rank, kept to the step's end,
+    and stage 1's input gradients stay in its receive buffer's .grad."""
+    from fxpipe.tuning._orders import Action
+
+    s0 = StageActivations((1, 0), (1, 0), 0, 0, 0, 0)
+    s1 = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, sent=(3, 3), grads_in=2, boundary_out=6,
+                          boundary_carried=1, boundary_grads=4)
+    s2 = StageActivations((20, 0), (30, 0), 0, 0, 0, 0, sent=(5, 5), grads_in=7, boundary_out=8,
+                          boundary_carried=2, boundary_grads=9)
+    s3 = StageActivations((1, 0), (1, 0), 0, 0, 0, 0)
+    one = [Action("F", 1, 0), Action("F", 2, 0), Action("I", 2, 0), Action("W", 2, 0), Action("I", 1, 0),
+           Action("W", 1, 0)]
+    two = [Action(a.kind, a.stage, 1) for a in one[:3]]
+    orders = {1: one + two}
+    stages = [s0, s1, s2, s3]
+    run = torch_run("zbv", [0, 1, 1, 0])
+    assert run == TorchRun([0, 1, 1, 0], held_sends=True, split=True)
+    # F1: 10 (its output is the buffer's); F2: + 20 + 8 clones = 38; I2: 38 - 28 + 30 + 8 = 48, keeps
+    # 20 + 8 + 7; W2 leaves the 8 sent; I1: keeps 10 + 2 and the 4 input-gradient bytes; W1 leaves
+    # those 4: 12 held. Micro-batch 1: F1 22, F2 50, I2: 50 - 28 + 38 = 60
+    assert activation_peaks(orders, stages, "never", 2, torch_stages=run)[1] == 60
+    # as 1F1B's single-stage schedules would keep them: the outputs until the backward only, 48
+    assert activation_peaks(orders, stages, "never", 2, torch_stages=True)[1] == 48
 
 
 def test_gradients_sent_back_wait_for_their_stage_by_hand() -> None:
