@@ -186,6 +186,29 @@ def test_rank_0_holding_the_store_and_failing_mid_step_is_still_named(tmp_path: 
     assert codes[0] != 0 and codes[1] != 0, codes
 
 
+def test_a_stage_error_wrapped_by_torch_is_named_by_its_own_line() -> None:
+    """torch's PipelineStage re-raises a stage's forward error as a RuntimeError saying only
+    "[Stage 0] failed to run forward: args: ..."; the line the other ranks print names the
+    stage code's own error and fxpipe's note (the generated line, the model's source)."""
+    from fxpipe.distributed._failures import failure_line
+
+    own = IndexError("index out of range in self")
+    own.__notes__ = ["in fxpipe stage 0 (Stage0), generated line 21: `embedding = ...`;\n  original source: model.py, line 5"]
+    try:
+        try:
+            raise own
+        except IndexError as e:  # the message torch 2.13's stage.py builds
+            raise RuntimeError("\n            [Stage 0] failed to run forward:\n            args: ('Tensor(...)',)\n"
+                               "            kwargs: {}\n            ") from e
+    except RuntimeError as wrapped:
+        line = failure_line(0, wrapped)
+    assert line == ("rank 0: IndexError: index out of range in self (in fxpipe stage 0 (Stage0), generated line 21: "
+                    "`embedding = ...`; original source: model.py, line 5)"), line
+    unrelated = RuntimeError("failed to run forward")  # not torch's wrapper: named as it is
+    unrelated.__cause__ = ValueError("x")
+    assert failure_line(1, unrelated) == "rank 1: RuntimeError: failed to run forward"
+
+
 def test_the_store_path_in_one_process() -> None:
     """In one process (world size 1): a rank's own error is written as one line and re-raised
     as it was; a transfer error then reads that line (the first written stays) and becomes a
