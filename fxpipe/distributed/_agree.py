@@ -17,10 +17,10 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch.distributed as dist
 
-from fxpipe.errors import PeerFailedError, PlanMismatchError
+from fxpipe.errors import DistributedError, PeerFailedError, PlanMismatchError
 from fxpipe.plan._value import Plan
 
-__all__ = ["broadcast_plan", "agree_on_stages", "on_every_rank", "code_hash"]
+__all__ = ["broadcast_plan", "agree_on_stages", "agree_on_arguments", "on_every_rank", "code_hash"]
 
 T = TypeVar("T")
 
@@ -83,3 +83,21 @@ def agree_on_stages(build: Callable[[], Sequence[str]], group: dist.ProcessGroup
             "the ranks emitted different stage code from the same plan (stage code hashes per stage: "
             f"{listing}). Every rank must build the same model (same class, config and leaf_modules) with the "
             "same fxpipe and torch versions.")
+
+
+def agree_on_arguments(values: dict, group: dist.ProcessGroup) -> None:
+    """Refuses, on every rank alike, arguments that must be equal on every rank and are not
+    (``schedule``, ``chunks``): the stage code agrees whatever they are, but ranks running
+    different schedules or micro-batch counts wait on transfers that never come (a hang until
+    ``timeout``) or receive buffers of the wrong size (gloo aborts the process), measured.
+    ``fxpipe.tune`` run on each rank may pick different ones from its timings."""
+    every: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, dict(values), group=group)
+    differ = [name for name in values if any(v[name] != every[0][name] for v in every)]  # type: ignore[index]
+    if differ:
+        listing = "; ".join(f"{name}: " + ", ".join(f"rank {r} {v[name]!r}" for r, v in enumerate(every))  # type: ignore[index]
+                            for name in differ)
+        raise DistributedError(
+            f"the ranks called fxpipe.distributed.pipeline with different {' and '.join(differ)} ({listing}); every "
+            "rank must pass the same ones (decide them once, e.g. on rank 0, and broadcast them: fxpipe.tune on "
+            "each rank can choose differently from its own timings)")

@@ -33,7 +33,7 @@ from fxpipe.plan._make import BALANCE_BY
 from fxpipe.capture._prepare import preserved
 from fxpipe.progress import Progress, ProgressOption, as_progress
 
-from ._agree import agree_on_stages, broadcast_plan
+from ._agree import agree_on_arguments, agree_on_stages, broadcast_plan
 from ._carry import carried_plan
 from ._device import DeviceOption, check_one_gpu_per_rank, ensure_process_group, rank_device
 from ._failures import Failures
@@ -200,6 +200,7 @@ def pipeline(
     report = as_progress(progress) if dist.get_rank() == 0 else Progress(enabled=False)
     world = dist.get_world_size()
     group = dist.new_group(list(range(world)), timeout=wait)
+    agree_on_arguments({"schedule": schedule, "chunks": chunks}, group)  # else a hang or an abort in a step
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})

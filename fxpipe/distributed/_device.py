@@ -122,6 +122,10 @@ def rank_device(device: DeviceOption = None) -> torch.device:
     if wanted not in _BACKEND:
         raise DistributedError(f"device={device!r}: fxpipe.distributed runs its stages on 'cuda' (NCCL) or 'cpu' "
                                f"(gloo), not on {wanted!r}")
+    if wanted == "cuda" and not torch.cuda.is_available():  # before the backend: no group would help
+        raise DistributedError(f"device={device!r}, but CUDA is not available in this process "
+                               "(torch.cuda.is_available() is False): pass device='cpu' or leave device=None "
+                               "to run this rank on the CPU over gloo")
     need = _BACKEND[wanted]
     if backend_for(backend, wanted) != need:
         hint = ("init_process_group('nccl') with one GPU per rank (or let fxpipe start the group: call "
@@ -132,9 +136,6 @@ def rank_device(device: DeviceOption = None) -> torch.device:
             f"default process group uses {backend!r}: call {hint}, or pass device= for the backend you have")
     if wanted == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise DistributedError(f"device={device!r}, but CUDA is not available in this process "
-                               "(torch.cuda.is_available() is False): pass device='cpu' with a gloo group")
     index = _cuda_index(device)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

@@ -47,9 +47,27 @@ _MAX_CHARS = 2000
 _TRANSPORT = re.compile(r"gloo|nccl|connection (closed|reset)|timed out|broken pipe", re.IGNORECASE)
 
 
+#: torch's PipelineStage wraps an error of a stage's forward in a RuntimeError that says only
+#: which stage failed ("[Stage 0] failed to run forward: args: ... kwargs: ..."); the error
+#: itself, with fxpipe's note naming the generated line and the model's source, is its cause
+_STAGE_WRAPPER = re.compile(r"^\s*\[Stage \d+\] failed to run (forward|backward)")
+
+
+def _own_error(error: BaseException) -> BaseException:
+    """The error to name: past torch's stage wrappers, the one raised in the stage's code."""
+    while error.__cause__ is not None and _STAGE_WRAPPER.match(str(error)):
+        error = error.__cause__
+    return error
+
+
 def failure_line(rank: int, error: BaseException) -> str:
-    """``rank R: ErrorType: message``, the message's lines joined into one."""
+    """``rank R: ErrorType: message (notes)``, the message's lines joined into one; for an
+    error that torch's stage wrapped, the stage code's own error (its notes name the line)."""
+    error = _own_error(error)
+    notes = [str(n) for n in getattr(error, "__notes__", ())]
     text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+    if notes:
+        text = f"{text} ({'; '.join(' '.join(n.split()) for n in notes)})" if text else "; ".join(notes)
     if len(text) > _MAX_CHARS:
         text = text[:_MAX_CHARS] + " ..."
     return f"rank {rank}: {type(error).__name__}: {text}" if text else f"rank {rank}: {type(error).__name__}"

@@ -70,6 +70,14 @@ class Choice:
 
         return pipeline(tuning.model, tuning.sample, **kwargs)
 
+    def __repr__(self) -> str:
+        """One line: the dataclass's own repr printed the plan's every node twice (27 KB for a
+        4-layer GPT-2; a Llama's would be megabytes in a REPL)."""
+        kwargs = {k: (f"<Plan: {v.n_stages} stages>" if isinstance(v, Plan) else v) for k, v in self.kwargs.items()}
+        return (f"Choice(schedule={self.schedule!r}, n_stages={self.n_stages}, chunks={self.chunks}, "
+                f"checkpoint={self.checkpoint!r}, step_s={self.step_s:.3g}, bubble={self.bubble:.3f}, "
+                f"peak={format_bytes(self.peak)!r}, fits={self.fits}, why={self.why!r}, kwargs={kwargs})")
+
     def row(self) -> List[str]:
         return [self.schedule, str(self.n_stages), str(self.chunks), self.checkpoint,
                 f"{self.step_s * 1e3:.2f} ms", f"{self.bubble:.1%}", format_bytes(self.peak)]

@@ -119,6 +119,41 @@ def test_every_rank_names_the_failing_rank_and_its_error(tmp_path: Path) -> None
     assert all(c != 0 for c in codes), codes
 
 
+def _differing_arguments_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 asks for other chunks, then another schedule, than rank 0 (as fxpipe.tune run
+    on each rank may choose): without the check, gloo aborted rank 1 on a buffer of the wrong
+    size, and different schedules waited on each other until ``timeout``."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    for what, mine in (("chunks", {"chunks": 4 if rank else 2}), ("schedule", {"schedule": "gpipe" if rank else "1f1b"})):
+        options = {"chunks": 2, "schedule": "1f1b", **mine}
+        try:
+            fpd.pipeline(model, x, loss_fn=loss_fn, timeout=60, **options).step(x, target=y)
+            Path(out, f"rank{rank}.{what}.txt").write_text("ran")
+        except Exception as e:
+            _record(out, rank, what, e)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)  # the same arguments: it runs
+    Path(out, f"rank{rank}.after.txt").write_text(repr(pipe.step(x, target=y).item()))
+
+
+def test_ranks_given_different_chunks_or_schedule_are_refused_on_every_rank(tmp_path: Path) -> None:
+    codes = _run(_differing_arguments_worker, 2, (), tmp_path)
+    chunks, schedule = _read(tmp_path, 2, "chunks"), _read(tmp_path, 2, "schedule")
+    for line in chunks:
+        assert line.startswith("DistributedError: the ranks called fxpipe.distributed.pipeline with different "
+                               "chunks (chunks: rank 0 2, rank 1 4)"), line
+    for line in schedule:
+        assert "different schedule (schedule: rank 0 '1f1b', rank 1 'gpipe')" in line, line
+    after = _read(tmp_path, 2, "after")
+    assert len(set(after)) == 1 and codes == [0, 0], (after, codes)
+
+
 def _rank0_worker(rank: int, world: int, port: int, store_host: str, out: str) -> None:
     """zbv on 2 ranks puts the last stage, and so ``loss_fn``, on rank 0, which raises in the
     middle of the first step. The store is held by the parent (as torchrun's agent holds it)
@@ -184,6 +219,29 @@ def test_rank_0_holding_the_store_and_failing_mid_step_is_still_named(tmp_path: 
     gone = "cannot be reached: its host ended (rank 0" in lines[1]
     assert read or gone, lines[1]
     assert codes[0] != 0 and codes[1] != 0, codes
+
+
+def test_a_stage_error_wrapped_by_torch_is_named_by_its_own_line() -> None:
+    """torch's PipelineStage re-raises a stage's forward error as a RuntimeError saying only
+    "[Stage 0] failed to run forward: args: ..."; the line the other ranks print names the
+    stage code's own error and fxpipe's note (the generated line, the model's source)."""
+    from fxpipe.distributed._failures import failure_line
+
+    own = IndexError("index out of range in self")
+    own.__notes__ = ["in fxpipe stage 0 (Stage0), generated line 21: `embedding = ...`;\n  original source: model.py, line 5"]
+    try:
+        try:
+            raise own
+        except IndexError as e:  # the message torch 2.13's stage.py builds
+            raise RuntimeError("\n            [Stage 0] failed to run forward:\n            args: ('Tensor(...)',)\n"
+                               "            kwargs: {}\n            ") from e
+    except RuntimeError as wrapped:
+        line = failure_line(0, wrapped)
+    assert line == ("rank 0: IndexError: index out of range in self (in fxpipe stage 0 (Stage0), generated line 21: "
+                    "`embedding = ...`; original source: model.py, line 5)"), line
+    unrelated = RuntimeError("failed to run forward")  # not torch's wrapper: named as it is
+    unrelated.__cause__ = ValueError("x")
+    assert failure_line(1, unrelated) == "rank 1: RuntimeError: failed to run forward"
 
 
 def test_the_store_path_in_one_process() -> None:

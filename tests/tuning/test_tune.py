@@ -35,6 +35,9 @@ def test_tune_ranks_and_builds_its_best_leaving_the_model_as_it_was() -> None:
     assert steps == sorted(steps) and t.best is t.choices[0]
     text = str(t)
     assert "rank" in text and "checkpoint" in text and "gpipe" in text
+    shown = repr(t.best)  # one line, the plan named, not its every node
+    assert shown.startswith("Choice(schedule='gpipe', ") and "<Plan: 2 stages>" in shown, shown
+    assert "\n" not in shown and "assignment" not in shown and len(shown) < 400, shown
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
