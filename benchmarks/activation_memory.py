@@ -190,11 +190,13 @@ def print_table(result: Dict[str, Any], device: str, stages: int) -> None:
               f"{r['ratio']:.3f} | {where} | {r['floor_held_bytes'] / MIB:.2f} | {r['floor_last_bytes'] / MIB:.2f} |")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_model_arguments(p: argparse.ArgumentParser, argv: Optional[Sequence[str]],
+                          chunks: List[int]) -> Tuple[argparse.Namespace, torch.device]:
+    """The models, their sizes and the configurations, shared with ``order_memory.py``; the
+    parsed arguments and the device."""
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--models", nargs="+", default=["unet", "gpt"], choices=["unet", "gpt"])
-    p.add_argument("--chunks", nargs="+", type=int, default=[1, 4, 8, 32])
+    p.add_argument("--chunks", nargs="+", type=int, default=chunks)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--stages", type=int, default=4)
@@ -210,7 +212,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
-    device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
+    return a, torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a, device = parse_model_arguments(p, argv, chunks=[1, 4, 8, 32])
     t0 = time.perf_counter()
     results = []
     for name in a.models:

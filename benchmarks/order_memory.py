@@ -218,25 +218,7 @@ def print_table(result: Dict[str, Any], device: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--models", nargs="+", default=["unet", "gpt"], choices=["unet", "gpt"])
-    p.add_argument("--chunks", nargs="+", type=int, default=[4, 8])
-    p.add_argument("--modes", nargs="+", default=list(am.MODES), choices=am.MODES)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--balance-by", default="memory", choices=["memory", "time", "params"])
-    p.add_argument("--size", type=int, default=64, help="U-Net input height = width")
-    p.add_argument("--channels", type=int, default=16, help="U-Net base channels")
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--d", type=int, default=64, help="GPT width")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--ctx", type=int, default=64, help="GPT sequence length")
-    p.add_argument("--out", default=None)
-    a = p.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device available")
-    device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
+    a, device = am.parse_model_arguments(p, argv, chunks=[4, 8])
     t0 = time.perf_counter()
     results = [run_model(name, a, device) for name in a.models]
     for result in results:
