@@ -24,7 +24,11 @@ Static bytes per device (:func:`static_bytes`): each stage's parameters once, th
 gradients once, the optimizer state (``'sgd'``: none; ``'momentum'``: one copy; ``'adam'``:
 two copies, in the parameters' dtype), and, for ``fxpipe.distributed``, torch's receive
 buffers: a ``PipelineStage`` allocates one activation buffer and one gradient buffer per
-micro-batch up front (torch 2.x ``_prepare_forward_infra`` / ``_prepare_backward_infra``).
+micro-batch up front (torch 2.x ``_prepare_forward_infra`` / ``_prepare_backward_infra``), for
+every input of the stage and every output that needs a gradient. The stages are those of the
+carried graph (:mod:`fxpipe.distributed._carry`): a skip crosses every stage between its
+producer and its reader, so a stage's inputs are all values crossing its boundary
+(:func:`receive_buffers`, from ``StageActivations.boundary_*``), not only those it reads.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from typing import Dict, Hashable, List, Mapping, Optional, Sequence
 from ._activations import StageActivations
 from ._orders import DISTRIBUTED_SCHEDULES, Action
 
-__all__ = ["LOSS_COPIES", "OPTIMIZER_STATES", "TorchRun", "torch_run", "checkpointed", "activation_peaks", "static_bytes"]
+__all__ = ["LOSS_COPIES", "OPTIMIZER_STATES", "TorchRun", "torch_run", "checkpointed", "activation_peaks", "receive_buffers",
+           "static_bytes"]
 
 #: the loss's backward over the merged output, in copies of it: its gradient and one temporary
 #: (an elementwise or softmax loss: ``2 * out * grad``, ``softmax - onehot``)
@@ -207,16 +212,29 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
     return peak
 
 
+def receive_buffers(stages: Sequence[StageActivations]) -> List[int]:
+    """Per stage, the bytes of one micro-batch's receive buffers in torch's ``PipelineStage``:
+    an activation buffer for each value crossing into it (none on the first stage, which takes
+    the model's inputs) and a gradient buffer for each value crossing out of it that gets a
+    gradient (none on the last). Sized from the carried graph's boundaries, where a skip is an
+    input and an output of every stage it crosses. A same-rank hand-over (the V's) replaces
+    its buffer with the previous stage's output, which then stays until the next step's: the
+    same bytes, still counted. Left out, as in the boundaries: the model's inputs carried to a
+    later stage, and parameters."""
+    n = len(stages)
+    return [(stages[s - 1].boundary_out if s > 0 else 0) + (stages[s + 1].boundary_grads if s + 1 < n else 0)
+            for s in range(n)]
+
+
 def static_bytes(param_bytes: Sequence[int], stage_devices: Sequence[Hashable], optimizer: str,
-                 receive: Sequence[int] = (), chunks: int = 1, send_grads: Sequence[int] = ()) -> Dict[Hashable, int]:
+                 receive: Sequence[int] = (), chunks: int = 1) -> Dict[Hashable, int]:
     """Parameters + gradients + optimizer state of each device's stages, and (distributed)
-    ``chunks`` receive buffers of each stage's inputs and of its outputs' gradients."""
+    ``chunks`` times ``receive[s]``, one micro-batch's receive buffers of stage ``s``
+    (:func:`receive_buffers`)."""
     copies = 2 + OPTIMIZER_STATES[optimizer]
     out: Dict[Hashable, int] = {}
     for s, d in enumerate(stage_devices):
-        extra = 0
-        if receive:
-            extra = chunks * (receive[s] + (send_grads[s] if send_grads else 0))
+        extra = chunks * receive[s] if receive else 0
         out[d] = out.get(d, 0) + copies * int(param_bytes[s]) + extra
     return out
 

@@ -27,7 +27,7 @@ from ..plan._profile import profile_graph
 from ..plan._value import Plan
 from ._activations import StageActivations, stage_activations
 from ._costs import StageTimes, micro_inputs, stage_times_measured, stage_times_roofline
-from ._memory import activation_peaks, static_bytes, torch_run
+from ._memory import activation_peaks, receive_buffers, static_bytes, torch_run
 from ._nodes import Recording, record_nodes
 from ._orders import DISTRIBUTED_SCHEDULES, Action, placement, single_process_order, torch_orders
 from ._result import Choice
@@ -185,8 +185,7 @@ class Search:
         if schedule == "gpipe":
             static = static_bytes(params, where, self.s.optimizer)
         else:
-            static = static_bytes(params, where, self.s.optimizer, receive=[a.received for a in acts], chunks=chunks,
-                                  send_grads=[acts[s + 1].received if s + 1 < n_stages else 0 for s in range(n_stages)])
+            static = static_bytes(params, where, self.s.optimizer, receive=receive_buffers(acts), chunks=chunks)
         choice.step_s, choice.bubble = timeline.step_s, timeline.bubble
         for d in orders:
             label = str(d)

@@ -10,7 +10,8 @@ from torch import nn
 from fxpipe.build import BuildOptions, capture_and_check
 from fxpipe.capture._prepare import preserved
 from fxpipe.tuning._activations import StageActivations, stage_activations
-from fxpipe.tuning._memory import LOSS_COPIES, TorchRun, activation_peaks, static_bytes, torch_run
+from fxpipe.tuning._memory import (LOSS_COPIES, TorchRun, activation_peaks, receive_buffers, static_bytes,
+                                   torch_run)
 from fxpipe.tuning._nodes import NodeRecord, Recording, record_nodes
 from fxpipe.tuning._orders import single_process_order
 
@@ -94,8 +95,8 @@ def test_static_bytes_by_hand() -> None:
     # params + grads + Adam's two moments = 4 copies; stages 0 and 1 share device 'a'
     assert static_bytes([100, 50, 10], ["a", "a", "b"], "adam") == {"a": 600, "b": 40}
     assert static_bytes([100], ["a"], "sgd") == {"a": 200}
-    # receive buffers: chunks x (activations in + gradients of the outputs)
-    assert static_bytes([0, 0], [0, 1], "sgd", receive=[0, 8], chunks=4, send_grads=[8, 0]) == {0: 32, 1: 32}
+    # receive buffers: chunks x one micro-batch's (activations in + gradients of the outputs)
+    assert static_bytes([0, 0], [0, 1], "sgd", receive=[8, 8], chunks=4) == {0: 32, 1: 32}
 
 
 class MLP(nn.Module):
@@ -172,6 +173,32 @@ def test_boundaries_of_the_carried_graph_by_hand() -> None:
     assert (s1.boundary_out, s1.boundary_carried, s1.boundary_grads) == (130, 100, 100)
     assert (s2.boundary_out, s2.boundary_carried, s2.boundary_grads) == (0, 0, 130)
     assert s1.sent == (30, 30)  # what it makes: the carried view is the received buffer's storage
+
+
+def test_receive_buffers_are_sized_from_the_carried_boundaries_by_hand() -> None:
+    """torch's PipelineStage allocates, per micro-batch, a buffer for every input of a stage
+    and a gradient buffer for every output that gets one. A skip (10: made on stage 0, read on
+    stage 2) is an input and an output of stage 1 too, which never reads it; a mask (14, no
+    gradient) crosses both boundaries with an activation buffer and no gradient buffer."""
+    rec = Recording([
+        NodeRecord("a", makes={10: 100, 14: 8}, grad_out={10: 100}),
+        NodeRecord("b", makes={11: 40}, reads={10: 100}, grad_in={10: 100}, grad_out={11: 40}),
+        NodeRecord("c", makes={12: 30}, reads={11: 40}, grad_in={11: 40}, grad_out={12: 30}),
+        NodeRecord("d", makes={13: 20}, reads={12: 30, 10: 100, 14: 8}, grad_in={12: 30, 10: 100},
+                   grad_out={13: 20}),
+    ], outputs={13: 20}, external={1})
+    stages = stage_activations(rec, {"a": 0, "b": 0, "c": 1, "d": 2}, 3)
+    # crossing 0 -> 1: 11 (40), 10 (100), 14 (8); gradients 11's and 10's
+    # crossing 1 -> 2: 12 (30), 10 (100, carried), 14 (8, carried); gradients 12's and 10's
+    assert [s.boundary_out for s in stages] == [148, 138, 0]
+    assert [s.boundary_grads for s in stages] == [0, 140, 130]
+    # stage 0: gradient buffers 140; stage 1: inputs 148 + gradients 130; stage 2: inputs 138
+    assert receive_buffers(stages) == [140, 278, 138]
+    # uncarried, stage 1 would receive only 11 (40) and get gradients for 12 (30)
+    assert stages[1].received == 40
+    # 2 micro-batches, stages 0 and 2 on device 0: parameters + gradients, and the buffers
+    assert static_bytes([10, 20, 30], [0, 1, 0], "sgd", receive=receive_buffers(stages), chunks=2) == {
+        0: 2 * 10 + 2 * 30 + 2 * (140 + 138), 1: 2 * 20 + 2 * 278}
 
 
 def test_held_sends_stay_to_the_end_of_the_step_by_hand() -> None:
