@@ -36,10 +36,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import datetime as _dt  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import weakref  # noqa: E402
@@ -54,6 +51,7 @@ from fxpipe import is_checkpointing, is_recomputing  # noqa: E402
 
 import _floor as floor  # noqa: E402
 from _memory import peak  # noqa: E402
+from _results import header, write_json  # noqa: E402
 
 #: 'pipe(x)': ``out = pipe(x); loss(out).backward()`` (GPipe's order, the merged output held, as
 #: ``activation_memory.py`` measures it); 'gpipe' and '1f1b': ``pipe.step`` in that order
@@ -226,18 +224,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"\n{time.perf_counter() - t0:.0f} s")
     out = Path(a.out) if a.out else am.ROOT / "benchmarks" / "results" / f"order_memory_{a.device}.json"
     doc = {
-        "benchmark": "order_memory",
-        "date": _dt.date.today().isoformat(),
+        **header("order_memory", a.device, cuda=torch.cuda.get_device_name(0) if a.device == "cuda" else None),
         "command": " ".join(["benchmarks/order_memory.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "python": platform.python_version(),
-                    "cuda": torch.cuda.get_device_name(0) if a.device == "cuda" else None},
         "config": {k: v for k, v in vars(a).items() if k != "out"},
         "models": results,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
+    write_json(str(out), doc)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import datetime as _dt  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -57,6 +54,7 @@ import fxpipe  # noqa: E402
 from zoo import TinyGPT, UNet  # noqa: E402
 
 from _memory import peak  # noqa: E402
+from _results import header, write_json  # noqa: E402
 
 torch.set_num_threads(1)
 MIB = float(1 << 20)
@@ -185,15 +183,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"gloo ranks: worst memory error {max(abs(1 - r['memory_ratio']) for r in rows):.1%}; action order "
               f"as simulated on {sum(r['order_same'] for r in rows)} of {len(rows)} (configuration, rank)")
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "tune.json"
-    doc = {"benchmark": "tune", "date": _dt.date.today().isoformat(),
+    doc = {**header("tune", "cpu"),
            "command": " ".join(["benchmarks/tune.py", *(argv if argv is not None else sys.argv[1:])]),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                       "python": platform.python_version()},
            "worst_memory_error": worst_mem, "worst_choice_ratio": worst_choice, "models": results,
            "distributed": distributed}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {out}", file=sys.stderr)
+    write_json(str(out), doc)
 
 
 if __name__ == "__main__":
