@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .checks._counted_labels import IGNORE_INDEX
+from .checks._counted_labels import IGNORE_INDEX, holds_ignored
 from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm
 from .runtime._frontend import checkpoint_stop
@@ -185,8 +185,7 @@ def _refuse_ignored_labels(batching: Any, flat: Sequence[Any], target: Any) -> N
     labelled = [("target", target)] + [(n, x) for n, d, x in zip(batching.in_names, batching.in_dims, flat)
                                        if d is not None]
     for name, x in labelled:
-        if (isinstance(x, Tensor) and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
-                and bool((x == IGNORE_INDEX).any())):
+        if holds_ignored(x):
             raise StepError(
                 f"{'target' if name == 'target' else f'argument {name!r}'} holds {IGNORE_INDEX} (an ignored label), "
                 "and loss_reduction='mean' weighs each micro-batch's loss by its number of samples: a mean over "

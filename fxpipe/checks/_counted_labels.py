@@ -41,7 +41,7 @@ from torch import Tensor, fx, nn
 
 from ..errors import MicroBatchError
 
-__all__ = ["CountedLabels", "TokenCount", "weighted_mean", "IGNORE_INDEX"]
+__all__ = ["CountedLabels", "TokenCount", "weighted_mean", "holds_ignored", "IGNORE_INDEX"]
 
 #: the ignore index of torch's losses and of transformers' labels
 IGNORE_INDEX = -100
@@ -57,6 +57,15 @@ _PASS_ATEN = {_aten._to_copy.default, _aten.to.dtype, _aten.to.dtype_layout, _at
               _aten.clone.default, _aten.contiguous.default}
 _PASS_METHODS = {"float", "double", "half", "bfloat16", "to", "type_as", "clone", "contiguous"}
 _MEAN = 1  # at::Reduction::Mean
+
+
+def holds_ignored(x: Any, ignore: int = IGNORE_INDEX) -> bool:
+    """Whether ``x`` is a tensor of labels (integer, with values) holding ``ignore``: floats,
+    booleans and meta tensors hold no labels to look at."""
+    if (not isinstance(x, Tensor) or x.is_meta or x.is_floating_point() or x.is_complex()
+            or x.dtype == torch.bool):
+        return False
+    return bool((x == ignore).any())
 
 
 @dataclass
@@ -133,11 +142,7 @@ class CountedLabels:
     def _refuse_ignored(self, leaves: Sequence[Any], out_names: Sequence[str], in_names: Sequence[str],
                         where: str) -> None:
         for k, ignore in self.checks:
-            x = leaves[k] if k < len(leaves) else None
-            if (not isinstance(x, Tensor) or x.is_meta or x.is_floating_point() or x.is_complex()
-                    or x.dtype == torch.bool):
-                continue  # no labels, or no values to look at
-            if bool((x == ignore).any()):
+            if holds_ignored(leaves[k] if k < len(leaves) else None, ignore):
                 names = [repr(out_names[i]) for i in self.uncounted]
                 outputs = (("the output is" if not out_names[self.uncounted[0]] else f"output {names[0]} is")
                            if len(names) == 1 else f"outputs {', '.join(names)} are")

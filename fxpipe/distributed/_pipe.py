@@ -34,7 +34,7 @@ from torch import nn
 
 from fxpipe.capture._tracing import Capture
 from fxpipe.emit._stages import Stages
-from fxpipe.checks._counted_labels import IGNORE_INDEX
+from fxpipe.checks._counted_labels import IGNORE_INDEX, holds_ignored
 from fxpipe.errors import BatchShapeError, DistributedError, MicroBatchError, PipelineClosedError
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
@@ -52,12 +52,9 @@ def check_counted_labels(target: torch.Tensor, chunks: int) -> None:
     numbers per micro-batch: each micro-batch's mean ``loss_fn`` is weighted ``1 / chunks``,
     which is the mean over the whole batch's counted labels (eager's) only when every
     micro-batch counts as many (:class:`~fxpipe.errors.MicroBatchError`, with what to do)."""
-    if chunks == 1 or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+    if chunks == 1 or not holds_ignored(target):
         return
-    ignored = target == IGNORE_INDEX
-    if not bool(ignored.any()):
-        return
-    counted = (~ignored).reshape(chunks, -1).sum(1).tolist()
+    counted = (target != IGNORE_INDEX).reshape(chunks, -1).sum(1).tolist()
     if len(set(counted)) == 1:
         return
     raise MicroBatchError(
