@@ -50,11 +50,11 @@ def single_process_order(n_stages: int, chunks: int) -> List[Action]:
 
 
 def placement(schedule: str, world: int, stages_per_rank: int) -> List[int]:
-    """The rank of each stage (``fxpipe.distributed._schedules.rank_of_stage``'s rule)."""
-    n = world * stages_per_rank
-    if schedule != "zbv":
-        return [k % world for k in range(n)]
-    return [k % world if (k // world) % 2 == 0 else world - 1 - k % world for k in range(n)]
+    """The rank of each stage, as ``fxpipe.distributed`` places them (imported when asked:
+    torch.distributed.pipelining takes a while to import)."""
+    from fxpipe.distributed._schedules import rank_of_stage
+
+    return rank_of_stage(schedule, world, stages_per_rank)
 
 
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
