@@ -26,6 +26,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Dict, List, NamedTuple, Sequence
 
+from ..runtime._pipeline import clock_cycles
+
 __all__ = ["Action", "single_process_order", "torch_orders", "DISTRIBUTED_SCHEDULES", "placement",
            "measured_orders"]
 
@@ -43,9 +45,9 @@ class Action(NamedTuple):
 
 
 def single_process_order(n_stages: int, chunks: int) -> List[Action]:
-    """``fxpipe.pipeline``'s task order: forward clock cycles, then their exact reverse."""
-    forward = [Action("F", j, k - j) for k in range(chunks + n_stages - 1) for j in range(n_stages)
-               if 0 <= k - j < chunks]
+    """``fxpipe.pipeline``'s task order: forward clock cycles (the runtime's own), then their
+    exact reverse."""
+    forward = [Action("F", j, i) for tick in clock_cycles(chunks, n_stages) for i, j in tick]
     return forward + [Action("B", a.stage, a.mb) for a in reversed(forward)]
 
 
