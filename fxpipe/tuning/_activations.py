@@ -146,6 +146,7 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         for s in ss:
             by_stage_ck.setdefault(s, set()).add(key)
     per_stage: List[List[int]] = [[] for _ in range(n_stages)]
+    boundaries = _boundaries(rec, st, n_stages)
     for i, s in enumerate(stage_of):
         per_stage[s].append(i)
     for s in range(n_stages):
@@ -165,32 +166,31 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         result.append(StageActivations(
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
-            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *_boundary(rec, st, s)))
+            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *boundaries[s]))
     return result
 
 
-def _boundary(rec: Recording, st: _Storages, s: int) -> tuple[int, int, int]:
-    """(bytes crossing from stage ``s`` to ``s + 1``, those of them made before ``s``, bytes
-    of the gradients of the values crossing into ``s``): the boundaries of the carried graph
-    ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value read by a
-    later stage crosses every stage between. Storages no node makes (parameters, the model's
-    inputs) are left out, as in ``received``."""
+def _boundaries(rec: Recording, st: _Storages, n_stages: int) -> List[tuple[int, int, int]]:
+    """Per stage ``s``: (bytes crossing from ``s`` to ``s + 1``, those of them made before
+    ``s``, bytes of the gradients of the values crossing into ``s``): the boundaries of the
+    carried graph ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value
+    read by a later stage crosses every stage between. Storages no node makes (parameters, the
+    model's inputs) are left out, as in ``received``."""
     grad_bytes: Dict[int, int] = {}
     for node in rec.nodes:
         for key, b in node.grad_in.items():
             grad_bytes[key] = max(b, grad_bytes.get(key, 0))
-    out = carried = grads = 0
+    out, carried, grads = [0] * n_stages, [0] * n_stages, [0] * n_stages
     for key, nbytes in st.bytes.items():
         if key not in st.producer:
             continue
         made = st.stage_of[st.producer[key]]
         last = max((st.stage_of[r] for r in st.readers.get(key, [])), default=made)
-        if made <= s < last:
-            out += nbytes
-            carried += nbytes if made < s else 0
-        if made < s <= last:
-            grads += grad_bytes.get(key, 0)
-    return out, carried, grads
+        for s in range(made, last):
+            out[s] += nbytes
+            carried[s] += nbytes if made < s else 0
+            grads[s + 1] += grad_bytes.get(key, 0)
+    return list(zip(out, carried, grads))
 
 
 def _grads_back(rec: Recording, st: _Storages, nodes: List[int], s: int,
