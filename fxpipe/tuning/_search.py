@@ -32,7 +32,7 @@ from ._nodes import Recording, record_nodes
 from ._orders import DISTRIBUTED_SCHEDULES, Action, placement, single_process_order, torch_orders
 from ._result import Choice
 from ._scaling import derive, fit, same
-from ._simulate import simulate
+from ._simulate import send_bytes, simulate
 from ._units import format_bytes
 
 __all__ = ["Settings", "Search"]
@@ -68,6 +68,7 @@ class Search:
         self._records: Dict[int, Recording] = {}
         self._seconds: Dict[int, Dict[str, float]] = {}
         self._acts: Dict[Tuple[int, int, Tuple[int, ...]], List[StageActivations]] = {}
+        self._orders: Dict[Tuple[str, int], Dict[Hashable, List[Action]]] = {}
         self._fit: Any = None  # None: not tried; False: the sizes are recorded one by one
         #: micro-batch sizes recorded, and derived from two of them (checked on a third)
         self.recorded: List[int] = []
@@ -144,11 +145,17 @@ class Search:
         return n * spr, [self.s.devices[r] for r in placement(schedule, n, spr)]
 
     def orders(self, schedule: str, n_stages: int, chunks: int, where: List[Hashable]) -> Dict[Hashable, List[Action]]:
-        if schedule == "gpipe":
-            order = single_process_order(n_stages, chunks)
-            return {d: [a for a in order if where[a.stage] == d] for d in dict.fromkeys(where)}
-        by_rank = torch_orders(schedule, len(self.s.devices), chunks)
-        return {self.s.devices[r]: acts for r, acts in by_rank.items()}
+        """Each device's actions, built once per (schedule, chunks): every checkpoint mode
+        runs the same order (torch's classes take a while to build theirs)."""
+        key = (schedule, chunks)
+        if key not in self._orders:
+            if schedule == "gpipe":
+                order = single_process_order(n_stages, chunks)
+                self._orders[key] = {d: [a for a in order if where[a.stage] == d] for d in dict.fromkeys(where)}
+            else:
+                by_rank = torch_orders(schedule, len(self.s.devices), chunks)
+                self._orders[key] = {self.s.devices[r]: acts for r, acts in by_rank.items()}
+        return self._orders[key]
 
     def predict(self, schedule: str, chunks: int, mode: str) -> Choice:
         n_stages, where = self.layout(schedule)
@@ -175,8 +182,7 @@ class Search:
                     "W": t.weight_grad + (recompute if a.mb < stop else 0.0)}[a.kind]
 
         def send(a: Action) -> float:
-            nbytes = acts[a.stage].received if a.kind == "F" else acts[min(a.stage + 1, n_stages - 1)].received
-            return nbytes / self.s.link
+            return send_bytes(a, acts, carried=schedule != "gpipe") / self.s.link
 
         timeline = simulate(orders, duration, where, send)
         run = False if schedule == "gpipe" else torch_run(schedule, where)

@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Mapping, Sequence
 
+from ._activations import StageActivations
 from ._orders import Action
 
-__all__ = ["Timeline", "simulate"]
+__all__ = ["Timeline", "simulate", "send_bytes"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +103,19 @@ def simulate(orders: Mapping[Hashable, Sequence[Action]], duration: Callable[[Ac
             stuck = [str(acts[pos[d]]) for d, acts in orders.items() if pos[d] < len(acts)]
             raise ValueError(f"the action lists wait on each other forever (next actions: {', '.join(stuck)})")
     return Timeline(start, end, max(end.values(), default=0.0), busy)
+
+
+def send_bytes(a: Action, stages: Sequence[StageActivations], carried: bool) -> int:
+    """The bytes ``a`` waits for from the neighbouring stage (``F``: what stage ``a.stage``
+    receives; ``B``/``I``: the gradients stage ``a.stage + 1`` sends back).
+
+    ``carried``: ``fxpipe.distributed``, which runs the carried graph: a value read two stages
+    on crosses the stage between, so each send holds every value crossing the boundary
+    (``boundary_out`` forward, ``boundary_grads`` back). Otherwise ``fxpipe.pipeline``, whose
+    portals copy each value once, to the stage that reads it (``received``)."""
+    last = len(stages) - 1
+    if not carried:
+        return stages[a.stage].received if a.kind == "F" else stages[min(a.stage + 1, last)].received
+    if a.kind == "F":
+        return stages[a.stage - 1].boundary_out if a.stage > 0 else 0
+    return stages[a.stage + 1].boundary_grads if a.stage < last else 0

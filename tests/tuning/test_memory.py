@@ -13,7 +13,8 @@ from fxpipe.tuning._activations import StageActivations, stage_activations
 from fxpipe.tuning._memory import (LOSS_COPIES, TorchRun, activation_peaks, receive_buffers, static_bytes,
                                    torch_run)
 from fxpipe.tuning._nodes import NodeRecord, Recording, record_nodes
-from fxpipe.tuning._orders import single_process_order
+from fxpipe.tuning._orders import Action, single_process_order
+from fxpipe.tuning._simulate import send_bytes
 
 
 def hand_recording() -> Recording:
@@ -173,6 +174,21 @@ def test_boundaries_of_the_carried_graph_by_hand() -> None:
     assert (s1.boundary_out, s1.boundary_carried, s1.boundary_grads) == (130, 100, 100)
     assert (s2.boundary_out, s2.boundary_carried, s2.boundary_grads) == (0, 0, 130)
     assert s1.sent == (30, 30)  # what it makes: the carried view is the received buffer's storage
+
+
+def test_sends_carry_a_skip_through_the_stage_between_by_hand() -> None:
+    """10 is made on stage 0 and read on stage 2 only. The simulator's sends:
+    fxpipe.distributed carries it through stage 1, forward and its gradient back;
+    fxpipe.pipeline's portals send it once, to stage 2."""
+    rec = Recording([
+        NodeRecord("a", makes={10: 100}, grad_out={10: 100}),
+        NodeRecord("b", makes={11: 30}, reads={1: 8}, grad_out={11: 30}),
+        NodeRecord("c", makes={12: 20}, reads={11: 30, 10: 100}, grad_in={11: 30, 10: 100}, grad_out={12: 20}),
+    ], outputs={12: 20}, external={1})
+    stages = stage_activations(rec, {"a": 0, "b": 1, "c": 2}, 3)
+    assert [send_bytes(Action("F", s, 0), stages, carried=True) for s in (1, 2)] == [100, 130]
+    assert [send_bytes(Action("B", s, 0), stages, carried=True) for s in (0, 1)] == [100, 130]
+    assert [send_bytes(Action("F", s, 0), stages, carried=False) for s in (1, 2)] == [0, 130]
 
 
 def test_receive_buffers_are_sized_from_the_carried_boundaries_by_hand() -> None:

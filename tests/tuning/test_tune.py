@@ -133,3 +133,4 @@ def test_command_line_refusal_is_one_line(capsys: pytest.CaptureFixture[str]) ->
                  "--device-flops", "1e12", "--bandwidth", "1e11", "--chunks", "2", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "smallest requirement" in err[0]
+
