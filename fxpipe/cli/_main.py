@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", nargs="+", default=None, choices=("never", "except_last", "always"))
     p.add_argument("--chunks", nargs="+", type=_positive_int("--chunks"), default=None, metavar="M")
     p.add_argument("--optimizer", default="adam", choices=("sgd", "momentum", "adam", "adamw"))
+    p.add_argument("--balance-by", choices=("time", "memory", "params"), default=None,
+                   help="how each stage count is cut (default: time; params on meta)")
 
     sub.add_parser("env", parents=[common], help="versions, devices, graphviz and matplotlib availability")
 

@@ -17,6 +17,7 @@ from ..build import BuildOptions, capture_and_check
 from ..capture._prepare import preserved
 from ..checks._batching import ChunkDims, OutputMerge
 from ..errors import ArgumentError, MemoryBudgetError
+from ..plan._make import BALANCE_BY
 from ..progress import ProgressOption, as_progress
 from ..runtime._frontend import CHECKPOINT_MODES
 from ._memory import OPTIMIZER_STATES
@@ -68,7 +69,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
          device_flops: Optional[Size] = None, bandwidth: Optional[Size] = None, efficiency: Optional[float] = None,
          sample_kwargs: Optional[dict] = None, leaf_modules: Sequence[Union[type, str]] = (),
          chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None,
-         progress: ProgressOption = False) -> Tuning:
+         balance_by: Optional[str] = None, progress: ProgressOption = False) -> Tuning:
     """Predicts and ranks pipeline configurations of ``model`` for ``devices`` with ``memory``
     each (see docs/api.md, "fxpipe.tuning").
 
@@ -90,6 +91,9 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         device_flops, bandwidth: the device's peak (``790e12`` FLOP/s, ``'4.8TB/s'``): costs then
             come from shapes (a roofline), never from timing; required for a meta model.
         efficiency: share of that peak reached (default 1).
+        balance_by: how each stage count is cut, as :func:`fxpipe.pipeline`'s (``'time'``,
+            ``'memory'``, ``'params'``). Default: ``'time'`` for a model with weights (profiled, so
+            two tunings on a busy machine may cut differently), ``'params'`` on meta.
 
     Returns: a :class:`~fxpipe.tuning._result.Tuning`; ``print`` it, build ``tuning.best.pipeline()``.
 
@@ -115,6 +119,9 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         if mode not in CHECKPOINT_MODES:
             raise ArgumentError(f"checkpoint: unknown mode {mode!r}; the modes are {', '.join(CHECKPOINT_MODES)}",
                                 argument="checkpoint")
+    if balance_by is not None and balance_by not in BALANCE_BY:
+        raise ArgumentError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))} or None, got "
+                            f"{balance_by!r}", argument="balance_by")
     if optimizer not in OPTIMIZER_STATES:
         raise ArgumentError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}",
                             argument="optimizer")
@@ -128,6 +135,9 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         raise ArgumentError("a model on the meta device cannot be timed: pass device_flops= and bandwidth= (the "
                             "device's peak FLOP/s and memory bandwidth) so costs come from shapes",
                             argument="device_flops")
+    if checked.meta and balance_by == "time":
+        raise ArgumentError("balance_by='time' profiles the model, and a model on the meta device cannot run: "
+                            "use balance_by='params' or 'memory'", argument="balance_by")
     flat = checked.capture.flatten_inputs(checked.args, checked.kwargs)
     size = batch if batch is not None else checked.batching.batch_size(flat)
     if not isinstance(size, int) or size < 1:
@@ -138,7 +148,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
             if name != "gpipe":
                 skipped[name] = "fxpipe.distributed runs one rank per device, and the devices given repeat"
     settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
-                        parse_rate(link, "link") or 0.0, optimizer, flops, bw, efficiency, torch_devices, skipped)
+                        parse_rate(link, "link") or 0.0, optimizer, flops, bw, efficiency, torch_devices, skipped,
+                        balance_by)
     search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
         choices = search.run()

@@ -4,7 +4,8 @@ A candidate is (schedule, stages, chunks, checkpoint mode). ``'gpipe'`` is
 ``fxpipe.pipeline``: one process, one stage per device, the runtime's clock cycles. The
 others are ``fxpipe.distributed`` with torch's schedule of that name: one rank per device,
 one stage per rank (two for the interleaved and V schedules). Each stage count gets one plan
-(``fxpipe.plan``: balanced by profiled time for a model with weights, by parameters on meta),
+(``fxpipe.plan``: balanced by ``balance_by``; by default profiled time for a model with
+weights, parameters on meta),
 and each micro-batch size one recorded forward (:mod:`._nodes`; with four sizes or more,
 two recorded and the others derived where shapes are linear in the size, checked on the
 largest: :mod:`._scaling`) and, with weights, one profile: everything a candidate needs is then arithmetic on those (:mod:`._activations`,
@@ -55,6 +56,7 @@ class Settings:
     efficiency: Optional[float] = None
     torch_devices: Optional[List[Any]] = None  # the devices fxpipe.pipeline gets (None: labels only)
     skipped: Dict[str, str] = field(default_factory=dict)
+    balance_by: Optional[str] = None  # None: 'time' with weights, 'params' on meta
 
 
 class Search:
@@ -78,7 +80,7 @@ class Search:
     def plan(self, n_stages: int) -> Plan:
         if n_stages not in self._plans:
             chunks = max(c for c in self.s.chunks)
-            balance_by = "params" if self.meta else "time"
+            balance_by = self.s.balance_by or ("params" if self.meta else "time")
             with preserved(self.model):
                 self._plans[n_stages] = make_plan(self.checked.capture, self.checked.args, self.checked.kwargs,
                                                   n_stages, balance_by=balance_by, chunks=chunks,

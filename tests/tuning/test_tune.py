@@ -78,6 +78,7 @@ def test_nothing_fits_names_the_smallest_requirement() -> None:
     ({"device_flops": 1e12}, "device_flops"),
     ({"devices": 0}, "devices"),
     ({"chunks": [0]}, "chunks"),
+    ({"balance_by": "flops"}, "balance_by"),
 ])
 def test_bad_arguments_are_named(kwargs: dict, argument: str) -> None:
     with pytest.raises(ArgumentError) as info:
@@ -91,6 +92,10 @@ def test_a_meta_model_is_tuned_from_shapes() -> None:
     x = torch.randn(16, 32)
     with pytest.raises(ArgumentError, match="device_flops"):
         fxpipe.tune(model, x, 2)
+    with pytest.raises(ArgumentError, match="balance_by='params' or 'memory'"):
+        fxpipe.tune(model, x, 2, device_flops=1e12, bandwidth=1e11, balance_by="time")
+    by_memory = fxpipe.tune(model, x, 2, device_flops=1e12, bandwidth=1e11, chunks=[2], balance_by="memory")
+    assert {c.plan.balance_by for c in by_memory.choices if c.plan is not None} == {"memory"}
     t = fxpipe.tune(model, x, 2, "1GiB", device_flops=1e12, bandwidth=1e11, chunks=[2, 4, 8])
     names = {c.schedule for c in t.choices}
     assert names == {"gpipe", "1f1b", "interleaved1f1b", "zbv"}
