@@ -38,6 +38,14 @@ def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out.float(), target)
 
 
+def cut(plan: Any) -> Dict[str, Any]:
+    """What the stages were cut by, and each stage's first node: runs cut alike compare."""
+    firsts: Dict[int, str] = {}
+    for node, stage in plan.assignment.items():
+        firsts.setdefault(int(stage), node)
+    return {"balance_by": plan.balance_by, "first_nodes": [firsts[s] for s in sorted(firsts)]}
+
+
 def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs: List[Dict[str, Any]],
           out: str) -> None:
     import torch.distributed as dist
@@ -97,7 +105,8 @@ def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs
     dist.destroy_process_group()
 
 
-def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, what: str) -> Dict[str, Any]:
+def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, what: str,
+        balance_by: Any = None) -> Dict[str, Any]:
     import time
 
     import fxpipe
@@ -105,7 +114,7 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
     from fxpipe.tuning._orders import torch_orders
 
     t0 = time.perf_counter()
-    tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd")
+    tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd", balance_by=balance_by)
     tune_s = time.perf_counter() - t0
     print(f"\n{what}, {world} gloo ranks: fxpipe.tune took {tune_s:.1f} s\n{tuning}")
     chosen = [c for c in tuning.choices if c.fits]
@@ -130,7 +139,8 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
                          "memory_ratio": pred / got["peak_bytes"] if got["peak_bytes"] else float("nan"),
                          "order_same": got["order"] == [str(a) for a in predicted_order[r]],
                          "actions": len(got["order"])})
-    return {"model": what, "world": world, "tune_s": tune_s, "rows": rows,
+    cuts = {str(c.n_stages): cut(c.plan) for c in chosen}
+    return {"model": what, "world": world, "tune_s": tune_s, "cuts": cuts, "rows": rows,
             "skipped": [f"{c.schedule} chunks {c.chunks} {c.checkpoint}: {c.why}" for c in tuning.choices if not c.fits]}
 
 

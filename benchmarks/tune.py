@@ -55,6 +55,7 @@ from zoo import TinyGPT, UNet  # noqa: E402
 
 from _memory import peak  # noqa: E402
 from _results import header, write_json  # noqa: E402
+from _tune_dist import cut  # noqa: E402
 
 torch.set_num_threads(1)
 MIB = float(1 << 20)
@@ -90,7 +91,8 @@ def measure(pipe: Any, x: torch.Tensor, steps: int) -> Dict[str, float]:
 def run_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
     model, x, what = build(name)
     t0 = time.perf_counter()
-    tuning = fxpipe.tune(model, x, ["cpu"] * a.stages, None, schedules=("gpipe",), chunks=a.chunks, optimizer="sgd")
+    tuning = fxpipe.tune(model, x, ["cpu"] * a.stages, None, schedules=("gpipe",), chunks=a.chunks, optimizer="sgd",
+                         balance_by=a.balance_by)
     tune_s = time.perf_counter() - t0
     print(f"\n{what}: fxpipe.tune took {tune_s:.1f} s\n{tuning}")
     rows = []
@@ -124,7 +126,9 @@ def run_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
                         "best_measured": [best["chunks"], best["checkpoint"]], "first_s": first["measured_s"],
                         "best_s": best["measured_s"], "ratio": first["measured_s"] / best["measured_s"],
                         "first_fits_measured": fits_measured, "candidates": len(candidates)})
-    return {"model": name, "description": what, "tune_s": tune_s, "rows": rows, "choices": choices}
+    return {"model": name, "description": what, "tune_s": tune_s, "cut": cut(tuning.choices[0].plan), "rows": rows,
+            "choices": choices}
+
 
 
 def print_tables(res: Dict[str, Any]) -> None:
@@ -157,6 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--only-distributed", action="store_true", help="only the gloo ranks")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--dist-chunks", nargs="+", type=int, default=[2, 4, 8])
+    p.add_argument("--balance-by", choices=("time", "memory", "params"), default=None,
+                   help="how the stages are cut (default: profiled time, which may cut differently run to run)")
     a = p.parse_args(argv)
     results = []
     for name in ([] if a.only_distributed else a.models):
@@ -172,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for name in a.models:
             model, x, what = build(name)
             with tempfile.TemporaryDirectory() as tmp:
-                res = _tune_dist.run(model, x, a.world, a.dist_chunks, Path(tmp), what)
+                res = _tune_dist.run(model, x, a.world, a.dist_chunks, Path(tmp), what, a.balance_by)
             _tune_dist.print_table(res)
             distributed.append(res)
     worst_mem = max((abs(1 - r["memory_ratio"]) for res in results for r in res["rows"]), default=0.0)

@@ -19,7 +19,9 @@ and a node -> stage assignment, each stage ``s`` gets (:class:`StageActivations`
   storages are made again (those nothing in the stage saves die after their last use).
 * ``forward``: how far ``F(s)``'s own transient storages rise above what it leaves held.
 * ``weight_held``: what a zero-bubble input pass (``I``) leaves for the weight pass (``W``):
-  the storages saved by nodes with parameters, and the gradients of those nodes' outputs.
+  the storages saved by nodes with parameters, and the gradients of those nodes' outputs
+  (``weight_grads``: torch's ``stage_backward_input`` keeps them too, with a pre-hook on each
+  node where a parameter's gradient path meets the inputs').
 * ``sent``, ``grads_in``: for torch's ``PipelineStage`` (``fxpipe.distributed``), which keeps
   a micro-batch's outputs until its backward and, between a zero-bubble input pass and its
   weight pass, the whole retained graph with the gradients that arrived
@@ -74,6 +76,13 @@ class StageActivations:
     #: bytes of the gradients this stage's backward sends to the previous stage (of every
     #: value crossing into it)
     boundary_grads: int = 0
+    #: bytes of the gradients of the outputs of the stage's nodes with parameters: what an input
+    #: pass keeps for the weight pass, besides the saved storages
+    weight_grads: int = 0
+    #: the checkpointed backward's peak when the recomputed storages stay to its end
+    #: (``fxpipe.distributed`` recomputes once for all the backward passes of a micro-batch,
+    #: :mod:`fxpipe.distributed._recompute`); 0: not computed, use ``peak[1]``
+    peak_shared: int = 0
 
 
 class _Storages:
@@ -107,10 +116,15 @@ def _first_per_pool(stages: Set[int], pool: Sequence[int]) -> List[int]:
 
 
 def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: int,
-                      pool: Sequence[int] | None = None) -> List[StageActivations]:
+                      pool: Sequence[int] | None = None, received_static: bool = False) -> List[StageActivations]:
     """Per stage, one micro-batch's :class:`StageActivations`. ``assignment`` maps node names
     to stages (a plan's), ``pool[s]`` says which memory pool (device) stage ``s`` is on:
-    storages shared by stages of one pool are counted once (default: every stage its own)."""
+    storages shared by stages of one pool are counted once (default: every stage its own).
+
+    ``received_static``: what a stage receives from earlier stages lives in receive buffers
+    allocated once, before the step (torch's ``PipelineStage``, ``fxpipe.distributed``): it is
+    not held by the micro-batch, neither saved nor kept for a recomputation (the static bytes,
+    :func:`fxpipe.tuning._memory.receive_buffers`, count it)."""
     pool = list(range(n_stages)) if pool is None else list(pool)
     stage_of = [int(assignment[r.name]) for r in rec.nodes]
     st = _Storages(rec, stage_of)
@@ -121,6 +135,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
     attributed_ck: Dict[int, Set[int]] = {}
     for key, nbytes in st.bytes.items():
         savers = {stage_of[i] for i in st.savers.get(key, [])}
+        if received_static and key in st.producer:
+            savers = {s for s in savers if s <= stage_of[st.producer[key]]}
         for s in _first_per_pool(savers, pool):
             held_nc[s] += nbytes
             attributed_nc.setdefault(key, set()).add(s)
@@ -129,7 +145,7 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             later = {stage_of[i] for i in st.readers.get(key, []) if stage_of[i] > p}
             for s in later:
                 received[s] += nbytes
-            for s in _first_per_pool(later, pool):
+            for s in () if received_static else _first_per_pool(later, pool):
                 held_ck[s] += nbytes
                 attributed_ck.setdefault(key, set()).add(s)
     outputs = [0] * n_stages
@@ -153,11 +169,13 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         nodes = per_stage[s]
         mine_nc = by_stage_nc.get(s, set())
         mine_ck = by_stage_ck.get(s, set())
-        incoming = _incoming_grads(rec, st, nodes, s)
+        incoming = _incoming_grads(rec, st, nodes, s, received_static)
         peak_nc = _backward_peak(rec, st, nodes, mine_nc, incoming)
         recompute_peak, alive = _recompute(rec, st, nodes, s, mine_ck)
         peak_ck = max(recompute_peak + sum(incoming.values()),
                       _backward_peak(rec, st, nodes, alive, incoming))
+        peak_shared = max(recompute_peak + sum(incoming.values()),
+                          _backward_peak(rec, st, nodes, alive, incoming, keep_saved=True))
         sent = [0, 0]
         for key in _sent(rec, st, nodes, s):
             for ck, attributed in enumerate((attributed_nc, attributed_ck)):
@@ -166,7 +184,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         result.append(StageActivations(
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
-            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *boundaries[s]))
+            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *boundaries[s],
+            sum(_weight_grads(rec, nodes).values()), peak_shared))
     return result
 
 
@@ -211,13 +230,18 @@ def _grads_back(rec: Recording, st: _Storages, nodes: List[int], s: int,
     return tuple(sorted(per.items()))
 
 
-def _incoming_grads(rec: Recording, st: _Storages, nodes: List[int], s: int) -> Dict[int, int]:
-    """Gradients arriving for the stage's outputs: values later stages read, and the model's."""
+def _incoming_grads(rec: Recording, st: _Storages, nodes: List[int], s: int,
+                    received_static: bool = False) -> Dict[int, int]:
+    """Gradients arriving for the stage's outputs: values later stages read, and the model's
+    (the loss's gradient). ``received_static``: those from later stages arrive in gradient
+    receive buffers allocated before the step: they flow, at 0 bytes."""
     grads: Dict[int, int] = {}
     for i in nodes:
         for key, b in rec.nodes[i].grad_out.items():
-            if key in rec.outputs or any(st.stage_of[r] > s for r in st.readers.get(key, [])):
+            if key in rec.outputs:
                 grads[key] = b
+            elif any(st.stage_of[r] > s for r in st.readers.get(key, [])):
+                grads[key] = 0 if received_static else b
     return grads
 
 
@@ -229,9 +253,10 @@ def _sent(rec: Recording, st: _Storages, nodes: List[int], s: int) -> Set[int]:
 
 
 def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[int],
-                   incoming: Dict[int, int]) -> int:
+                   incoming: Dict[int, int], keep_saved: bool = False) -> int:
     """Peak bytes while the stage's nodes run backward in reverse, from ``saved`` (storages
-    held for it, freed after the last node needing them) and the ``incoming`` gradients."""
+    held for it, freed after the last node needing them, or never with ``keep_saved``) and
+    the ``incoming`` gradients."""
     alive: Dict[int, int] = {k: st.bytes[k] for k in saved}
     grads: Dict[int, int] = dict(incoming)
     current = sum(alive.values()) + sum(grads.values())
@@ -239,7 +264,7 @@ def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[i
     # a saved storage is freed once the earliest of the stage's nodes saving it has run backward
     free_at: Dict[int, List[int]] = {}
     node_set = set(nodes)
-    for key in saved:
+    for key in () if keep_saved else saved:
         mine = [i for i in st.savers.get(key, []) if i in node_set]
         if mine:
             free_at.setdefault(min(mine), []).append(key)
@@ -317,4 +342,9 @@ def _weight_held(rec: Recording, st: _Storages, nodes: List[int], saved: Set[int
     parameters, and the gradients of those nodes' outputs."""
     with_params = [i for i in nodes if rec.nodes[i].grad_params]
     keep = {k for i in with_params for k in rec.nodes[i].saves if k in saved}
-    return sum(st.bytes[k] for k in keep) + sum(b for i in with_params for b in rec.nodes[i].grad_out.values())
+    return sum(st.bytes[k] for k in keep) + sum(_weight_grads(rec, nodes).values())
+
+
+def _weight_grads(rec: Recording, nodes: List[int]) -> Dict[int, int]:
+    """The gradients of the outputs of the nodes with parameters, by output storage."""
+    return {k: b for i in nodes if rec.nodes[i].grad_params for k, b in rec.nodes[i].grad_out.items()}

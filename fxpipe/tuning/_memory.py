@@ -133,11 +133,16 @@ class TorchRun:
     schedule, whose stages return clones of their outputs (a carried view included,
     ``fxpipe.distributed._values._own``) and whose input pass leaves each input gradient in
     the ``.grad`` of the stage's receive buffer until the next step (``stage_backward_input``;
-    ``clear_runtime_states`` drops it)."""
+    ``clear_runtime_states`` drops it). ``one_f_one_b``: ``Schedule1F1B``'s loop
+    (``_step_microbatches``), whose variables keep two things alive: ``send_work``, the
+    ``Work`` of the last forward send fired in the warm-up (micro-batch ``warmup - 2``), until
+    the loop's last backward-forward pair is done; and ``bwd_sends``, each backward's gradient
+    sends, until the next backward has run."""
 
     device_of: Sequence[Hashable]
     held_sends: bool = False
     split: bool = False
+    one_f_one_b: bool = False
 
 
 def torch_run(schedule: str, stage_devices: Sequence[Hashable]) -> TorchRun:
@@ -147,7 +152,7 @@ def torch_run(schedule: str, stage_devices: Sequence[Hashable]) -> TorchRun:
     from fxpipe.distributed._schedules import SCHEDULES
 
     return TorchRun(list(stage_devices), held_sends=DISTRIBUTED_SCHEDULES[schedule] > 1,
-                    split=SCHEDULES[schedule].split_backward)
+                    split=SCHEDULES[schedule].split_backward, one_f_one_b=schedule == "1f1b")
 
 
 def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivations], stop: int,
@@ -156,8 +161,10 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
     more than autograd saves: each micro-batch's outputs until its backward (``fwd_cache``;
     the last stage's until the step ends, ``output_chunks``); between a zero-bubble input pass
     and its weight pass the retained graph (everything the stage saved, recomputed ones
-    included: fxpipe recomputes once per micro-batch), its outputs and the gradients that
-    arrived (``backward_state``); and the first stage runs its whole backward in ``W``.
+    included: fxpipe recomputes once per micro-batch), its outputs, the gradients that
+    arrived (``backward_state``) and the gradients of the parameters' nodes' outputs
+    (``stage_backward_input``'s ``param_groups``); and the first stage runs its whole
+    backward in ``W``.
 
     With ``run`` (:class:`TorchRun`): what is sent to another rank stays until the step ends
     under ``held_sends``; an output handed to the next stage on the same rank (the V's turn)
@@ -174,7 +181,16 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
 
     held = peak = 0
     own: Dict[tuple[int, int], int] = {}
-    for a in actions:
+    warmup_send: Optional[tuple[int, int]] = None
+    loop_end, grads_pending, warmup_kept = -1, 0, 0
+    if run.one_f_one_b:  # Schedule1F1B: which forward's send outlives its backward, and until when
+        forwards = [a for a in actions if a.kind == "F"]
+        warmup = next((i for i, a in enumerate(actions) if a.kind != "F"), len(actions))
+        if warmup >= 2 and forwards[warmup - 2].stage != last:
+            warmup_send = (forwards[warmup - 2].stage, forwards[warmup - 2].mb)
+        last_f = max((i for i, a in enumerate(actions) if a.kind == "F"), default=-1)
+        loop_end = next((i for i, a in enumerate(actions) if i > last_f and a.kind != "F"), -1)
+    for i, a in enumerate(actions):
         st, key = stages[a.stage], (a.stage, a.mb)
         ck = 1 if a.mb < stop else 0
         sent = st.sent[ck]
@@ -185,7 +201,8 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
         stays = st.sent[ck] if a.stage == last else 0
         if a.stage != last and run.held_sends and not same(a.stage, a.stage + 1):
             stays = st.boundary_out if run.split else st.boundary_out - st.boundary_carried
-        backward = st.peak[ck] + sent  # its own held bytes are in its peak
+        # its own held bytes are in its peak; recomputed storages stay to the backward's end
+        backward = (st.peak_shared or st.peak[1] if ck else st.peak[0]) + sent
         grads_kept = 0
         if a.stage > 0 and not same(a.stage, a.stage - 1) and (run.held_sends or run.split):
             grads_kept = st.boundary_grads  # in a send's Work, or the receive buffer's .grad
@@ -198,9 +215,9 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
         if a.kind == "I":
             if a.stage == 0:  # nothing runs: W does the whole backward
                 own[key] = mine + st.grads_in
-            else:
-                peak = max(peak, held - mine + backward)
-                own[key] = max(st.held[0], st.held[ck]) + sent + st.grads_in
+            else:  # the retained graph, the gradients that arrived and those kept for W
+                own[key] = max(st.held[0], st.held[ck]) + sent + st.grads_in + st.weight_grads
+                peak = max(peak, held - mine + backward, held - mine + own[key] + st.boundary_grads)
                 held += grads_kept
             held += own[key] - mine
             continue
@@ -208,6 +225,15 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
             peak = max(peak, held - mine + backward)
             if a.kind == "B":
                 held += grads_kept
+        if run.one_f_one_b and a.kind == "B":
+            made = st.boundary_grads if a.stage > 0 else 0
+            held += made - grads_pending  # the last backward's gradient sends go, this one's stay
+            grads_pending = made
+            if warmup_send == key and i < loop_end:  # its output stays in send_work to the loop's end
+                warmup_kept = st.boundary_out - st.boundary_carried
+                held += warmup_kept
+            if i == loop_end:
+                held -= warmup_kept
         held -= mine - stays
     return peak
 

@@ -69,7 +69,7 @@ class Search:
         self._plans: Dict[int, Plan] = {}
         self._records: Dict[int, Recording] = {}
         self._seconds: Dict[int, Dict[str, float]] = {}
-        self._acts: Dict[Tuple[int, int, Tuple[int, ...]], List[StageActivations]] = {}
+        self._acts: Dict[Tuple[int, int, Tuple[int, ...], bool], List[StageActivations]] = {}
         self._orders: Dict[Tuple[str, int], Dict[Hashable, List[Action]]] = {}
         self._fit: Any = None  # None: not tried; False: the sizes are recorded one by one
         #: micro-batch sizes recorded, and derived from two of them (checked on a third)
@@ -173,7 +173,7 @@ class Search:
         plan = self.plan(n_stages)
         size = self.s.batch // chunks
         pools = [list(dict.fromkeys(where)).index(d) for d in where]
-        acts = self._activations(plan, size, tuple(pools))
+        acts = self._activations(plan, size, tuple(pools), received_static=schedule != "gpipe")
         times = self.times(plan, size)
         stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
 
@@ -210,10 +210,12 @@ class Search:
                           f"activations {format_bytes(choice.activation_bytes[worst])})")
         return choice
 
-    def _activations(self, plan: Plan, size: int, pools: Tuple[int, ...]) -> List[StageActivations]:
-        key = (plan.n_stages, size, pools)
+    def _activations(self, plan: Plan, size: int, pools: Tuple[int, ...],
+                     received_static: bool) -> List[StageActivations]:
+        key = (plan.n_stages, size, pools, received_static)
         if key not in self._acts:
-            self._acts[key] = stage_activations(self.record(size), plan.assignment, plan.n_stages, list(pools))
+            self._acts[key] = stage_activations(self.record(size), plan.assignment, plan.n_stages, list(pools),
+                                                received_static)
         return self._acts[key]
 
     def _kwargs(self, schedule: str, n_stages: int, chunks: int, mode: str, plan: Plan) -> Dict[str, Any]:

@@ -42,6 +42,7 @@ def test_stage_activations_by_hand() -> None:
     assert s1.peak[1] == 400
     assert s1.forward == 0
     assert s1.weight_held == 150    # lin2's saved input and its output gradient
+    assert (s0.weight_grads, s1.weight_grads) == (100, 50)  # lin1's, lin2's output gradients (relu has no parameters)
     assert (s0.outputs, s1.outputs) == (0, 50)
     assert s1.received == 100
 
@@ -248,7 +249,7 @@ def test_zero_bubble_clones_local_turn_and_kept_input_gradients_by_hand() -> Non
     s1 = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, sent=(3, 3), grads_in=2, boundary_out=6,
                           boundary_carried=1, boundary_grads=4)
     s2 = StageActivations((20, 0), (30, 0), 0, 0, 0, 0, sent=(5, 5), grads_in=7, boundary_out=8,
-                          boundary_carried=2, boundary_grads=9)
+                          boundary_carried=2, boundary_grads=9, weight_grads=3)
     s3 = StageActivations((1, 0), (1, 0), 0, 0, 0, 0)
     one = [Action("F", 1, 0), Action("F", 2, 0), Action("I", 2, 0), Action("W", 2, 0), Action("I", 1, 0),
            Action("W", 1, 0)]
@@ -257,12 +258,15 @@ def test_zero_bubble_clones_local_turn_and_kept_input_gradients_by_hand() -> Non
     stages = [s0, s1, s2, s3]
     run = torch_run("zbv", [0, 1, 1, 0])
     assert run == TorchRun([0, 1, 1, 0], held_sends=True, split=True)
-    # F1: 10 (its output is the buffer's); F2: + 20 + 8 clones = 38; I2: 38 - 28 + 30 + 8 = 48, keeps
-    # 20 + 8 + 7; W2 leaves the 8 sent; I1: keeps 10 + 2 and the 4 input-gradient bytes; W1 leaves
-    # those 4: 12 held. Micro-batch 1: F1 22, F2 50, I2: 50 - 28 + 38 = 60
-    assert activation_peaks(orders, stages, "never", 2, torch_stages=run)[1] == 60
-    # as 1F1B's single-stage schedules would keep them: the outputs until the backward only, 48
-    assert activation_peaks(orders, stages, "never", 2, torch_stages=True)[1] == 48
+    # F1: 10 (its output is the buffer's); F2: + 20 + 8 clones = 38; I2 ends holding its retained
+    # graph, clones, the arrived and the weight nodes' gradients (20 + 8 + 7 + 3 = 38) and the
+    # input gradients it made (9): 38 - 28 + 38 + 9 = 57; W2 leaves the 8 sent; I1: keeps 10 + 2
+    # and the 4 input-gradient bytes; W1 leaves those 4: 12 held. Micro-batch 1: F1 22, F2 50,
+    # I2: 50 - 28 + 38 + 9 = 69
+    assert activation_peaks(orders, stages, "never", 2, torch_stages=run)[1] == 69
+    # as 1F1B's single-stage schedules would keep them: the outputs until the backward only
+    # (F2: 13 + 25 = 38; I2: 38 - 25 + 35 + 9 = 57; W2 frees all of stage 2's)
+    assert activation_peaks(orders, stages, "never", 2, torch_stages=True)[1] == 57
 
 
 def test_gradients_sent_back_wait_for_their_stage_by_hand() -> None:
