@@ -76,6 +76,9 @@ class StageActivations:
     #: bytes of the gradients this stage's backward sends to the previous stage (of every
     #: value crossing into it)
     boundary_grads: int = 0
+    #: of those, the gradients of values the stage only carries (neither makes nor reads):
+    #: passed on as they arrived, in the gradient receive buffer, nothing allocated
+    boundary_grads_passed: int = 0
     #: bytes of the gradients of the outputs of the stage's nodes with parameters: what an input
     #: pass keeps for the weight pass, besides the saved storages
     weight_grads: int = 0
@@ -185,13 +188,14 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
             sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *boundaries[s],
-            sum(_weight_grads(rec, nodes).values()), peak_shared))
+            weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared))
     return result
 
 
-def _boundaries(rec: Recording, st: _Storages, n_stages: int) -> List[tuple[int, int, int]]:
+def _boundaries(rec: Recording, st: _Storages, n_stages: int) -> List[tuple[int, int, int, int]]:
     """Per stage ``s``: (bytes crossing from ``s`` to ``s + 1``, those of them made before
-    ``s``, bytes of the gradients of the values crossing into ``s``): the boundaries of the
+    ``s``, bytes of the gradients of the values crossing into ``s``, those of them for values
+    ``s`` only carries, without reading them): the boundaries of the
     carried graph ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value
     read by a later stage crosses every stage between. Storages no node makes (parameters, the
     model's inputs) are left out, as in ``received``."""
@@ -199,17 +203,20 @@ def _boundaries(rec: Recording, st: _Storages, n_stages: int) -> List[tuple[int,
     for node in rec.nodes:
         for key, b in node.grad_in.items():
             grad_bytes[key] = max(b, grad_bytes.get(key, 0))
-    out, carried, grads = [0] * n_stages, [0] * n_stages, [0] * n_stages
+    out, carried, grads, passed = [0] * n_stages, [0] * n_stages, [0] * n_stages, [0] * n_stages
     for key, nbytes in st.bytes.items():
         if key not in st.producer:
             continue
         made = st.stage_of[st.producer[key]]
-        last = max((st.stage_of[r] for r in st.readers.get(key, [])), default=made)
+        reading = {st.stage_of[r] for r in st.readers.get(key, [])}
+        last = max(reading, default=made)
         for s in range(made, last):
             out[s] += nbytes
             carried[s] += nbytes if made < s else 0
             grads[s + 1] += grad_bytes.get(key, 0)
-    return list(zip(out, carried, grads))
+            if s + 1 < last and s + 1 not in reading:
+                passed[s + 1] += grad_bytes.get(key, 0)
+    return list(zip(out, carried, grads, passed))
 
 
 def _grads_back(rec: Recording, st: _Storages, nodes: List[int], s: int,

@@ -203,9 +203,12 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
             stays = st.boundary_out if run.split else st.boundary_out - st.boundary_carried
         # its own held bytes are in its peak; recomputed storages stay to the backward's end
         backward = (st.peak_shared or st.peak[1] if ck else st.peak[0]) + sent
+        # a carried value's gradient is passed on in the buffer it arrived in, except under
+        # zero bubble, whose stages return clones (measured: allocated again)
+        made_grads = st.boundary_grads - (0 if run.split else st.boundary_grads_passed)
         grads_kept = 0
         if a.stage > 0 and not same(a.stage, a.stage - 1) and (run.held_sends or run.split):
-            grads_kept = st.boundary_grads  # in a send's Work, or the receive buffer's .grad
+            grads_kept = made_grads  # in a send's Work, or the receive buffer's .grad
         if a.kind == "F":
             own[key] = st.held[ck] + sent
             held += own[key]
@@ -217,7 +220,7 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
                 own[key] = mine + st.grads_in
             else:  # the retained graph, the gradients that arrived and those kept for W
                 own[key] = max(st.held[0], st.held[ck]) + sent + st.grads_in + st.weight_grads
-                peak = max(peak, held - mine + backward, held - mine + own[key] + st.boundary_grads)
+                peak = max(peak, held - mine + backward, held - mine + own[key] + made_grads)
                 held += grads_kept
             held += own[key] - mine
             continue
@@ -226,7 +229,7 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
             if a.kind == "B":
                 held += grads_kept
         if run.one_f_one_b and a.kind == "B":
-            made = st.boundary_grads if a.stage > 0 else 0
+            made = made_grads if a.stage > 0 else 0
             held += made - grads_pending  # the last backward's gradient sends go, this one's stay
             grads_pending = made
             if warmup_send == key and i < loop_end:  # its output stays in send_work to the loop's end

@@ -187,6 +187,7 @@ def test_sends_carry_a_skip_through_the_stage_between_by_hand() -> None:
         NodeRecord("c", makes={12: 20}, reads={11: 30, 10: 100}, grad_in={11: 30, 10: 100}, grad_out={12: 20}),
     ], outputs={12: 20}, external={1})
     stages = stage_activations(rec, {"a": 0, "b": 1, "c": 2}, 3)
+    assert [s.boundary_grads_passed for s in stages] == [0, 100, 0]  # stage 1 carries 10 unread
     assert [send_bytes(Action("F", s, 0), stages, carried=True) for s in (1, 2)] == [100, 130]
     assert [send_bytes(Action("B", s, 0), stages, carried=True) for s in (0, 1)] == [100, 130]
     assert [send_bytes(Action("F", s, 0), stages, carried=False) for s in (1, 2)] == [0, 130]
@@ -236,6 +237,12 @@ def test_held_sends_stay_to_the_end_of_the_step_by_hand() -> None:
     # rank 0: B(0,0) leaves the 5 - 1 bytes it made and sent; B(0,1): 4 + 13 - 13 + 18 = 22
     # rank 1: B(1,0) leaves the 4 bytes of gradient it sent; B(1,1): 4 + 15 = 19
     assert held == {0: 22, 1: 19}
+    # 3 of those 4 bytes are the gradient of a value stage 1 only carries: passed on in the
+    # buffer it arrived in, nothing kept for it (B(1,1): 1 + 15 = 16); zero bubble's clones
+    # make it anew
+    passing = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, boundary_grads=4, boundary_grads_passed=3)
+    runs = [TorchRun([0, 1], held_sends=True), TorchRun([0, 1], held_sends=True, split=True)]
+    assert [activation_peaks(orders, [first, passing], "never", 2, torch_stages=r)[1] for r in runs] == [16, 19]
 
 
 def test_zero_bubble_clones_local_turn_and_kept_input_gradients_by_hand() -> None:
@@ -348,3 +355,52 @@ def test_recording_on_meta_measures_nothing() -> None:
         checked = capture_and_check(model, (x,), {}, BuildOptions(1, balance_by="params"))
         rec = record_nodes(checked.capture.graph_module, checked.capture.flatten_inputs((x,), {}))
     assert all(r.scratch_forward == r.scratch_backward == 0 and not r.grad_storage for r in rec.nodes)
+
+
+def test_received_values_and_arriving_gradients_are_static_for_torch_stages_by_hand() -> None:
+    """fxpipe.distributed: what a stage receives (values forward, gradients back) lives in
+    torch's receive buffers, allocated before the step: not a micro-batch's activations."""
+    rec = hand_recording()
+    assignment = {"lin1": 0, "relu": 1, "lin2": 1}
+    s0, s1 = stage_activations(rec, assignment, 2, pool=[0, 1])
+    t0, t1 = stage_activations(rec, assignment, 2, pool=[0, 1], received_static=True)
+    assert (s1.held, t1.held) == ((100, 100), (100, 0))  # checkpointed: lin1's output is the buffer's
+    # stage 0's backward: lin1's output gradient arrives in a buffer; its weight temporary remains
+    assert (s0.peak[0], t0.peak[0]) == (140, 40) and (s0.grads_in, t0.grads_in) == (100, 0)
+    assert t1.grads_in == 50  # the loss's gradient is made on the rank: counted
+
+
+def test_shared_recomputation_keeps_every_recomputed_tensor_to_the_backwards_end_by_hand() -> None:
+    """fxpipe.distributed recomputes a checkpointed stage once for all its backward passes and
+    keeps what it recomputed until the graph is freed (peak_shared); fxpipe.pipeline hands each
+    tensor out once (peak[1]). o makes 9 (200, read by p only); p saves its output 11, q its
+    output 12, r reads 12 and returns 13."""
+    rec = Recording([
+        NodeRecord("o", makes={9: 200}, grad_out={9: 200}),
+        NodeRecord("p", makes={11: 50}, reads={9: 200}, saves={11: 50}, grad_in={9: 200}, grad_out={11: 50}),
+        NodeRecord("q", makes={12: 50}, reads={11: 50}, saves={12: 50}, grad_in={11: 50}, grad_out={12: 50}),
+        NodeRecord("r", makes={13: 10}, reads={12: 50}, saves={12: 50}, grad_in={12: 50}, grad_out={13: 10}),
+    ], outputs={13: 10}, external={1})
+    (st,) = stage_activations(rec, {"o": 0, "p": 0, "q": 0, "r": 0}, 1)
+    # backward from 11 + 12 saved and 13's gradient (110): r +50 (160); q +50 (200), frees 12's
+    # gradient and 12 (100); p makes 9's gradient: 300 -- or 350 with 12 still kept
+    assert (st.peak[1], st.peak_shared) == (300, 350)
+
+
+def test_schedule_1f1b_keeps_the_warmup_send_and_the_last_gradients_by_hand() -> None:
+    """Schedule1F1B's send_work keeps the last warm-up forward's send (micro-batch 0 with two
+    warm-up forwards) until its loop ends, and bwd_sends each backward's gradients until the
+    next backward has run."""
+    from fxpipe.tuning._orders import one_f_one_b
+
+    first = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, boundary_out=5)
+    last = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, boundary_grads=4)
+    orders = {r: one_f_one_b(r, 2, 3) for r in range(2)}
+    assert [str(a) for a in orders[0]] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"]
+    plain = activation_peaks(orders, [first, last], "never", 3, torch_stages=TorchRun([0, 1]))
+    assert plain == {0: 25, 1: 15}
+    run = torch_run("1f1b", [0, 1])
+    assert run.one_f_one_b and not run.held_sends
+    # rank 0: B0 leaves mb 0's 5 sent bytes; B1: 10 (F2) + 5 + 15 = 30, then the loop ends
+    # rank 1: B0 leaves its 4 gradient bytes; B1: 4 + 15 = 19, replacing them
+    assert activation_peaks(orders, [first, last], "never", 3, torch_stages=run) == {0: 30, 1: 19}
