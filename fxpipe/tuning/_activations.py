@@ -86,6 +86,9 @@ class StageActivations:
     #: (``fxpipe.distributed`` recomputes once for all the backward passes of a micro-batch,
     #: :mod:`fxpipe.distributed._recompute`); 0: not computed, use ``peak[1]``
     peak_shared: int = 0
+    #: the most a zero-bubble weight pass allocates above what it holds: the largest node with
+    #: parameters' measured backward scratch (a convolution's column buffers) and weight gradient
+    weight_peak: int = 0
 
 
 class _Storages:
@@ -188,7 +191,9 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
             sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *boundaries[s],
-            weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared))
+            weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared,
+            weight_peak=max((rec.nodes[i].scratch_backward + rec.nodes[i].grad_params
+                             for i in nodes if rec.nodes[i].grad_params), default=0)))
     return result
 
 

@@ -163,8 +163,10 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
     and its weight pass the retained graph (everything the stage saved, recomputed ones
     included: fxpipe recomputes once per micro-batch), its outputs, the gradients that
     arrived (``backward_state``) and the gradients of the parameters' nodes' outputs
-    (``stage_backward_input``'s ``param_groups``); and the first stage runs its whole
-    backward in ``W``.
+    (``stage_backward_input``'s ``param_groups``); a weight pass allocates its largest
+    parameter node's scratch and weight gradient (``weight_peak``); and the first stage runs
+    its whole backward in ``W``. What a stage receives, values and gradients, is in receive
+    buffers (static bytes), as the activations were made (``received_static``).
 
     With ``run`` (:class:`TorchRun`): what is sent to another rank stays until the step ends
     under ``held_sends``; an output handed to the next stage on the same rank (the V's turn)
@@ -228,6 +230,8 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
             peak = max(peak, held - mine + backward)
             if a.kind == "B":
                 held += grads_kept
+        elif a.kind == "W":  # the weight gradients, from what the input pass kept
+            peak = max(peak, held + st.weight_peak)
         if run.one_f_one_b and a.kind == "B":
             made = made_grads if a.stage > 0 else 0
             held += made - grads_pending  # the last backward's gradient sends go, this one's stay
