@@ -79,6 +79,13 @@ class StageActivations:
     #: of those, the gradients of values the stage only carries (neither makes nor reads):
     #: passed on as they arrived, in the gradient receive buffer, nothing allocated
     boundary_grads_passed: int = 0
+    #: of those, the ones that arrive as slices (a concatenation's gradient made by a later
+    #: stage of the same device): sending one to another device sends a contiguous copy
+    boundary_grads_copied: int = 0
+    #: what a zero-bubble input pass leaves of the gradients of the values it reads to the
+    #: step's end: each input's ``.grad``, with the whole storage a slice keeps (a
+    #: concatenation's gradient), and the contiguous copy of each slice that is sent
+    boundary_grads_kept: int = 0
     #: bytes of the gradients of the outputs of the stage's nodes with parameters: what an input
     #: pass keeps for the weight pass, besides the saved storages
     weight_grads: int = 0
@@ -168,7 +175,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         for s in ss:
             by_stage_ck.setdefault(s, set()).add(key)
     per_stage: List[List[int]] = [[] for _ in range(n_stages)]
-    boundaries = _boundaries(rec, st, n_stages)
+    boundaries = _boundaries(rec, st, n_stages, pool)
+    grads_kept = _kept_input_grads(rec, st, n_stages)
     for i, s in enumerate(stage_of):
         per_stage[s].append(i)
     for s in range(n_stages):
@@ -191,16 +199,18 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
             sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *boundaries[s],
+            boundary_grads_kept=grads_kept[s],
             weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared,
             weight_peak=max((rec.nodes[i].scratch_backward + rec.nodes[i].grad_params
                              for i in nodes if rec.nodes[i].grad_params), default=0)))
     return result
 
 
-def _boundaries(rec: Recording, st: _Storages, n_stages: int) -> List[tuple[int, int, int, int]]:
+def _boundaries(rec: Recording, st: _Storages, n_stages: int, pool: Sequence[int]) -> List[tuple[int, int, int, int, int]]:
     """Per stage ``s``: (bytes crossing from ``s`` to ``s + 1``, those of them made before
     ``s``, bytes of the gradients of the values crossing into ``s``, those of them for values
-    ``s`` only carries, without reading them): the boundaries of the
+    ``s`` only carries, without reading them, those of them arriving as slices from a later
+    stage of the same device): the boundaries of the
     carried graph ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value
     read by a later stage crosses every stage between. Storages no node makes (parameters, the
     model's inputs) are left out, as in ``received``."""
@@ -208,7 +218,7 @@ def _boundaries(rec: Recording, st: _Storages, n_stages: int) -> List[tuple[int,
     for node in rec.nodes:
         for key, b in node.grad_in.items():
             grad_bytes[key] = max(b, grad_bytes.get(key, 0))
-    out, carried, grads, passed = [0] * n_stages, [0] * n_stages, [0] * n_stages, [0] * n_stages
+    out, carried, grads, passed, copied = ([0] * n_stages for _ in range(5))
     for key, nbytes in st.bytes.items():
         if key not in st.producer:
             continue
@@ -221,7 +231,51 @@ def _boundaries(rec: Recording, st: _Storages, n_stages: int) -> List[tuple[int,
             grads[s + 1] += grad_bytes.get(key, 0)
             if s + 1 < last and s + 1 not in reading:
                 passed[s + 1] += grad_bytes.get(key, 0)
-    return list(zip(out, carried, grads, passed))
+                if _arrives_sliced(rec, st, key, s + 1, min(r for r in reading if r > s + 1), pool):
+                    copied[s + 1] += grad_bytes.get(key, 0)
+    return list(zip(out, carried, grads, passed, copied))
+
+
+def _arrives_sliced(rec: Recording, st: _Storages, key: int, s: int, reader: int, pool: Sequence[int]) -> bool:
+    """Whether the gradient of ``key``, made by stage ``reader`` and passed on by ``s``, reaches
+    ``s`` still a slice: one node of ``reader`` made it as part of a larger storage, and no
+    other device's send (contiguous) came between."""
+    if any(pool[t] != pool[s] for t in range(s, reader + 1)):
+        return False
+    here = [r for r in st.readers.get(key, []) if st.stage_of[r] == reader and key in rec.nodes[r].grad_in]
+    if len(here) != 1:
+        return False
+    node = rec.nodes[here[0]]
+    return node.grad_storage.get(key, 0) > node.grad_in[key]
+
+
+def _kept_input_grads(rec: Recording, st: _Storages, n_stages: int) -> List[int]:
+    """Per stage, the bytes its input gradients keep alive once sent (see
+    ``StageActivations.boundary_grads_kept``). A value read by one node of the stage and no
+    later one gets that node's gradient, whose storage may be a larger one (the slices of a
+    concatenation's gradient share its storage: counted once per node); then the slice is sent
+    as a contiguous copy. A value read by several nodes, or read and carried on, gets a
+    gradient of its own size; one only carried is left out (``boundary_grads_passed``)."""
+    kept = [0] * n_stages
+    storage: List[Dict[int, int]] = [{} for _ in range(n_stages)]  # reader node -> storage kept
+    for key, nbytes in st.bytes.items():
+        if key not in st.producer:
+            continue
+        made = st.stage_of[st.producer[key]]
+        readers = st.readers.get(key, [])
+        last = max((st.stage_of[r] for r in readers), default=made)
+        for s in range(made + 1, last + 1):
+            here = [r for r in readers if st.stage_of[r] == s and key in rec.nodes[r].grad_in]
+            if s == last and len(here) == 1:
+                node = rec.nodes[here[0]]
+                b = node.grad_in[key]
+                whole = node.grad_storage.get(key, b)
+                if whole > b:  # a slice: the node's one gradient storage, and the copy sent
+                    storage[s][here[0]] = max(whole, storage[s].get(here[0], 0))
+                kept[s] += b
+            elif here:  # a gradient of its own (a value only carried: boundary_grads_passed)
+                kept[s] += max(rec.nodes[r].grad_in[key] for r in here)
+    return [k + sum(storage[s].values()) for s, k in enumerate(kept)]
 
 
 def _grads_back(rec: Recording, st: _Storages, nodes: List[int], s: int,

@@ -205,9 +205,7 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
             stays = st.boundary_out if run.split else st.boundary_out - st.boundary_carried
         # its own held bytes are in its peak; recomputed storages stay to the backward's end
         backward = (st.peak_shared or st.peak[1] if ck else st.peak[0]) + sent
-        # a carried value's gradient is passed on in the buffer it arrived in, except under
-        # zero bubble, whose stages return clones (measured: allocated again)
-        made_grads = st.boundary_grads - (0 if run.split else st.boundary_grads_passed)
+        made_grads = _input_grads(st, run.split, remote=not same(a.stage, a.stage - 1))
         grads_kept = 0
         if a.stage > 0 and not same(a.stage, a.stage - 1) and (run.held_sends or run.split):
             grads_kept = made_grads  # in a send's Work, or the receive buffer's .grad
@@ -245,18 +243,37 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
     return peak
 
 
-def receive_buffers(stages: Sequence[StageActivations]) -> List[int]:
+def _input_grads(st: StageActivations, split: bool, remote: bool) -> int:
+    """The bytes of one micro-batch's input gradients a stage's backward leaves (measured on
+    gloo ranks): a carried value's gradient is passed on in the buffer it arrived in; zero
+    bubble keeps each input's ``.grad`` (a slice's whole storage) and the contiguous copies it
+    sends another rank, of slices it made or passes on."""
+    if split and remote:
+        return st.boundary_grads_kept + st.boundary_grads_copied
+    return st.boundary_grads - st.boundary_grads_passed
+
+
+def receive_buffers(stages: Sequence[StageActivations], run: Optional[TorchRun] = None) -> List[int]:
     """Per stage, the bytes of one micro-batch's receive buffers in torch's ``PipelineStage``:
     an activation buffer for each value crossing into it (none on the first stage, which takes
     the model's inputs) and a gradient buffer for each value crossing out of it that gets a
     gradient (none on the last). Sized from the carried graph's boundaries, where a skip is an
-    input and an output of every stage it crosses. A same-rank hand-over (the V's) replaces
-    its buffer with the previous stage's output, which then stays until the next step's: the
-    same bytes, still counted. Left out, as in the boundaries: the model's inputs carried to a
+    input and an output of every stage it crosses. A same-rank hand-over (the V's, ``run``)
+    replaces the buffer with the previous stage's output, which then stays until the next
+    step's: the same bytes, still counted; the gradient handed back stays in that output's
+    ``.grad``: only what the later stage's backward made (a value it only carries passes its
+    gradient on, measured). Left out, as in the boundaries: the model's inputs carried to a
     later stage, and parameters."""
     n = len(stages)
-    return [(stages[s - 1].boundary_out if s > 0 else 0) + (stages[s + 1].boundary_grads if s + 1 < n else 0)
-            for s in range(n)]
+    local = run.device_of if run is not None else ()
+
+    def grads(s: int) -> int:
+        nxt = stages[s + 1]
+        if local and local[s] == local[s + 1]:
+            return nxt.boundary_grads - nxt.boundary_grads_passed
+        return nxt.boundary_grads
+
+    return [(stages[s - 1].boundary_out if s > 0 else 0) + (grads(s) if s + 1 < n else 0) for s in range(n)]
 
 
 def static_bytes(param_bytes: Sequence[int], stage_devices: Sequence[Hashable], optimizer: str,

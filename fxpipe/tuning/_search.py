@@ -193,7 +193,7 @@ class Search:
         if schedule == "gpipe":
             static = static_bytes(params, where, self.s.optimizer)
         else:
-            static = static_bytes(params, where, self.s.optimizer, receive=receive_buffers(acts), chunks=chunks)
+            static = static_bytes(params, where, self.s.optimizer, receive=receive_buffers(acts, run), chunks=chunks)
         choice.step_s, choice.bubble = timeline.step_s, timeline.bubble
         for d in orders:
             label = str(d)

@@ -188,6 +188,7 @@ def test_sends_carry_a_skip_through_the_stage_between_by_hand() -> None:
     ], outputs={12: 20}, external={1})
     stages = stage_activations(rec, {"a": 0, "b": 1, "c": 2}, 3)
     assert [s.boundary_grads_passed for s in stages] == [0, 100, 0]  # stage 1 carries 10 unread
+    assert [s.boundary_grads_kept for s in stages] == [0, 0, 130]
     assert [send_bytes(Action("F", s, 0), stages, carried=True) for s in (1, 2)] == [100, 130]
     assert [send_bytes(Action("B", s, 0), stages, carried=True) for s in (0, 1)] == [100, 130]
     assert [send_bytes(Action("F", s, 0), stages, carried=False) for s in (1, 2)] == [0, 130]
@@ -238,9 +239,11 @@ def test_held_sends_stay_to_the_end_of_the_step_by_hand() -> None:
     # rank 1: B(1,0) leaves the 4 bytes of gradient it sent; B(1,1): 4 + 15 = 19
     assert held == {0: 22, 1: 19}
     # 3 of those 4 bytes are the gradient of a value stage 1 only carries: passed on in the
-    # buffer it arrived in, nothing kept for it (B(1,1): 1 + 15 = 16); zero bubble's clones
-    # make it anew
-    passing = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, boundary_grads=4, boundary_grads_passed=3)
+    # buffer it arrived in, nothing kept for it (B(1,1): 1 + 15 = 16); zero bubble keeps what
+    # boundary_grads_kept says (the .grad storages and the copies sent) and a contiguous copy of
+    # the 3 when they arrive as slices (boundary_grads_copied)
+    passing = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, boundary_grads=4, boundary_grads_passed=3,
+                               boundary_grads_kept=1, boundary_grads_copied=3)
     runs = [TorchRun([0, 1], held_sends=True), TorchRun([0, 1], held_sends=True, split=True)]
     assert [activation_peaks(orders, [first, passing], "never", 2, torch_stages=r)[1] for r in runs] == [16, 19]
 
@@ -254,9 +257,9 @@ def test_zero_bubble_clones_local_turn_and_kept_input_gradients_by_hand() -> Non
 
     s0 = StageActivations((1, 0), (1, 0), 0, 0, 0, 0)
     s1 = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, sent=(3, 3), grads_in=2, boundary_out=6,
-                          boundary_carried=1, boundary_grads=4)
+                          boundary_carried=1, boundary_grads=4, boundary_grads_kept=4)
     s2 = StageActivations((20, 0), (30, 0), 0, 0, 0, 0, sent=(5, 5), grads_in=7, boundary_out=8,
-                          boundary_carried=2, boundary_grads=9, weight_grads=3)
+                          boundary_carried=2, boundary_grads=9, boundary_grads_kept=9, weight_grads=3)
     s3 = StageActivations((1, 0), (1, 0), 0, 0, 0, 0)
     one = [Action("F", 1, 0), Action("F", 2, 0), Action("I", 2, 0), Action("W", 2, 0), Action("I", 1, 0),
            Action("W", 1, 0)]
@@ -404,3 +407,19 @@ def test_schedule_1f1b_keeps_the_warmup_send_and_the_last_gradients_by_hand() ->
     # rank 0: B0 leaves mb 0's 5 sent bytes; B1: 10 (F2) + 5 + 15 = 30, then the loop ends
     # rank 1: B0 leaves its 4 gradient bytes; B1: 4 + 15 = 19, replacing them
     assert activation_peaks(orders, [first, last], "never", 3, torch_stages=run) == {0: 30, 1: 19}
+
+
+def test_zero_bubble_keeps_whole_storages_of_sliced_input_gradients_by_hand() -> None:
+    """A concatenation on stage 1 of two values from stage 0: their gradients are slices of
+    the concatenation's gradient. Zero bubble keeps each input's .grad to the step's end (the
+    whole 200 bytes, once) and sends each slice as a contiguous copy (100 + 100)."""
+    rec = Recording([
+        NodeRecord("a", makes={10: 100}, grad_out={10: 100}),
+        NodeRecord("b", makes={11: 100}, grad_out={11: 100}),
+        NodeRecord("cat", makes={12: 200}, reads={10: 100, 11: 100}, grad_in={10: 100, 11: 100},
+                   grad_storage={10: 200, 11: 200}, grad_out={12: 200}),
+        NodeRecord("d", makes={13: 8}, reads={12: 200}, saves={12: 200}, grad_in={12: 200}, grad_out={13: 8}),
+    ], outputs={13: 8}, external={1})
+    s0, s1 = stage_activations(rec, {"a": 0, "b": 0, "cat": 1, "d": 1}, 2)
+    assert (s1.boundary_grads, s1.boundary_grads_kept) == (200, 400)
+    assert s0.boundary_grads_kept == 0
