@@ -184,7 +184,9 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         mine_nc = by_stage_nc.get(s, set())
         mine_ck = by_stage_ck.get(s, set())
         incoming = _incoming_grads(rec, st, nodes, s, received_static)
-        peak_nc = _backward_peak(rec, st, nodes, mine_nc, incoming)
+        # torch's stages keep a micro-batch's outputs (fwd_cache) through its whole backward
+        outputs_kept = _sent(rec, st, nodes, s) if received_static else set()
+        peak_nc = _backward_peak(rec, st, nodes, mine_nc, incoming, kept=outputs_kept)
         recompute_peak, alive = _recompute(rec, st, nodes, s, mine_ck)
         peak_ck = max(recompute_peak + sum(incoming.values()),
                       _backward_peak(rec, st, nodes, alive, incoming))
@@ -319,10 +321,10 @@ def _sent(rec: Recording, st: _Storages, nodes: List[int], s: int) -> Set[int]:
 
 
 def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[int],
-                   incoming: Dict[int, int], keep_saved: bool = False) -> int:
+                   incoming: Dict[int, int], keep_saved: bool = False, kept: Set[int] = frozenset()) -> int:
     """Peak bytes while the stage's nodes run backward in reverse, from ``saved`` (storages
-    held for it, freed after the last node needing them, or never with ``keep_saved``) and
-    the ``incoming`` gradients."""
+    held for it, freed after the last node needing them, or never with ``keep_saved``; those
+    in ``kept`` never either) and the ``incoming`` gradients."""
     alive: Dict[int, int] = {k: st.bytes[k] for k in saved}
     grads: Dict[int, int] = dict(incoming)
     current = sum(alive.values()) + sum(grads.values())
@@ -330,7 +332,7 @@ def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[i
     # a saved storage is freed once the earliest of the stage's nodes saving it has run backward
     free_at: Dict[int, List[int]] = {}
     node_set = set(nodes)
-    for key in () if keep_saved else saved:
+    for key in () if keep_saved else saved - kept:
         mine = [i for i in st.savers.get(key, []) if i in node_set]
         if mine:
             free_at.setdefault(min(mine), []).append(key)

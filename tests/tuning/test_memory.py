@@ -373,6 +373,19 @@ def test_received_values_and_arriving_gradients_are_static_for_torch_stages_by_h
     assert t1.grads_in == 50  # the loss's gradient is made on the rank: counted
 
 
+def test_torch_stages_keep_their_outputs_through_the_backward_by_hand() -> None:
+    """torch's PipelineStage holds a micro-batch's outputs (fwd_cache) until its backward has
+    run: 10, sent to stage 1 and saved by b, is not freed when b's backward is done. a's
+    weight temporary (500) then comes on top of it: 600, not 500."""
+    rec = Recording([
+        NodeRecord("a", makes={10: 100}, grad_out={10: 100}, grad_params=500),
+        NodeRecord("b", makes={11: 10}, reads={10: 100}, saves={10: 100}, grad_in={10: 100}, grad_out={11: 10}),
+        NodeRecord("d", makes={12: 5}, reads={10: 100, 11: 10}, grad_in={10: 100, 11: 10}, grad_out={12: 5}),
+    ], outputs={12: 5}, external={1})
+    s0, _ = stage_activations(rec, {"a": 0, "b": 0, "d": 1}, 2, pool=[0, 1], received_static=True)
+    assert s0.held == (100, 0) and s0.peak[0] == 600
+
+
 def test_shared_recomputation_keeps_every_recomputed_tensor_to_the_backwards_end_by_hand() -> None:
     """fxpipe.distributed recomputes a checkpointed stage once for all its backward passes and
     keeps what it recomputed until the graph is freed (peak_shared); fxpipe.pipeline hands each
