@@ -15,7 +15,14 @@ own ``kwargs`` (the same plan), with ``F.mse_loss`` against zeros, and per confi
   input gradients, the V's hand-overs). Measured: the step's peak above its own lowest point
   (what the pipeline holds all through it: parameters, ``.grad`` made before the base,
   receive buffers), against the rank's predicted activation bytes
-  (``choice.activation_bytes[rank]``). The predicted static part is reported beside.
+  (``choice.activation_bytes[rank]``). The predicted static part is reported beside;
+* **time**: ``steps`` more steps, each between two barriers, outside the profiler; a
+  configuration's time is its fastest step's slowest rank (a step ends when its last rank is
+  done; other work on the machine only adds time), against the predicted step time; and
+  **choice**: tune's first-ranked configuration against the best measured.
+
+The cut is the tuning's (``--balance-by``; profiled time by default, which on these shared
+cores may cut differently run to run): each run writes its cuts (``cuts``).
 """
 
 from __future__ import annotations
@@ -47,7 +54,9 @@ def cut(plan: Any) -> Dict[str, Any]:
 
 
 def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs: List[Dict[str, Any]],
-          out: str) -> None:
+          out: str, steps: int = 3) -> None:
+    import time
+
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
@@ -92,6 +101,12 @@ def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs
                    "start_bytes": phases[2]["start_bytes"] - low, "held_bytes": low - base}
             with record(held["pipe"]) as trace:
                 held["pipe"].step(x, target=y)
+            times = []
+            for _ in range(steps):  # outside the profiler: each step between two barriers
+                dist.barrier()
+                t0 = time.perf_counter()
+                held["pipe"].step(x, target=y)
+                times.append(time.perf_counter() - t0)
         finally:
             if "pipe" in held:
                 held["pipe"].close()
@@ -99,14 +114,14 @@ def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs
         gc.collect()
         orders = measured_orders(trace.spans)
         found.append({"peak_bytes": mem["peak_bytes"], "end_bytes": mem["end_bytes"], "start_bytes": mem["start_bytes"],
-                      "held_bytes": mem["held_bytes"],
+                      "held_bytes": mem["held_bytes"], "step_s": times,
                       "order": [str(a) for a in orders.get(rank, [])]})
     torch.save(found, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, what: str,
-        balance_by: Any = None) -> Dict[str, Any]:
+        balance_by: Any = None, steps: int = 3) -> Dict[str, Any]:
     import time
 
     import fxpipe
@@ -122,12 +137,16 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
     here = Path(__file__).resolve().parent
     os.environ["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), str(here.parent / "tests"),
                                                 os.environ.get("PYTHONPATH", "")])
-    ctx = mp.start_processes(_rank, args=(world, free_port(), model, x, configs, str(tmp)), nprocs=world,
+    ctx = mp.start_processes(_rank, args=(world, free_port(), model, x, configs, str(tmp), steps), nprocs=world,
                              join=True, start_method="spawn")
     del ctx
     ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    rows = []
+    rows, timed = [], []
     for i, c in enumerate(chosen):
+        # a step lasts until its last rank is done; other work on the machine only adds time
+        measured_s = min(max(ranks[r][i]["step_s"][k] for r in range(world)) for k in range(steps))
+        timed.append({"schedule": c.schedule, "chunks": c.chunks, "checkpoint": c.checkpoint, "predicted_s": c.step_s,
+                      "measured_s": measured_s, "time_ratio": c.step_s / measured_s})
         predicted_order = torch_orders(c.schedule, world, c.chunks)
         for r in range(world):
             got = ranks[r][i]
@@ -140,7 +159,12 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
                          "order_same": got["order"] == [str(a) for a in predicted_order[r]],
                          "actions": len(got["order"])})
     cuts = {str(c.n_stages): cut(c.plan) for c in chosen}
-    return {"model": what, "world": world, "tune_s": tune_s, "cuts": cuts, "rows": rows,
+    first, best = timed[0], min(timed, key=lambda t: t["measured_s"])  # chosen: tune's ranking
+    choice = {"first": [first["schedule"], first["chunks"], first["checkpoint"]],
+              "best_measured": [best["schedule"], best["chunks"], best["checkpoint"]],
+              "ratio": first["measured_s"] / best["measured_s"]}
+    return {"model": what, "world": world, "tune_s": tune_s, "cuts": cuts, "rows": rows, "times": timed,
+            "choice": choice,
             "skipped": [f"{c.schedule} chunks {c.chunks} {c.checkpoint}: {c.why}" for c in tuning.choices if not c.fits]}
 
 
@@ -155,3 +179,11 @@ def print_table(res: Dict[str, Any]) -> None:
               f"{r['static_bytes'] / MIB:.2f} | {'yes' if r['order_same'] else 'NO'} ({r['actions']} actions) |")
     for s in res["skipped"]:
         print(f"not built: {s}")
+    print("\n| schedule | chunks | checkpoint | predicted ms | measured ms | pred/meas |")
+    print("|---|--:|---|--:|--:|--:|")
+    for t in sorted(res["times"], key=lambda t: t["measured_s"]):
+        print(f"| {t['schedule']} | {t['chunks']} | {t['checkpoint']} | {t['predicted_s'] * 1e3:.1f} | "
+              f"{t['measured_s'] * 1e3:.1f} | {t['time_ratio']:.2f} |")
+    c = res["choice"]
+    print(f"tune's first: {' '.join(map(str, c['first']))}; best measured: {' '.join(map(str, c['best_measured']))}; "
+          f"first / best (time) {c['ratio']:.3f}")
