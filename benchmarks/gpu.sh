@@ -9,7 +9,7 @@
 # budget; each step is bounded by `timeout`, by its own limit and by what is left of the
 # budget; steps that no longer fit are recorded as skipped). A failing or timed-out step is
 # recorded in the summary and the next step runs. GPU_STEPS (default: all) names the steps to
-# run, e.g. GPU_STEPS="cuda_tests one_gpu_gpt2 one_gpu_llama"; the others are left out of the
+# run, e.g. GPU_STEPS="cuda_tests one_gpu_gpt2 one_gpu_llama tune"; the others are left out of the
 # summary. Exit status: 2 without a CUDA device, 1 if any step failed, timed out or was skipped
 # for time, 0 otherwise.
 set -u
@@ -136,6 +136,11 @@ step one_gpu_gpt2 180 $PY benchmarks/one_gpu.py --device cuda --model gpt2 --ste
   --rows uncompiled pipe:4:never:ro ro_accum compiled pipe:4:never:compile --floor --out "$RES/one_gpu_gpt2.json"
 step one_gpu_llama 110 $PY benchmarks/one_gpu.py --device cuda --model llama1b --steps 5 --warmup 1 \
   --out "$RES/one_gpu_llama.json" --profile "$RES/profile"
+
+# 1c. issue 22, fxpipe.tune on one GPU: TinyGPT and the U-Net, 4 stages on the device, each
+# configuration's predicted activation peak and step time against torch.cuda.max_memory_allocated
+# and the measured step, and tune's first choice against the best measured
+step tune 60 $PY benchmarks/tune.py --device cuda --chunks 1 4 8 --steps 5 --out "$RES/tune_cuda.json"
 
 # 2. the headline claims: throughput vs torchgpipe, and the ablation
 step throughput 100 $PY benchmarks/throughput.py --device cuda --quick \

@@ -1,18 +1,19 @@
-"""``fxpipe.tune``'s predictions against measurements, in one run (CPU, one process).
+"""``fxpipe.tune``'s predictions against measurements, in one run (one process; CPU, or ``--device cuda``).
 
 For each model (``tests/zoo.py``'s ``TinyGPT(vocab=64, d=64, heads=4, layers=8, ctx=64)`` on
 ``32 x 64`` tokens and ``UNet(c=16)`` on ``32 x 3 x 64 x 64``, as ``activation_memory.py``),
-``fxpipe.tune(model, x, ['cpu'] * 4, schedules=('gpipe',), chunks=CHUNKS)`` predicts every
+``fxpipe.tune(model, x, [DEVICE] * 4, schedules=('gpipe',), chunks=CHUNKS)`` predicts every
 (chunks, checkpoint) configuration; then each is built with the tuning's own arguments
 (``choice.kwargs``: the same plan) and measured:
 
 * **memory**: the peak of one training step (``out = model(x); out.float().pow(2).mean().backward()``
   after one warm-up step, gradients zeroed in place), measured as ``activation_memory.py``
-  measures it (``benchmarks/_memory.py``: the CPU allocator's records), against the predicted
+  measures it (``benchmarks/_memory.py``: the CPU allocator's records; on CUDA
+  ``max_memory_allocated`` above the allocation before the step), against the predicted
   peak activation bytes (``choice.activation_bytes``; parameters and gradients exist before
   the step and are in neither);
-* **time**: the fastest of ``--steps`` steps (other work on the machine only adds time)
-  against the predicted step time;
+* **time**: the fastest of ``--steps`` steps (other work on the machine only adds time;
+  synchronized on CUDA) against the predicted step time;
 * **choice**: for each memory budget (no limit, and budgets that rule out the largest
   configurations), tune's first-ranked configuration against the best measured among the
   configurations it found to fit (measured time), and whether that one fits when measured.
@@ -20,14 +21,15 @@ For each model (``tests/zoo.py``'s ``TinyGPT(vocab=64, d=64, heads=4, layers=8, 
   (a second call would profile again, and plan on other timings).
 
 With ``--distributed`` (``benchmarks/_tune_dist.py``): the distributed schedules on 2 gloo
-ranks, each rank's predicted activation peak against its measured one, and each rank's
-measured action order against the simulated one.
+ranks (CPU), each rank's predicted activation peak against its measured one, each rank's
+measured action order against the simulated one, step times and tune's first choice.
 
 Usage::
 
     .venv/bin/python benchmarks/tune.py                 # both models
     .venv/bin/python benchmarks/tune.py --models gpt --steps 3
     .venv/bin/python benchmarks/tune.py --distributed   # also the gloo ranks
+    python benchmarks/tune.py --device cuda --chunks 1 4 8 --out results/gpu/tune_cuda.json   # one GPU
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def step(model: Any, x: torch.Tensor) -> None:
     out.float().pow(2).mean().backward()
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def build(name: str) -> tuple:
     torch.manual_seed(0)
     if name == "unet":
@@ -79,20 +86,23 @@ def measure(pipe: Any, x: torch.Tensor, steps: int) -> Dict[str, float]:
         if p.grad is not None:
             p.grad.zero_()
     gc.collect()
-    mem = peak(lambda: step(pipe, x), torch.device("cpu"))["peak_bytes"]
+    mem = peak(lambda: step(pipe, x), x.device)["peak_bytes"]
     times = []
     for _ in range(steps):
+        sync(x.device)
         t0 = time.perf_counter()
         step(pipe, x)
+        sync(x.device)
         times.append(time.perf_counter() - t0)
     return {"peak_bytes": mem, "step_s": min(times)}  # interference only adds time: the fastest step
 
 
 def run_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
     model, x, what = build(name)
+    model, x = model.to(a.device), x.to(a.device)
     t0 = time.perf_counter()
-    tuning = fxpipe.tune(model, x, ["cpu"] * a.stages, None, schedules=("gpipe",), chunks=a.chunks, optimizer="sgd",
-                         balance_by=a.balance_by)
+    tuning = fxpipe.tune(model, x, [a.device] * a.stages, None, schedules=("gpipe",), chunks=a.chunks,
+                         optimizer="sgd", balance_by=a.balance_by)
     tune_s = time.perf_counter() - t0
     print(f"\n{what}: fxpipe.tune took {tune_s:.1f} s\n{tuning}")
     rows = []
@@ -104,9 +114,10 @@ def run_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
             pipe.close()
         del pipe
         gc.collect()
-        rows.append({"chunks": c.chunks, "checkpoint": c.checkpoint, "predicted_bytes": c.activation_bytes["cpu"],
-                     "static_bytes": c.static_bytes["cpu"], "measured_bytes": got["peak_bytes"],
-                     "memory_ratio": c.activation_bytes["cpu"] / got["peak_bytes"],
+        label = next(iter(c.activation_bytes))  # the one device
+        rows.append({"chunks": c.chunks, "checkpoint": c.checkpoint, "predicted_bytes": c.activation_bytes[label],
+                     "static_bytes": c.static_bytes[label], "measured_bytes": got["peak_bytes"],
+                     "memory_ratio": c.activation_bytes[label] / got["peak_bytes"],
                      "predicted_s": c.step_s, "measured_s": got["step_s"], "time_ratio": c.step_s / got["step_s"]})
     choices = []
     static = rows[0]["static_bytes"]
@@ -126,13 +137,14 @@ def run_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
                         "best_measured": [best["chunks"], best["checkpoint"]], "first_s": first["measured_s"],
                         "best_s": best["measured_s"], "ratio": first["measured_s"] / best["measured_s"],
                         "first_fits_measured": fits_measured, "candidates": len(candidates)})
-    return {"model": name, "description": what, "tune_s": tune_s, "cut": cut(tuning.choices[0].plan), "rows": rows,
+    return {"model": name, "description": what, "device": a.device, "stages": a.stages, "tune_s": tune_s,
+            "cut": cut(tuning.choices[0].plan), "rows": rows,
             "choices": choices}
 
 
 
 def print_tables(res: Dict[str, Any]) -> None:
-    print(f"\n{res['description']} (4 stages on one CPU)")
+    print(f"\n{res['description']} ({res['stages']} stages on one {res['device']})")
     print("| chunks | checkpoint | predicted MiB | measured MiB | pred/meas | predicted ms | measured ms | pred/meas |")
     print("|--:|---|--:|--:|--:|--:|--:|--:|")
     for r in res["rows"]:
@@ -161,6 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--only-distributed", action="store_true", help="only the gloo ranks")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--dist-chunks", nargs="+", type=int, default=[2, 4, 8])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="one process's device (every stage on it); the gloo ranks stay on the CPU")
     p.add_argument("--balance-by", choices=("time", "memory", "params"), default=None,
                    help="how the stages are cut (default: profiled time, which may cut differently run to run)")
     a = p.parse_args(argv)
@@ -188,8 +202,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rows = [r for res in distributed for r in res["rows"]]
         print(f"gloo ranks: worst memory error {max(abs(1 - r['memory_ratio']) for r in rows):.1%}; action order "
               f"as simulated on {sum(r['order_same'] for r in rows)} of {len(rows)} (configuration, rank)")
-    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "tune.json"
-    doc = {**header("tune", "cpu"),
+    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / ("tune.json" if a.device == "cpu" else
+                                                                      f"tune_{a.device}.json")
+    doc = {**header("tune", a.device),
            "command": " ".join(["benchmarks/tune.py", *(argv if argv is not None else sys.argv[1:])]),
            "worst_memory_error": worst_mem, "worst_choice_ratio": worst_choice, "models": results,
            "distributed": distributed}
