@@ -139,3 +139,19 @@ def test_command_line_refusal_is_one_line(capsys: pytest.CaptureFixture[str]) ->
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "smallest requirement" in err[0]
 
+
+
+def test_command_line_balance_by(capsys: pytest.CaptureFixture[str]) -> None:
+    """--balance-by reaches the plans; 'time' on a meta model is one line naming what to use."""
+    pytest.importorskip("transformers")
+    from fxpipe.cli._main import main
+
+    model = ["tune", "hf:llama", "--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set",
+             "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+             "--set", "vocab_size=128", "--devices", "2", "--batch", "4x16", "--device-flops", "1e12",
+             "--bandwidth", "1e11", "--chunks", "2", "--no-progress"]
+    assert main([*model, "--balance-by", "memory"]) == 0
+    assert "best:" in capsys.readouterr().out
+    code = main([*model, "--balance-by", "time"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "balance_by='params' or 'memory'" in err[0], err
