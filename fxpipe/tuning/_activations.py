@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Sequence, Set
 
+from ._boundaries import Storages, boundaries, kept_input_grads
 from ._nodes import Recording
 
 __all__ = ["StageActivations", "stage_activations"]
@@ -98,28 +99,6 @@ class StageActivations:
     weight_peak: int = 0
 
 
-class _Storages:
-    """Who makes, reads and saves each storage, by node position and stage."""
-
-    def __init__(self, rec: Recording, stage_of: Sequence[int]) -> None:
-        self.bytes: Dict[int, int] = {}
-        self.producer: Dict[int, int] = {}
-        self.readers: Dict[int, List[int]] = {}
-        self.savers: Dict[int, List[int]] = {}
-        for i, node in enumerate(rec.nodes):
-            for key, b in node.makes.items():
-                self.bytes[key] = b
-                self.producer.setdefault(key, i)
-            for key, b in node.reads.items():
-                self.bytes.setdefault(key, b)
-                self.readers.setdefault(key, []).append(i)
-            for key, b in node.saves.items():
-                self.bytes[key] = max(b, self.bytes.get(key, 0))
-                self.producer.setdefault(key, i)  # made and saved inside an opaque node
-                self.savers.setdefault(key, []).append(i)
-        self.stage_of = stage_of
-
-
 def _first_per_pool(stages: Set[int], pool: Sequence[int]) -> List[int]:
     """The first stage of each pool among ``stages``."""
     first: Dict[int, int] = {}
@@ -140,7 +119,7 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
     :func:`fxpipe.tuning._memory.receive_buffers`, count it)."""
     pool = list(range(n_stages)) if pool is None else list(pool)
     stage_of = [int(assignment[r.name]) for r in rec.nodes]
-    st = _Storages(rec, stage_of)
+    st = Storages(rec, stage_of)
     held_nc = [0] * n_stages
     held_ck = [0] * n_stages
     received = [0] * n_stages
@@ -175,8 +154,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         for s in ss:
             by_stage_ck.setdefault(s, set()).add(key)
     per_stage: List[List[int]] = [[] for _ in range(n_stages)]
-    boundaries = _boundaries(rec, st, n_stages, pool)
-    grads_kept = _kept_input_grads(rec, st, n_stages)
+    crossing = boundaries(rec, st, n_stages, pool)
+    grads_kept = kept_input_grads(rec, st, n_stages)
     for i, s in enumerate(stage_of):
         per_stage[s].append(i)
     for s in range(n_stages):
@@ -200,7 +179,7 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         result.append(StageActivations(
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
-            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *boundaries[s],
+            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *crossing[s],
             boundary_grads_kept=grads_kept[s],
             weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared,
             weight_peak=max((rec.nodes[i].scratch_backward + rec.nodes[i].grad_params
@@ -208,79 +187,7 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
     return result
 
 
-def _boundaries(rec: Recording, st: _Storages, n_stages: int, pool: Sequence[int]) -> List[tuple[int, int, int, int, int]]:
-    """Per stage ``s``: (bytes crossing from ``s`` to ``s + 1``, those of them made before
-    ``s``, bytes of the gradients of the values crossing into ``s``, those of them for values
-    ``s`` only carries, without reading them, those of them arriving as slices from a later
-    stage of the same device): the boundaries of the
-    carried graph ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value
-    read by a later stage crosses every stage between. Storages no node makes (parameters, the
-    model's inputs) are left out, as in ``received``."""
-    grad_bytes: Dict[int, int] = {}
-    for node in rec.nodes:
-        for key, b in node.grad_in.items():
-            grad_bytes[key] = max(b, grad_bytes.get(key, 0))
-    out, carried, grads, passed, copied = ([0] * n_stages for _ in range(5))
-    for key, nbytes in st.bytes.items():
-        if key not in st.producer:
-            continue
-        made = st.stage_of[st.producer[key]]
-        reading = {st.stage_of[r] for r in st.readers.get(key, [])}
-        last = max(reading, default=made)
-        for s in range(made, last):
-            out[s] += nbytes
-            carried[s] += nbytes if made < s else 0
-            grads[s + 1] += grad_bytes.get(key, 0)
-            if s + 1 < last and s + 1 not in reading:
-                passed[s + 1] += grad_bytes.get(key, 0)
-                if _arrives_sliced(rec, st, key, s + 1, min(r for r in reading if r > s + 1), pool):
-                    copied[s + 1] += grad_bytes.get(key, 0)
-    return list(zip(out, carried, grads, passed, copied))
-
-
-def _arrives_sliced(rec: Recording, st: _Storages, key: int, s: int, reader: int, pool: Sequence[int]) -> bool:
-    """Whether the gradient of ``key``, made by stage ``reader`` and passed on by ``s``, reaches
-    ``s`` still a slice: one node of ``reader`` made it as part of a larger storage, and no
-    other device's send (contiguous) came between."""
-    if any(pool[t] != pool[s] for t in range(s, reader + 1)):
-        return False
-    here = [r for r in st.readers.get(key, []) if st.stage_of[r] == reader and key in rec.nodes[r].grad_in]
-    if len(here) != 1:
-        return False
-    node = rec.nodes[here[0]]
-    return node.grad_storage.get(key, 0) > node.grad_in[key]
-
-
-def _kept_input_grads(rec: Recording, st: _Storages, n_stages: int) -> List[int]:
-    """Per stage, the bytes its input gradients keep alive once sent (see
-    ``StageActivations.boundary_grads_kept``). A value read by one node of the stage and no
-    later one gets that node's gradient, whose storage may be a larger one (the slices of a
-    concatenation's gradient share its storage: counted once per node); then the slice is sent
-    as a contiguous copy. A value read by several nodes, or read and carried on, gets a
-    gradient of its own size; one only carried is left out (``boundary_grads_passed``)."""
-    kept = [0] * n_stages
-    storage: List[Dict[int, int]] = [{} for _ in range(n_stages)]  # reader node -> storage kept
-    for key, nbytes in st.bytes.items():
-        if key not in st.producer:
-            continue
-        made = st.stage_of[st.producer[key]]
-        readers = st.readers.get(key, [])
-        last = max((st.stage_of[r] for r in readers), default=made)
-        for s in range(made + 1, last + 1):
-            here = [r for r in readers if st.stage_of[r] == s and key in rec.nodes[r].grad_in]
-            if s == last and len(here) == 1:
-                node = rec.nodes[here[0]]
-                b = node.grad_in[key]
-                whole = node.grad_storage.get(key, b)
-                if whole > b:  # a slice: the node's one gradient storage, and the copy sent
-                    storage[s][here[0]] = max(whole, storage[s].get(here[0], 0))
-                kept[s] += b
-            elif here:  # a gradient of its own (a value only carried: boundary_grads_passed)
-                kept[s] += max(rec.nodes[r].grad_in[key] for r in here)
-    return [k + sum(storage[s].values()) for s, k in enumerate(kept)]
-
-
-def _grads_back(rec: Recording, st: _Storages, nodes: List[int], s: int,
+def _grads_back(rec: Recording, st: Storages, nodes: List[int], s: int,
                 pool: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """Per earlier stage on the stage's device, the bytes of the gradients this stage's
     backward makes for the storages that stage produced (one per storage; the storage a
@@ -298,7 +205,7 @@ def _grads_back(rec: Recording, st: _Storages, nodes: List[int], s: int,
     return tuple(sorted(per.items()))
 
 
-def _incoming_grads(rec: Recording, st: _Storages, nodes: List[int], s: int,
+def _incoming_grads(rec: Recording, st: Storages, nodes: List[int], s: int,
                     received_static: bool = False) -> Dict[int, int]:
     """Gradients arriving for the stage's outputs: values later stages read, and the model's
     (the loss's gradient). ``received_static``: those from later stages arrive in gradient
@@ -313,14 +220,14 @@ def _incoming_grads(rec: Recording, st: _Storages, nodes: List[int], s: int,
     return grads
 
 
-def _sent(rec: Recording, st: _Storages, nodes: List[int], s: int) -> Set[int]:
+def _sent(rec: Recording, st: Storages, nodes: List[int], s: int) -> Set[int]:
     """Storages the stage makes that later stages read, or that the model returns."""
     mine = set(nodes)
     return {key for key, p in st.producer.items() if p in mine and (
         key in rec.outputs or any(st.stage_of[r] > s for r in st.readers.get(key, [])))}
 
 
-def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[int],
+def _backward_peak(rec: Recording, st: Storages, nodes: List[int], saved: Set[int],
                    incoming: Dict[int, int], keep_saved: bool = False, kept: Set[int] = frozenset()) -> int:
     """Peak bytes while the stage's nodes run backward in reverse, from ``saved`` (storages
     held for it, freed after the last node needing them, or never with ``keep_saved``; those
@@ -356,7 +263,7 @@ def _backward_peak(rec: Recording, st: _Storages, nodes: List[int], saved: Set[i
     return peak
 
 
-def _recompute(rec: Recording, st: _Storages, nodes: List[int], s: int, received: Set[int]) -> tuple[int, Set[int]]:
+def _recompute(rec: Recording, st: Storages, nodes: List[int], s: int, received: Set[int]) -> tuple[int, Set[int]]:
     """A checkpointed stage's recomputed forward: (its peak, the storages alive after it:
     the received ones and everything the stage's nodes saved)."""
     node_set = set(nodes)
@@ -369,7 +276,7 @@ def _recompute(rec: Recording, st: _Storages, nodes: List[int], s: int, received
     return _walk_forward(rec, st, nodes, {k: st.bytes[k] for k in received}, dies_after)
 
 
-def _walk_forward(rec: Recording, st: _Storages, nodes: List[int], alive: Dict[int, int],
+def _walk_forward(rec: Recording, st: Storages, nodes: List[int], alive: Dict[int, int],
                   dies_after: Callable[[int, int], int | None]) -> tuple[int, Set[int]]:
     """The stage's nodes run forward from ``alive``: each makes its storages, each storage
     freed after node ``dies_after(key, producer)`` (None: kept). (peak, alive at the end)."""
@@ -390,7 +297,7 @@ def _walk_forward(rec: Recording, st: _Storages, nodes: List[int], alive: Dict[i
     return peak, set(alive)
 
 
-def _forward_extra(rec: Recording, st: _Storages, nodes: List[int], s: int, held: int) -> int:
+def _forward_extra(rec: Recording, st: Storages, nodes: List[int], s: int, held: int) -> int:
     """How far the stage's forward rises above what it leaves held (its transient outputs)."""
     node_set = set(nodes)
 
@@ -405,7 +312,7 @@ def _forward_extra(rec: Recording, st: _Storages, nodes: List[int], s: int, held
     return max(0, peak - max(current, held))
 
 
-def _weight_held(rec: Recording, st: _Storages, nodes: List[int], saved: Set[int]) -> int:
+def _weight_held(rec: Recording, st: Storages, nodes: List[int], saved: Set[int]) -> int:
     """What an input-gradient pass leaves for the weight pass: storages saved by nodes with
     parameters, and the gradients of those nodes' outputs."""
     with_params = [i for i in nodes if rec.nodes[i].grad_params]

@@ -1,0 +1,112 @@
+"""What crosses each stage boundary of the carried graph ``fxpipe.distributed`` runs
+(:mod:`fxpipe.distributed._carry`), where a value read by a later stage crosses every stage
+between: the bytes sent forward, those carried, the gradients sent back, those only passed on,
+and what a zero-bubble input pass keeps of them. Measured on gloo ranks, used by
+:mod:`fxpipe.tuning._memory` for torch's stages and by the simulator for send times.
+
+:class:`Storages` indexes a :class:`~fxpipe.tuning._nodes.Recording` by storage: who makes,
+reads and saves each one, by node position and stage (shared with
+:mod:`fxpipe.tuning._activations`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+from ._nodes import Recording
+
+__all__ = ["Storages", "boundaries", "kept_input_grads"]
+
+
+class Storages:
+    """Who makes, reads and saves each storage, by node position and stage."""
+
+    def __init__(self, rec: Recording, stage_of: Sequence[int]) -> None:
+        self.bytes: Dict[int, int] = {}
+        self.producer: Dict[int, int] = {}
+        self.readers: Dict[int, List[int]] = {}
+        self.savers: Dict[int, List[int]] = {}
+        for i, node in enumerate(rec.nodes):
+            for key, b in node.makes.items():
+                self.bytes[key] = b
+                self.producer.setdefault(key, i)
+            for key, b in node.reads.items():
+                self.bytes.setdefault(key, b)
+                self.readers.setdefault(key, []).append(i)
+            for key, b in node.saves.items():
+                self.bytes[key] = max(b, self.bytes.get(key, 0))
+                self.producer.setdefault(key, i)  # made and saved inside an opaque node
+                self.savers.setdefault(key, []).append(i)
+        self.stage_of = stage_of
+
+
+def boundaries(rec: Recording, st: Storages, n_stages: int, pool: Sequence[int]) -> List[tuple[int, int, int, int, int]]:
+    """Per stage ``s``: (bytes crossing from ``s`` to ``s + 1``, those of them made before
+    ``s``, bytes of the gradients of the values crossing into ``s``, those of them for values
+    ``s`` only carries, without reading them, those of them arriving as slices from a later
+    stage of the same device): the boundaries of the
+    carried graph ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value
+    read by a later stage crosses every stage between. Storages no node makes (parameters, the
+    model's inputs) are left out, as in ``received``."""
+    grad_bytes: Dict[int, int] = {}
+    for node in rec.nodes:
+        for key, b in node.grad_in.items():
+            grad_bytes[key] = max(b, grad_bytes.get(key, 0))
+    out, carried, grads, passed, copied = ([0] * n_stages for _ in range(5))
+    for key, nbytes in st.bytes.items():
+        if key not in st.producer:
+            continue
+        made = st.stage_of[st.producer[key]]
+        reading = {st.stage_of[r] for r in st.readers.get(key, [])}
+        last = max(reading, default=made)
+        for s in range(made, last):
+            out[s] += nbytes
+            carried[s] += nbytes if made < s else 0
+            grads[s + 1] += grad_bytes.get(key, 0)
+            if s + 1 < last and s + 1 not in reading:
+                passed[s + 1] += grad_bytes.get(key, 0)
+                if _arrives_sliced(rec, st, key, s + 1, min(r for r in reading if r > s + 1), pool):
+                    copied[s + 1] += grad_bytes.get(key, 0)
+    return list(zip(out, carried, grads, passed, copied))
+
+
+def _arrives_sliced(rec: Recording, st: Storages, key: int, s: int, reader: int, pool: Sequence[int]) -> bool:
+    """Whether the gradient of ``key``, made by stage ``reader`` and passed on by ``s``, reaches
+    ``s`` still a slice: one node of ``reader`` made it as part of a larger storage, and no
+    other device's send (contiguous) came between."""
+    if any(pool[t] != pool[s] for t in range(s, reader + 1)):
+        return False
+    here = [r for r in st.readers.get(key, []) if st.stage_of[r] == reader and key in rec.nodes[r].grad_in]
+    if len(here) != 1:
+        return False
+    node = rec.nodes[here[0]]
+    return node.grad_storage.get(key, 0) > node.grad_in[key]
+
+
+def kept_input_grads(rec: Recording, st: Storages, n_stages: int) -> List[int]:
+    """Per stage, the bytes its input gradients keep alive once sent (see
+    ``StageActivations.boundary_grads_kept``). A value read by one node of the stage and no
+    later one gets that node's gradient, whose storage may be a larger one (the slices of a
+    concatenation's gradient share its storage: counted once per node); then the slice is sent
+    as a contiguous copy. A value read by several nodes, or read and carried on, gets a
+    gradient of its own size; one only carried is left out (``boundary_grads_passed``)."""
+    kept = [0] * n_stages
+    storage: List[Dict[int, int]] = [{} for _ in range(n_stages)]  # reader node -> storage kept
+    for key, nbytes in st.bytes.items():
+        if key not in st.producer:
+            continue
+        made = st.stage_of[st.producer[key]]
+        readers = st.readers.get(key, [])
+        last = max((st.stage_of[r] for r in readers), default=made)
+        for s in range(made + 1, last + 1):
+            here = [r for r in readers if st.stage_of[r] == s and key in rec.nodes[r].grad_in]
+            if s == last and len(here) == 1:
+                node = rec.nodes[here[0]]
+                b = node.grad_in[key]
+                whole = node.grad_storage.get(key, b)
+                if whole > b:  # a slice: the node's one gradient storage, and the copy sent
+                    storage[s][here[0]] = max(whole, storage[s].get(here[0], 0))
+                kept[s] += b
+            elif here:  # a gradient of its own (a value only carried: boundary_grads_passed)
+                kept[s] += max(rec.nodes[r].grad_in[key] for r in here)
+    return [k + sum(storage[s].values()) for s, k in enumerate(kept)]
