@@ -80,13 +80,14 @@ class StageActivations:
     #: of those, the gradients of values the stage only carries (neither makes nor reads):
     #: passed on as they arrived, in the gradient receive buffer, nothing allocated
     boundary_grads_passed: int = 0
-    #: of those, the ones that arrive as slices (a concatenation's gradient made by a later
-    #: stage of the same device): sending one to another device sends a contiguous copy
-    boundary_grads_copied: int = 0
     #: what a zero-bubble input pass leaves of the gradients of the values it reads to the
     #: step's end: each input's ``.grad``, with the whole storage a slice keeps (a
     #: concatenation's gradient), and the contiguous copy of each slice that is sent
     boundary_grads_kept: int = 0
+    #: of those, the gradient storages of the stage's own (not the copies): what a V's input
+    #: pass adds when it hands its input gradients to the previous stage on the same rank,
+    #: whose copies take the place of last step's
+    boundary_grads_storage: int = 0
     #: bytes of the gradients of the outputs of the stage's nodes with parameters: what an input
     #: pass keeps for the weight pass, besides the saved storages
     weight_grads: int = 0
@@ -154,8 +155,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         for s in ss:
             by_stage_ck.setdefault(s, set()).add(key)
     per_stage: List[List[int]] = [[] for _ in range(n_stages)]
-    crossing = boundaries(rec, st, n_stages, pool)
-    grads_kept = kept_input_grads(rec, st, n_stages)
+    crossing = boundaries(rec, st, n_stages)
+    grads_kept, grads_storage = kept_input_grads(rec, st, n_stages)
     for i, s in enumerate(stage_of):
         per_stage[s].append(i)
     for s in range(n_stages):
@@ -180,7 +181,7 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
             sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *crossing[s],
-            boundary_grads_kept=grads_kept[s],
+            boundary_grads_kept=grads_kept[s], boundary_grads_storage=grads_storage[s],
             weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared,
             weight_peak=max((rec.nodes[i].scratch_backward + rec.nodes[i].grad_params
                              for i in nodes if rec.nodes[i].grad_params), default=0)))

@@ -40,19 +40,18 @@ class Storages:
         self.stage_of = stage_of
 
 
-def boundaries(rec: Recording, st: Storages, n_stages: int, pool: Sequence[int]) -> List[tuple[int, int, int, int, int]]:
+def boundaries(rec: Recording, st: Storages, n_stages: int) -> List[tuple[int, int, int, int]]:
     """Per stage ``s``: (bytes crossing from ``s`` to ``s + 1``, those of them made before
     ``s``, bytes of the gradients of the values crossing into ``s``, those of them for values
-    ``s`` only carries, without reading them, those of them arriving as slices from a later
-    stage of the same device): the boundaries of the
-    carried graph ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value
-    read by a later stage crosses every stage between. Storages no node makes (parameters, the
-    model's inputs) are left out, as in ``received``."""
+    ``s`` only carries, without reading them): the boundaries of the carried graph
+    ``fxpipe.distributed`` runs (:mod:`fxpipe.distributed._carry`), where a value read by a
+    later stage crosses every stage between. Storages no node makes (parameters, the model's
+    inputs) are left out, as in ``received``."""
     grad_bytes: Dict[int, int] = {}
     for node in rec.nodes:
         for key, b in node.grad_in.items():
             grad_bytes[key] = max(b, grad_bytes.get(key, 0))
-    out, carried, grads, passed, copied = ([0] * n_stages for _ in range(5))
+    out, carried, grads, passed = ([0] * n_stages for _ in range(4))
     for key, nbytes in st.bytes.items():
         if key not in st.producer:
             continue
@@ -65,31 +64,19 @@ def boundaries(rec: Recording, st: Storages, n_stages: int, pool: Sequence[int])
             grads[s + 1] += grad_bytes.get(key, 0)
             if s + 1 < last and s + 1 not in reading:
                 passed[s + 1] += grad_bytes.get(key, 0)
-                if _arrives_sliced(rec, st, key, s + 1, min(r for r in reading if r > s + 1), pool):
-                    copied[s + 1] += grad_bytes.get(key, 0)
-    return list(zip(out, carried, grads, passed, copied))
+    return list(zip(out, carried, grads, passed))
 
 
-def _arrives_sliced(rec: Recording, st: Storages, key: int, s: int, reader: int, pool: Sequence[int]) -> bool:
-    """Whether the gradient of ``key``, made by stage ``reader`` and passed on by ``s``, reaches
-    ``s`` still a slice: one node of ``reader`` made it as part of a larger storage, and no
-    other device's send (contiguous) came between."""
-    if any(pool[t] != pool[s] for t in range(s, reader + 1)):
-        return False
-    here = [r for r in st.readers.get(key, []) if st.stage_of[r] == reader and key in rec.nodes[r].grad_in]
-    if len(here) != 1:
-        return False
-    node = rec.nodes[here[0]]
-    return node.grad_storage.get(key, 0) > node.grad_in[key]
-
-
-def kept_input_grads(rec: Recording, st: Storages, n_stages: int) -> List[int]:
-    """Per stage, the bytes its input gradients keep alive once sent (see
-    ``StageActivations.boundary_grads_kept``). A value read by one node of the stage and no
-    later one gets that node's gradient, whose storage may be a larger one (the slices of a
-    concatenation's gradient share its storage: counted once per node); then the slice is sent
-    as a contiguous copy. A value read by several nodes, or read and carried on, gets a
-    gradient of its own size; one only carried is left out (``boundary_grads_passed``)."""
+def kept_input_grads(rec: Recording, st: Storages, n_stages: int) -> tuple[List[int], List[int]]:
+    """Per stage, (the bytes its input gradients keep alive once sent, those of them in
+    gradient storages of its own): see ``StageActivations.boundary_grads_kept`` and
+    ``boundary_grads_storage``. A value read by one node of the stage and no later one gets
+    that node's gradient, which may be a slice of a larger storage (the slices of a
+    concatenation's gradient share it: counted once per node) -- of the stage's own when a
+    node of the stage reads that node's output, else of the gradient that arrived for it (a
+    receive buffer: nothing more); a slice is sent (or handed on) as a contiguous copy. A value
+    read by several nodes, or read and carried on, gets a gradient of its own size; one only
+    carried is left out (``boundary_grads_passed``)."""
     kept = [0] * n_stages
     storage: List[Dict[int, int]] = [{} for _ in range(n_stages)]  # reader node -> storage kept
     for key, nbytes in st.bytes.items():
@@ -104,9 +91,16 @@ def kept_input_grads(rec: Recording, st: Storages, n_stages: int) -> List[int]:
                 node = rec.nodes[here[0]]
                 b = node.grad_in[key]
                 whole = node.grad_storage.get(key, b)
-                if whole > b:  # a slice: the node's one gradient storage, and the copy sent
+                if whole > b and _output_read_in_stage(rec, st, here[0], s):
                     storage[s][here[0]] = max(whole, storage[s].get(here[0], 0))
                 kept[s] += b
             elif here:  # a gradient of its own (a value only carried: boundary_grads_passed)
                 kept[s] += max(rec.nodes[r].grad_in[key] for r in here)
-    return [k + sum(storage[s].values()) for s, k in enumerate(kept)]
+    own = [sum(storage[s].values()) for s in range(n_stages)]
+    return [k + o for k, o in zip(kept, own)], own
+
+
+def _output_read_in_stage(rec: Recording, st: Storages, node: int, s: int) -> bool:
+    """Whether a node of stage ``s`` reads an output of ``node``: then the gradient of that
+    output is made in the stage, not received."""
+    return any(st.stage_of[r] == s for key in rec.nodes[node].makes for r in st.readers.get(key, []))

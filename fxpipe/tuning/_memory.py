@@ -209,6 +209,8 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
         grads_kept = 0
         if a.stage > 0 and not same(a.stage, a.stage - 1) and (run.held_sends or run.split):
             grads_kept = made_grads  # in a send's Work, or the receive buffer's .grad
+        elif a.stage > 0 and run.split:  # handed on the rank: the copies replace last step's
+            grads_kept = st.boundary_grads_storage
         if a.kind == "F":
             own[key] = st.held[ck] + sent
             held += own[key]
@@ -245,11 +247,12 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
 
 def _input_grads(st: StageActivations, split: bool, remote: bool) -> int:
     """The bytes of one micro-batch's input gradients a stage's backward leaves (measured on
-    gloo ranks): a carried value's gradient is passed on in the buffer it arrived in; zero
-    bubble keeps each input's ``.grad`` (a slice's whole storage) and the contiguous copies it
-    sends another rank, of slices it made or passes on."""
+    gloo ranks): a carried value's gradient is passed on in the buffer it arrived in (fxpipe
+    makes every input gradient contiguous where it is made: nothing to copy further on); zero
+    bubble keeps each input's ``.grad`` (a slice's whole storage) and the contiguous copy it
+    sends another rank."""
     if split and remote:
-        return st.boundary_grads_kept + st.boundary_grads_copied
+        return st.boundary_grads_kept
     return st.boundary_grads - st.boundary_grads_passed
 
 

@@ -3,6 +3,8 @@ schedule walk, the static bytes, and the recorder against autograd's own saved t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -240,12 +242,11 @@ def test_held_sends_stay_to_the_end_of_the_step_by_hand() -> None:
     assert held == {0: 22, 1: 19}
     # 3 of those 4 bytes are the gradient of a value stage 1 only carries: passed on in the
     # buffer it arrived in, nothing kept for it (B(1,1): 1 + 15 = 16); zero bubble keeps what
-    # boundary_grads_kept says (the .grad storages and the copies sent) and a contiguous copy of
-    # the 3 when they arrive as slices (boundary_grads_copied)
+    # boundary_grads_kept says (the .grad storages and the copies sent): 2 here, 17
     passing = StageActivations((10, 0), (15, 0), 0, 0, 0, 0, boundary_grads=4, boundary_grads_passed=3,
-                               boundary_grads_kept=1, boundary_grads_copied=3)
+                               boundary_grads_kept=2)
     runs = [TorchRun([0, 1], held_sends=True), TorchRun([0, 1], held_sends=True, split=True)]
-    assert [activation_peaks(orders, [first, passing], "never", 2, torch_stages=r)[1] for r in runs] == [16, 19]
+    assert [activation_peaks(orders, [first, passing], "never", 2, torch_stages=r)[1] for r in runs] == [16, 17]
 
 
 def test_zero_bubble_clones_local_turn_and_kept_input_gradients_by_hand() -> None:
@@ -274,6 +275,10 @@ def test_zero_bubble_clones_local_turn_and_kept_input_gradients_by_hand() -> Non
     # and the 4 input-gradient bytes; W1 leaves those 4: 12 held. Micro-batch 1: F1 22, F2 50,
     # I2: 50 - 28 + 38 + 9 = 69
     assert activation_peaks(orders, stages, "never", 2, torch_stages=run)[1] == 69
+    # stage 2 hands its input gradients to stage 1 on the rank: their copies take the place of
+    # last step's, but gradient storages of its own (a concatenation's) stay in .grad: + 5
+    owning = [s0, s1, dataclasses.replace(s2, boundary_grads_storage=5), s3]
+    assert activation_peaks(orders, owning, "never", 2, torch_stages=run)[1] == 74
     # as 1F1B's single-stage schedules would keep them: the outputs until the backward only
     # (F2: 13 + 25 = 38; I2: 38 - 25 + 35 + 9 = 57; W2 frees all of stage 2's)
     assert activation_peaks(orders, stages, "never", 2, torch_stages=True)[1] == 57
@@ -434,5 +439,9 @@ def test_zero_bubble_keeps_whole_storages_of_sliced_input_gradients_by_hand() ->
         NodeRecord("d", makes={13: 8}, reads={12: 200}, saves={12: 200}, grad_in={12: 200}, grad_out={13: 8}),
     ], outputs={13: 8}, external={1})
     s0, s1 = stage_activations(rec, {"a": 0, "b": 0, "cat": 1, "d": 1}, 2)
-    assert (s1.boundary_grads, s1.boundary_grads_kept) == (200, 400)
+    assert (s1.boundary_grads, s1.boundary_grads_kept, s1.boundary_grads_storage) == (200, 400, 200)
     assert s0.boundary_grads_kept == 0
+    # the concatenation's output sent on to stage 2: its gradient arrives in a receive buffer,
+    # the slices are views of that (nothing of the stage's own), only the copies are made
+    _, t1, _ = stage_activations(rec, {"a": 0, "b": 0, "cat": 1, "d": 2}, 3)
+    assert (t1.boundary_grads_kept, t1.boundary_grads_storage) == (200, 0)
