@@ -95,8 +95,10 @@ class StageActivations:
     #: (``fxpipe.distributed`` recomputes once for all the backward passes of a micro-batch,
     #: :mod:`fxpipe.distributed._recompute`); 0: not computed, use ``peak[1]``
     peak_shared: int = 0
-    #: the most a zero-bubble weight pass allocates above what it holds: the largest node with
-    #: parameters' measured backward scratch (a convolution's column buffers) and weight gradient
+    #: the most a zero-bubble weight pass rises above what its input pass left: each node with
+    #: parameters, in order, allocates its measured backward scratch (a convolution's column
+    #: buffers) and weight gradient, once the kept gradients of the nodes before it are freed
+    #: (torch's ``stage_backward_weight`` frees each parameter group's as it goes); may be < 0
     weight_peak: int = 0
 
 
@@ -183,8 +185,7 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *crossing[s],
             boundary_grads_kept=grads_kept[s], boundary_grads_storage=grads_storage[s],
             weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared,
-            weight_peak=max((rec.nodes[i].scratch_backward + rec.nodes[i].grad_params
-                             for i in nodes if rec.nodes[i].grad_params), default=0)))
+            weight_peak=_weight_pass_peak(rec, nodes)))
     return result
 
 
@@ -319,6 +320,23 @@ def _weight_held(rec: Recording, st: Storages, nodes: List[int], saved: Set[int]
     with_params = [i for i in nodes if rec.nodes[i].grad_params]
     keep = {k for i in with_params for k in rec.nodes[i].saves if k in saved}
     return sum(st.bytes[k] for k in keep) + sum(_weight_grads(rec, nodes).values())
+
+
+def _weight_pass_peak(rec: Recording, nodes: List[int]) -> int:
+    """See ``StageActivations.weight_peak``: the parameter groups run in the order of the
+    stage's parameters, that is of its nodes."""
+    peak, freed, seen = None, 0, set()
+    for i in nodes:
+        node = rec.nodes[i]
+        if not node.grad_params:
+            continue
+        here = node.scratch_backward + node.grad_params - freed
+        peak = here if peak is None else max(peak, here)
+        for key, b in node.grad_out.items():
+            if key not in seen:
+                seen.add(key)
+                freed += b
+    return peak or 0
 
 
 def _weight_grads(rec: Recording, nodes: List[int]) -> Dict[int, int]:

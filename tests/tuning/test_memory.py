@@ -445,3 +445,18 @@ def test_zero_bubble_keeps_whole_storages_of_sliced_input_gradients_by_hand() ->
     # the slices are views of that (nothing of the stage's own), only the copies are made
     _, t1, _ = stage_activations(rec, {"a": 0, "b": 0, "cat": 1, "d": 2}, 3)
     assert (t1.boundary_grads_kept, t1.boundary_grads_storage) == (200, 0)
+
+
+def test_zero_bubble_weight_pass_frees_each_groups_gradients_as_it_goes_by_hand() -> None:
+    """torch's stage_backward_weight runs the parameter groups in the parameters' order and
+    frees each one's kept gradients after it: lin2's 300 bytes of scratch come once lin1's
+    kept output gradient (100) is gone."""
+    rec = Recording([
+        NodeRecord("lin1", makes={10: 100}, grad_out={10: 100}, grad_params=40),
+        NodeRecord("relu", makes={11: 100}, reads={10: 100}, saves={11: 100}, grad_in={10: 100}, grad_out={11: 100}),
+        NodeRecord("lin2", makes={12: 50}, reads={11: 100}, saves={11: 100}, grad_in={11: 100}, grad_out={12: 50},
+                   grad_params=20, scratch_backward=300),
+    ], outputs={12: 50}, external={1})
+    (st,) = stage_activations(rec, {"lin1": 0, "relu": 0, "lin2": 0}, 1)
+    assert st.weight_grads == 150
+    assert st.weight_peak == 300 + 20 - 100
