@@ -11,7 +11,7 @@ reads and saves each one, by node position and stage (shared with
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, Iterator, List, Sequence
 
 from ._nodes import Recording
 
@@ -39,6 +39,14 @@ class Storages:
                 self.savers.setdefault(key, []).append(i)
         self.stage_of = stage_of
 
+    def spans(self) -> Iterator[tuple[int, int, int, int]]:
+        """(storage, bytes, the stage making it, the last stage reading it) of every storage
+        a node makes (parameters and the model's inputs are made by none)."""
+        for key, nbytes in self.bytes.items():
+            if key in self.producer:
+                made = self.stage_of[self.producer[key]]
+                yield key, nbytes, made, max((self.stage_of[r] for r in self.readers.get(key, [])), default=made)
+
 
 def boundaries(rec: Recording, st: Storages, n_stages: int) -> List[tuple[int, int, int, int]]:
     """Per stage ``s``: (bytes crossing from ``s`` to ``s + 1``, those of them made before
@@ -52,12 +60,8 @@ def boundaries(rec: Recording, st: Storages, n_stages: int) -> List[tuple[int, i
         for key, b in node.grad_in.items():
             grad_bytes[key] = max(b, grad_bytes.get(key, 0))
     out, carried, grads, passed = ([0] * n_stages for _ in range(4))
-    for key, nbytes in st.bytes.items():
-        if key not in st.producer:
-            continue
-        made = st.stage_of[st.producer[key]]
+    for key, nbytes, made, last in st.spans():
         reading = {st.stage_of[r] for r in st.readers.get(key, [])}
-        last = max(reading, default=made)
         for s in range(made, last):
             out[s] += nbytes
             carried[s] += nbytes if made < s else 0
@@ -79,12 +83,8 @@ def kept_input_grads(rec: Recording, st: Storages, n_stages: int) -> tuple[List[
     carried is left out (``boundary_grads_passed``)."""
     kept = [0] * n_stages
     storage: List[Dict[int, int]] = [{} for _ in range(n_stages)]  # reader node -> storage kept
-    for key, nbytes in st.bytes.items():
-        if key not in st.producer:
-            continue
-        made = st.stage_of[st.producer[key]]
+    for key, _, made, last in st.spans():
         readers = st.readers.get(key, [])
-        last = max((st.stage_of[r] for r in readers), default=made)
         for s in range(made + 1, last + 1):
             here = [r for r in readers if st.stage_of[r] == s and key in rec.nodes[r].grad_in]
             if s == last and len(here) == 1:
