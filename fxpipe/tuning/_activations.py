@@ -101,6 +101,12 @@ class StageActivations:
     #: (torch's ``stage_backward_weight`` frees each parameter group's as it goes); may be < 0
     weight_peak: int = 0
 
+    @property
+    def grads_made(self) -> int:
+        """Bytes of the input gradients the stage's backward makes: those of the values
+        crossing into it, less those it only passes on (``boundary_grads_passed``)."""
+        return self.boundary_grads - self.boundary_grads_passed
+
 
 def _first_per_pool(stages: Set[int], pool: Sequence[int]) -> List[int]:
     """The first stage of each pool among ``stages``."""
@@ -166,14 +172,13 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         mine_nc = by_stage_nc.get(s, set())
         mine_ck = by_stage_ck.get(s, set())
         incoming = _incoming_grads(rec, st, nodes, s, received_static)
+        arriving = sum(incoming.values())
         # torch's stages keep a micro-batch's outputs (fwd_cache) through its whole backward
         outputs_kept = _sent(rec, st, nodes, s) if received_static else set()
         peak_nc = _backward_peak(rec, st, nodes, mine_nc, incoming, kept=outputs_kept)
         recompute_peak, alive = _recompute(rec, st, nodes, s, mine_ck)
-        peak_ck = max(recompute_peak + sum(incoming.values()),
-                      _backward_peak(rec, st, nodes, alive, incoming))
-        peak_shared = max(recompute_peak + sum(incoming.values()),
-                          _backward_peak(rec, st, nodes, alive, incoming, keep_saved=True))
+        peak_ck = max(recompute_peak + arriving, _backward_peak(rec, st, nodes, alive, incoming))
+        peak_shared = max(recompute_peak + arriving, _backward_peak(rec, st, nodes, alive, incoming, keep_saved=True))
         sent = [0, 0]
         for key in _sent(rec, st, nodes, s):
             for ck, attributed in enumerate((attributed_nc, attributed_ck)):
@@ -182,7 +187,7 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         result.append(StageActivations(
             (held_nc[s], held_ck[s]), (peak_nc, peak_ck), _forward_extra(rec, st, nodes, s, held_nc[s]),
             _weight_held(rec, st, nodes, mine_nc), received[s], outputs[s], (sent[0], sent[1]),
-            sum(incoming.values()), _grads_back(rec, st, nodes, s, pool), *crossing[s],
+            arriving, _grads_back(rec, st, nodes, s, pool), *crossing[s],
             boundary_grads_kept=grads_kept[s], boundary_grads_storage=grads_storage[s],
             weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared,
             weight_peak=_weight_pass_peak(rec, nodes)))

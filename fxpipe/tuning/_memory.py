@@ -163,9 +163,9 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
     and its weight pass the retained graph (everything the stage saved, recomputed ones
     included: fxpipe recomputes once per micro-batch), its outputs, the gradients that
     arrived (``backward_state``) and the gradients of the parameters' nodes' outputs
-    (``stage_backward_input``'s ``param_groups``); a weight pass allocates its largest
-    parameter node's scratch and weight gradient (``weight_peak``); and the first stage runs
-    its whole backward in ``W``. What a stage receives, values and gradients, is in receive
+    (``stage_backward_input``'s ``param_groups``); a weight pass runs the parameter groups in
+    order, freeing each one's kept gradients as it goes (``weight_peak``); and the first stage
+    runs its whole backward in ``W``. What a stage receives, values and gradients, is in receive
     buffers (static bytes), as the activations were made (``received_static``).
 
     With ``run`` (:class:`TorchRun`): what is sent to another rank stays until the step ends
@@ -233,9 +233,8 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
         elif a.kind == "W":  # the weight gradients, from what the input pass kept
             peak = max(peak, held + st.weight_peak)
         if run.one_f_one_b and a.kind == "B":
-            made = made_grads if a.stage > 0 else 0
-            held += made - grads_pending  # the last backward's gradient sends go, this one's stay
-            grads_pending = made
+            held += made_grads - grads_pending  # the last backward's gradient sends go, this one's stay
+            grads_pending = made_grads
             if warmup_send == key and i < loop_end:  # its output stays in send_work to the loop's end
                 warmup_kept = st.boundary_out - st.boundary_carried
                 held += warmup_kept
@@ -251,9 +250,7 @@ def _input_grads(st: StageActivations, split: bool, remote: bool) -> int:
     makes every input gradient contiguous where it is made: nothing to copy further on); zero
     bubble keeps each input's ``.grad`` (a slice's whole storage) and the contiguous copy it
     sends another rank."""
-    if split and remote:
-        return st.boundary_grads_kept
-    return st.boundary_grads - st.boundary_grads_passed
+    return st.boundary_grads_kept if split and remote else st.grads_made
 
 
 def receive_buffers(stages: Sequence[StageActivations], run: Optional[TorchRun] = None) -> List[int]:
@@ -272,9 +269,7 @@ def receive_buffers(stages: Sequence[StageActivations], run: Optional[TorchRun] 
 
     def grads(s: int) -> int:
         nxt = stages[s + 1]
-        if local and local[s] == local[s + 1]:
-            return nxt.boundary_grads - nxt.boundary_grads_passed
-        return nxt.boundary_grads
+        return nxt.grads_made if local and local[s] == local[s + 1] else nxt.boundary_grads
 
     return [(stages[s - 1].boundary_out if s > 0 else 0) + (grads(s) if s + 1 < n else 0) for s in range(n)]
 
@@ -291,10 +286,3 @@ def static_bytes(param_bytes: Sequence[int], stage_devices: Sequence[Hashable], 
         out[d] = out.get(d, 0) + copies * int(param_bytes[s]) + extra
     return out
 
-
-def devices_in_order(stage_devices: Sequence[Hashable]) -> List[Hashable]:
-    seen: List[Hashable] = []
-    for d in stage_devices:
-        if d not in seen:
-            seen.append(d)
-    return seen
