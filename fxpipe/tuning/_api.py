@@ -153,9 +153,13 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
         choices = search.run()
-    notes = [f"costs from {'a roofline (device_flops, bandwidth)' if flops is not None else 'the profile'}; "
+    costs = "a roofline (device_flops, bandwidth)" if flops is not None else "each stage timed on one micro-batch"
+    notes = [f"costs from {costs}; "
              f"memory: parameters + gradients + {optimizer} state + activations"
              + (" + receive buffers (distributed)" if any(s != "gpipe" for s in schedules) else "")]
+    if search.untimed:
+        notes.append("stages the tuner could not time alone, predicted from the node profile instead "
+                     f"(about half their real time on a CPU): {'; '.join(search.untimed[:3])}")
     if search.derived:
         notes.append(f"forwards recorded at micro-batch sizes {', '.join(map(str, sorted(search.recorded)))}; "
                      f"sizes {', '.join(map(str, sorted(search.derived)))} derived from them (every shape linear "

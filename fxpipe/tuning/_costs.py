@@ -1,19 +1,23 @@
 """Per-stage compute time of one micro-batch: forward, input-gradient and weight-gradient pass.
 
-Two sources, one per kind of model:
+For a model with weights the tuner times the stages themselves (:mod:`._stage_timing`); what
+is here serves the others:
 
-* **measured** (a model with weights, on its device): ``fxpipe.plan``'s profile
+* **profiled** (the fallback when a stage cannot be timed alone): ``fxpipe.plan``'s profile
   (:func:`~fxpipe.plan._profile.profile_graph`): each distinct node's forward + backward, timed
   on a micro-batch of exactly the size the configuration runs. The profile gives their sum;
   it is split as the FLOPs split: a third forward, a third input gradient and a third weight
   gradient for a node with parameters (``x @ W``: ``dX = dY @ W^T``, ``dW = X^T @ dY``, each as
   much work as the forward), a third forward and two thirds input gradient for one without.
+  It leaves out what runs between nodes: on a CPU it is about half of a stage's real time.
 * **roofline** (a model on the meta device, nothing to time): a node's forward takes
   ``max(flops / device_flops, bytes moved / bandwidth)``, with the FLOPs counted by
   ``torch.utils.flop_counter`` on the recorded forward and the bytes its inputs, outputs and
   parameters (:mod:`fxpipe.tuning._nodes`); its backward passes as above.
 
-A stage's time is the sum over its nodes: within a stage nodes run one after another.
+A stage's time is the sum over its nodes: within a stage nodes run one after another. Under
+zero bubble torch runs the first stage's whole backward in its weight pass
+(:func:`first_stage_in_weight_pass`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch
 from ..checks._batching import Batching
 from ._nodes import Recording
 
-__all__ = ["StageTimes", "stage_times_measured", "stage_times_roofline", "micro_inputs"]
+__all__ = ["StageTimes", "stage_times_measured", "stage_times_roofline", "micro_inputs", "first_stage_in_weight_pass",
+           "action_seconds"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,27 @@ class StageTimes:
     @property
     def backward(self) -> float:
         return self.input_grad + self.weight_grad
+
+
+def first_stage_in_weight_pass(times: Sequence[StageTimes]) -> List[StageTimes]:
+    """``times`` as torch's zero-bubble schedules run them: the first stage, whose inputs need
+    no gradient, has no input-gradient pass; its whole backward runs in the weight pass."""
+    if not times:
+        return []
+    first = times[0]
+    return [StageTimes(first.forward, 0.0, first.backward), *times[1:]]
+
+
+def action_seconds(action: Any, times: StageTimes, checkpointed: bool, split: bool) -> float:
+    """Seconds of ``action`` (an :class:`~fxpipe.tuning._orders.Action`) of a stage taking
+    ``times``. A ``checkpointed`` micro-batch's forward is recomputed once, in its first
+    backward pass (fxpipe.distributed shares the recomputation between the passes): ``B``,
+    ``I``, or under zero bubble (``split``) the first stage's ``W``, which holds its whole
+    backward (:func:`first_stage_in_weight_pass`)."""
+    kind = action.kind
+    seconds = {"F": times.forward, "B": times.backward, "I": times.input_grad, "W": times.weight_grad}[kind]
+    first_pass = "W" if split and action.stage == 0 else ("I" if split else "B")
+    return seconds + (times.forward if checkpointed and kind == first_pass else 0.0)
 
 
 def micro_inputs(batching: Batching, flat: Sequence[Any], size: int) -> List[Any]:

@@ -27,13 +27,14 @@ from ..plan._make import make_plan
 from ..plan._profile import profile_graph
 from ..plan._value import Plan
 from ._activations import StageActivations, stage_activations
-from ._costs import StageTimes, micro_inputs, stage_times_measured, stage_times_roofline
+from ._costs import StageTimes, action_seconds, first_stage_in_weight_pass, micro_inputs, stage_times_measured, stage_times_roofline
 from ._memory import activation_peaks, receive_buffers, static_bytes, torch_run
 from ._nodes import Recording, record_nodes
 from ._orders import DISTRIBUTED_SCHEDULES, Action, placement, single_process_order, torch_orders
 from ._result import Choice
 from ._scaling import derive, fit, same
 from ._simulate import send_bytes, simulate
+from ._stage_timing import carried_stages, time_stage_actions
 from ._units import format_bytes
 
 __all__ = ["Settings", "Search"]
@@ -69,6 +70,10 @@ class Search:
         self._plans: Dict[int, Plan] = {}
         self._records: Dict[int, Recording] = {}
         self._seconds: Dict[int, Dict[str, float]] = {}
+        self._stages: Dict[int, Any] = {}
+        self._timed: Dict[Tuple[int, int, bool], List[StageTimes]] = {}
+        #: why stage timing fell back to the profile, if it did (one line each)
+        self.untimed: List[str] = []
         self._acts: Dict[Tuple[int, int, Tuple[int, ...], bool], List[StageActivations]] = {}
         self._orders: Dict[Tuple[str, int], Dict[Hashable, List[Action]]] = {}
         self._fit: Any = None  # None: not tried; False: the sizes are recorded one by one
@@ -130,12 +135,29 @@ class Search:
             self._seconds[size] = {name: c.seconds for name, c in costs.items()}
         return self._seconds[size]
 
-    def times(self, plan: Plan, size: int) -> List[StageTimes]:
-        rec = self.record(size)
+    def times(self, plan: Plan, size: int, split: bool) -> List[StageTimes]:
+        """Per stage, one micro-batch's forward, input- and weight-gradient seconds (``split``:
+        as torch's zero-bubble schedules run them). With weights: the stages timed as they run
+        (:mod:`._stage_timing`), or the profile's sum if that fails; on meta: the roofline."""
         if self.s.device_flops is not None:
-            return stage_times_roofline(rec, plan.assignment, plan.n_stages, self.s.device_flops,
-                                        self.s.bandwidth or float("inf"), self.s.efficiency)
-        return stage_times_measured(rec, self.seconds(size), plan.assignment, plan.n_stages)
+            rec = self.record(size)
+            times = stage_times_roofline(rec, plan.assignment, plan.n_stages, self.s.device_flops,
+                                         self.s.bandwidth or float("inf"), self.s.efficiency)
+            return first_stage_in_weight_pass(times) if split else times
+        key = (plan.n_stages, size, split)
+        if key not in self._timed:
+            try:
+                if plan.n_stages not in self._stages:
+                    self._stages[plan.n_stages] = carried_stages(self.checked.capture.graph_module, plan)
+                with preserved(self.model):
+                    self._timed[key] = time_stage_actions(self.checked.capture.graph_module, plan, self.micro(size),
+                                                          split, stages=self._stages[plan.n_stages])
+            except Exception as e:  # noqa: BLE001 -- any failure: the profile still predicts
+                self.untimed.append(f"{plan.n_stages} stages, micro-batch {size}: {type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''}"[:200])
+                times = stage_times_measured(self.record(size), self.seconds(size), plan.assignment, plan.n_stages)
+                self._timed[key] = first_stage_in_weight_pass(times) if split else times
+        return self._timed[key]
 
     # -- one candidate -------------------------------------------------------------------------
     def layout(self, schedule: str) -> Tuple[int, List[Hashable]]:
@@ -174,20 +196,18 @@ class Search:
         size = self.s.batch // chunks
         pools = [list(dict.fromkeys(where)).index(d) for d in where]
         acts = self._activations(plan, size, tuple(pools), received_static=schedule != "gpipe")
-        times = self.times(plan, size)
+        run = False if schedule == "gpipe" else torch_run(schedule, where)
+        split = bool(run and run.split)
+        times = self.times(plan, size, split)
         stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
 
         def duration(a: Action) -> float:
-            t = times[a.stage]
-            recompute = t.forward if a.mb < stop else 0.0
-            return {"F": t.forward, "B": t.backward + recompute, "I": t.input_grad + recompute,
-                    "W": t.weight_grad + (recompute if a.mb < stop else 0.0)}[a.kind]
+            return action_seconds(a, times[a.stage], a.mb < stop, split)
 
         def send(a: Action) -> float:
             return send_bytes(a, acts, carried=schedule != "gpipe") / self.s.link
 
         timeline = simulate(orders, duration, where, send)
-        run = False if schedule == "gpipe" else torch_run(schedule, where)
         peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe", torch_stages=run)
         params = [st.param_bytes for st in plan.stages]
         if schedule == "gpipe":

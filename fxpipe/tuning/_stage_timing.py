@@ -1,0 +1,156 @@
+"""Each stage's actions timed as the runtime runs them: forward, backward, and zero bubble's
+input- and weight-gradient passes.
+
+Why not the sum of the node profile (:mod:`fxpipe.plan._profile`, which balances the cut): it
+times each node alone, warm, with its inputs in cache, and leaves out what runs between the
+nodes (the stage's interpreter, the views it does not time, the autograd engine's
+bookkeeping). Measured on one CPU thread, TinyGPT (d=64, 8 layers), a micro-batch of 16: the
+profile sums forward + backward to 27-33 ms, the eager model takes 52 ms. And torch's
+zero-bubble split costs more than the backward it splits: its input pass walks the autograd
+graph for the parameter groups and its weight pass runs one ``autograd.grad`` per group
+(that TinyGPT: a stage's input + weight pass is 1.4x its whole backward). The stages timed
+here, with torch's own backward functions, are within 5-15% of the same actions in a traced
+step on two gloo ranks.
+
+How: the plan's stages are emitted from a copy of the captured graph that shares the model's
+parameters, every portal carried (:func:`fxpipe.distributed._carry.carried_plan`, what
+``fxpipe.distributed`` runs), and one micro-batch runs through them: each stage's forward
+(with zero bubble, returning clones of what it sends, as the runtime does); then, last stage
+first, its backward from the gradients of the stage after it (the last stage's: from the mean
+of its floating outputs): torch's ``stage_backward``, or for zero bubble fxpipe's input pass
+around torch's ``stage_backward_input`` then ``stage_backward_weight``. torch runs the first
+stage's whole backward in its weight pass, and so does this. One warm-up run, then per action
+the fastest of ``repeat`` (interference only adds time); on CUDA each action is synchronized.
+
+Not in these times: what ``PipelineStage`` and fxpipe's runner do around a stage call
+(flattening, checks, receives). The caller holds :func:`fxpipe.capture._prepare.preserved`
+(buffers, RNG, modes); the ``.grad`` the passes accumulate into is put back here.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from torch import fx
+from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+from ..distributed._carry import carried_plan
+from ..distributed._split_backward import backward_pass
+from ..emit._stages import Stages, emit_stages
+from ..plan._value import Plan
+from ..runtime._stream import synchronize
+from ._costs import StageTimes
+
+__all__ = ["carried_stages", "time_stage_actions"]
+
+
+def carried_stages(gm: fx.GraphModule, plan: Plan) -> Stages:
+    """``plan``'s stages as ``fxpipe.distributed`` emits them (portals carried), from a copy
+    of ``gm``'s graph: ``gm`` itself is not rewritten; the stages share its parameters."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    return emit_stages(copied, carried_plan(copied, plan))
+
+
+def _device(stages: Stages) -> Optional[torch.device]:
+    for stage in stages:
+        for t in (*stage.parameters(), *stage.buffers()):
+            if t.is_cuda:
+                return t.device
+    return None
+
+
+def _timed(fn: Callable[[], Any], device: Optional[torch.device]) -> tuple[Any, float]:
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def _received(values: Sequence[Any]) -> List[Any]:
+    """What a later stage receives: fresh leaves, floating ones needing grad."""
+    return [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _one_run(stages: Stages, micro: Sequence[Any], split: bool, device: Optional[torch.device]) -> List[List[float]]:
+    """[forward, input-gradient (or whole backward), weight-gradient] seconds per stage."""
+    n = len(stages)
+    times = [[0.0, 0.0, 0.0] for _ in range(n)]
+    runs = []
+    values: List[Any] = [v.detach() if isinstance(v, torch.Tensor) else v for v in micro]
+    for k in range(n):
+        inputs = values if k == 0 else _received(values)
+
+        def forward(k: int = k, inputs: List[Any] = inputs) -> List[Any]:
+            with torch.enable_grad():
+                out = list(stages[k](*inputs))
+            if split:  # the input pass detach_()es what it starts from: the runtime sends clones
+                out = [o.clone() if isinstance(o, torch.Tensor) and o.requires_grad else o for o in out]
+            return out
+
+        values, times[k][0] = _timed(forward, device)
+        runs.append((inputs, values))
+    grads: Optional[List[Any]] = None
+    for k in reversed(range(n)):
+        inputs, outputs = runs[k]
+        params = [p for p in stages[k].parameters() if p.requires_grad]
+        if k == n - 1:
+            floats = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+            if not floats:
+                grads = [None] * len(inputs)
+                continue
+            with torch.enable_grad():
+                loss = torch.stack([o.float().mean() for o in floats]).sum()
+            kwargs = {"stage_output": (loss,) if split else loss, "output_grads": None, "input_values": inputs}
+        else:
+            sent = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad
+                    and grads is not None and isinstance(grads[i], torch.Tensor)]
+            if not sent:
+                grads = [None] * len(inputs)
+                continue
+            kwargs = {"stage_output": [outputs[i] for i in sent], "output_grads": [grads[i] for i in sent],  # type: ignore[index]
+                      "input_values": inputs}
+        if not split:
+            got, times[k][1] = _timed(lambda: backward_pass("full", kwargs, params, lambda: (stage_backward(
+                kwargs["stage_output"], kwargs["output_grads"], kwargs["input_values"]), None)), device)
+            grads = list(got[0])
+        elif k == 0:  # torch: no input pass on the first stage, its whole backward in the weight pass
+            _, times[k][2] = _timed(lambda: stage_backward(kwargs["stage_output"], kwargs["output_grads"],
+                                                           kwargs["input_values"]), device)
+        else:
+            got, times[k][1] = _timed(lambda: backward_pass("input", kwargs, params, lambda: stage_backward_input(
+                kwargs["stage_output"], kwargs["output_grads"], kwargs["input_values"], iter(params))), device)
+            grads = list(got[0])
+            _, times[k][2] = _timed(lambda: stage_backward_weight(iter(params), got[1]), device)
+    return times
+
+
+def time_stage_actions(gm: fx.GraphModule, plan: Plan, micro: Sequence[Any], split: bool,
+                       repeat: int = 3, stages: Optional[Stages] = None) -> List[StageTimes]:
+    """Per stage of ``plan``, the seconds of one micro-batch's (``micro``: the model's flat
+    inputs) forward, input-gradient and weight-gradient pass: with ``split`` as torch's
+    zero-bubble schedules run them, else the whole backward as the input-gradient pass.
+    ``stages``: :func:`carried_stages` of ``gm`` and ``plan``, when the caller made them."""
+    stages = stages if stages is not None else carried_stages(gm, plan)
+    device = _device(stages)
+    params = {id(p): p for stage in stages for p in stage.parameters()}.values()
+    grads = [(p, p.grad) for p in params]
+    best: Optional[List[List[float]]] = None
+    try:
+        for p in params:
+            p.grad = None
+        for i in range(max(1, repeat) + 1):
+            got = _one_run(stages, micro, split, device)
+            for p in params:
+                p.grad = None
+            if i == 0:
+                continue  # warm-up: first-call set-up is not a step's cost
+            best = got if best is None else [[min(a, b) for a, b in zip(x, y)] for x, y in zip(best, got)]
+    finally:
+        for p, g in grads:
+            p.grad = g
+    assert best is not None
+    return [StageTimes(*t) for t in best]

@@ -1,0 +1,121 @@
+"""The tuner's stage timing (``fxpipe.tuning._stage_timing``): every stage's actions timed as
+the runtime runs them, the model left as it was, and the arithmetic that turns stage times
+into action times (``_costs.action_seconds``). No timed assertions: only which passes hold
+time, and which do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.build import BuildOptions, capture_and_check
+from fxpipe.capture._prepare import preserved
+from fxpipe.plan._make import make_plan
+from fxpipe.progress import as_progress
+from fxpipe.tuning import _search
+from fxpipe.tuning._costs import StageTimes, action_seconds, first_stage_in_weight_pass
+from fxpipe.tuning._orders import Action
+from fxpipe.tuning._stage_timing import time_stage_actions
+
+
+class Net(nn.Module):
+    """Embedding (first stage: inputs need no gradient), BatchNorm (a buffer updated in
+    forward), dropout (randomness), an in-place ReLU, a skip connection across stages and an
+    int (a size) read stages later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.a = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.b = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.1)
+        self.c = nn.Linear(8, 4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        n = idx.shape[0]
+        h = self.emb(idx).mean(1)
+        skip = self.a(h)
+        y = torch.relu_(self.bn(skip))
+        y = self.drop(self.b(y)) + skip
+        return self.c(y).reshape(n, -1)
+
+
+def _plan(model: nn.Module, x: torch.Tensor, n_stages: int):
+    options = BuildOptions(n_stages, 1, None, "params", (), None, None, 0, None, as_progress(False))
+    checked = capture_and_check(model, (x,), {}, options)
+    plan = make_plan(checked.capture, checked.args, checked.kwargs, n_stages, balance_by="params", chunks=1,
+                     batching=checked.batching, progress=as_progress(False))
+    return checked, plan
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3])
+def test_every_pass_is_timed_where_the_runtime_runs_it(n_stages: int) -> None:
+    torch.manual_seed(0)
+    model, x = Net(), torch.randint(0, 16, (8, 5))
+    checked, plan = _plan(model, x, n_stages)
+    gm = checked.capture.graph_module
+    whole = time_stage_actions(gm, plan, [x], split=False, repeat=1)
+    split = time_stage_actions(gm, plan, [x], split=True, repeat=1)
+    assert len(whole) == len(split) == n_stages
+    for t in whole:  # the whole backward is the input-gradient pass
+        assert t.forward > 0 and t.input_grad > 0 and t.weight_grad == 0
+    # torch: the first stage has no input pass, its whole backward runs in the weight pass
+    assert split[0].input_grad == 0 and split[0].weight_grad > 0
+    for t in split[1:]:
+        assert t.forward > 0 and t.input_grad > 0 and t.weight_grad > 0
+
+
+def test_timing_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model, x = Net(), torch.randint(0, 16, (8, 5))
+    model.train()
+    grads = {}
+    for name, p in model.named_parameters():
+        p.grad = torch.full_like(p, 0.5)
+        grads[name] = p.grad
+    checked, plan = _plan(model, x, 3)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with preserved(model):
+        for split in (False, True):
+            time_stage_actions(checked.capture.graph_module, plan, [x], split=split, repeat=2)
+    for name, p in model.named_parameters():  # the same .grad objects, untouched
+        assert p.grad is grads[name] and torch.equal(p.grad, torch.full_like(p, 0.5)), name
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+    # the captured graph is not rewritten (the timing carries portals on a copy)
+    assert not any("carry" in n.name for n in checked.capture.graph_module.graph.nodes)
+
+
+def test_a_stage_that_cannot_be_timed_falls_back_to_the_profile_and_says_so(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no such kernel\nmore")
+
+    monkeypatch.setattr(_search, "time_stage_actions", refuse)
+    torch.manual_seed(0)
+    model, x = Net(), torch.randint(0, 16, (8, 5))
+    t = fxpipe.tune(model, x, ["cpu"] * 2, schedules=("gpipe",), chunks=[1, 2], checkpoint=("never",),
+                    optimizer="sgd")
+    assert all(c.step_s > 0 for c in t.choices)
+    assert "could not time" in str(t) and "RuntimeError: no such kernel" in str(t)
+
+
+def test_action_seconds_recomputes_once_in_the_first_backward_pass() -> None:
+    t = StageTimes(forward=1.0, input_grad=2.0, weight_grad=3.0)
+    # fxpipe.pipeline / 1f1b: the whole backward, plus the recomputation when checkpointed
+    assert action_seconds(Action("B", 1, 0), t, False, False) == 5.0
+    assert action_seconds(Action("B", 1, 0), t, True, False) == 6.0
+    assert action_seconds(Action("F", 1, 0), t, True, False) == 1.0
+    # zero bubble: recomputed in I, never again in W
+    assert action_seconds(Action("I", 1, 0), t, True, True) == 3.0
+    assert action_seconds(Action("W", 1, 0), t, True, True) == 3.0
+    # the first stage: its I is empty, W holds its backward and the recomputation
+    first = first_stage_in_weight_pass([t, t])
+    assert first[0] == StageTimes(1.0, 0.0, 5.0) and first[1] == t
+    assert action_seconds(Action("I", 0, 0), first[0], True, True) == 0.0
+    assert action_seconds(Action("W", 0, 0), first[0], True, True) == 6.0
+    assert first_stage_in_weight_pass([]) == []
