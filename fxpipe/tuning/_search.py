@@ -60,6 +60,15 @@ class Settings:
     balance_by: Optional[str] = None  # None: 'time' with weights, 'params' on meta
 
 
+def _first_line(error: BaseException) -> str:
+    """The error that started it (torch's stage_backward wraps its cause in a message that
+    begins with a blank line): its type and first line."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 class Search:
     """Plans, recordings and profiles, made once each, and the candidates predicted on them."""
 
@@ -153,8 +162,7 @@ class Search:
                     self._timed[key] = time_stage_actions(self.checked.capture.graph_module, plan, self.micro(size),
                                                           split, stages=self._stages[plan.n_stages])
             except Exception as e:  # noqa: BLE001 -- any failure: the profile still predicts
-                self.untimed.append(f"{plan.n_stages} stages, micro-batch {size}: {type(e).__name__}: "
-                                    f"{str(e).splitlines()[0] if str(e) else ''}"[:200])
+                self.untimed.append(f"{plan.n_stages} stages, micro-batch {size}: {_first_line(e)}"[:200])
                 times = stage_times_measured(self.record(size), self.seconds(size), plan.assignment, plan.n_stages)
                 self._timed[key] = first_stage_in_weight_pass(times) if split else times
         return self._timed[key]

@@ -35,6 +35,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
 from ..distributed._carry import carried_plan
@@ -76,23 +77,29 @@ def _received(values: Sequence[Any]) -> List[Any]:
 
 
 def _one_run(stages: Stages, micro: Sequence[Any], split: bool, device: Optional[torch.device]) -> List[List[float]]:
-    """[forward, input-gradient (or whole backward), weight-gradient] seconds per stage."""
+    """[forward, input-gradient (or whole backward), weight-gradient] seconds per stage.
+
+    Values cross as flat leaves (a tuple of tensors is several values, as the runtime sends
+    it): each stage's backward stops at its own inputs."""
     n = len(stages)
     times = [[0.0, 0.0, 0.0] for _ in range(n)]
     runs = []
-    values: List[Any] = [v.detach() if isinstance(v, torch.Tensor) else v for v in micro]
+    leaves: List[Any] = [v.detach() if isinstance(v, torch.Tensor) else v for v in micro]
+    spec: Optional[pytree.TreeSpec] = None  # None: the model's flat inputs, as they are
     for k in range(n):
-        inputs = values if k == 0 else _received(values)
+        inputs = leaves if k == 0 else _received(leaves)
+        args = inputs if spec is None else pytree.tree_unflatten(inputs, spec)
 
-        def forward(k: int = k, inputs: List[Any] = inputs) -> List[Any]:
+        def forward(k: int = k, args: Any = args) -> List[Any]:
             with torch.enable_grad():
-                out = list(stages[k](*inputs))
+                out = list(stages[k](*args))
             if split:  # the input pass detach_()es what it starts from: the runtime sends clones
-                out = [o.clone() if isinstance(o, torch.Tensor) and o.requires_grad else o for o in out]
+                out = pytree.tree_map_only(torch.Tensor, lambda o: o.clone() if o.requires_grad else o, out)
             return out
 
-        values, times[k][0] = _timed(forward, device)
-        runs.append((inputs, values))
+        out, times[k][0] = _timed(forward, device)
+        leaves, spec = pytree.tree_flatten(out)
+        runs.append((inputs, leaves))
     grads: Optional[List[Any]] = None
     for k in reversed(range(n)):
         inputs, outputs = runs[k]

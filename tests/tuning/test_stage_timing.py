@@ -13,6 +13,8 @@ import fxpipe
 from fxpipe.build import BuildOptions, capture_and_check
 from fxpipe.capture._prepare import preserved
 from fxpipe.plan._make import make_plan
+from fxpipe.plan._op_graph import build_opgraph
+from fxpipe.plan._value import Plan
 from fxpipe.progress import as_progress
 from fxpipe.tuning import _search
 from fxpipe.tuning._costs import StageTimes, action_seconds, first_stage_in_weight_pass
@@ -66,6 +68,38 @@ def test_every_pass_is_timed_where_the_runtime_runs_it(n_stages: int) -> None:
     assert split[0].input_grad == 0 and split[0].weight_grad > 0
     for t in split[1:]:
         assert t.forward > 0 and t.input_grad > 0 and t.weight_grad > 0
+
+
+class Splits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.a(x).split(8, dim=1)
+        return self.b(parts[0]) * parts[1]
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_tuple_of_tensors_crossing_stages_is_received_as_its_tensors(split: bool) -> None:
+    # the tuple `split` made in stage 0 and read in stage 1: each of its tensors is a value the
+    # next stage receives (fresh leaves), so each stage's backward stops at its own inputs
+    # (TinyGPT cut after a qkv split: "backward through the graph a second time")
+    torch.manual_seed(0)
+    model, x = Splits(), torch.randn(4, 8)
+    options = BuildOptions(2, 1, None, "params", (), None, None, 0, None, as_progress(False))
+    checked = capture_and_check(model, (x,), {}, options)
+    gm = checked.capture.graph_module
+    assignment, stage = {}, 0
+    for node in gm.graph.nodes:
+        assignment[node.name] = stage
+        if node.op == "call_method" and node.target == "split":
+            stage = 1
+    plan = Plan.from_assignment(build_opgraph(gm), assignment, balance_by="params", cost_attr="seconds")
+    assert [r.value for r in plan.routes] == ["split"]  # the tuple is what crosses
+    times = time_stage_actions(gm, plan, [x], split=split, repeat=1)
+    assert times[0].forward > 0 and times[0].backward > 0 and times[1].backward > 0
 
 
 def test_timing_leaves_the_model_as_it_was() -> None:
