@@ -24,7 +24,7 @@ from ._memory import OPTIMIZER_STATES
 from ._orders import DISTRIBUTED_SCHEDULES
 from ._result import Tuning
 from ._search import Search, Settings
-from ._units import Size, format_bytes, parse_bytes, parse_rate
+from ._units import Size, format_bytes, parse_bytes, parse_rate, parse_seconds
 
 __all__ = ["tune", "SCHEDULES"]
 
@@ -65,7 +65,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
          memory: Optional[Size] = None, *, batch: Optional[int] = None,
          schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved1f1b", "zbv"),
          checkpoint: Sequence[str] = ("never", "except_last", "always"),
-         chunks: Optional[Sequence[int]] = None, link: Size = "450GB/s", optimizer: str = "adam",
+         chunks: Optional[Sequence[int]] = None, link: Size = "450GB/s", latency: Size = 0.0,
+         optimizer: str = "adam",
          device_flops: Optional[Size] = None, bandwidth: Optional[Size] = None, efficiency: Optional[float] = None,
          sample_kwargs: Optional[dict] = None, leaf_modules: Sequence[Union[type, str]] = (),
          chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None,
@@ -86,7 +87,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
             ``'interleaved1f1b'``, ``'interleavedzb'``, ``'zbv'`` (``fxpipe.distributed``).
         checkpoint: the modes to consider; chunks: the micro-batch counts (default: the powers
             of two dividing the batch).
-        link: bandwidth between devices (``'450GB/s'``), for the sends between stages.
+        link, latency: the link between devices, for the sends between stages: a send of ``n``
+            bytes takes ``latency + n / link`` (``'450GB/s'``; ``'20us'`` or seconds).
         optimizer: ``'sgd'``, ``'momentum'``, ``'adam'`` or ``'adamw'`` (its state per parameter).
         device_flops, bandwidth: the device's peak (``790e12`` FLOP/s, ``'4.8TB/s'``): costs then
             come from shapes (a roofline), never from timing; required for a meta model.
@@ -148,8 +150,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
             if name != "gpipe":
                 skipped[name] = "fxpipe.distributed runs one rank per device, and the devices given repeat"
     settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
-                        parse_rate(link, "link") or 0.0, optimizer, flops, bw, efficiency, torch_devices, skipped,
-                        balance_by)
+                        parse_rate(link, "link") or 0.0, parse_seconds(latency, "latency"), optimizer, flops, bw,
+                        efficiency, torch_devices, skipped, balance_by)
     search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
         choices = search.run()

@@ -51,6 +51,7 @@ class Settings:
     checkpoints: Sequence[str]
     chunks: Sequence[int]
     link: float                      # bytes per second between devices
+    latency: float                   # seconds of every send between devices, whatever its size
     optimizer: str
     device_flops: Optional[float] = None
     bandwidth: Optional[float] = None
@@ -213,7 +214,8 @@ class Search:
             return action_seconds(a, times[a.stage], a.mb < stop, split)
 
         def send(a: Action) -> float:
-            return send_bytes(a, acts, carried=schedule != "gpipe") / self.s.link
+            sent = send_bytes(a, acts, carried=schedule != "gpipe")
+            return self.s.latency + sent / self.s.link if sent else 0.0
 
         timeline = simulate(orders, duration, where, send)
         peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe", torch_stages=run)

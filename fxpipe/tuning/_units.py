@@ -15,7 +15,7 @@ from typing import Optional, Union
 from ..errors import ArgumentError
 from ..plan._value import human_bytes
 
-__all__ = ["parse_bytes", "parse_rate", "format_bytes"]
+__all__ = ["parse_bytes", "parse_rate", "parse_seconds", "format_bytes"]
 
 _PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
            "ki": 1024.0, "mi": 1024.0 ** 2, "gi": 1024.0 ** 3, "ti": 1024.0 ** 4, "pi": 1024.0 ** 5}
@@ -51,6 +51,27 @@ def parse_bytes(value: Optional[Size], argument: str) -> Optional[float]:
 def parse_rate(value: Optional[Size], argument: str, example: str = "450GB/s") -> Optional[float]:
     """``'450GB/s'`` -> 4.5e11 (per second); ``'790e12'`` -> 7.9e14; None stays None."""
     return None if value is None else _parse(value, argument, example)
+
+
+_TIME = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(ns|us|µs|ms|s)?\s*$", re.IGNORECASE)
+_TIME_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
+
+
+def parse_seconds(value: Size, argument: str) -> float:
+    """``'20us'`` -> 2e-05, ``'0.5ms'`` -> 0.0005, a number: seconds; zero allowed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ArgumentError(f"{argument} must be seconds or a string such as '20us', got {value!r}", argument=argument)
+    if isinstance(value, str):
+        match = _TIME.match(value)
+        if not match:
+            raise ArgumentError(f"{argument}={value!r} is not a time: write seconds, or a number with a unit "
+                                "such as '20us' (ns, us, ms, s)", argument=argument)
+        number = float(match.group(1)) * _TIME_UNIT[(match.group(2) or "").lower()]
+    else:
+        number = float(value)
+    if not (number >= 0 and math.isfinite(number)):
+        raise ArgumentError(f"{argument} must be zero or more and finite, got {value!r}", argument=argument)
+    return number
 
 
 #: 1536 -> '1.5 KiB': sizes are written as the plan writes them

@@ -10,7 +10,7 @@ from torch import nn
 import fxpipe
 from fxpipe.errors import ArgumentError, MemoryBudgetError
 from fxpipe.tuning import Tuning
-from fxpipe.tuning._units import parse_bytes, parse_rate
+from fxpipe.tuning._units import parse_bytes, parse_rate, parse_seconds
 
 
 class MLP(nn.Module):
@@ -79,6 +79,8 @@ def test_nothing_fits_names_the_smallest_requirement() -> None:
     ({"devices": 0}, "devices"),
     ({"chunks": [0]}, "chunks"),
     ({"balance_by": "flops"}, "balance_by"),
+    ({"latency": "soon"}, "latency"),
+    ({"latency": -1e-6}, "latency"),
 ])
 def test_bad_arguments_are_named(kwargs: dict, argument: str) -> None:
     with pytest.raises(ArgumentError) as info:
@@ -113,6 +115,21 @@ def test_units() -> None:
     assert parse_rate("450GB/s", "link") == 450e9
     assert parse_rate("790e12", "device_flops") == 790e12
     assert parse_bytes(None, "memory") is None
+    assert parse_seconds("20us", "latency") == pytest.approx(2e-5)
+    assert parse_seconds("0.5 ms", "latency") == pytest.approx(5e-4)
+    assert parse_seconds(0, "latency") == 0.0 and parse_seconds("2s", "latency") == 2.0
+
+
+def test_every_send_between_devices_pays_the_latency() -> None:
+    with torch.device("meta"):
+        model = MLP()
+    x = torch.randn(16, 32)
+    options = dict(device_flops=1e12, bandwidth=1e11, schedules=("1f1b",), chunks=[2], checkpoint=("never",))
+    free = fxpipe.tune(model, x, 2, **options).best.step_s
+    slow = fxpipe.tune(model, x, 2, latency="1s", **options).best.step_s
+    # 2 stages, 2 micro-batches: 4 sends, at least two of them (F of micro-batch 0 to stage 1,
+    # B of the last back to stage 0) on the critical path
+    assert 2.0 - 1e-9 <= slow - free <= 4.0 + 1e-9
 
 
 def test_command_line_tunes_an_hf_model_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
