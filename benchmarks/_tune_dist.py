@@ -16,13 +16,19 @@ own ``kwargs`` (the same plan), with ``F.mse_loss`` against zeros, and per confi
   (what the pipeline holds all through it: parameters, ``.grad`` made before the base,
   receive buffers), against the rank's predicted activation bytes
   (``choice.activation_bytes[rank]``). The predicted static part is reported beside;
-* **time**: ``steps`` more steps, each between two barriers, outside the profiler; a
-  configuration's time is its fastest step's slowest rank (a step ends when its last rank is
-  done; other work on the machine only adds time), against the predicted step time; and
-  **choice**: tune's first-ranked configuration against the best measured.
+* **time**: ``steps`` more steps, each started by a barrier, outside the profiler, and
+  ``steps`` more in a second pass over every configuration (rebuilt) once the first is done:
+  load on these shared cores comes and goes over minutes. A configuration's time is its
+  fastest step's slowest rank (a step ends when its last rank is done; other work on the
+  machine only adds time), against the predicted step time; and **choice**: tune's
+  first-ranked configuration against the best measured.
 
 The cut is the tuning's (``--balance-by``; profiled time by default, which on these shared
 cores may cut differently run to run): each run writes its cuts (``cuts``).
+
+The link tune is given is the one measured here first (:func:`measure_link`): a ping-pong
+between two gloo ranks at 4 KiB to 4 MiB, one-way times fitted to ``latency + bytes / link``
+(what a user on other hardware would pass as ``link=`` and ``latency=``).
 """
 
 from __future__ import annotations
@@ -53,10 +59,55 @@ def cut(plan: Any) -> Dict[str, Any]:
     return {"balance_by": plan.balance_by, "first_nodes": [firsts[s] for s in sorted(firsts)]}
 
 
-def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs: List[Dict[str, Any]],
-          out: str, steps: int = 3) -> None:
+def _ping_pong(rank: int, port: int, out: str, rounds: int = 30) -> None:
     import time
 
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    found = []
+    for size in LINK_SIZES:
+        t = torch.zeros(size // 4)
+        times = []
+        for i in range(rounds + 5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            else:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+            if i >= 5:  # warm-up rounds first
+                times.append((time.perf_counter() - t0) / 2)
+        found.append(sorted(times)[len(times) // 2])  # the median one-way time
+    if rank == 0:
+        torch.save(found, out)
+    dist.destroy_process_group()
+
+
+LINK_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+
+
+def measure_link(tmp: Path) -> Dict[str, Any]:
+    """The link between two gloo ranks here: median one-way times of a ping-pong per size, and
+    their least-squares fit ``latency + bytes / bytes_per_s``."""
+    import numpy as np
+
+    from fxpipe.distributed._launch import free_port
+
+    out = tmp / "link.pt"
+    mp.start_processes(_ping_pong, args=(free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    one_way = torch.load(out)
+    slope, latency = np.polyfit(np.array(LINK_SIZES, dtype=float), np.array(one_way), 1)
+    return {"sizes": LINK_SIZES, "one_way_s": one_way, "latency_s": max(float(latency), 0.0),
+            "bytes_per_s": float(1.0 / slope) if slope > 0 else float("inf")}
+
+
+def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs: List[Dict[str, Any]],
+          out: str, steps: int = 5) -> None:
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
@@ -101,12 +152,7 @@ def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs
                    "start_bytes": phases[2]["start_bytes"] - low, "held_bytes": low - base}
             with record(held["pipe"]) as trace:
                 held["pipe"].step(x, target=y)
-            times = []
-            for _ in range(steps):  # outside the profiler: each step between two barriers
-                dist.barrier()
-                t0 = time.perf_counter()
-                held["pipe"].step(x, target=y)
-                times.append(time.perf_counter() - t0)
+            times = _timed_steps(held["pipe"], x, y, steps)
         finally:
             if "pipe" in held:
                 held["pipe"].close()
@@ -116,27 +162,54 @@ def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs
         found.append({"peak_bytes": mem["peak_bytes"], "end_bytes": mem["end_bytes"], "start_bytes": mem["start_bytes"],
                       "held_bytes": mem["held_bytes"], "step_s": times,
                       "order": [str(a) for a in orders.get(rank, [])]})
+    for cfg, got in zip(configs, found):  # a second pass, minutes later: load that came and went
+        pipe = fpd.pipeline(model, x, loss_fn=_loss, timeout=300, progress=False, **cfg["kwargs"])
+        try:
+            pipe.step(x, target=y)  # warm-up
+            got["step_s"] += _timed_steps(pipe, x, y, steps)
+        finally:
+            pipe.close()
+        del pipe
+        gc.collect()
     torch.save(found, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
+def _timed_steps(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> List[float]:
+    """``steps`` step times of this rank, each step started together (a barrier before it)."""
+    import time
+
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.step(x, target=y)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, what: str,
-        balance_by: Any = None, steps: int = 3) -> Dict[str, Any]:
+        balance_by: Any = None, steps: int = 5) -> Dict[str, Any]:
     import time
 
     import fxpipe
     from fxpipe.distributed._launch import free_port
     from fxpipe.tuning._orders import torch_orders
 
-    t0 = time.perf_counter()
-    tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd", balance_by=balance_by)
-    tune_s = time.perf_counter() - t0
-    print(f"\n{what}, {world} gloo ranks: fxpipe.tune took {tune_s:.1f} s\n{tuning}")
-    chosen = [c for c in tuning.choices if c.fits]
-    configs = [{"kwargs": c.kwargs} for c in chosen]
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent  # the ranks import this module, and the zoo's models
     os.environ["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), str(here.parent / "tests"),
                                                 os.environ.get("PYTHONPATH", "")])
+    link = measure_link(tmp)
+    t0 = time.perf_counter()
+    tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd", balance_by=balance_by,
+                         link=link["bytes_per_s"], latency=link["latency_s"])
+    tune_s = time.perf_counter() - t0
+    print(f"\n{what}, {world} gloo ranks: gloo link measured {link['latency_s'] * 1e3:.2f} ms + bytes / "
+          f"{link['bytes_per_s'] / 1e9:.2f} GB/s; fxpipe.tune took {tune_s:.1f} s\n{tuning}")
+    chosen = [c for c in tuning.choices if c.fits]
+    configs = [{"kwargs": c.kwargs} for c in chosen]
     ctx = mp.start_processes(_rank, args=(world, free_port(), model, x, configs, str(tmp), steps), nprocs=world,
                              join=True, start_method="spawn")
     del ctx
@@ -144,7 +217,7 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
     rows, timed = [], []
     for i, c in enumerate(chosen):
         # a step lasts until its last rank is done; other work on the machine only adds time
-        measured_s = min(max(ranks[r][i]["step_s"][k] for r in range(world)) for k in range(steps))
+        measured_s = min(max(ranks[r][i]["step_s"][k] for r in range(world)) for k in range(2 * steps))
         timed.append({"schedule": c.schedule, "chunks": c.chunks, "checkpoint": c.checkpoint, "predicted_s": c.step_s,
                       "measured_s": measured_s, "time_ratio": c.step_s / measured_s})
         predicted_order = torch_orders(c.schedule, world, c.chunks)
@@ -163,7 +236,7 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
     choice = {"first": [first["schedule"], first["chunks"], first["checkpoint"]],
               "best_measured": [best["schedule"], best["chunks"], best["checkpoint"]],
               "ratio": first["measured_s"] / best["measured_s"]}
-    return {"model": what, "world": world, "tune_s": tune_s, "cuts": cuts, "rows": rows, "times": timed,
+    return {"model": what, "world": world, "tune_s": tune_s, "link": link, "cuts": cuts, "rows": rows, "times": timed,
             "choice": choice,
             "skipped": [f"{c.schedule} chunks {c.chunks} {c.checkpoint}: {c.why}" for c in tuning.choices if not c.fits]}
 
