@@ -100,39 +100,53 @@ def _one_run(stages: Stages, micro: Sequence[Any], split: bool, device: Optional
         out, times[k][0] = _timed(forward, device)
         leaves, spec = pytree.tree_flatten(out)
         runs.append((inputs, leaves))
-    grads: Optional[List[Any]] = None
+    grads: List[Any] = []  # what the stage after sends back, one per value it received
     for k in reversed(range(n)):
         inputs, outputs = runs[k]
+        kwargs = _backward_arguments(outputs, grads if k < n - 1 else None, inputs, split)
+        if kwargs is None:  # nothing of this stage's outputs reaches a loss
+            grads = [None] * len(inputs)
+            continue
         params = [p for p in stages[k].parameters() if p.requires_grad]
-        if k == n - 1:
-            floats = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
-            if not floats:
-                grads = [None] * len(inputs)
-                continue
-            with torch.enable_grad():
-                loss = torch.stack([o.float().mean() for o in floats]).sum()
-            kwargs = {"stage_output": (loss,) if split else loss, "output_grads": None, "input_values": inputs}
-        else:
-            sent = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad
-                    and grads is not None and isinstance(grads[i], torch.Tensor)]
-            if not sent:
-                grads = [None] * len(inputs)
-                continue
-            kwargs = {"stage_output": [outputs[i] for i in sent], "output_grads": [grads[i] for i in sent],  # type: ignore[index]
-                      "input_values": inputs}
-        if not split:
-            got, times[k][1] = _timed(lambda: backward_pass("full", kwargs, params, lambda: (stage_backward(
-                kwargs["stage_output"], kwargs["output_grads"], kwargs["input_values"]), None)), device)
-            grads = list(got[0])
-        elif k == 0:  # torch: no input pass on the first stage, its whole backward in the weight pass
-            _, times[k][2] = _timed(lambda: stage_backward(kwargs["stage_output"], kwargs["output_grads"],
-                                                           kwargs["input_values"]), device)
-        else:
-            got, times[k][1] = _timed(lambda: backward_pass("input", kwargs, params, lambda: stage_backward_input(
-                kwargs["stage_output"], kwargs["output_grads"], kwargs["input_values"], iter(params))), device)
-            grads = list(got[0])
-            _, times[k][2] = _timed(lambda: stage_backward_weight(iter(params), got[1]), device)
+        grads, times[k][1], times[k][2] = _backward(kwargs, params, split, first=k == 0, device=device)
     return times
+
+
+def _backward_arguments(outputs: List[Any], grads: Optional[List[Any]], inputs: List[Any],
+                        split: bool) -> Optional[dict]:
+    """torch's backward arguments for a stage: from the mean of its floating outputs on the
+    last stage (``grads`` None), else from the gradients the next stage sent back."""
+    if grads is None:
+        floats = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+        if not floats:
+            return None
+        with torch.enable_grad():
+            loss = torch.stack([o.float().mean() for o in floats]).sum()
+        return {"stage_output": (loss,) if split else loss, "output_grads": None, "input_values": inputs}
+    sent = [i for i, o in enumerate(outputs)
+            if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(grads[i], torch.Tensor)]
+    if not sent:
+        return None
+    return {"stage_output": [outputs[i] for i in sent], "output_grads": [grads[i] for i in sent],
+            "input_values": inputs}
+
+
+def _backward(kwargs: dict, params: List[torch.nn.Parameter], split: bool, first: bool,
+              device: Optional[torch.device]) -> tuple[List[Any], float, float]:
+    """(the input gradients, input-pass seconds, weight-pass seconds) of one stage's backward
+    as the runtime runs it; without ``split`` the whole backward counts as the input pass."""
+    out, grads_in, kw = kwargs["stage_output"], kwargs["output_grads"], kwargs["input_values"]
+    if not split:
+        got, seconds = _timed(lambda: backward_pass("full", kwargs, params,
+                                                    lambda: (stage_backward(out, grads_in, kw), None)), device)
+        return list(got[0]), seconds, 0.0
+    if first:  # torch: no input pass on the first stage, its whole backward in the weight pass
+        _, seconds = _timed(lambda: stage_backward(out, grads_in, kw), device)
+        return [None] * len(kw), 0.0, seconds
+    got, input_s = _timed(lambda: backward_pass("input", kwargs, params,
+                                                lambda: stage_backward_input(out, grads_in, kw, iter(params))), device)
+    _, weight_s = _timed(lambda: stage_backward_weight(iter(params), got[1]), device)
+    return list(got[0]), input_s, weight_s
 
 
 def time_stage_actions(gm: fx.GraphModule, plan: Plan, micro: Sequence[Any], split: bool,
