@@ -18,7 +18,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from ._tracing import Capture
-from ._export import compose_out_spec
+from ._export_outputs import compose_out_spec
 from ..tree import flatten
 
 __all__ = ["open_output_containers", "output_leaf"]

@@ -32,7 +32,8 @@ from ._attr_reads import AttrRead, AttributeReads, plain_attributes
 from ._augmented import AugmentedProxy
 from ._custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
 from ._call_inputs import call_signature, fixed_dims, flatten_call
-from ._export import _Failure, compose_out_spec, export_graph
+from ._export import _Failure, export_graph
+from ._export_outputs import compose_out_spec
 from ._trace_errors import describe, output_error, reason_of, trace_error, user_frame
 from ._export_leaves import leaf_paths
 from ..errors import TraceError

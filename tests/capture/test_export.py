@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxpipe.capture._export import Exported, _Failure, compose_out_spec, export_graph, unsupported_output
+from fxpipe.capture._export import Exported, _Failure, export_graph
+from fxpipe.capture._export_outputs import compose_out_spec, unsupported_output
 
 cu = pytest.importorskip("transformers.cache_utils")
 
