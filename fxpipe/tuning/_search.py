@@ -218,8 +218,9 @@ class Search:
             return self.s.latency + sent / self.s.link if sent else 0.0
 
         timeline = simulate(orders, duration, where, send)
-        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe", torch_stages=run)
         params = [st.param_bytes for st in plan.stages]
+        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe", torch_stages=run,
+                                 grad_buffers=params if schedule == "gpipe" else None)
         if schedule == "gpipe":
             static = static_bytes(params, where, self.s.optimizer)
         else:

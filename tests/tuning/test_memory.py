@@ -85,6 +85,22 @@ def test_merged_output_and_loss_are_counted_once() -> None:
     assert activation_peaks(order, stages, "never", 2, merged_output=True)[0] == expected
 
 
+def test_one_backward_sums_each_stages_weight_gradients_until_its_last_micro_batch_by_hand() -> None:
+    """fxpipe.pipeline's one backward over both micro-batches: a parameter's accumulation node
+    sums what the micro-batches send in a buffer of the parameters' size (stage 0: 7, stage 1:
+    9), from the stage's first backward to its last. Order: B11 B10 B01 B00."""
+    stages = [acts((0, 0), (15, 15)), acts((0, 0), (30, 30))]
+    order = {0: single_process_order(2, 2)}
+    assert activation_peaks(order, stages, "never", 2)[0] == 30
+    # B10 runs with B11's sum (9) kept; B01 with stage 1's sum gone into .grad
+    assert activation_peaks(order, stages, "never", 2, grad_buffers=[7, 9])[0] == 30 + 9
+    tall = [acts((0, 0), (35, 35)), acts((0, 0), (30, 30))]  # stage 0's second backward: + its own sum
+    assert activation_peaks(order, tall, "never", 2, grad_buffers=[7, 9])[0] == 35 + 7
+    # one micro-batch: the sum is the backward's own temporary, already in its peak
+    one = {0: single_process_order(2, 1)}
+    assert activation_peaks(one, stages, "never", 1, grad_buffers=[7, 9])[0] == 30
+
+
 def test_weight_pass_keeps_its_share() -> None:
     from fxpipe.tuning._orders import Action
 
