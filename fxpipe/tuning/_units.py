@@ -15,14 +15,17 @@ from typing import Optional, Union
 from ..errors import ArgumentError
 from ..plan._value import human_bytes
 
-__all__ = ["parse_bytes", "parse_rate", "parse_seconds", "format_bytes"]
+__all__ = ["parse_bytes", "parse_rate", "parse_seconds", "format_bytes", "Size", "Seconds"]
 
 _PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
            "ki": 1024.0, "mi": 1024.0 ** 2, "gi": 1024.0 ** 3, "ti": 1024.0 ** 4, "pi": 1024.0 ** 5}
-_FORM = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]i?)?\s*(b|bytes?|flops?|/s|b/s|flop/s)?\s*(/s)?\s*$",
+_NUMBER = r"((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)"
+_FORM = re.compile(r"^\s*" + _NUMBER + r"\s*([kmgtp]i?)?\s*(b|bytes?|flops?|/s|b/s|flop/s)?\s*(/s)?\s*$",
                    re.IGNORECASE)
 
 Size = Union[int, float, str]
+#: seconds, or a string with a unit: ``'20us'``
+Seconds = Union[int, float, str]
 
 
 def _parse(value: Size, argument: str, example: str) -> float:
@@ -53,11 +56,12 @@ def parse_rate(value: Optional[Size], argument: str, example: str = "450GB/s") -
     return None if value is None else _parse(value, argument, example)
 
 
-_TIME = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(ns|us|µs|ms|s)?\s*$", re.IGNORECASE)
-_TIME_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
+_TIME = re.compile(r"^\s*" + _NUMBER + r"\s*(ns|us|\u00b5s|\u03bcs|ms|s)?\s*$", re.IGNORECASE)
+#: the micro sign (U+00B5) and the Greek mu (U+03BC) both mean micro
+_TIME_UNIT = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}
 
 
-def parse_seconds(value: Size, argument: str) -> float:
+def parse_seconds(value: Seconds, argument: str) -> float:
     """``'20us'`` -> 2e-05, ``'0.5ms'`` -> 0.0005, a number: seconds; zero allowed."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ArgumentError(f"{argument} must be seconds or a string such as '20us', got {value!r}", argument=argument)
@@ -66,7 +70,8 @@ def parse_seconds(value: Size, argument: str) -> float:
         if not match:
             raise ArgumentError(f"{argument}={value!r} is not a time: write seconds, or a number with a unit "
                                 "such as '20us' (ns, us, ms, s)", argument=argument)
-        number = float(match.group(1)) * _TIME_UNIT[(match.group(2) or "").lower()]
+        unit = (match.group(2) or "").lower().replace("\u03bc", "\u00b5")  # casefold may give either
+        number = float(match.group(1)) * _TIME_UNIT[unit]
     else:
         number = float(value)
     if not (number >= 0 and math.isfinite(number)):
