@@ -31,7 +31,7 @@ from ._partition import COMPUTE_OPS
 from ..runtime._randomness import generator_states, set_generator_states
 from ..runtime._stream import synchronize
 
-__all__ = ["NodeCost", "profile_graph", "count_params_only", "tensor_bytes", "shape_str"]
+__all__ = ["NodeCost", "profile_graph", "count_params_only", "tensor_bytes", "shape_str", "cuda_device_of"]
 
 # a node is re-run only while its runs so far took less than this (a single slow, e.g.
 # pre-empted, run still gets company; an expensive node runs once)
@@ -178,7 +178,7 @@ class _Profiler(fx.Interpreter):
         return seconds, ""
 
 
-def _cuda_device_of(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> torch.device | None:
+def cuda_device_of(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> torch.device | None:
     """The CUDA device the graph computes on, if any: its first CUDA input or parameter.
 
     Timings must synchronize it: CUDA kernels run asynchronously, so an unsynchronized
@@ -195,7 +195,7 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
     if device is not None:
         dev: torch.device | None = torch.device(device)
     else:
-        dev = _cuda_device_of(gm, flat_inputs) if timed else None
+        dev = cuda_device_of(gm, flat_inputs) if timed else None
     inputs = [x.to(dev) if dev is not None and isinstance(x, torch.Tensor) else x for x in flat_inputs]
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     rng = generator_states()

@@ -41,6 +41,7 @@ from torch.distributed.pipelining._backward import stage_backward, stage_backwar
 from ..distributed._carry import carried_plan
 from ..distributed._split_backward import backward_pass
 from ..emit._stages import Stages, emit_stages
+from ..plan._profile import cuda_device_of
 from ..plan._value import Plan
 from ..runtime._stream import synchronize
 from ._costs import StageTimes
@@ -55,14 +56,6 @@ def carried_stages(gm: fx.GraphModule, plan: Plan) -> Stages:
     return emit_stages(copied, carried_plan(copied, plan))
 
 
-def _device(stages: Stages) -> Optional[torch.device]:
-    for stage in stages:
-        for t in (*stage.parameters(), *stage.buffers()):
-            if t.is_cuda:
-                return t.device
-    return None
-
-
 def _timed(fn: Callable[[], Any], device: Optional[torch.device]) -> tuple[Any, float]:
     synchronize(device)
     t0 = time.perf_counter()
@@ -72,8 +65,10 @@ def _timed(fn: Callable[[], Any], device: Optional[torch.device]) -> tuple[Any, 
 
 
 def _received(values: Sequence[Any]) -> List[Any]:
-    """What a later stage receives: fresh leaves, floating ones needing grad."""
-    return [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v for v in values]
+    """What a later stage receives: fresh leaves, needing grad where the value sent did (as
+    torch's ``PipelineStage`` makes its receive buffers: a frozen prefix's output or a float
+    mask gets no input gradient)."""
+    return [v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 def _one_run(stages: Stages, micro: Sequence[Any], split: bool, device: Optional[torch.device]) -> List[List[float]]:
@@ -103,7 +98,7 @@ def _one_run(stages: Stages, micro: Sequence[Any], split: bool, device: Optional
     grads: List[Any] = []  # what the stage after sends back, one per value it received
     for k in reversed(range(n)):
         inputs, outputs = runs[k]
-        kwargs = _backward_arguments(outputs, grads if k < n - 1 else None, inputs, split)
+        kwargs = _backward_arguments(outputs, grads if k < n - 1 else None, inputs, split and k > 0)
         if kwargs is None:  # nothing of this stage's outputs reaches a loss
             grads = [None] * len(inputs)
             continue
@@ -113,16 +108,17 @@ def _one_run(stages: Stages, micro: Sequence[Any], split: bool, device: Optional
 
 
 def _backward_arguments(outputs: List[Any], grads: Optional[List[Any]], inputs: List[Any],
-                        split: bool) -> Optional[dict]:
+                        input_pass: bool) -> Optional[dict]:
     """torch's backward arguments for a stage: from the mean of its floating outputs on the
-    last stage (``grads`` None), else from the gradients the next stage sent back."""
+    last stage (``grads`` None), else from the gradients the next stage sent back.
+    ``input_pass``: for torch's ``stage_backward_input``, which takes the loss in a tuple."""
     if grads is None:
         floats = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
         if not floats:
             return None
         with torch.enable_grad():
             loss = torch.stack([o.float().mean() for o in floats]).sum()
-        return {"stage_output": (loss,) if split else loss, "output_grads": None, "input_values": inputs}
+        return {"stage_output": (loss,) if input_pass else loss, "output_grads": None, "input_values": inputs}
     sent = [i for i, o in enumerate(outputs)
             if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(grads[i], torch.Tensor)]
     if not sent:
@@ -154,9 +150,10 @@ def time_stage_actions(gm: fx.GraphModule, plan: Plan, micro: Sequence[Any], spl
     """Per stage of ``plan``, the seconds of one micro-batch's (``micro``: the model's flat
     inputs) forward, input-gradient and weight-gradient pass: with ``split`` as torch's
     zero-bubble schedules run them, else the whole backward as the input-gradient pass.
-    ``stages``: :func:`carried_stages` of ``gm`` and ``plan``, when the caller made them."""
+    ``stages``: :func:`carried_stages` of ``gm`` and ``plan``, when the caller made them (then
+    ``plan`` is not read again)."""
     stages = stages if stages is not None else carried_stages(gm, plan)
-    device = _device(stages)
+    device = cuda_device_of(gm, micro)
     params = {id(p): p for stage in stages for p in stage.parameters()}.values()
     grads = [(p, p.grad) for p in params]
     best: Optional[List[List[float]]] = None
@@ -164,7 +161,8 @@ def time_stage_actions(gm: fx.GraphModule, plan: Plan, micro: Sequence[Any], spl
         for p in params:
             p.grad = None
         for i in range(max(1, repeat) + 1):
-            got = _one_run(stages, micro, split, device)
+            with torch.enable_grad():  # the caller's grad mode must not turn the backwards off
+                got = _one_run(stages, micro, split, device)
             for p in params:
                 p.grad = None
             if i == 0:

@@ -19,7 +19,8 @@ from fxpipe.progress import as_progress
 from fxpipe.tuning import _search
 from fxpipe.tuning._costs import StageTimes, action_seconds, first_stage_in_weight_pass
 from fxpipe.tuning._orders import Action
-from fxpipe.tuning._stage_timing import time_stage_actions
+from fxpipe.tuning._stage_timing import _one_run, carried_stages, time_stage_actions
+from zoo import UNet, TinyGPT
 
 
 class Net(nn.Module):
@@ -102,6 +103,73 @@ def test_a_tuple_of_tensors_crossing_stages_is_received_as_its_tensors(split: bo
     assert times[0].forward > 0 and times[0].backward > 0 and times[1].backward > 0
 
 
+class FrozenPrefix(nn.Module):
+    """Fine-tuning: a frozen prefix, a float mask that needs no gradient, a trained head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.frozen.requires_grad_(False)
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(x) * mask)
+
+
+def _same_gradients_as_eager(model: nn.Module, args: tuple, n_stages: int, split: bool) -> tuple:
+    """Runs the timed passes once (they accumulate into .grad) and compares with eager's
+    ``out.float().mean().backward()``: the passes did the backward the runtime does."""
+    options = BuildOptions(n_stages, 1, None, "params", (), None, None, 0, None, as_progress(False))
+    checked = capture_and_check(model, args, {}, options)
+    plan = make_plan(checked.capture, checked.args, checked.kwargs, n_stages, balance_by="params", chunks=1,
+                     batching=checked.batching, progress=as_progress(False))
+    stages = carried_stages(checked.capture.graph_module, plan)
+    model.zero_grad(set_to_none=True)
+    times = _one_run(stages, list(args), split, None)
+    got = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(*args).float().mean().backward()
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            assert got[name] is None, name
+        else:
+            torch.testing.assert_close(got[name], p.grad, msg=name)
+    return times, stages
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("n_stages", [1, 2, 3])
+def test_the_timed_passes_compute_the_runtimes_gradients(n_stages: int, split: bool) -> None:
+    torch.manual_seed(0)
+    _same_gradients_as_eager(Net().eval(), (torch.randint(0, 16, (8, 5)),), n_stages, split)
+    # tied weights across stages: TinyGPT's head is its token embedding
+    _same_gradients_as_eager(TinyGPT(), (torch.randint(0, 64, (2, 16)),), n_stages, split)
+
+
+def test_the_callers_grad_mode_does_not_turn_the_backwards_off() -> None:
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randint(0, 16, (8, 5))
+    checked, plan = _plan(model, x, 2)
+    with torch.no_grad():
+        for split in (False, True):
+            times = time_stage_actions(checked.capture.graph_module, plan, [x], split=split, repeat=1)
+            assert times[1].backward > 0 and times[0].backward > 0, times  # skipped passes time 0.0
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_frozen_prefix_and_a_float_mask_get_no_input_gradient(split: bool) -> None:
+    # what a stage receives needs grad only where the value sent did, as torch's receive
+    # buffers: the frozen stages do no backward at all (the runtime's do none either)
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 8), (torch.rand(4, 8) > 0.5).float()
+    model = FrozenPrefix()
+    times, stages = _same_gradients_as_eager(model, (x, mask), 3, split)
+    frozen = [k for k, stage in enumerate(stages) if not any(p.requires_grad for p in stage.parameters())]
+    assert len(frozen) >= 2, frozen  # the cut leaves two stages with only frozen layers
+    for k in frozen:
+        assert times[k][1:] == [0.0, 0.0], (k, times[k])
+
+
 def test_timing_leaves_the_model_as_it_was() -> None:
     torch.manual_seed(0)
     model, x = Net(), torch.randint(0, 16, (8, 5))
@@ -153,3 +221,13 @@ def test_action_seconds_recomputes_once_in_the_first_backward_pass() -> None:
     assert action_seconds(Action("I", 0, 0), first[0], True, True) == 0.0
     assert action_seconds(Action("W", 0, 0), first[0], True, True) == 6.0
     assert first_stage_in_weight_pass([]) == []
+
+
+@pytest.mark.parametrize("which", ["gpt", "unet"])
+def test_the_zoos_models_are_timed_stage_by_stage_never_from_the_profile(which: str) -> None:
+    torch.manual_seed(0)
+    model, x = (TinyGPT(), torch.randint(0, 64, (4, 16))) if which == "gpt" else (UNet(4), torch.randn(2, 3, 16, 16))
+    one = fxpipe.tune(model, x, ["cpu"] * 2, schedules=("gpipe",), chunks=[1, 2], optimizer="sgd")
+    ranks = fxpipe.tune(model, x, 2, schedules=("1f1b", "zbv"), chunks=[2], optimizer="sgd")
+    for t in (one, ranks):
+        assert "each stage timed" in str(t) and "could not time" not in str(t), str(t)
