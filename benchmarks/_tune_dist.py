@@ -203,8 +203,9 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
                                                 os.environ.get("PYTHONPATH", "")])
     link = measure_link(tmp)
     t0 = time.perf_counter()
-    tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd", balance_by=balance_by,
-                         link=link["bytes_per_s"], latency=link["latency_s"])
+    tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd",
+                         balance_by=balance_by, link=link["bytes_per_s"], latency=link["latency_s"],
+                         zero_grad="in_place")  # the ranks zero .grad in place between steps
     tune_s = time.perf_counter() - t0
     print(f"\n{what}, {world} gloo ranks: gloo link measured {link['latency_s'] * 1e3:.2f} ms + bytes / "
           f"{link['bytes_per_s'] / 1e9:.2f} GB/s; fxpipe.tune took {tune_s:.1f} s\n{tuning}")

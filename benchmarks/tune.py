@@ -2,7 +2,7 @@
 
 For each model (``tests/zoo.py``'s ``TinyGPT(vocab=64, d=64, heads=4, layers=8, ctx=64)`` on
 ``32 x 64`` tokens and ``UNet(c=16)`` on ``32 x 3 x 64 x 64``, as ``activation_memory.py``),
-``fxpipe.tune(model, x, [DEVICE] * 4, schedules=('gpipe',), chunks=CHUNKS)`` predicts every
+``fxpipe.tune(model, x, [DEVICE] * 4, schedules=('gpipe',), chunks=CHUNKS, zero_grad='in_place')`` predicts every
 (chunks, checkpoint) configuration; then each is built with the tuning's own arguments
 (``choice.kwargs``: the same plan) and measured:
 
@@ -101,8 +101,9 @@ def run_model(name: str, a: argparse.Namespace) -> Dict[str, Any]:
     model, x, what = build(name)
     model, x = model.to(a.device), x.to(a.device)
     t0 = time.perf_counter()
+    # measure() zeroes .grad in place between steps: it exists through each measured backward
     tuning = fxpipe.tune(model, x, [a.device] * a.stages, None, schedules=("gpipe",), chunks=a.chunks,
-                         optimizer="sgd", balance_by=a.balance_by)
+                         optimizer="sgd", balance_by=a.balance_by, zero_grad="in_place")
     tune_s = time.perf_counter() - t0
     print(f"\n{what}: fxpipe.tune took {tune_s:.1f} s\n{tuning}")
     rows = []

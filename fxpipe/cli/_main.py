@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", nargs="+", default=None, choices=("never", "except_last", "always"))
     p.add_argument("--chunks", nargs="+", type=_positive_int("--chunks"), default=None, metavar="M")
     p.add_argument("--optimizer", default="adam", choices=("sgd", "momentum", "adam", "adamw"))
+    p.add_argument("--zero-grad", default="set_to_none", choices=("set_to_none", "in_place"),
+                   help="how .grad is cleared between steps (in_place: also gradient accumulation)")
     p.add_argument("--balance-by", choices=("time", "memory", "params"), default=None,
                    help="how each stage count is cut (default: time; params on meta)")
 

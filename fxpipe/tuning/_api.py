@@ -20,11 +20,11 @@ from ..errors import ArgumentError, MemoryBudgetError
 from ..plan._make import BALANCE_BY
 from ..progress import ProgressOption, as_progress
 from ..runtime._frontend import CHECKPOINT_MODES
-from ._memory import OPTIMIZER_STATES
+from ._memory import OPTIMIZER_STATES, ZERO_GRAD
 from ._orders import DISTRIBUTED_SCHEDULES
 from ._result import Tuning
 from ._search import Search, Settings
-from ._units import Size, format_bytes, parse_bytes, parse_rate, parse_seconds
+from ._units import Seconds, Size, format_bytes, parse_bytes, parse_rate, parse_seconds
 
 __all__ = ["tune", "SCHEDULES"]
 
@@ -65,8 +65,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
          memory: Optional[Size] = None, *, batch: Optional[int] = None,
          schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved1f1b", "zbv"),
          checkpoint: Sequence[str] = ("never", "except_last", "always"),
-         chunks: Optional[Sequence[int]] = None, link: Size = "450GB/s", latency: Size = 0.0,
-         optimizer: str = "adam",
+         chunks: Optional[Sequence[int]] = None, link: Size = "450GB/s", latency: Seconds = 0.0,
+         optimizer: str = "adam", zero_grad: str = "set_to_none",
          device_flops: Optional[Size] = None, bandwidth: Optional[Size] = None, efficiency: Optional[float] = None,
          sample_kwargs: Optional[dict] = None, leaf_modules: Sequence[Union[type, str]] = (),
          chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None,
@@ -90,6 +90,11 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         link, latency: the link between devices, for the sends between stages: a send of ``n``
             bytes takes ``latency + n / link`` (``'450GB/s'``; ``'20us'`` or seconds).
         optimizer: ``'sgd'``, ``'momentum'``, ``'adam'`` or ``'adamw'`` (its state per parameter).
+        zero_grad: how ``.grad`` is cleared between steps: ``'set_to_none'`` (torch's default
+            ``zero_grad()``) or ``'in_place'`` (``zero_grad(set_to_none=False)``, or gradients
+            accumulated over several backwards). With ``'in_place'``, ``fxpipe.pipeline``'s one
+            backward over every micro-batch holds a second copy of each stage's gradients while
+            it runs (autograd sums the micro-batches' before adding into ``.grad``).
         device_flops, bandwidth: the device's peak (``790e12`` FLOP/s, ``'4.8TB/s'``): costs then
             come from shapes (a roofline), never from timing; required for a meta model.
         efficiency: share of that peak reached (default 1).
@@ -124,6 +129,9 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     if balance_by is not None and balance_by not in BALANCE_BY:
         raise ArgumentError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))} or None, got "
                             f"{balance_by!r}", argument="balance_by")
+    if zero_grad not in ZERO_GRAD:
+        raise ArgumentError(f"zero_grad must be one of {', '.join(map(repr, ZERO_GRAD))}, got {zero_grad!r}",
+                            argument="zero_grad")
     if optimizer not in OPTIMIZER_STATES:
         raise ArgumentError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}",
                             argument="optimizer")
@@ -151,7 +159,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
                 skipped[name] = "fxpipe.distributed runs one rank per device, and the devices given repeat"
     settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
                         parse_rate(link, "link") or 0.0, parse_seconds(latency, "latency"), optimizer, flops, bw,
-                        efficiency, torch_devices, skipped, balance_by)
+                        efficiency, torch_devices, skipped, balance_by, zero_grad)
     search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
         choices = search.run()
@@ -160,8 +168,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
              f"memory: parameters + gradients + {optimizer} state + activations"
              + (" + receive buffers (distributed)" if any(s != "gpipe" for s in schedules) else "")]
     if search.untimed:
-        notes.append("stages the tuner could not time alone, predicted from the node profile instead "
-                     f"(about half their real time on a CPU): {'; '.join(search.untimed[:3])}")
+        notes.append("stages the tuner could not time alone, predicted from the node profile instead (which "
+                     f"leaves out what runs between nodes): {'; '.join(search.untimed[:3])}")
     if search.derived:
         notes.append(f"forwards recorded at micro-batch sizes {', '.join(map(str, sorted(search.recorded)))}; "
                      f"sizes {', '.join(map(str, sorted(search.derived)))} derived from them (every shape linear "

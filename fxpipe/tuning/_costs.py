@@ -29,6 +29,7 @@ import torch
 
 from ..checks._batching import Batching
 from ._nodes import Recording
+from ._orders import Action
 
 __all__ = ["StageTimes", "stage_times_measured", "stage_times_roofline", "micro_inputs", "first_stage_in_weight_pass",
            "action_seconds"]
@@ -56,9 +57,8 @@ def first_stage_in_weight_pass(times: Sequence[StageTimes]) -> List[StageTimes]:
     return [StageTimes(first.forward, 0.0, first.backward), *times[1:]]
 
 
-def action_seconds(action: Any, times: StageTimes, checkpointed: bool, split: bool) -> float:
-    """Seconds of ``action`` (an :class:`~fxpipe.tuning._orders.Action`) of a stage taking
-    ``times``. A ``checkpointed`` micro-batch's forward is recomputed once, in its first
+def action_seconds(action: Action, times: StageTimes, checkpointed: bool, split: bool) -> float:
+    """Seconds of ``action`` of a stage taking ``times``. A ``checkpointed`` micro-batch's forward is recomputed once, in its first
     backward pass (fxpipe.distributed shares the recomputation between the passes): ``B``,
     ``I``, or under zero bubble (``split``) the first stage's ``W``, which holds its whole
     backward (:func:`first_stage_in_weight_pass`)."""

@@ -20,11 +20,12 @@ In one process (``fxpipe.pipeline``) the model's output is merged over all micro
 and held by the caller through the step, and the loss's gradient for all of it arrives
 at once, when the backward begins: both are counted, ``chunks`` micro-batches' worth. And one
 autograd call runs every micro-batch's backward: each parameter's gradient is summed in a
-buffer of its size from the stage's first backward to its last (``grad_buffers``), where
-``fxpipe.distributed``'s one call per micro-batch adds straight into ``.grad``.
+buffer of its size from the stage's first backward to its last (``grad_buffers``), extra
+memory where ``.grad`` is kept through the backward; ``fxpipe.distributed``'s one call per
+micro-batch adds straight into ``.grad``.
 
-Static bytes per device (:func:`static_bytes`): each stage's parameters once, their
-gradients once, the optimizer state (``'sgd'``: none; ``'momentum'``: one copy; ``'adam'``:
+Static bytes per device (:func:`static_bytes`): each stage's parameters and buffers once, the
+gradients of those it trains once, their optimizer state (``'sgd'``: none; ``'momentum'``: one copy; ``'adam'``:
 two copies, in the parameters' dtype), and, for ``fxpipe.distributed``, torch's receive
 buffers: a ``PipelineStage`` allocates one activation buffer and one gradient buffer per
 micro-batch up front (torch 2.x ``_prepare_forward_infra`` / ``_prepare_backward_infra``), for
@@ -44,11 +45,15 @@ from ._activations import StageActivations
 from ._orders import DISTRIBUTED_SCHEDULES, Action
 
 __all__ = ["LOSS_COPIES", "OPTIMIZER_STATES", "TorchRun", "torch_run", "checkpointed", "activation_peaks", "receive_buffers",
-           "static_bytes"]
+           "static_bytes", "ZERO_GRAD"]
 
 #: the loss's backward over the merged output, in copies of it: its gradient and one temporary
 #: (an elementwise or softmax loss: ``2 * out * grad``, ``softmax - onehot``)
 LOSS_COPIES = 3
+
+#: how ``.grad`` is cleared between steps (``tune(zero_grad=)``): to None, torch's default, or
+#: zeroed in place (also: gradients accumulated over several backwards)
+ZERO_GRAD = ("set_to_none", "in_place")
 
 #: copies of the parameters each optimizer keeps
 OPTIMIZER_STATES = {"none": 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
@@ -68,11 +73,15 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
     ``merged_output``: the single-process pipeline, whose output all micro-batches share
     one device with the last stage: count the merged output, the loss's backward over it
     (:data:`LOSS_COPIES`) and the gradient it leaves. ``grad_buffers``: per stage, the bytes of
-    its parameters' gradients, when one autograd call runs every micro-batch's backward
-    (``fxpipe.pipeline``): a parameter used by several micro-batches has one accumulation node,
-    which sums what they send in a buffer of its size from the first micro-batch's backward of
-    the stage to the last, and only then adds it into ``.grad`` (measured: TinyGPT, 32
-    micro-batches, every layer's weight gradient alive at the step's peak as such a sum).
+    its trained parameters' gradients, when one autograd call runs every micro-batch's backward
+    (``fxpipe.pipeline``) and ``.grad`` exists through it (zeroed in place, or accumulated
+    over several backwards): a parameter used by several micro-batches has one accumulation
+    node, which sums what they send in a buffer of its size from the first micro-batch's
+    backward of the stage to the last, and only then adds it into ``.grad`` (measured: TinyGPT,
+    32 micro-batches, every layer's weight gradient alive at the step's peak as such a sum).
+    With ``.grad`` None (``zero_grad(set_to_none=True)``) the sum becomes ``.grad``: counted in
+    the static bytes, not here. Not read for ``torch_stages``, whose one autograd call per
+    micro-batch adds straight into ``.grad``.
     ``torch_stages``: ``fxpipe.distributed``,
     whose stages are torch ``PipelineStage`` objects (:func:`_torch_stage_peak`; a
     :class:`TorchRun` says how torch's schedule keeps sends and gradients)."""
@@ -294,14 +303,17 @@ def receive_buffers(stages: Sequence[StageActivations], run: Optional[TorchRun] 
 
 
 def static_bytes(param_bytes: Sequence[int], stage_devices: Sequence[Hashable], optimizer: str,
-                 receive: Sequence[int] = (), chunks: int = 1) -> Dict[Hashable, int]:
-    """Parameters + gradients + optimizer state of each device's stages, and (distributed)
-    ``chunks`` times ``receive[s]``, one micro-batch's receive buffers of stage ``s``
-    (:func:`receive_buffers`)."""
-    copies = 2 + OPTIMIZER_STATES[optimizer]
+                 receive: Sequence[int] = (), chunks: int = 1,
+                 trained: Optional[Sequence[int]] = None) -> Dict[Hashable, int]:
+    """Parameters (and buffers: ``param_bytes``) + gradients + optimizer state of each device's
+    stages, the last two for the ``trained`` bytes (needing grad; default: every parameter),
+    and (distributed) ``chunks`` times ``receive[s]``, one micro-batch's receive buffers of
+    stage ``s`` (:func:`receive_buffers`)."""
+    copies = 1 + OPTIMIZER_STATES[optimizer]  # the gradient, and the optimizer's state
+    trained = param_bytes if trained is None else trained
     out: Dict[Hashable, int] = {}
     for s, d in enumerate(stage_devices):
         extra = chunks * receive[s] if receive else 0
-        out[d] = out.get(d, 0) + copies * int(param_bytes[s]) + extra
+        out[d] = out.get(d, 0) + int(param_bytes[s]) + copies * int(trained[s]) + extra
     return out
 

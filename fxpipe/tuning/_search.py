@@ -19,15 +19,21 @@ tie); a configuration that fits nowhere says why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from operator import attrgetter
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
+
+import torch
 
 from ..build import Checked
 from ..capture._prepare import preserved
+from ..emit._stages import Stages
+from ..errors import FxpipeError
 from ..plan._make import make_plan
 from ..plan._profile import profile_graph
 from ..plan._value import Plan
 from ._activations import StageActivations, stage_activations
-from ._costs import StageTimes, action_seconds, first_stage_in_weight_pass, micro_inputs, stage_times_measured, stage_times_roofline
+from ._costs import (StageTimes, action_seconds, first_stage_in_weight_pass, micro_inputs, stage_times_measured,
+                     stage_times_roofline)
 from ._memory import activation_peaks, receive_buffers, static_bytes, torch_run
 from ._nodes import Recording, record_nodes
 from ._orders import DISTRIBUTED_SCHEDULES, Action, placement, single_process_order, torch_orders
@@ -59,6 +65,7 @@ class Settings:
     torch_devices: Optional[List[Any]] = None  # the devices fxpipe.pipeline gets (None: labels only)
     skipped: Dict[str, str] = field(default_factory=dict)
     balance_by: Optional[str] = None  # None: 'time' with weights, 'params' on meta
+    zero_grad: str = "set_to_none"    # how .grad is cleared: 'in_place' keeps it through the backward
 
 
 def _first_line(error: BaseException) -> str:
@@ -80,7 +87,8 @@ class Search:
         self._plans: Dict[int, Plan] = {}
         self._records: Dict[int, Recording] = {}
         self._seconds: Dict[int, Dict[str, float]] = {}
-        self._stages: Dict[int, Any] = {}
+        self._stages: Dict[int, Stages] = {}
+        self._trainable: Dict[int, List[int]] = {}
         self._timed: Dict[Tuple[int, int, bool], List[StageTimes]] = {}
         #: why stage timing fell back to the profile, if it did (one line each)
         self.untimed: List[str] = []
@@ -101,6 +109,33 @@ class Search:
                                                   n_stages, balance_by=balance_by, chunks=chunks,
                                                   batching=self.checked.batching, progress=self.progress)
         return self._plans[n_stages]
+
+    def trainable(self, plan: Plan) -> List[int]:
+        """Per stage, the bytes of the parameters it trains (those needing grad: what has a
+        gradient and optimizer state), each once per stage: a weight tied between two stages
+        counts in both, as each rank of ``fxpipe.distributed`` keeps its own copy (the plan's
+        ``param_bytes`` counts it in both too)."""
+        if plan.n_stages not in self._trainable:
+            gm = self.checked.capture.graph_module
+            seen: List[Set[int]] = [set() for _ in range(plan.n_stages)]
+            found = [0] * plan.n_stages
+            for node in gm.graph.nodes:
+                if node.op == "call_module":
+                    params = list(gm.get_submodule(str(node.target)).parameters())
+                elif node.op == "get_attr":
+                    value = attrgetter(str(node.target))(gm)
+                    params = [value] if isinstance(value, torch.nn.Parameter) else []
+                else:
+                    continue
+                stages = {int(plan.assignment[node.name])} if node.name in plan.assignment else {
+                    int(plan.assignment[u.name]) for u in node.users if u.name in plan.assignment}
+                for stage in stages:
+                    for p in params:
+                        if p.requires_grad and id(p) not in seen[stage]:
+                            seen[stage].add(id(p))
+                            found[stage] += p.numel() * p.element_size()
+            self._trainable[plan.n_stages] = found
+        return self._trainable[plan.n_stages]
 
     def micro(self, size: int) -> List[Any]:
         return micro_inputs(self.checked.batching, self.flat, size)
@@ -162,7 +197,7 @@ class Search:
                 with preserved(self.model):
                     self._timed[key] = time_stage_actions(self.checked.capture.graph_module, plan, self.micro(size),
                                                           split, stages=self._stages[plan.n_stages])
-            except Exception as e:  # noqa: BLE001 -- any failure: the profile still predicts
+            except (RuntimeError, FxpipeError) as e:  # torch's or fxpipe's refusal: the profile still predicts
                 self.untimed.append(f"{plan.n_stages} stages, micro-batch {size}: {_first_line(e)}"[:200])
                 times = stage_times_measured(self.record(size), self.seconds(size), plan.assignment, plan.n_stages)
                 self._timed[key] = first_stage_in_weight_pass(times) if split else times
@@ -218,13 +253,17 @@ class Search:
             return self.s.latency + sent / self.s.link if sent else 0.0
 
         timeline = simulate(orders, duration, where, send)
-        params = [st.param_bytes for st in plan.stages]
+        params, trained = [st.param_bytes for st in plan.stages], self.trainable(plan)
+        # one autograd call over every micro-batch sums each parameter's gradient before .grad:
+        # extra memory only where .grad is kept through the backward (set_to_none: the sum becomes it)
+        sums = trained if schedule == "gpipe" and self.s.zero_grad == "in_place" else None
         peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe", torch_stages=run,
-                                 grad_buffers=params if schedule == "gpipe" else None)
+                                 grad_buffers=sums)
         if schedule == "gpipe":
-            static = static_bytes(params, where, self.s.optimizer)
+            static = static_bytes(params, where, self.s.optimizer, trained=trained)
         else:
-            static = static_bytes(params, where, self.s.optimizer, receive=receive_buffers(acts, run), chunks=chunks)
+            static = static_bytes(params, where, self.s.optimizer, receive=receive_buffers(acts, run), chunks=chunks,
+                                  trained=trained)
         choice.step_s, choice.bubble = timeline.step_s, timeline.bubble
         for d in orders:
             label = str(d)

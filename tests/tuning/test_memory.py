@@ -117,6 +117,8 @@ def test_static_bytes_by_hand() -> None:
     assert static_bytes([100], ["a"], "sgd") == {"a": 200}
     # receive buffers: chunks x one micro-batch's (activations in + gradients of the outputs)
     assert static_bytes([0, 0], [0, 1], "sgd", receive=[8, 8], chunks=4) == {0: 32, 1: 32}
+    # frozen parameters and buffers (100 held, 30 trained): no gradient, no optimizer state
+    assert static_bytes([100], ["a"], "adam", trained=[30]) == {"a": 100 + 3 * 30}
 
 
 class MLP(nn.Module):

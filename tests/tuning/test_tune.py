@@ -80,6 +80,7 @@ def test_nothing_fits_names_the_smallest_requirement() -> None:
     ({"chunks": [0]}, "chunks"),
     ({"balance_by": "flops"}, "balance_by"),
     ({"latency": "soon"}, "latency"),
+    ({"zero_grad": "never"}, "zero_grad"),
     ({"latency": -1e-6}, "latency"),
 ])
 def test_bad_arguments_are_named(kwargs: dict, argument: str) -> None:
@@ -118,6 +119,44 @@ def test_units() -> None:
     assert parse_seconds("20us", "latency") == pytest.approx(2e-5)
     assert parse_seconds("0.5 ms", "latency") == pytest.approx(5e-4)
     assert parse_seconds(0, "latency") == 0.0 and parse_seconds("2s", "latency") == 2.0
+
+
+class Finetuned(nn.Module):
+    """A frozen layer and a buffer: held, but no gradient and no optimizer state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("table", torch.zeros(16384))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.frozen(x)) + self.table[:32])
+
+
+def test_gradients_and_optimizer_state_only_for_what_is_trained() -> None:
+    torch.manual_seed(0)
+    model, x = Finetuned(), torch.randn(8, 32)
+    t = fxpipe.tune(model, x, ["cpu"], schedules=("gpipe",), chunks=[1], checkpoint=("never",), optimizer="adam")
+    held = sum(st.param_bytes for st in t.best.plan.stages)  # parameters and what the graph reads of buffers
+    assert held >= sum(p.numel() * 4 for p in model.parameters())
+    trained = sum(p.numel() * 4 for p in model.head.parameters())
+    assert t.best.static_bytes["cpu"] == held + 3 * trained  # the gradient and Adam's two moments
+
+
+def test_gradients_kept_through_the_backward_hold_autograds_sums_too() -> None:
+    # zero_grad='in_place': .grad exists through fxpipe.pipeline's one backward over every
+    # micro-batch, and autograd sums each parameter's gradient over them before adding it in
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    options = dict(schedules=("gpipe",), chunks=[1, 4], checkpoint=("never",), optimizer="sgd", balance_by="params")
+    none = {c.chunks: c for c in fxpipe.tune(model, x, ["cpu"] * 2, **options).choices}
+    kept = {c.chunks: c for c in fxpipe.tune(model, x, ["cpu"] * 2, zero_grad="in_place", **options).choices}
+    assert kept[1].activation_bytes == none[1].activation_bytes  # one micro-batch: nothing to sum
+    extra = kept[4].activation_bytes["cpu"] - none[4].activation_bytes["cpu"]
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert 0 < extra <= params
 
 
 def test_every_send_between_devices_pays_the_latency() -> None:
