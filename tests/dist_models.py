@@ -104,6 +104,25 @@ class ParamPaths(nn.Module):
         return self.e(h) + t
 
 
+class SharedLayers(nn.Module):
+    """ALBERT-style sharing: one Linear and one LayerNorm applied at every depth, so each stage
+    uses them more than once (torch's zero-bubble weight pass frees what the next parameter
+    group needs: fxpipe.distributed._split_backward.reused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.layer = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(4):
+            h = self.ln(torch.tanh(self.layer(h)) + h)
+        return self.out(h)
+
+
 class Counted(nn.Linear):
     """A linear layer counting its forward runs. Kept a leaf (``leaf_modules=[Counted]``), so
     its forward runs in the stage: once per micro-batch, and once more when recomputed."""
@@ -206,6 +225,9 @@ def case(name: str, chunks: int = 1) -> tuple[nn.Module, Any, torch.Tensor, Any,
         n = batch(4)
         return (ParamPaths(), torch.randn(n, 4, generator=g), torch.randn(n, 4, generator=g), F.mse_loss,
                 {"split_points": ["a", "b", "c", "d", "e"]})
+    if kind == "shared":
+        n = batch(8)
+        return SharedLayers(), torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g), F.mse_loss, {}
     if kind == "counted":
         n = batch(8)
         return (CountedMLP(), torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g), F.mse_loss,

@@ -15,6 +15,14 @@ more backward over the retained graph), leaving W nothing to do for this micro-b
 without one keep torch's split unchanged. The first stage is not concerned: torch runs its
 whole backward in W.
 
+The same completion serves a parameter the stage uses more than once (ALBERT's one layer
+applied at every depth, a LayerNorm shared between blocks). torch's W runs one
+``autograd.grad`` per parameter group without retaining the graph; the group of a weight used
+twice reaches its first use through the nodes between, other groups' nodes among them, and
+frees their saved tensors on the way: the next group fails with "Trying to backward through
+the graph a second time" (torch 2.13, a Linear and a LayerNorm each applied twice). Measured:
+``fxpipe.distributed`` under ``zbv`` stopped at its first step.
+
 :func:`backward_pass` runs every backward pass of a stage (full, input, weight) and makes the
 input gradients it returns contiguous: torch sends them as they come, and the input-gradient
 pass returns ``autograd.grad``'s raw results -- the gradient of an input read by ``torch.cat``
@@ -32,7 +40,7 @@ from torch.autograd.graph import Node, get_gradient_edge
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
                                                     reverse_closure)
 
-__all__ = ["backward_pass", "input_pass", "missed_parameters"]
+__all__ = ["backward_pass", "input_pass", "missed_parameters", "reused_parameters"]
 
 
 def missed_parameters(outputs: Sequence[torch.Tensor], inputs: Sequence[Any],
@@ -54,10 +62,19 @@ def missed_parameters(outputs: Sequence[torch.Tensor], inputs: Sequence[Any],
     return missed
 
 
+def reused_parameters(outputs: Sequence[torch.Tensor], params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters needing grad that more than one node of the graph behind ``outputs``
+    reads: torch's weight pass would run into nodes another group frees (module docstring)."""
+    out_nodes: list[Node] = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
+    readers = construct_reverse_graph(out_nodes)  # node -> the nodes whose next_functions hold it
+    return [p for p in params if p.requires_grad and len(set(readers.get(_get_grad_fn_or_grad_acc(p), ()))) > 1]
+
+
 def input_pass(bwd_kwargs: dict, params: Sequence[nn.Parameter],
                run: Callable[[], tuple[tuple[Optional[torch.Tensor], ...], Any]]) -> tuple[Any, Any]:
     """torch's input-gradient pass ``run()`` (returning input grads and parameter groups),
-    followed, when :func:`missed_parameters` finds any, by the stage's whole weight gradient;
+    followed, when :func:`missed_parameters` or :func:`reused_parameters` finds any, by the
+    stage's whole weight gradient;
     the parameter groups returned are then empty, so the weight pass adds nothing twice.
 
     ``bwd_kwargs``: torch's ``stage_output`` (outputs, or the loss on the last stage),
@@ -71,7 +88,8 @@ def input_pass(bwd_kwargs: dict, params: Sequence[nn.Parameter],
             if g is not None:  # no gradient came back for it: it adds nothing
                 outputs.append(t)
                 grads.append(g)
-    missed = missed_parameters(outputs, bwd_kwargs["input_values"], params) if outputs else []
+    missed = (missed_parameters(outputs, bwd_kwargs["input_values"], params)
+              + reused_parameters(outputs, params)) if outputs else []
     edges = [get_gradient_edge(t) for t in outputs]  # kept: the B pass detach_()es the outputs
     grads_input, groups = run()
     if not missed:

@@ -39,3 +39,12 @@ def test_unet_with_multi_sample_micro_batches_under_every_schedule(monkeypatch: 
     micro-batch, exact against eager under each schedule."""
     cases = {f"unet-{schedule}": spec for schedule, spec in SCHEDULES_1.items()}
     check(in_process(cases, monkeypatch), cases)
+
+
+def test_layers_applied_at_every_depth_under_every_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ALBERT-style sharing, each stage using one Linear and one LayerNorm several times: under
+    zero bubble torch's weight pass alone stopped at the first step ("backward through the graph
+    a second time"); fxpipe completes those stages' weight gradients after their input pass.
+    Exact against eager under each schedule."""
+    cases = {f"shared-{schedule}": spec for schedule, spec in SCHEDULES_1.items()}
+    check(in_process(cases, monkeypatch), cases)

@@ -20,7 +20,8 @@ from fxpipe.tuning import _search
 from fxpipe.tuning._costs import StageTimes, action_seconds, first_stage_in_weight_pass
 from fxpipe.tuning._orders import Action
 from fxpipe.tuning._stage_timing import _one_run, carried_stages, time_stage_actions
-from zoo import UNet, TinyGPT
+from dist_models import SharedLayers
+from zoo import TinyGPT, UNet
 
 
 class Net(nn.Module):
@@ -144,6 +145,8 @@ def test_the_timed_passes_compute_the_runtimes_gradients(n_stages: int, split: b
     _same_gradients_as_eager(Net().eval(), (torch.randint(0, 16, (8, 5)),), n_stages, split)
     # tied weights across stages: TinyGPT's head is its token embedding
     _same_gradients_as_eager(TinyGPT(), (torch.randint(0, 64, (2, 16)),), n_stages, split)
+    # one Linear and one LayerNorm at every depth (torch's weight pass alone fails on it)
+    _same_gradients_as_eager(SharedLayers(), (torch.randn(4, 8),), n_stages, split)
 
 
 def test_the_callers_grad_mode_does_not_turn_the_backwards_off() -> None:
