@@ -152,14 +152,25 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     size = batch if batch is not None else checked.batching.batch_size(flat)
     if not isinstance(size, int) or size < 1:
         raise ArgumentError(f"batch must be a positive integer, got {batch!r}", argument="batch")
+    build: dict = {}  # what the choices' front doors need to build the same graph and batching
+    if leaf_modules:
+        build["leaf_modules"] = list(leaf_modules)
+    if chunk_dims != 0:
+        build["chunk_dims"] = chunk_dims
+    if output_merge is not None:
+        build["output_merge"] = output_merge
     skipped = {}
-    if len(set(labels)) < len(labels):
-        for name in schedules:
-            if name != "gpipe":
-                skipped[name] = "fxpipe.distributed runs one rank per device, and the devices given repeat"
+    for name in schedules:
+        if name == "gpipe":
+            continue
+        if len(set(labels)) < len(labels):
+            skipped[name] = "fxpipe.distributed runs one rank per device, and the devices given repeat"
+        elif chunk_dims != 0:
+            skipped[name] = (f"fxpipe.distributed cuts every input along dim 0 (chunk_dims={chunk_dims!r} is "
+                             "fxpipe.pipeline's)")
     settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
                         parse_rate(link, "link") or 0.0, parse_seconds(latency, "latency"), optimizer, flops, bw,
-                        efficiency, torch_devices, skipped, balance_by, zero_grad)
+                        efficiency, torch_devices, skipped, balance_by, zero_grad, build)
     search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
         choices = search.run()

@@ -8,9 +8,10 @@ one stage per rank (two for the interleaved and V schedules). Each stage count g
 weights, parameters on meta),
 and each micro-batch size one recorded forward (:mod:`._nodes`; with four sizes or more,
 two recorded and the others derived where shapes are linear in the size, checked on the
-largest: :mod:`._scaling`) and, with weights, one profile: everything a candidate needs is then arithmetic on those (:mod:`._activations`,
-:mod:`._costs`, :mod:`._simulate`, :mod:`._memory`), so thousands of candidates cost
-milliseconds each.
+largest: :mod:`._scaling`) and, with weights, one timed run of each stage count's stages
+(:mod:`._stage_timing`; both backward modes where zero bubble is a candidate): everything a
+candidate needs is then arithmetic on those (:mod:`._activations`, :mod:`._costs`,
+:mod:`._simulate`, :mod:`._memory`), so thousands of candidates cost milliseconds each.
 
 Ranking: those that fit the memory first, by predicted step time (less peak memory breaks a
 tie); a configuration that fits nowhere says why.
@@ -66,6 +67,9 @@ class Settings:
     skipped: Dict[str, str] = field(default_factory=dict)
     balance_by: Optional[str] = None  # None: 'time' with weights, 'params' on meta
     zero_grad: str = "set_to_none"    # how .grad is cleared: 'in_place' keeps it through the backward
+    #: build options tune was given, passed on to the front door that builds a choice:
+    #: leaf_modules to both, chunk_dims and output_merge to fxpipe.pipeline
+    build: Dict[str, Any] = field(default_factory=dict)
 
 
 def _first_line(error: BaseException) -> str:
@@ -290,12 +294,14 @@ class Search:
 
     def _kwargs(self, schedule: str, n_stages: int, chunks: int, mode: str, plan: Plan) -> Dict[str, Any]:
         if schedule == "gpipe":
-            kwargs: Dict[str, Any] = {"n_stages": n_stages, "chunks": chunks, "checkpoint": mode, "plan": plan}
+            kwargs: Dict[str, Any] = {"n_stages": n_stages, "chunks": chunks, "checkpoint": mode, "plan": plan,
+                                      **self.s.build}
             if self.s.torch_devices is not None:
                 kwargs["devices"] = list(self.s.torch_devices)
             return kwargs
+        leaves = {k: v for k, v in self.s.build.items() if k == "leaf_modules"}
         return {"chunks": chunks, "schedule": schedule, "stages_per_rank": DISTRIBUTED_SCHEDULES[schedule],
-                "checkpoint": mode, "plan": plan}
+                "checkpoint": mode, "plan": plan, **leaves}
 
     def _same_as_never(self, chunks: int, mode: str) -> bool:
         """``'except_last'`` with one micro-batch checkpoints nothing: the run of ``'never'``,

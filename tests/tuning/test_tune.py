@@ -159,6 +159,45 @@ def test_gradients_kept_through_the_backward_hold_autograds_sums_too() -> None:
     assert 0 < extra <= params
 
 
+class SeqFirst(nn.Module):
+    """Batch in dim 1 (seq-first), and a loss model: what tune's options describe must reach
+    the pipeline each choice builds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).softmax(dim=0)  # mixes along the sequence, dim 0
+
+
+class LossOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), y)
+
+
+def test_the_options_tune_was_given_build_its_choices() -> None:
+    torch.manual_seed(0)
+    seq, x = SeqFirst(), torch.randn(5, 8, 16)  # (seq, batch, features)
+    t = fxpipe.tune(seq, x, 2, chunk_dims=1, output_merge=1, chunks=[2, 4], optimizer="sgd")
+    assert t.skipped and all(s.startswith("fxpipe.distributed cuts every input along dim 0") for s in t.skipped.values())
+    with t.best.pipeline(progress=False) as pipe:
+        torch.testing.assert_close(pipe(x), seq(x))
+    loss_model, a, y = LossOut(), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    t = fxpipe.tune(loss_model, (a, y), ["cpu"] * 2, output_merge="mean", leaf_modules=[nn.Linear],
+                    schedules=("gpipe",), chunks=[2], optimizer="sgd")
+    assert t.best.kwargs["leaf_modules"] == [nn.Linear] and t.best.kwargs["output_merge"] == "mean"
+    with t.best.pipeline(progress=False) as pipe:
+        torch.testing.assert_close(pipe(a, y), loss_model(a, y))
+    ranks = fxpipe.tune(loss_model, (a, y), 2, output_merge="mean", leaf_modules=[nn.Linear],
+                        schedules=("1f1b",), chunks=[2], optimizer="sgd")
+    assert ranks.best.kwargs["leaf_modules"] == [nn.Linear] and "output_merge" not in ranks.best.kwargs
+
+
 def test_every_send_between_devices_pays_the_latency() -> None:
     with torch.device("meta"):
         model = MLP()
