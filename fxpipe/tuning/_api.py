@@ -189,14 +189,15 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     for c in choices:
         c._tuning = tuning
     if not tuning.fitting:
-        raise _nothing_fits(choices, budget)
+        raise _nothing_fits(choices, budget, skipped)
     return tuning
 
 
-def _nothing_fits(choices: List[Any], budget: Optional[float]) -> MemoryBudgetError:
+def _nothing_fits(choices: List[Any], budget: Optional[float], skipped: dict) -> MemoryBudgetError:
     sized = [c for c in choices if c.peak_bytes]
     if not sized:
-        reasons = "; ".join(sorted({c.why for c in choices}))[:400]
+        whys = sorted({c.why for c in choices if c.why}) + [f"{name}: {why}" for name, why in sorted(skipped.items())]
+        reasons = "; ".join(whys)[:600] or "no schedule, chunk count and checkpoint mode was given"
         return MemoryBudgetError(f"no configuration can run: {reasons}", budget=budget or 0.0)
     least = min(sized, key=lambda c: c.peak)
     device = max(least.peak_bytes, key=least.peak_bytes.__getitem__)

@@ -28,7 +28,7 @@ import torch
 from ..build import Checked
 from ..capture._prepare import preserved
 from ..emit._stages import Stages
-from ..errors import FxpipeError
+from ..errors import FxpipeError, StagesError
 from ..plan._make import make_plan
 from ..plan._profile import profile_graph
 from ..plan._value import Plan
@@ -92,6 +92,9 @@ class Search:
         self._records: Dict[int, Recording] = {}
         self._seconds: Dict[int, Dict[str, float]] = {}
         self._stages: Dict[int, Stages] = {}
+        self._plan_errors: Dict[int, StagesError] = {}
+        #: chunk counts whose micro-batch the model cannot run, and why (:meth:`refuse_sizes`)
+        self.refused: Dict[int, str] = {}
         self._trainable: Dict[int, List[int]] = {}
         self._timed: Dict[Tuple[int, int, bool], List[StageTimes]] = {}
         #: why stage timing fell back to the profile, if it did (one line each)
@@ -105,14 +108,35 @@ class Search:
 
     # -- made once -----------------------------------------------------------------------------
     def plan(self, n_stages: int) -> Plan:
+        """The plan of ``n_stages`` (profiled, with 'time', on the smallest micro-batch that
+        runs); raises :class:`~fxpipe.errors.StagesError` (kept) when the graph has too few
+        nodes to cut that often."""
+        if n_stages in self._plan_errors:
+            raise self._plan_errors[n_stages]
         if n_stages not in self._plans:
-            chunks = max(c for c in self.s.chunks)
+            chunks = max(c for c in self.s.chunks if c not in self.refused)
             balance_by = self.s.balance_by or ("params" if self.meta else "time")
-            with preserved(self.model):
-                self._plans[n_stages] = make_plan(self.checked.capture, self.checked.args, self.checked.kwargs,
-                                                  n_stages, balance_by=balance_by, chunks=chunks,
-                                                  batching=self.checked.batching, progress=self.progress)
+            try:
+                with preserved(self.model):
+                    self._plans[n_stages] = make_plan(self.checked.capture, self.checked.args, self.checked.kwargs,
+                                                      n_stages, balance_by=balance_by, chunks=chunks,
+                                                      batching=self.checked.batching, progress=self.progress)
+            except StagesError as e:
+                self._plan_errors[n_stages] = e
+                raise
         return self._plans[n_stages]
+
+    def refuse_sizes(self) -> None:
+        """Each chunk count whose micro-batch the model cannot run (a BatchNorm in training
+        mode given one sample) is refused with the model's reason, recorded once; the others
+        are planned and predicted without it."""
+        for chunks in self.s.chunks:
+            if self.s.batch % chunks == 0:
+                try:
+                    self.record(self.s.batch // chunks)
+                except (ValueError, RuntimeError) as e:
+                    self.refused[chunks] = (f"the model refuses a micro-batch of {self.s.batch // chunks} "
+                                            f"(chunks={chunks}): {_first_line(e)}")[:300]
 
     def trainable(self, plan: Plan) -> List[int]:
         """Per stage, the bytes of the parameters it trains (those needing grad: what has a
@@ -235,12 +259,19 @@ class Search:
         if self.s.batch % chunks:
             choice.fits, choice.why = False, f"chunks={chunks} does not divide the batch of {self.s.batch}"
             return choice
+        if chunks in self.refused:
+            choice.fits, choice.why = False, self.refused[chunks]
+            return choice
         try:
             orders = self.orders(schedule, n_stages, chunks, where)
         except ValueError as e:  # torch's schedule refuses this chunks for this world size
             choice.fits, choice.why = False, f"torch's schedule refuses it: {str(e).splitlines()[0]}"
             return choice
-        plan = self.plan(n_stages)
+        try:
+            plan = self.plan(n_stages)
+        except StagesError as e:
+            choice.fits, choice.why = False, f"cannot be cut into {n_stages} stages: {_first_line(e)}"[:300]
+            return choice
         size = self.s.batch // chunks
         pools = [list(dict.fromkeys(where)).index(d) for d in where]
         acts = self._activations(plan, size, tuple(pools), received_static=schedule != "gpipe")
@@ -309,6 +340,7 @@ class Search:
         return chunks == 1 and mode == "except_last" and "never" in self.s.checkpoints
 
     def run(self) -> List[Choice]:
+        self.refuse_sizes()
         choices = [self.predict(schedule, chunks, mode)
                    for schedule in self.s.schedules if schedule not in self.s.skipped
                    for chunks in self.s.chunks for mode in self.s.checkpoints

@@ -198,6 +198,33 @@ def test_the_options_tune_was_given_build_its_choices() -> None:
     assert ranks.best.kwargs["leaf_modules"] == [nn.Linear] and "output_merge" not in ranks.best.kwargs
 
 
+class BN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+def test_what_cannot_run_is_listed_with_its_reason_and_the_rest_is_tuned() -> None:
+    torch.manual_seed(0)
+    # a BatchNorm in training mode refuses a micro-batch of one sample: chunks=4 of a batch of 4
+    t = fxpipe.tune(BN().train(), torch.randn(4, 8), ["cpu"] * 2, chunks=[1, 2, 4], optimizer="sgd")
+    refused = [c for c in t.choices if c.chunks == 4]
+    assert refused and all(not c.fits and "refuses a micro-batch of 1 (chunks=4): ValueError" in c.why
+                           for c in refused)
+    assert {c.chunks for c in t.fitting} == {1, 2}
+    # a graph of two nodes cannot be cut into four stages: the V is listed as not run, 1f1b is tuned
+    small = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    t = fxpipe.tune(small, torch.randn(4, 8), 2, schedules=("1f1b", "zbv"), chunks=[2], optimizer="sgd")
+    assert {c.schedule for c in t.fitting} == {"1f1b"}
+    assert all("cannot be cut into 4 stages: StagesError" in c.why for c in t.choices if c.schedule == "zbv")
+    # nothing can run: the reasons, never an empty message
+    with pytest.raises(MemoryBudgetError, match="no configuration can run: 1f1b: fxpipe.distributed cuts"):
+        fxpipe.tune(SeqFirst(), torch.randn(5, 8, 16), 2, schedules=("1f1b",), chunk_dims=1, output_merge=1)
+
+
 def test_every_send_between_devices_pays_the_latency() -> None:
     with torch.device("meta"):
         model = MLP()
