@@ -178,6 +178,11 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     notes = [f"costs from {costs}; "
              f"memory: parameters + gradients + {optimizer} state + activations"
              + (" + receive buffers (distributed)" if any(s != "gpipe" for s in schedules) else "")]
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()) and any(
+            c.chunks > 1 for c in choices):
+        notes.append("BatchNorm in training mode normalises each micro-batch on its own statistics (GPipe's "
+                     "semantics): with chunks > 1 the outputs differ from one whole-batch call "
+                     "(docs/guide.md, BatchNorm)")
     if search.untimed:
         notes.append("stages the tuner could not time alone, predicted from the node profile instead (which "
                      f"leaves out what runs between nodes): {'; '.join(search.untimed[:3])}")

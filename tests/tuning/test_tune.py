@@ -215,6 +215,7 @@ def test_what_cannot_run_is_listed_with_its_reason_and_the_rest_is_tuned() -> No
     assert refused and all(not c.fits and "refuses a micro-batch of 1 (chunks=4): ValueError" in c.why
                            for c in refused)
     assert {c.chunks for c in t.fitting} == {1, 2}
+    assert "normalises each micro-batch on its own statistics" in str(t)  # chunks=2 differs from eager
     # a graph of two nodes cannot be cut into four stages: the V is listed as not run, 1f1b is tuned
     small = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     t = fxpipe.tune(small, torch.randn(4, 8), 2, schedules=("1f1b", "zbv"), chunks=[2], optimizer="sgd")
