@@ -42,6 +42,19 @@ def _devices(ns: argparse.Namespace) -> list:
     raise UsageError(f"--device must be cpu or cuda, got {ns.device!r}")
 
 
+def _on_device(model: Any, args: tuple, kwargs: dict, device: Any) -> Tuple[Any, tuple, dict]:
+    """The model (a model on meta stays there) and the sample's tensors on ``device``."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from ..capture._meta import is_meta_model
+
+    if is_meta_model(model):
+        return model, args, kwargs
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return model.to(device), pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
+
+
 def load_model_and_sample(ns: argparse.Namespace) -> Tuple[Any, tuple, dict]:
     """The model and sample; ``--balance-by`` resolved: ``params`` for a model on the meta
     device (``hf:`` models are built there; nothing to time), else ``time``."""
@@ -364,6 +377,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     else:
         ns.stages = ns.devices or 4
         devices = _devices(ns)
+        model, args, kwargs = _on_device(model, args, kwargs, devices[0])  # timed where it will run
     clear_status_line()
     tuning = fxpipe.tune(model, args, devices, ns.memory, batch=batch, sample_kwargs=kwargs,
                          schedules=tuple(ns.schedules or ("gpipe", "1f1b", "interleaved1f1b", "zbv")),

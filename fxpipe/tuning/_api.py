@@ -47,6 +47,20 @@ def _devices(devices: Union[int, Sequence[Any], None]) -> tuple[List[str], Optio
     return [str(d) for d in found], found
 
 
+def _check_timed_where_it_runs(model: nn.Module, devices: Optional[List[torch.device]], flops: Optional[float]) -> None:
+    """Stage times are measured where the model's tensors are: for the devices named, the model
+    must be on that kind of device (else a CPU's times would stand for GPUs', silently)."""
+    if devices is None or flops is not None:
+        return
+    where = {t.device.type for t in (*model.parameters(), *model.buffers())} - {"meta"}
+    kinds = {d.type for d in devices}
+    if where and where != kinds:
+        raise ArgumentError(f"the model's tensors are on {', '.join(sorted(where))} but devices= names "
+                            f"{', '.join(sorted(kinds))}: tune times the stages where the model is. Move the model "
+                            f"to one of the devices first (tune leaves it there), or pass device_flops= and "
+                            f"bandwidth= for costs from shapes", argument="devices")
+
+
 def _chunk_choices(batch: int, chunks: Optional[Sequence[int]]) -> List[int]:
     if chunks is not None:
         bad = [c for c in chunks if not isinstance(c, int) or isinstance(c, bool) or c < 1]
@@ -135,6 +149,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     if optimizer not in OPTIMIZER_STATES:
         raise ArgumentError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}",
                             argument="optimizer")
+    _check_timed_where_it_runs(model, torch_devices, flops)
     args = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
     options = BuildOptions(len(labels), 1, None, "params", leaf_modules, None, None, chunk_dims, output_merge,

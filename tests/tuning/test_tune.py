@@ -69,6 +69,13 @@ def test_nothing_fits_names_the_smallest_requirement() -> None:
     assert t.best.peak <= least and all(c.peak > least for c in t.choices if not c.fits)
 
 
+def test_a_model_is_timed_only_on_the_kind_of_device_named() -> None:
+    # a CPU model tuned for GPUs would have its CPU times stand for the GPUs': refused, named
+    with pytest.raises(ArgumentError, match="on cpu but devices= names cuda") as info:
+        fxpipe.tune(MLP(), torch.randn(4, 32), ["cuda:0", "cuda:1"])
+    assert info.value.argument == "devices"
+
+
 @pytest.mark.parametrize("kwargs,argument", [
     ({"memory": "lots"}, "memory"),
     ({"memory": -1}, "memory"),
