@@ -25,8 +25,8 @@ memory where ``.grad`` is kept through the backward; ``fxpipe.distributed``'s on
 micro-batch adds straight into ``.grad``.
 
 Static bytes per device (:func:`static_bytes`): each stage's parameters and buffers once, the
-gradients of those it trains once, their optimizer state (``'sgd'``: none; ``'momentum'``: one copy; ``'adam'``:
-two copies, in the parameters' dtype), and, for ``fxpipe.distributed``, torch's receive
+gradients of those it trains once, their optimizer state (``'sgd'``: none; ``'momentum'``:
+one copy; ``'adam'``: two copies, in the parameters' dtype), and, for ``fxpipe.distributed``, torch's receive
 buffers: a ``PipelineStage`` allocates one activation buffer and one gradient buffer per
 micro-batch up front (torch 2.x ``_prepare_forward_infra`` / ``_prepare_backward_infra``), for
 every input of the stage and every output that needs a gradient. The stages are those of the
@@ -81,9 +81,8 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
     32 micro-batches, every layer's weight gradient alive at the step's peak as such a sum).
     With ``.grad`` None (``zero_grad(set_to_none=True)``) the sum becomes ``.grad``: counted in
     the static bytes, not here. Not read for ``torch_stages``, whose one autograd call per
-    micro-batch adds straight into ``.grad``.
-    ``torch_stages``: ``fxpipe.distributed``,
-    whose stages are torch ``PipelineStage`` objects (:func:`_torch_stage_peak`; a
+    micro-batch adds straight into ``.grad``. ``torch_stages``: ``fxpipe.distributed``, whose
+    stages are torch ``PipelineStage`` objects (:func:`_torch_stage_peak`; a
     :class:`TorchRun` says how torch's schedule keeps sends and gradients)."""
     stop = checkpointed(mode, chunks)
     last = len(stages) - 1

@@ -70,8 +70,7 @@ def parse_seconds(value: Seconds, argument: str) -> float:
         if not match:
             raise ArgumentError(f"{argument}={value!r} is not a time: write seconds, or a number with a unit "
                                 "such as '20us' (ns, us, ms, s)", argument=argument)
-        unit = (match.group(2) or "").lower().replace("\u03bc", "\u00b5")  # casefold may give either
-        number = float(match.group(1)) * _TIME_UNIT[unit]
+        number = float(match.group(1)) * _TIME_UNIT[(match.group(2) or "").lower()]
     else:
         number = float(value)
     if not (number >= 0 and math.isfinite(number)):
