@@ -5,6 +5,8 @@ time, and which do not."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -47,9 +49,10 @@ class Net(nn.Module):
         return self.c(y).reshape(n, -1)
 
 
-def _plan(model: nn.Module, x: torch.Tensor, n_stages: int):
+def _plan(model: nn.Module, x: Any, n_stages: int):
+    """The captured model and its plan by parameters (``x``: one input, or a tuple of them)."""
     options = BuildOptions(n_stages, 1, None, "params", (), None, None, 0, None, as_progress(False))
-    checked = capture_and_check(model, (x,), {}, options)
+    checked = capture_and_check(model, x if isinstance(x, tuple) else (x,), {}, options)
     plan = make_plan(checked.capture, checked.args, checked.kwargs, n_stages, balance_by="params", chunks=1,
                      batching=checked.batching, progress=as_progress(False))
     return checked, plan
@@ -120,10 +123,7 @@ class FrozenPrefix(nn.Module):
 def _same_gradients_as_eager(model: nn.Module, args: tuple, n_stages: int, split: bool) -> tuple:
     """Runs the timed passes once (they accumulate into .grad) and compares with eager's
     ``out.float().mean().backward()``: the passes did the backward the runtime does."""
-    options = BuildOptions(n_stages, 1, None, "params", (), None, None, 0, None, as_progress(False))
-    checked = capture_and_check(model, args, {}, options)
-    plan = make_plan(checked.capture, checked.args, checked.kwargs, n_stages, balance_by="params", chunks=1,
-                     batching=checked.batching, progress=as_progress(False))
+    checked, plan = _plan(model, args, n_stages)
     stages = carried_stages(checked.capture.graph_module, plan)
     model.zero_grad(set_to_none=True)
     times = _one_run(stages, list(args), split, None)
