@@ -181,3 +181,42 @@ def test_export_capture_refuses_another_sequence_length_before_running():
     want = ref(input_ids=ids6, attention_mask=mask6, labels=ids6)
     torch.testing.assert_close(out.logits, want.logits)
     exact.assert_close_scaled(out.loss, want.loss, what="loss merged over micro-batches")
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_gradient_checkpointing_enabled_model_matches_eager(checkpoint):
+    """``gradient_checkpointing_enable()`` hooks the input embedding (an nn.Embedding) so its
+    output requires grad. torch.export would go into the layer and run the hook once; it is
+    kept opaque and runs per micro-batch, and the pipeline's first call is not refused as a
+    model changed since the build."""
+    torch.manual_seed(0)
+    model = gpt2().train()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()  # the new name in transformers 5.x
+    assert model.transformer.wte._forward_hooks
+    ids, _ = inputs()
+    pipe = exact.assert_exact(model, (ids,), 2, chunks=2, checkpoint=checkpoint, balance_by="params",
+                              loss=lambda o: weighted(o.logits))
+    assert "transformer.wte" in pipe.capture.leaves
+
+
+def test_output_hidden_states_gives_the_same_graph_at_every_build():
+    """transformers registers its output-capturing hooks on the blocks at the model's first call
+    with ``output_hidden_states=True``: the first build makes that call. The hooks record only
+    inside the model's own forward, so they are traced through: the second build's graph is the
+    first's, and a plan made at the first (``fxpipe.tune``'s) fits the second."""
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    ids, _ = inputs()
+    kw = {"output_hidden_states": True}
+
+    def loss(o):
+        return weighted(o.logits) + sum(weighted(h, k + 2) for k, h in enumerate(o.hidden_states))
+
+    first = exact.assert_exact(model, (ids,), 2, kwargs=kw, chunks=2, balance_by="params", loss=loss)
+    model(ids, **kw)  # transformers installs its hooks now, if the copy above did not
+    assert any(m._forward_hooks for m in model.modules())
+    second = exact.assert_exact(model, (ids,), 2, kwargs=kw, chunks=2, balance_by="params", loss=loss,
+                                plan=first.plan)
+    assert [str(s.code) for s in second.stages] == [str(s.code) for s in first.stages]
+    assert not second.capture.leaves

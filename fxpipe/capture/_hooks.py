@@ -5,7 +5,9 @@ returns is recorded into the graph, but what it does (collect features for a per
 loss, log, count) happens then and never again, and a backward hook is lost. A module with
 hooks is therefore kept opaque: its ``__call__``, hooks included, runs inside its stage on
 each micro-batch (and again when a checkpointed stage recomputes, as with torchgpipe).
-Standard torch.nn layers are opaque anyway. The model's own (root) hooks cannot be kept:
+Standard torch.nn layers are kept too: torch.fx calls them anyway, but torch.export would go
+into an ``nn.Embedding`` and run its hook once (transformers' ``gradient_checkpointing_enable``
+hooks the input embeddings). The model's own (root) hooks cannot be kept:
 the pipeline calls the stages, never the model, so they are refused; the pipeline is a
 module, and hooks registered on it run around each call.
 """
@@ -13,23 +15,48 @@ module, and hooks registered on it run around each call.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List
+from typing import Any, Callable, Dict, List
 
 from torch import nn
 
 from ..errors import TraceError
 
-__all__ = ["has_hooks", "hooked_modules"]
+__all__ = ["HOOK_DICTS", "has_hooks", "hooked_modules", "live_hooks"]
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _records_while_tracing(hook: Any) -> bool:
+    """transformers' output-capturing hook (``output_hidden_states=True``, ``output_attentions``).
+
+    transformers (5.x) registers it on the decoder layers lazily, at a model's first call that
+    asks for those outputs, so the same model has it at one build and not at the one before.
+    It does nothing unless transformers' collector is active, which happens only inside the
+    model's own decorated forward: while capturing, where what it appends becomes graph outputs,
+    never inside a stage. Tracing through it is exact; keeping the layer opaque for it would
+    only change the graph from one build to the next (and the plan with it).
+    """
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing" and \
+        getattr(hook, "__name__", None) == "output_capturing_hook"
+
+
+def live_hooks(hooks: Dict[Any, Any]) -> bool:
+    """Whether one of a module's hook dicts holds a hook that tracing would lose."""
+    return any(not _records_while_tracing(h) for h in hooks.values()) if hooks else False
 
 
 def has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or getattr(module, "_backward_pre_hooks", None))
+    return any(live_hooks(getattr(module, name, None) or {}) for name in HOOK_DICTS)
 
 
-def hooked_modules(model: nn.Module, already_opaque: Callable[[nn.Module], bool]) -> List[str]:
-    """Qualified names of the submodules to keep opaque for their hooks (a warning says so);
-    :class:`TraceError` when the model itself has hooks."""
+def hooked_modules(model: nn.Module, already_opaque: Callable[[nn.Module], bool],
+                   quiet: Callable[[nn.Module], bool]) -> List[str]:
+    """Qualified names of the submodules to keep opaque for their hooks, on either capture;
+    :class:`TraceError` when the model itself has hooks.
+
+    ``already_opaque``: modules kept whole whatever the capture (``leaf_modules``). A warning
+    names each module except those ``quiet`` allows (a torch.nn layer runs per call anyway, so
+    keeping it opaque changes nothing a user would have seen)."""
     if has_hooks(model):
         raise TraceError(
             f"{type(model).__name__} itself has forward or backward hooks: a pipeline runs its stages, never "
@@ -39,6 +66,8 @@ def hooked_modules(model: nn.Module, already_opaque: Callable[[nn.Module], bool]
     names = [name for name, m in model.named_modules() if name and has_hooks(m) and not already_opaque(m)]
     outermost = [n for n in names if not any(n.startswith(p + ".") for p in names)]
     for name in outermost:
+        if quiet(model.get_submodule(name)):
+            continue
         warnings.warn(f"fxpipe: {name!r} ({type(model.get_submodule(name)).__name__}) has hooks: kept opaque, so "
                       "they run on each of its calls instead of once while tracing: once per micro-batch, "
                       "seeing that micro-batch (not the whole batch), and again when a checkpointed stage "

@@ -28,13 +28,13 @@ import torch
 from torch import fx, nn
 
 from ._attr_reads import EQUAL, MUTABLE, NONE, SAME, AttrRead
+from ._hooks import HOOK_DICTS, live_hooks
 from ._values import same_plain
 from ..errors import ModelChangedError
 
 __all__ = ["ModelCheck"]
 
 _MISSING = object()
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # (owner module, registry: '_modules' | '_parameters' | '_buffers', key, the object the stages
 # hold, its label, its kind: 'module' | 'parameter' | 'buffer')
 Held = Tuple[nn.Module, str, str, Any, str, str]
@@ -81,7 +81,7 @@ class ModelCheck:
         fast = [r for r in self._reads if r.in_dict and r.how in (SAME, EQUAL)]
         self._fast = [(r.owner.__dict__, r.name, r.value) for r in fast]
         self._slow = [r for r in self._reads if not (r.in_dict and r.how in (SAME, EQUAL))]
-        self._hooks = [m.__dict__[h] for m, _ in self._traced for h in _HOOKS]
+        self._hooks = [m.__dict__[h] for m, _ in self._traced for h in HOOK_DICTS]
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k in ("_held", "_traced", "_reads")}
@@ -113,7 +113,7 @@ class ModelCheck:
         for r in self._slow:
             if not _read_holds(r):
                 return False
-        return not any(self._hooks)
+        return not any(live_hooks(hooks) for hooks in self._hooks)
 
     def changes(self) -> List[str]:
         """Each change, as a message line (empty when nothing changed)."""
@@ -148,7 +148,7 @@ class ModelCheck:
                     out.append(f"'{r.label}' is {_describe(now)}, was {_describe(r.value)} (the traced forward "
                                "read it, and the graph has its value baked in)")
         for module, label in self._traced:
-            hooks = [h.strip("_").replace("_", " ") for h in _HOOKS if module.__dict__[h]]
+            hooks = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if live_hooks(module.__dict__[h])]
             if hooks:
                 where = f"'{label}'" if label else "the model itself"
                 out.append(f"{where} has {' and '.join(hooks)} now: its forward was traced into the stages, which "

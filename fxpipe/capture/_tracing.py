@@ -202,7 +202,7 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or isinstance(m, self.leaf_types):
-            if qualname not in self.opaque:
+            if qualname not in self.opaque and not _is_standard_layer(m):  # a hooked nn layer is one anyway
                 self.opaque.append(qualname)
             return True
         return _is_standard_layer(m)
@@ -270,7 +270,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     known = {name for name, _ in model.named_modules()}
     if leaf_names - known:
         raise ValueError(f"leaf_modules: {sorted(leaf_names - known)} are not submodules of {type(model).__name__}")
-    leaf_names |= set(hooked_modules(model, lambda m: _is_standard_layer(m) or isinstance(m, leaf_types)))
+    leaf_names |= set(hooked_modules(model, lambda m: isinstance(m, leaf_types), _is_standard_layer))
     flat_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     flat = [v for _, v in flat_with_path]
     names = _input_names(model, [p for p, _ in flat_with_path])
