@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import TraceError
 
-__all__ = ["HOOK_DICTS", "has_hooks", "hooked_modules", "live_hooks"]
+__all__ = ["HOOK_DICTS", "has_hooks", "hooked_modules", "holds_live_hook"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -40,13 +40,13 @@ def _records_while_tracing(hook: Any) -> bool:
         getattr(hook, "__name__", None) == "output_capturing_hook"
 
 
-def live_hooks(hooks: Dict[Any, Any]) -> bool:
+def holds_live_hook(hooks: Dict[Any, Any]) -> bool:
     """Whether one of a module's hook dicts holds a hook that tracing would lose."""
     return any(not _records_while_tracing(h) for h in hooks.values()) if hooks else False
 
 
 def has_hooks(module: nn.Module) -> bool:
-    return any(live_hooks(getattr(module, name, None) or {}) for name in HOOK_DICTS)
+    return any(holds_live_hook(getattr(module, name, None) or {}) for name in HOOK_DICTS)
 
 
 def hooked_modules(model: nn.Module, already_opaque: Callable[[nn.Module], bool],

@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 
 from ._attr_reads import EQUAL, MUTABLE, NONE, SAME, AttrRead
-from ._hooks import HOOK_DICTS, live_hooks
+from ._hooks import HOOK_DICTS, holds_live_hook
 from ._values import same_plain
 from ..errors import ModelChangedError
 
@@ -113,7 +113,7 @@ class ModelCheck:
         for r in self._slow:
             if not _read_holds(r):
                 return False
-        return not any(live_hooks(hooks) for hooks in self._hooks)
+        return not any(holds_live_hook(hooks) for hooks in self._hooks)
 
     def changes(self) -> List[str]:
         """Each change, as a message line (empty when nothing changed)."""
@@ -148,7 +148,7 @@ class ModelCheck:
                     out.append(f"'{r.label}' is {_describe(now)}, was {_describe(r.value)} (the traced forward "
                                "read it, and the graph has its value baked in)")
         for module, label in self._traced:
-            hooks = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if live_hooks(module.__dict__[h])]
+            hooks = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if holds_live_hook(module.__dict__[h])]
             if hooks:
                 where = f"'{label}'" if label else "the model itself"
                 out.append(f"{where} has {' and '.join(hooks)} now: its forward was traced into the stages, which "
