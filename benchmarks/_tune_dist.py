@@ -83,9 +83,34 @@ def _ping_pong(rank: int, port: int, out: str, rounds: int = 30) -> None:
             if i >= 5:  # warm-up rounds first
                 times.append((time.perf_counter() - t0) / 2)
         found.append(sorted(times)[len(times) // 2])  # the median one-way time
+    loaded = [_loaded_send(rank, size) for size in LINK_SIZES]
     if rank == 0:
-        torch.save(found, out)
+        torch.save({"one_way": found, "loaded": loaded}, out)
     dist.destroy_process_group()
+
+
+def _loaded_send(rank: int, size: int, rounds: int = 30, trials: int = 3) -> float:
+    """What one send costs each rank's own time while both ranks compute, as in a pipeline:
+    rounds of a few milliseconds of matmuls, then one send, the two ranks taking turns to
+    send and receive, against the same rounds without sends (fastest of ``trials`` each)."""
+    import time
+
+    import torch.distributed as dist
+
+    a = torch.randn(256, 256)
+    sent, got = torch.zeros(size // 4), torch.empty(size // 4)
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(trials):
+        for sends in (False, True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                for _ in range(12):
+                    a @ a
+                if sends:
+                    (dist.isend(sent, 1 - rank) if (i + rank) % 2 == 0 else dist.irecv(got, 1 - rank)).wait()
+            best[sends] = min(best[sends], (time.perf_counter() - t0) / rounds)
+    return max(best[True] - best[False], 0.0)
 
 
 LINK_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
@@ -93,17 +118,23 @@ LINK_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 
 def measure_link(tmp: Path) -> Dict[str, Any]:
     """The link between two gloo ranks here: median one-way times of a ping-pong per size, and
-    their least-squares fit ``latency + bytes / bytes_per_s``."""
+    their least-squares fit ``latency + bytes / bytes_per_s``; and what a send costs the ranks'
+    own time when both are busy (:func:`_loaded_send`), whose fit's intercept is tune's
+    ``send_overhead``: on these two shared cores gloo's I/O threads wait for a core."""
     import numpy as np
 
     from fxpipe.distributed._launch import free_port
 
     out = tmp / "link.pt"
     mp.start_processes(_ping_pong, args=(free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
-    one_way = torch.load(out)
-    slope, latency = np.polyfit(np.array(LINK_SIZES, dtype=float), np.array(one_way), 1)
+    measured = torch.load(out)
+    one_way, loaded = measured["one_way"], measured["loaded"]
+    sizes = np.array(LINK_SIZES, dtype=float)
+    slope, latency = np.polyfit(sizes, np.array(one_way), 1)
+    _, overhead = np.polyfit(sizes, np.array(loaded), 1)
     return {"sizes": LINK_SIZES, "one_way_s": one_way, "latency_s": max(float(latency), 0.0),
-            "bytes_per_s": float(1.0 / slope) if slope > 0 else float("inf")}
+            "bytes_per_s": float(1.0 / slope) if slope > 0 else float("inf"),
+            "loaded_send_s": loaded, "send_overhead_s": max(float(overhead), 0.0)}
 
 
 def _rank(rank: int, world: int, port: int, model: Any, x: torch.Tensor, configs: List[Dict[str, Any]],
@@ -205,10 +236,12 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
     t0 = time.perf_counter()
     tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd",
                          balance_by=balance_by, link=link["bytes_per_s"], latency=link["latency_s"],
+                         send_overhead=link["send_overhead_s"],
                          zero_grad="in_place")  # the ranks zero .grad in place between steps
     tune_s = time.perf_counter() - t0
     print(f"\n{what}, {world} gloo ranks: gloo link measured {link['latency_s'] * 1e3:.2f} ms + bytes / "
-          f"{link['bytes_per_s'] / 1e9:.2f} GB/s; fxpipe.tune took {tune_s:.1f} s\n{tuning}")
+          f"{link['bytes_per_s'] / 1e9:.2f} GB/s, a send costing each busy rank "
+          f"{link['send_overhead_s'] * 1e3:.2f} ms; fxpipe.tune took {tune_s:.1f} s\n{tuning}")
     chosen = [c for c in tuning.choices if c.fits]
     configs = [{"kwargs": c.kwargs} for c in chosen]
     ctx = mp.start_processes(_rank, args=(world, free_port(), model, x, configs, str(tmp), steps), nprocs=world,

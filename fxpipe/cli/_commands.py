@@ -382,7 +382,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     tuning = fxpipe.tune(model, args, devices, ns.memory, batch=batch, sample_kwargs=kwargs,
                          schedules=tuple(ns.schedules or ("gpipe", "1f1b", "interleaved1f1b", "zbv")),
                          checkpoint=tuple(ns.checkpoint or ("never", "except_last", "always")),
-                         chunks=ns.chunks, link=ns.link, latency=ns.latency, optimizer=ns.optimizer,
+                         chunks=ns.chunks, link=ns.link, latency=ns.latency,
+                         send_overhead=ns.send_overhead, optimizer=ns.optimizer,
                          zero_grad=ns.zero_grad, device_flops=ns.device_flops,
                          bandwidth=ns.bandwidth, efficiency=ns.efficiency, leaf_modules=tuple(ns.leaf),
                          balance_by=ns.balance_by)

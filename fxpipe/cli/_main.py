@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link", default="450GB/s", metavar="BYTES/S", help="bandwidth between devices (450GB/s)")
     p.add_argument("--latency", default="0", metavar="TIME",
                    help="of every send between devices, whatever its size (20us; default 0)")
+    p.add_argument("--send-overhead", default="0", metavar="TIME",
+                   help="each send's cost to the two devices' own time, not overlapped with compute "
+                        "(about 1ms on gloo ranks sharing busy CPU cores; default 0)")
     p.add_argument("--schedules", nargs="+", default=None, metavar="S",
                    help="gpipe (fxpipe.pipeline) 1f1b interleaved1f1b interleavedzb zbv (fxpipe.distributed)")
     p.add_argument("--checkpoint", nargs="+", default=None, choices=("never", "except_last", "always"))

@@ -80,7 +80,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
          schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved1f1b", "zbv"),
          checkpoint: Sequence[str] = ("never", "except_last", "always"),
          chunks: Optional[Sequence[int]] = None, link: Size = "450GB/s", latency: Seconds = 0.0,
-         optimizer: str = "adam", zero_grad: str = "set_to_none",
+         send_overhead: Seconds = 0.0, optimizer: str = "adam", zero_grad: str = "set_to_none",
          device_flops: Optional[Size] = None, bandwidth: Optional[Size] = None, efficiency: Optional[float] = None,
          sample_kwargs: Optional[dict] = None, leaf_modules: Sequence[Union[type, str]] = (),
          chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None,
@@ -103,6 +103,11 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
             of two dividing the batch).
         link, latency: the link between devices, for the sends between stages: a send of ``n``
             bytes takes ``latency + n / link`` (``'450GB/s'``; ``'20us'`` or seconds).
+        send_overhead: what each send costs the sending and the receiving device's own time (its
+            host thread posts, waits for and completes it), not overlapped with compute: a few
+            microseconds with NCCL; about a millisecond on gloo ranks sharing busy CPU cores,
+            where gloo's I/O thread must wait for a core (measure it under load, as
+            ``benchmarks/_tune_dist.py`` does).
         optimizer: ``'sgd'``, ``'momentum'``, ``'adam'`` or ``'adamw'`` (its state per parameter).
         zero_grad: how ``.grad`` is cleared between steps: ``'set_to_none'`` (torch's default
             ``zero_grad()``) or ``'in_place'`` (``zero_grad(set_to_none=False)``, or gradients
@@ -185,7 +190,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
                              "fxpipe.pipeline's)")
     settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
                         parse_rate(link, "link") or 0.0, parse_seconds(latency, "latency"), optimizer, flops, bw,
-                        efficiency, torch_devices, skipped, balance_by, zero_grad, build)
+                        efficiency, torch_devices, skipped, balance_by, zero_grad,
+                        send_overhead=parse_seconds(send_overhead, "send_overhead"), build=build)
     search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
         choices = search.run()

@@ -58,10 +58,10 @@ def first_stage_in_weight_pass(times: Sequence[StageTimes]) -> List[StageTimes]:
 
 
 def action_seconds(action: Action, times: StageTimes, checkpointed: bool, split: bool) -> float:
-    """Seconds of ``action`` of a stage taking ``times``. A ``checkpointed`` micro-batch's forward is recomputed once, in its first
-    backward pass (fxpipe.distributed shares the recomputation between the passes): ``B``,
-    ``I``, or under zero bubble (``split``) the first stage's ``W``, which holds its whole
-    backward (:func:`first_stage_in_weight_pass`)."""
+    """Seconds of ``action`` of a stage taking ``times``. A ``checkpointed`` micro-batch's
+    forward is recomputed once, in its first backward pass (fxpipe.distributed shares the
+    recomputation between the passes): ``B``, ``I``, or under zero bubble (``split``) the first
+    stage's ``W``, which holds its whole backward (:func:`first_stage_in_weight_pass`)."""
     kind = action.kind
     seconds = {"F": times.forward, "B": times.backward, "I": times.input_grad, "W": times.weight_grad}[kind]
     first_pass = "W" if split and action.stage == 0 else ("I" if split else "B")

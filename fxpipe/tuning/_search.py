@@ -67,6 +67,7 @@ class Settings:
     skipped: Dict[str, str] = field(default_factory=dict)
     balance_by: Optional[str] = None  # None: 'time' with weights, 'params' on meta
     zero_grad: str = "set_to_none"    # how .grad is cleared: 'in_place' keeps it through the backward
+    send_overhead: float = 0.0        # seconds of each device's own time a send between devices costs
     #: build options tune was given, passed on to the front door that builds a choice:
     #: leaf_modules to both, chunk_dims and output_merge to fxpipe.pipeline
     build: Dict[str, Any] = field(default_factory=dict)
@@ -289,7 +290,7 @@ class Search:
             sent = send_bytes(a, acts, carried=schedule != "gpipe")
             return self.s.latency + sent / self.s.link if sent else 0.0
 
-        timeline = simulate(orders, duration, where, send)
+        timeline = simulate(orders, duration, where, send, self.s.send_overhead)
         params, trained = [st.param_bytes for st in plan.stages], self.trainable(plan)
         # one autograd call over every micro-batch sums each parameter's gradient before .grad:
         # extra memory only where .grad is kept through the backward (set_to_none: the sum becomes it)

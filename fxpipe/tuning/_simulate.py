@@ -10,6 +10,13 @@ device is free and its inputs are there:
   send of the gradient back;
 * ``W(s, i)`` after ``I(s, i)``.
 
+A send also costs both devices it joins ``overhead_s`` of their own time (the host thread
+posts it, is woken by it, completes it), not overlapped with their compute: the sender's
+action ends that much later for each value it sends on, the receiver's for each it takes
+in. Microseconds for NCCL on GPUs; on gloo ranks whose processes share busy CPU cores it is
+gloo's I/O thread waiting for a core: about a millisecond a send on two shared cores
+(``benchmarks/_tune_dist.py`` measures it), against 0.06 ms for the same send when idle.
+
 The step time is when the last action ends; the bubble fraction is the share of device time
 spent idle, ``1 - busy / (devices * step)``: for ``K`` equal stages on ``K`` devices and
 ``M`` micro-batches under GPipe it is ``(K-1) / (M+K-1)``. A list whose orders wait on each
@@ -49,12 +56,22 @@ class Timeline:
 
 
 def simulate(orders: Mapping[Hashable, Sequence[Action]], duration: Callable[[Action], float],
-             device_of_stage: Sequence[Hashable], send_s: Callable[[Action], float] = lambda a: 0.0) -> Timeline:
+             device_of_stage: Sequence[Hashable], send_s: Callable[[Action], float] = lambda a: 0.0,
+             overhead_s: float = 0.0) -> Timeline:
     """Times ``orders`` (device -> its actions in order). ``duration(a)`` is an action's
     compute time; ``send_s(a)`` the transfer it waits for when its input comes from another
     device (``F``: the activations stage ``a.stage`` receives; ``B``/``I``: the gradient from
-    stage ``a.stage + 1``)."""
+    stage ``a.stage + 1``); ``overhead_s`` what each send costs the two devices' own time."""
     n_stages = len(device_of_stage)
+
+    def crossings(a: Action) -> int:
+        """The sends ``a`` takes in or hands on across devices (``W`` neither)."""
+        if a.kind == "W":
+            return 0
+        step = -1 if a.kind == "F" else 1  # where its input comes from; its output goes the other way
+        return sum(0 <= a.stage + d < n_stages and device_of_stage[a.stage + d] != device_of_stage[a.stage]
+                   for d in (step, -step))
+
     kinds = {(a.stage, a.mb): a.kind for acts in orders.values() for a in acts if a.kind in "BI"}
     end: Dict[Action, float] = {}
     start: Dict[Action, float] = {}
@@ -93,7 +110,7 @@ def simulate(orders: Mapping[Hashable, Sequence[Action]], duration: Callable[[Ac
                 if t is None:
                     break
                 s = max(t, free[d])
-                start[a], end[a] = s, s + duration(a)
+                start[a], end[a] = s, s + duration(a) + (overhead_s * crossings(a) if overhead_s else 0.0)
                 free[d] = end[a]
                 busy[d] += end[a] - s
                 pos[d] += 1

@@ -55,6 +55,36 @@ def test_sends_between_devices_delay_the_receiver() -> None:
     assert same.step_s == pytest.approx(10.0)  # same device: nothing is sent
 
 
+def test_each_send_costs_both_devices_their_own_time() -> None:
+    """The same two stages with a send overhead of 0.25: each of the two sends adds it to the
+    action that hands it on and to the one that takes it in, 4 x 0.25 on the critical path; on
+    one device nothing is sent and nothing is added. With 1F1B on 2 devices and 4 micro-batches,
+    every F and B has one crossing: each device is busy 8 x 0.25 longer."""
+    durations = {("F", 0): 1.0, ("F", 1): 2.0, ("B", 1): 4.0, ("B", 0): 3.0}
+    orders = {0: [Action("F", 0, 0), Action("B", 0, 0)], 1: [Action("F", 1, 0), Action("B", 1, 0)]}
+    cost = lambda a: durations[(a.kind, a.stage)]  # noqa: E731
+    t = simulate(orders, cost, [0, 1], send_s=lambda a: 0.5, overhead_s=0.25)
+    assert t.step_s == pytest.approx(1 + 0.5 + 2 + 4 + 0.5 + 3 + 4 * 0.25)
+    assert t.end[Action("F", 0, 0)] == pytest.approx(1.25)  # it hands its output on
+    assert t.start[Action("B", 0, 0)] == pytest.approx(8.0 + 3 * 0.25)
+    one = [Action("F", 0, 0), Action("F", 1, 0), Action("B", 1, 0), Action("B", 0, 0)]
+    assert simulate({0: one}, cost, [0, 0], overhead_s=0.25).step_s == pytest.approx(10.0)
+    base = simulate(torch_orders("1f1b", 2, 4), uniform(1.0, 2.0), [0, 1])
+    loaded = simulate(torch_orders("1f1b", 2, 4), uniform(1.0, 2.0), [0, 1], overhead_s=0.25)
+    for d in (0, 1):
+        assert loaded.busy_s[d] == pytest.approx(base.busy_s[d] + 8 * 0.25)
+    # a V keeps two stages on each device: the hand-over between them is no send
+    zbv = torch_orders("zbv", 2, 4)
+    where = placement("zbv", 2, 2)
+    plain = simulate(zbv, uniform(1.0, 1.0, 1.0), where)
+    with_cost = simulate(zbv, uniform(1.0, 1.0, 1.0), where, overhead_s=0.25)
+    assert where == [0, 1, 1, 0]
+    # per micro-batch, rank 0: F0 hands on to 1, I0 takes in from 1, F3 from 2, I3 hands back to 2;
+    # rank 1 the other ends of those four; F1 -> F2 and I2 -> I1 stay on rank 1; W sends nothing
+    for d in (0, 1):
+        assert with_cost.busy_s[d] == pytest.approx(plain.busy_s[d] + 4 * 4 * 0.25)
+
+
 def test_unequal_stages_are_bound_by_the_slowest() -> None:
     """GPipe with a stage twice as slow: step = f+b of the others once + M * slowest (its busy
     period) -- (1+2) * 1 ... checked against the hand schedule for K=2, M=3."""

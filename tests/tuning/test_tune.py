@@ -89,6 +89,7 @@ def test_a_model_is_timed_only_on_the_kind_of_device_named() -> None:
     ({"latency": "soon"}, "latency"),
     ({"zero_grad": "never"}, "zero_grad"),
     ({"latency": -1e-6}, "latency"),
+    ({"send_overhead": "1 tick"}, "send_overhead"),
 ])
 def test_bad_arguments_are_named(kwargs: dict, argument: str) -> None:
     with pytest.raises(ArgumentError) as info:
@@ -245,6 +246,19 @@ def test_every_send_between_devices_pays_the_latency() -> None:
     assert 2.0 - 1e-9 <= slow - free <= 4.0 + 1e-9
 
 
+def test_every_send_between_devices_costs_both_devices_the_overhead() -> None:
+    """1F1B, 2 stages, 2 micro-batches: each F and B hands on or takes in one send, so each
+    device is busy 4 x 1 s longer, and the step at least that much."""
+    with torch.device("meta"):
+        model = MLP()
+    x = torch.randn(16, 32)
+    options = dict(device_flops=1e12, bandwidth=1e11, schedules=("1f1b",), chunks=[2], checkpoint=("never",))
+    free = fxpipe.tune(model, x, 2, **options).best
+    busy = fxpipe.tune(model, x, 2, send_overhead="1s", **options).best
+    assert 4.0 - 1e-9 <= busy.step_s - free.step_s <= 8.0 + 1e-9
+    assert busy.bubble < free.bubble  # the overhead is the devices' own time, not idle
+
+
 def test_command_line_tunes_an_hf_model_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     from fxpipe.cli._main import main
@@ -252,7 +266,8 @@ def test_command_line_tunes_an_hf_model_on_meta(capsys: pytest.CaptureFixture[st
     code = main(["tune", "hf:llama", "--set", "num_hidden_layers=2", "--set", "hidden_size=64", "--set",
                  "intermediate_size=128", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
                  "--set", "vocab_size=128", "--devices", "2", "--memory", "1GiB", "--batch", "4x16",
-                 "--device-flops", "1e12", "--bandwidth", "1e11", "--chunks", "2", "4", "--no-progress"])
+                 "--device-flops", "1e12", "--bandwidth", "1e11", "--chunks", "2", "4", "--send-overhead", "20us",
+                 "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "best:" in out and "rank" in out
