@@ -8,6 +8,8 @@ the memory, :class:`~fxpipe.errors.MemoryBudgetError` names the one that needs t
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, List, Optional, Sequence, Union
 
 import torch
@@ -24,7 +26,7 @@ from ._memory import OPTIMIZER_STATES, ZERO_GRAD
 from ._orders import DISTRIBUTED_SCHEDULES
 from ._result import Tuning
 from ._search import Search, Settings
-from ._units import Seconds, Size, format_bytes, parse_bytes, parse_rate, parse_seconds
+from ._units import Seconds, Size, format_bytes, format_seconds, parse_bytes, parse_rate, parse_seconds
 
 __all__ = ["tune", "SCHEDULES"]
 
@@ -102,7 +104,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         checkpoint: the modes to consider; chunks: the micro-batch counts (default: the powers
             of two dividing the batch).
         link, latency: the link between devices, for the sends between stages: a send of ``n``
-            bytes takes ``latency + n / link`` (``'450GB/s'``; ``'20us'`` or seconds).
+            bytes takes ``latency + n / link`` (``'450GB/s'``; ``'20us'`` or seconds); ``link=None``:
+            bytes cost nothing.
         send_overhead: what each send costs the sending and the receiving device's own time (its
             host thread posts, waits for and completes it), not overlapped with compute: a few
             microseconds with NCCL; about a millisecond on gloo ranks sharing busy CPU cores,
@@ -189,7 +192,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
             skipped[name] = (f"fxpipe.distributed cuts every input along dim 0 (chunk_dims={chunk_dims!r} is "
                              "fxpipe.pipeline's)")
     settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
-                        parse_rate(link, "link") or 0.0, parse_seconds(latency, "latency"), optimizer, flops, bw,
+                        parse_rate(link, "link") or math.inf, parse_seconds(latency, "latency"), optimizer, flops, bw,
                         efficiency, torch_devices, skipped, balance_by, zero_grad,
                         send_overhead=parse_seconds(send_overhead, "send_overhead"), build=build)
     search = Search(model, checked, settings, as_progress(progress))
@@ -199,6 +202,11 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     notes = [f"costs from {costs}; "
              f"memory: parameters + gradients + {optimizer} state + activations"
              + (" + receive buffers (distributed)" if any(s != "gpipe" for s in schedules) else "")]
+    if len(set(labels)) > 1:  # sends between devices: what the user assumed, printed beside the times
+        per_byte = f" + bytes / {settings.link / 1e9:.3g} GB/s" if math.isfinite(settings.link) else ""
+        notes.append(f"a send between devices: {format_seconds(settings.latency)}{per_byte}, costing each of the "
+                     f"two devices {format_seconds(settings.send_overhead)} of its own time (link, latency, "
+                     "send_overhead)")
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()) and any(
             c.chunks > 1 for c in choices):
         notes.append("BatchNorm in training mode normalises each micro-batch on its own statistics (GPipe's "

@@ -15,7 +15,7 @@ from typing import Optional, Union
 from ..errors import ArgumentError
 from ..plan._value import human_bytes
 
-__all__ = ["parse_bytes", "parse_rate", "parse_seconds", "format_bytes", "Size", "Seconds"]
+__all__ = ["parse_bytes", "parse_rate", "parse_seconds", "format_bytes", "format_seconds", "Size", "Seconds"]
 
 _PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
            "ki": 1024.0, "mi": 1024.0 ** 2, "gi": 1024.0 ** 3, "ti": 1024.0 ** 4, "pi": 1024.0 ** 5}
@@ -80,3 +80,11 @@ def parse_seconds(value: Seconds, argument: str) -> float:
 
 #: 1536 -> '1.5 KiB': sizes are written as the plan writes them
 format_bytes = human_bytes
+
+
+def format_seconds(seconds: float) -> str:
+    """0.00098 -> ``'0.98 ms'``, 2e-05 -> ``'20 us'``: a time as the table's notes write it."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= 0.1 * scale:  # 0.98 ms rather than 980 us
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns" if seconds > 0 else "0"

@@ -257,6 +257,18 @@ def test_every_send_between_devices_costs_both_devices_the_overhead() -> None:
     busy = fxpipe.tune(model, x, 2, send_overhead="1s", **options).best
     assert 4.0 - 1e-9 <= busy.step_s - free.step_s <= 8.0 + 1e-9
     assert busy.bubble < free.bubble  # the overhead is the devices' own time, not idle
+    noted = str(fxpipe.tune(model, x, 2, latency="5us", send_overhead="0.98ms", link="4GB/s", **options))
+    assert "a send between devices: 5 us + bytes / 4 GB/s, costing each of the two devices 0.98 ms" in noted
+    # link=None: bytes cost nothing, only the latency
+    no_link = fxpipe.tune(model, x, 2, link=None, latency="1s", **options)
+    assert "a send between devices: 1 s, costing" in str(no_link)
+    assert 2.0 - 1e-6 <= no_link.best.step_s - free.step_s <= 4.0  # less the bytes free paid for
+
+
+def test_times_are_written_with_their_unit() -> None:
+    from fxpipe.tuning._units import format_seconds
+
+    assert [format_seconds(v) for v in (2.5, 9.8e-4, 2e-5, 3e-9, 0.0)] == ["2.5 s", "0.98 ms", "20 us", "3 ns", "0"]
 
 
 def test_command_line_tunes_an_hf_model_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
