@@ -93,7 +93,11 @@ def _collapse(graph: fx.Graph, leaf: str, sig: Any, nodes: list[fx.Node], by_nam
         return node
 
     inputs = [value(a) for a in sig.inputs]
-    args, kwargs = pytree.tree_unflatten(inputs, sig.in_spec)
+    try:
+        args, kwargs = pytree.tree_unflatten(inputs, sig.in_spec)
+    except ValueError:  # torch.export recorded no inputs: a call inside a region it wraps (torch.no_grad())
+        raise _refusal(leaf, f"torch.export recorded {len(inputs)} of its arguments (a call inside a region export "
+                       "wraps as one operation, such as torch.no_grad())") from None
     outputs = [None if isinstance(a, ConstantArgument) else by_name.get(a.name) for a in sig.outputs]
     # Buffer updates of the call: the module makes them itself when it runs eagerly.
     for node in list(graph.nodes):
@@ -135,7 +139,8 @@ def _collapse(graph: fx.Graph, leaf: str, sig: Any, nodes: list[fx.Node], by_nam
 
 def _refusal(leaf: str, why: str) -> TraceError:
     reason = f"the call of '{leaf}' cannot be kept as one node under torch.export: {why}"
-    return TraceError(f"fxpipe cannot keep leaf_modules entry '{leaf}' opaque: {reason}.\n"
-                      f"What to do: keep a module that encloses it opaque instead, or drop '{leaf}' from "
-                      "leaf_modules (it is then traced through and split like the rest).",
-                      module=leaf, reason=reason)
+    return TraceError(f"fxpipe cannot keep '{leaf}' opaque (it is in leaf_modules, or it has hooks, which run on "
+                      f"each of its calls only while it is kept whole): {reason}.\n"
+                      f"What to do: keep a module that encloses it opaque instead (leaf_modules=[...]); or drop "
+                      f"'{leaf}' from leaf_modules, or move its hooks to an enclosing module, so that it is traced "
+                      "through and split like the rest.", module=leaf, reason=reason)

@@ -7,7 +7,8 @@ hooks is therefore kept opaque: its ``__call__``, hooks included, runs inside it
 each micro-batch (and again when a checkpointed stage recomputes, as with torchgpipe).
 Standard torch.nn layers are kept too: torch.fx calls them anyway, but torch.export would go
 into an ``nn.Embedding`` and run its hook once (transformers' ``gradient_checkpointing_enable``
-hooks the input embeddings). The model's own (root) hooks cannot be kept:
+hooks the input embeddings). Under torch.export a kept module is traced and then collapsed
+into one node, so its hooks also run once while capturing, on fake tensors. The model's own (root) hooks cannot be kept:
 the pipeline calls the stages, never the model, so they are refused; the pipeline is a
 module, and hooks registered on it run around each call.
 """
@@ -55,8 +56,8 @@ def hooked_modules(model: nn.Module, already_opaque: Callable[[nn.Module], bool]
     :class:`TraceError` when the model itself has hooks.
 
     ``already_opaque``: modules kept whole whatever the capture (``leaf_modules``). A warning
-    names each module except those ``quiet`` allows (a torch.nn layer runs per call anyway, so
-    keeping it opaque changes nothing a user would have seen)."""
+    names each module except those ``quiet`` allows: a torch.nn layer, whose hooks a user
+    expects to run on each call, as they do (torch.fx never goes into one)."""
     if has_hooks(model):
         raise TraceError(
             f"{type(model).__name__} itself has forward or backward hooks: a pipeline runs its stages, never "
@@ -69,7 +70,7 @@ def hooked_modules(model: nn.Module, already_opaque: Callable[[nn.Module], bool]
         if quiet(model.get_submodule(name)):
             continue
         warnings.warn(f"fxpipe: {name!r} ({type(model.get_submodule(name)).__name__}) has hooks: kept opaque, so "
-                      "they run on each of its calls instead of once while tracing: once per micro-batch, "
+                      "they run on each of its calls, not only once while tracing: once per micro-batch, "
                       "seeing that micro-batch (not the whole batch), and again when a checkpointed stage "
                       "recomputes (fxpipe.runtime._checkpoint.is_recomputing() tells the two "
                       "apart)", stacklevel=3)

@@ -202,7 +202,7 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or isinstance(m, self.leaf_types):
-            if qualname not in self.opaque and not _is_standard_layer(m):  # a hooked nn layer is one anyway
+            if qualname not in self.opaque:
                 self.opaque.append(qualname)
             return True
         return _is_standard_layer(m)

@@ -239,9 +239,9 @@ def _describe_opaque(captured: Capture, graph: nx.DiGraph, name: str) -> tuple[s
                     "change such as use_cache=False often does it), or move the untraceable lines into a small "
                     "submodule of their own: fxpipe then keeps only that one opaque and cuts the rest.")
         if target in captured.leaves:
-            return (f"the module '{target}' ({kind}), kept opaque by leaf_modules",
-                    f"Remove '{target}' from leaf_modules (or list some of its submodules instead) so fxpipe "
-                    "can cut inside it.")
+            return (f"the module '{target}' ({kind}), kept opaque by leaf_modules or for its hooks",
+                    f"Remove '{target}' from leaf_modules (or list some of its submodules instead), or move its "
+                    "hooks to an enclosing module, so fxpipe can cut inside it.")
         return (f"the torch.nn layer '{target}' ({kind}), which fxpipe keeps whole",
                 "Use fewer stages, or build that part of the model from smaller layers.")
     module = str(data.get("module") or "")

@@ -231,5 +231,5 @@ def test_a_call_whose_insides_are_read_elsewhere_is_refused_naming_it() -> None:
     assert isinstance(got, _Failure) and isinstance(got.refusal, TraceError)
     assert got.refusal.module == "leaky"
     msg = str(got.refusal)
-    assert "leaf_modules entry 'leaky'" in msg and "a value inside the call that it does not return" in msg
-    assert "keep a module that encloses it opaque instead, or drop 'leaky'" in msg
+    assert "cannot keep 'leaky' opaque (it is in leaf_modules" in msg and "a value inside the call that it does not return" in msg
+    assert "keep a module that encloses it opaque instead (leaf_modules=[...]); or drop 'leaky' from leaf_modules" in msg

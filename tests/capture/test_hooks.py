@@ -52,3 +52,49 @@ def test_hooks_on_the_model_itself_are_refused():
     model.register_forward_hook(lambda m, i, o: o + 1)
     with pytest.raises(TraceError, match="itself has forward or backward hooks.*register them on the pipeline"):
         fxpipe.pipeline(model, torch.randn(6, 8), 2, devices=["cpu"] * 2, balance_by="params")
+
+
+class Branchy(nn.Module):
+    """torch.fx cannot trace it (a Python ``if`` on a shape): captured by torch.export."""
+
+    def __init__(self, no_grad_b: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.no_grad_b = no_grad_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if x.shape[1] == 8:
+            h = h + 1
+        if self.no_grad_b:
+            with torch.no_grad():
+                t = self.b(h)
+            return self.c(h + t)
+        return self.c(torch.relu(self.b(h)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hooked_torch_layer_runs_per_micro_batch_under_torch_export(mode):
+    """torch.export goes into torch.nn layers; a hooked one is kept opaque there too, its hook
+    run on each micro-batch (and recomputation), not baked in once. No warning: a torch.nn
+    layer's hooks are expected to run per call."""
+    model = Branchy()
+    calls = []
+    model.b.register_forward_hook(lambda m, i, o: o * 2)  # changes the output: must stay exact
+    model.b.register_forward_hook(lambda m, i, o: calls.append(o.shape[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fxpipe warning about the hooks
+        pipe = assert_exact(model, (torch.randn(6, 8),), 2, chunks=3, checkpoint=mode, balance_by="params")
+    assert pipe.capture.method == "export" and "b" in pipe.capture.leaves
+    calls.clear()
+    pipe(torch.randn(6, 8)).sum().backward()
+    recomputed = {"never": 0, "except_last": 2, "always": 3}[mode]
+    assert calls == [2] * (3 + recomputed)  # each micro-batch, and each recomputation
+
+
+def test_hooked_torch_layer_under_no_grad_is_refused_by_name_under_torch_export():
+    model = Branchy(no_grad_b=True)
+    model.b.register_forward_hook(lambda m, i, o: None)
+    with pytest.raises(TraceError, match=r"cannot keep 'b' opaque \(it is in leaf_modules, or it has hooks.*no_grad"):
+        fxpipe.pipeline(model, torch.randn(6, 8), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")

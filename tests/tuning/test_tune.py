@@ -283,6 +283,7 @@ def test_command_line_tunes_an_hf_model_on_meta(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert code == 0, out
     assert "best:" in out and "rank" in out
+    assert "costing each of the two devices 20 us of its own time" in out  # --send-overhead reached tune
 
 
 def test_command_line_refusal_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
