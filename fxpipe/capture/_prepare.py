@@ -235,7 +235,8 @@ def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: d
     return ""
 
 
-def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str], deterministic: bool) -> None:
+def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str], deterministic: bool,
+                  pre_hooked: Sequence[str] = ()) -> None:
     """Refuses a captured graph that does not reproduce the model on the sample.
 
     ``eager`` is the model's own output and ``graph_leaves`` the graph's flat outputs, both
@@ -243,6 +244,9 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
     a forward that changes Python state (``self.calls += 1`` on an int attribute) runs that
     code once, while torch.fx traces, and the graph keeps the value it had then as a
     constant. Values are compared only when the graph is deterministic (``deterministic``).
+    ``pre_hooked``: modules kept opaque under torch.export that have forward pre-hooks, named as
+    the other known cause: export records a kept module's call with the arguments its pre-hooks
+    returned, so a pre-hook that returns new arguments runs again on them.
     """
     leaves, _ = flatten(eager)
     if len(leaves) != len(graph_leaves):
@@ -250,9 +254,13 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
     for name, a, b in zip(names, leaves, graph_leaves):
         if not same_value(a, b, values=deterministic):
             label = f"output {name!r}" if name else "the output"
+            hooks = (f" Or, here: {', '.join(map(repr, pre_hooked))} kept opaque under torch.export with forward "
+                     "pre-hooks: a pre-hook that returns new arguments is applied to what it already returned. "
+                     "What to do then: apply that change inside the module's forward, or register the hook on "
+                     "an enclosing module.") if pre_hooked else ""
             raise TraceError(
                 f"the captured graph does not reproduce the model on the sample: {label} differs from "
                 "model(*sample). A known cause: a forward that changes Python state (`self.calls += 1` on "
                 "an int attribute): torch.fx runs it once while tracing and the graph keeps the value it "
                 "had then as a constant. What to do: move that update out of forward (the pipeline runs "
-                "forward once per micro-batch, not once per call).")
+                "forward once per micro-batch, not once per call)." + hooks)

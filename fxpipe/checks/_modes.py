@@ -100,6 +100,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
     runs_eval = not prepared.mode_sensitive or not model.training
     runs_train = not prepared.mode_sensitive or model.training
     batching: Optional[Batching] = None
+    pre_hooked = [name for name in captured.leaves if not fx_graph and model.get_submodule(name)._forward_pre_hooks]
 
     def blame_in(mode: Mode, always: bool) -> Callable[[List[List[Any]]], str]:
         return lambda micro: "" if meta else first_difference(gm, model, flat, micro, mode, always)
@@ -118,13 +119,14 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
             with preserved(model):
                 eager = sample_run(lambda: model(*args, **kwargs), model, mode)
             try:
-                check_capture(eager, whole, batching.out_names, deterministic)  # type: ignore[union-attr]
+                check_capture(eager, whole, batching.out_names, deterministic,  # type: ignore[union-attr]
+                              pre_hooked)
             except TraceError:
                 # deterministic may rest on fxpipe.runtime._randomness alone: confirm before refusing
                 with preserved(model):
                     if not deterministic or reruns_same(gm, model, flat, whole, mode):
                         raise
-                check_capture(eager, whole, batching.out_names, False)  # type: ignore[union-attr]
+                check_capture(eager, whole, batching.out_names, False, pre_hooked)  # type: ignore[union-attr]
 
     if runs_eval:
         batching, whole, deterministic = run_checks(evaluating, blame=blame_in(evaluating, always=False))

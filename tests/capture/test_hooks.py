@@ -98,3 +98,18 @@ def test_hooked_torch_layer_under_no_grad_is_refused_by_name_under_torch_export(
     model.b.register_forward_hook(lambda m, i, o: None)
     with pytest.raises(TraceError, match=r"cannot keep 'b' opaque \(it is in leaf_modules, or it has hooks.*no_grad"):
         fxpipe.pipeline(model, torch.randn(6, 8), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
+
+
+def test_a_pre_hook_changing_the_arguments_under_torch_export_is_refused_naming_it():
+    """torch.export records a kept module's call with the arguments its pre-hooks returned, so
+    the kept call would apply such a hook twice: the build's check against eager refuses it,
+    naming the module. A pre-hook that returns nothing (weight_norm's, prune's) stays exact."""
+    model = Branchy()
+    model.b.register_forward_pre_hook(lambda m, args: (args[0] * 3,))
+    with pytest.raises(TraceError, match=r"'b' kept opaque under torch.export with forward pre-hooks"):
+        fxpipe.pipeline(model, torch.randn(6, 8), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
+    model = Branchy()
+    seen = []
+    model.b.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    pipe = assert_exact(model, (torch.randn(6, 8),), 2, chunks=3, balance_by="params")
+    assert pipe.capture.method == "export" and "b" in pipe.capture.leaves
