@@ -220,3 +220,34 @@ def test_output_hidden_states_gives_the_same_graph_at_every_build():
                                 plan=first.plan)
     assert [str(s.code) for s in second.stages] == [str(s.code) for s in first.stages]
     assert not second.capture.leaves
+
+
+def test_outputs_recorded_by_hooks_on_a_module_kept_whole_are_not_lost():
+    """transformers records ``hidden_states`` / ``attentions`` with hooks that run only inside
+    the model's own forward. A module torch.fx keeps whole (a ``leaf_modules`` entry, or one fx
+    cannot trace, as RoBERTa's eager self-attention) never runs them while tracing: the graph
+    returned the output without those entries, silently. The capture now goes to torch.export,
+    which runs a kept module's hooks, and the pipeline returns every entry, exact."""
+    torch.manual_seed(0)
+    model = transformers.BertModel(bert_config()).eval()
+    ids, mask = inputs()
+    kw = {"attention_mask": mask, "output_hidden_states": True}
+
+    def loss(o):
+        return weighted(o.last_hidden_state) + sum(weighted(h, k + 2) for k, h in enumerate(o.hidden_states))
+
+    layer = type(model.encoder.layer[0])
+    pipe = exact.assert_exact(model, (ids,), 2, kwargs=kw, chunks=2, balance_by="params", loss=loss,
+                              leaf_modules=[layer])
+    assert pipe.capture.method == "export"
+    assert len(pipe(ids, **kw).hidden_states) == len(model(ids, **kw).hidden_states) == 3
+    config = transformers.RobertaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation="eager", pad_token_id=1)
+    roberta = transformers.RobertaForMaskedLM(config).eval()
+    kw = {"output_attentions": True}
+    ids = ids % (VOCAB - 2) + 2  # no padding id (1)
+    pipe = exact.assert_exact(roberta, (ids,), 2, kwargs=kw, chunks=2, balance_by="params",
+                              loss=lambda o: weighted(o.logits) + sum(weighted(a) for a in o.attentions))
+    assert len(pipe(ids, **kw).attentions) == 2

@@ -15,6 +15,8 @@ module, and hooks registered on it run around each call.
 
 from __future__ import annotations
 
+import inspect
+import sys
 import warnings
 from typing import Any, Callable, Dict, List
 
@@ -22,7 +24,7 @@ from torch import nn
 
 from ..errors import TraceError
 
-__all__ = ["HOOK_DICTS", "has_hooks", "hooked_modules", "holds_live_hook"]
+__all__ = ["HOOK_DICTS", "has_hooks", "hooked_modules", "holds_live_hook", "records_now"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -39,6 +41,27 @@ def _records_while_tracing(hook: Any) -> bool:
     """
     return getattr(hook, "__module__", None) == "transformers.utils.output_capturing" and \
         getattr(hook, "__name__", None) == "output_capturing_hook"
+
+
+def records_now(module: nn.Module) -> bool:
+    """Whether one of transformers' output-capturing hooks on ``module`` would record if it ran
+    now: the collector is active (inside the model's forward) and asks for what it records.
+
+    Tracing through such a hook is exact; a module kept whole while torch.fx traces never runs
+    it, so what it records (``hidden_states``, ``attentions``) would be missing from the graph's
+    output, and in the stages, where no collector is active, it records nothing either.
+    """
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    collected = collector.get() if collector is not None else None
+    if not collected:
+        return False
+    for hook in module._forward_hooks.values():
+        if _records_while_tracing(hook):
+            key = inspect.getclosurevars(hook).nonlocals.get("key")
+            if key is None or key in collected:
+                return True
+    return False
 
 
 def holds_live_hook(hooks: Dict[Any, Any]) -> bool:

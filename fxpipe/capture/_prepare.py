@@ -37,7 +37,7 @@ from ._mutation import Mutations, find_and_fix_mutations
 from ._open_outputs import open_output_containers
 from ..progress import Progress
 from ..runtime._randomness import generator_states, set_generator_states
-from ..tree import flatten
+from ..tree import flatten, leaf_names
 from ._user_code import is_user_file
 
 __all__ = ["Prepared", "prepare", "preserved", "mode_sensitivity", "check_capture"]
@@ -235,6 +235,10 @@ def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: d
     return ""
 
 
+#: what fxpipe.tree leaves as a leaf and a graph returns as one value
+_PLAIN = (torch.Tensor, int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
 def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str], deterministic: bool,
                   pre_hooked: Sequence[str] = ()) -> None:
     """Refuses a captured graph that does not reproduce the model on the sample.
@@ -250,7 +254,20 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
     """
     leaves, _ = flatten(eager)
     if len(leaves) != len(graph_leaves):
-        return  # objects fxpipe.tree does not open (a transformers cache): the capture took them apart
+        # The structures differ (objects fxpipe.tree does not open, such as a transformers cache,
+        # come out of the capture taken apart): only fewer tensors than eager's is a loss.
+        tensors = sum(isinstance(v, torch.Tensor) for v in leaves)
+        if any(not isinstance(v, _PLAIN) for v in leaves) or sum(
+                isinstance(v, torch.Tensor) for v in graph_leaves) >= tensors:
+            return
+        missing = [n for n in leaf_names(eager) if n not in set(names)] or ["?"]
+        raise TraceError(
+            f"the captured graph does not reproduce the model on the sample: it returns {len(graph_leaves)} values "
+            f"where model(*sample) returns {len(leaves)}; missing: {', '.join(missing[:6])}"
+            f"{', ...' if len(missing) > 6 else ''}. A known cause: something that records outputs while the "
+            "model's own forward runs (a hook collecting into a list, transformers' output_hidden_states) on a "
+            "module kept whole. What to do: leave that output out of the call, or make the module traceable "
+            "(remove it from leaf_modules).")
     for name, a, b in zip(names, leaves, graph_leaves):
         if not same_value(a, b, values=deterministic):
             label = f"output {name!r}" if name else "the output"

@@ -15,7 +15,7 @@ from ..errors import TraceError
 from ._export import _Failure
 from ._user_code import is_user_file
 
-__all__ = ["trace_error", "output_error", "user_frame", "reason_of", "describe"]
+__all__ = ["trace_error", "output_error", "lost_records_error", "user_frame", "reason_of", "describe"]
 
 
 def user_frame(exc: BaseException) -> str:
@@ -90,3 +90,16 @@ def output_error(model: nn.Module, bad: str) -> TraceError:
     else:
         todo = f"make {name}.forward return tensors (or tuples, dicts, dataclasses of them) instead"
     return TraceError(f"fxpipe cannot pipeline {name}: {reason}.\nWhat to do: {todo}.", reason=reason)
+
+
+def lost_records_error(modules: list[str], error: BaseException) -> TraceError:
+    """torch.fx kept ``modules`` whole, and transformers records their outputs with a hook that
+    runs only while the model's own forward does; torch.export, which would run it, failed."""
+    names = ", ".join(map(repr, modules[:3])) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+    reason = "transformers records their outputs with hooks that run only inside the model's own forward"
+    return TraceError(
+        f"{names} would be kept whole by torch.fx, and {reason} (output_hidden_states, output_attentions, ...): "
+        f"the pipeline would return those outputs without their entries. torch.export, which runs them, failed: "
+        f"{reason_of(error)}. What to do: leave those outputs out of the call (and the config), or make "
+        "the modules traceable (remove them from leaf_modules; a transformers config change such as "
+        "attn_implementation='sdpa' or use_cache=False often does it).", module=modules[0], reason=reason)

@@ -34,10 +34,10 @@ from ._custom_functions import applying_as_nodes, autograd_function_in, refusing
 from ._call_inputs import call_signature, fixed_dims, flatten_call
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
-from ._trace_errors import describe, output_error, reason_of, trace_error, user_frame
+from ._trace_errors import describe, lost_records_error, output_error, reason_of, trace_error, user_frame
 from ._export_leaves import leaf_paths
 from ..errors import TraceError
-from ._hooks import hooked_modules
+from ._hooks import hooked_modules, records_now
 from ._grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_values
 from ._mutation import KEEP_REASON, KEEP_WITH
 from ._opaque_calls import OpaqueCalls
@@ -193,6 +193,7 @@ class _Tracer(fx.Tracer):
         self.stack: list[str] = [""]
         self.failure_stack: list[str] | None = None
         self.opaque: list[str] = []  # non-standard leaves actually used
+        self.lost_records: list[str] = []  # leaves whose transformers output hook would record (capture._hooks)
         self.regions = RegionRecorder()  # grad-mode / autocast `with` blocks (fxpipe.capture._grad_regions)
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
@@ -208,7 +209,10 @@ class _Tracer(fx.Tracer):
         return _is_standard_layer(m)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
-        self.stack.append(self.path_of_module(m))
+        path = self.path_of_module(m)
+        if m._forward_hooks and self.is_leaf_module(m, path) and records_now(m) and path not in self.lost_records:
+            self.lost_records.append(path)
+        self.stack.append(path)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -234,14 +238,15 @@ class _Tracer(fx.Tracer):
 
 
 def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
-              leaf_names: set[str]) -> tuple[fx.Graph, list[str], list[_Failure], list[AttrRead]] | _Failure:
+              leaf_names: set[str]
+              ) -> tuple[fx.Graph, list[str], list[_Failure], list[AttrRead], list[str]] | _Failure:
     auto: list[_Failure] = []
     for _ in range(_MAX_RETRIES):
         tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
         try:
             with AttributeReads(model) as reads:  # fx runs no leaf: every read is the traced code's
                 graph = tracer.trace(root)
-            return graph, tracer.opaque, auto, reads.reads()
+            return graph, tracer.opaque, auto, reads.reads(), tracer.lost_records
         except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
             stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
             if not stack:
@@ -280,10 +285,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
 
     with refusing_reentrant_checkpoint():  # while tracing only: the checks run the real one
         fx_res = _trace_fx(model, root, leaf_types, leaf_names)
+    lost_records: list[str] = []
     if not isinstance(fx_res, _Failure):
-        graph, opaque, auto, fx_reads = fx_res
+        graph, opaque, auto, fx_reads, lost_records = fx_res
         fx_out_spec = out_specs[-1]
-        if not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE:
+        # lost records: the graph would lack what their hooks record; torch.export runs a kept module's hooks
+        if not lost_records and (not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE):
             return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
     kept = leaf_paths(model, [*leaf_types, *leaf_names])  # export traces them too: their reads are their own
     kept_modules = [model.get_submodule(p) for p in kept]
@@ -311,6 +318,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         # The fx graph returns the same object, from an opaque node: each micro-batch would
         # make one and only the first could be returned. Refuse rather than mislead.
         raise output_error(model, ex_res.bad_output) from ex_res.error
+    if lost_records:
+        raise lost_records_error(lost_records, ex_res.error) from ex_res.error
     if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
         return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
     for failure in (ex_res, fx_res):  # said plainly rather than as a capture failure

@@ -113,3 +113,24 @@ def test_a_pre_hook_changing_the_arguments_under_torch_export_is_refused_naming_
     model.b.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
     pipe = assert_exact(model, (torch.randn(6, 8),), 2, chunks=3, balance_by="params")
     assert pipe.capture.method == "export" and "b" in pipe.capture.leaves
+
+
+def test_a_hook_collecting_outputs_into_the_return_value_is_refused_not_lost():
+    """A hook on a module kept whole for it runs per micro-batch inside a stage, never while
+    the graph is traced: what it collects into the model's return value would be missing. The
+    capture check refuses the graph, naming the missing output."""
+
+    class Collects(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.store: list = []
+
+        def forward(self, x: torch.Tensor) -> dict:
+            self.store = []
+            return {"out": self.b(self.a(x)), "feats": tuple(self.store)}
+
+    model = Collects()
+    model.a.register_forward_hook(lambda m, i, o: model.store.append(o))
+    with pytest.raises(TraceError, match=r"returns 1 values where model\(\*sample\) returns 2; missing: feats\.0"):
+        fxpipe.pipeline(model, torch.randn(4, 4), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
