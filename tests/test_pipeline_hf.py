@@ -251,3 +251,20 @@ def test_outputs_recorded_by_hooks_on_a_module_kept_whole_are_not_lost():
     pipe = exact.assert_exact(roberta, (ids,), 2, kwargs=kw, chunks=2, balance_by="params",
                               loss=lambda o: weighted(o.logits) + sum(weighted(a) for a in o.attentions))
     assert len(pipe(ids, **kw).attentions) == 2
+
+
+def test_outputs_hooks_record_are_refused_by_name_when_torch_export_fails_too(monkeypatch):
+    """Where torch.export cannot capture the model either, the fx graph (which would lose those
+    outputs) is not used: a TraceError names the module kept whole and what to do."""
+    from fxpipe.capture import _tracing
+    from fxpipe.capture._export import _Failure
+    from fxpipe.errors import TraceError
+
+    monkeypatch.setattr(_tracing, "export_graph", lambda *a, **k: _Failure("", RuntimeError("export refused it")))
+    torch.manual_seed(0)
+    model = transformers.BertModel(bert_config()).eval()
+    ids, _ = inputs()
+    with pytest.raises(TraceError, match=r"'encoder.layer.0' .*would be kept whole by torch.fx.*export refused it"
+                                         r".*What to do: leave those outputs out of the call"):
+        fxpipe.pipeline(model, ids, 2, chunks=2, devices=["cpu"] * 2, sample_kwargs={"output_hidden_states": True},
+                        leaf_modules=["encoder.layer.0"], balance_by="params")
