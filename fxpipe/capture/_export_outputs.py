@@ -19,10 +19,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["unsupported_output", "encoding_root", "compose_out_spec"]
+__all__ = ["unsupported_output", "encoding_root", "compose_out_spec", "cache_base"]
 
 
-def _cache_base() -> type | None:
+def cache_base() -> type | None:
+    """transformers' ``Cache`` class, or None when no model has imported it."""
     mod = sys.modules.get("transformers.cache_utils")  # a model returning one has imported it
     return getattr(mod, "Cache", None)
 
@@ -170,7 +171,7 @@ def unsupported_output(value: Any) -> str:
     (checked there); any other object holding tensors cannot: micro-batches would each
     produce one, and only the first micro-batch's could be returned.
     """
-    base = _cache_base()
+    base = cache_base()
     if base is not None and isinstance(value, base):
         try:
             _CacheTemplate(value, base)
@@ -184,7 +185,7 @@ def unsupported_output(value: Any) -> str:
 
 def _encode_leaves(leaves: Sequence[Any], record: dict[str, Any]) -> tuple[Any, ...]:
     """Output leaves with caches replaced by their tensors; specs and problems go to ``record``."""
-    base = _cache_base()
+    base = cache_base()
     out: list[Any] = []
     specs: list[pytree.TreeSpec | None] = []
     problems: list[str] = []

@@ -34,6 +34,7 @@ from ._tracing import Capture, capture
 from ._values import same_value
 from ..errors import MutationError, TraceError
 from ._mutation import Mutations, find_and_fix_mutations
+from ._export_outputs import cache_base
 from ._open_outputs import open_output_containers
 from ..progress import Progress
 from ..runtime._randomness import generator_states, set_generator_states
@@ -235,8 +236,10 @@ def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: d
     return ""
 
 
-#: what fxpipe.tree leaves as a leaf and a graph returns as one value
-_PLAIN = (torch.Tensor, int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.Size)
+def _is_cache(value: Any) -> bool:
+    """A transformers cache (``DynamicCache``...): the only object the capture takes apart."""
+    base = cache_base()
+    return base is not None and isinstance(value, base)
 
 
 def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str], deterministic: bool,
@@ -254,11 +257,10 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
     """
     leaves, _ = flatten(eager)
     if len(leaves) != len(graph_leaves):
-        # The structures differ (objects fxpipe.tree does not open, such as a transformers cache,
-        # come out of the capture taken apart): only fewer tensors than eager's is a loss.
-        tensors = sum(isinstance(v, torch.Tensor) for v in leaves)
-        if any(not isinstance(v, _PLAIN) for v in leaves) or sum(
-                isinstance(v, torch.Tensor) for v in graph_leaves) >= tensors:
+        # A transformers cache (which fxpipe.tree does not open) comes out of the capture taken
+        # apart into its tensors, so the counts differ; otherwise a graph returning fewer values
+        # than the model lost some (what a hook collected while the model's forward ran).
+        if len(graph_leaves) > len(leaves) or any(_is_cache(v) for v in leaves):
             return
         missing = [n for n in leaf_names(eager) if n not in set(names)] or ["?"]
         raise TraceError(

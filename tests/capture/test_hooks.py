@@ -115,10 +115,12 @@ def test_a_pre_hook_changing_the_arguments_under_torch_export_is_refused_naming_
     assert pipe.capture.method == "export" and "b" in pipe.capture.leaves
 
 
-def test_a_hook_collecting_outputs_into_the_return_value_is_refused_not_lost():
+@pytest.mark.parametrize("collected", ["tensor", "int", "tensor beside a slice"])
+def test_a_hook_collecting_outputs_into_the_return_value_is_refused_not_lost(collected):
     """A hook on a module kept whole for it runs per micro-batch inside a stage, never while
-    the graph is traced: what it collects into the model's return value would be missing. The
-    capture check refuses the graph, naming the missing output."""
+    the graph is traced: what it collects into the model's return value would be missing,
+    whether tensors or Python values, beside whatever else the output holds. The capture check
+    refuses the graph, naming the missing output."""
 
     class Collects(nn.Module):
         def __init__(self) -> None:
@@ -128,9 +130,12 @@ def test_a_hook_collecting_outputs_into_the_return_value_is_refused_not_lost():
 
         def forward(self, x: torch.Tensor) -> dict:
             self.store = []
-            return {"out": self.b(self.a(x)), "feats": tuple(self.store)}
+            out = {"out": self.b(self.a(x)), "feats": tuple(self.store)}
+            if collected == "tensor beside a slice":
+                out["window"] = slice(0, 2)  # a leaf fxpipe.tree does not open
+            return out
 
     model = Collects()
-    model.a.register_forward_hook(lambda m, i, o: model.store.append(o))
-    with pytest.raises(TraceError, match=r"returns 1 values where model\(\*sample\) returns 2; missing: feats\.0"):
+    model.a.register_forward_hook(lambda m, i, o: model.store.append(o.shape[-1] if collected == "int" else o))
+    with pytest.raises(TraceError, match=r"returns \d values where model\(\*sample\) returns \d; missing: feats\.0"):
         fxpipe.pipeline(model, torch.randn(4, 4), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
