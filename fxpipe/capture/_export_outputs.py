@@ -164,6 +164,24 @@ pytree.register_pytree_node(
 )
 
 
+class _SizeNode:
+    """Pytree stand-in for a ``torch.Size`` in a model's output: torch.export returns its
+    numbers one by one, where ``fxpipe.tree`` keeps a Size whole (one leaf)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = values
+
+
+pytree.register_pytree_node(
+    _SizeNode,
+    lambda n: (list(n.values), None),
+    lambda values, _: torch.Size(values),
+    serialized_type_name="fxpipe.capture._export_outputs._SizeNode",
+)
+
+
 def unsupported_output(value: Any) -> str:
     """Why an output leaf cannot be returned faithfully, or '' when it can.
 
@@ -184,7 +202,8 @@ def unsupported_output(value: Any) -> str:
 
 
 def _encode_leaves(leaves: Sequence[Any], record: dict[str, Any]) -> tuple[Any, ...]:
-    """Output leaves with caches replaced by their tensors; specs and problems go to ``record``."""
+    """Output leaves with caches replaced by their tensors and sizes by their numbers; specs and
+    problems go to ``record``."""
     base = cache_base()
     out: list[Any] = []
     specs: list[pytree.TreeSpec | None] = []
@@ -199,6 +218,10 @@ def _encode_leaves(leaves: Sequence[Any], record: dict[str, Any]) -> tuple[Any, 
                 specs.append(None)
                 continue
             sub, spec = pytree.tree_flatten(_CacheNode(tpl, tpl.tensors(leaf)))
+            out += sub
+            specs.append(spec)
+        elif isinstance(leaf, torch.Size):
+            sub, spec = pytree.tree_flatten(_SizeNode(list(leaf)))
             out += sub
             specs.append(spec)
         else:

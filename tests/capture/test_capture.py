@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
+import fxpipe
 from fxpipe.capture._tracing import Capture, TraceError, capture, flatten_output, retarget_devices
 from fxpipe.errors import ModeError
 try:
@@ -395,3 +396,26 @@ def test_model_eval_alone_switches_the_pipeline_too():
         pipe(x)
     model.train()
     torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_torch_size_output_under_torch_export_is_rebuilt():
+    """torch.export returns a ``torch.Size`` output number by number, where the output spec
+    holds it whole: the pipeline's build crashed in pytree's unflatten. It is rebuilt."""
+
+    class Sized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor):
+            if x.shape[2] == 8:  # torch.fx cannot trace this: torch.export captures the model
+                x = x * 2
+            return self.a(x), x.shape[1:]
+
+    model = Sized()
+    x = torch.randn(4, 3, 8)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
+    assert pipe.capture.method == "export"
+    out, size = pipe(x)
+    assert isinstance(size, torch.Size) and size == model(x)[1] == torch.Size([3, 8])
+    torch.testing.assert_close(out, model(x)[0])
