@@ -107,7 +107,7 @@ class ParamPaths(nn.Module):
 class SharedLayers(nn.Module):
     """ALBERT-style sharing: one Linear and one LayerNorm applied at every depth, so each stage
     uses them more than once (torch's zero-bubble weight pass frees what the next parameter
-    group needs: fxpipe.distributed._split_backward.reused_parameters)."""
+    group needs: fxpipe.distributed._split_backward.incomplete_parameters)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -40,42 +40,41 @@ from torch.autograd.graph import Node, get_gradient_edge
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
                                                     reverse_closure)
 
-__all__ = ["backward_pass", "input_pass", "missed_parameters", "reused_parameters"]
+__all__ = ["backward_pass", "input_pass", "incomplete_parameters"]
 
 
-def missed_parameters(outputs: Sequence[torch.Tensor], inputs: Sequence[Any],
-                      params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters with a path to ``outputs`` that avoids every node depending on an
-    input needing grad: the weight pass would miss (part of) their gradient."""
+def incomplete_parameters(outputs: Sequence[torch.Tensor], inputs: Sequence[Any],
+                          params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters needing grad whose gradient torch's weight pass would not complete: one
+    with a path to ``outputs`` that avoids every node depending on an input needing grad (the
+    weight pass would miss part of it), or one that more than one node of the graph reads (the
+    weight pass would run into nodes another group frees: module docstring). One reverse
+    graph serves both questions: this runs on every micro-batch's input pass."""
     out_nodes: list[Node] = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
-    reverse = construct_reverse_graph(out_nodes)
+    reverse = construct_reverse_graph(out_nodes)  # node -> the nodes whose next_functions hold it
     in_nodes = [_get_grad_fn_or_grad_acc(x) for x in inputs if isinstance(x, torch.Tensor)]
     from_inputs, _ = reverse_closure([n for n in in_nodes if n is not None], set(), reverse)
     ends = set(out_nodes)
-    missed = []
+    found = []
     for p in params:
         if not p.requires_grad:
             continue
-        reached, _ = reverse_closure([_get_grad_fn_or_grad_acc(p)], from_inputs, reverse)
-        if reached & ends:
-            missed.append(p)
-    return missed
-
-
-def reused_parameters(outputs: Sequence[torch.Tensor], params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters needing grad that more than one node of the graph behind ``outputs``
-    reads: torch's weight pass would run into nodes another group frees (module docstring)."""
-    out_nodes: list[Node] = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
-    readers = construct_reverse_graph(out_nodes)  # node -> the nodes whose next_functions hold it
-    return [p for p in params if p.requires_grad and len(set(readers.get(_get_grad_fn_or_grad_acc(p), ()))) > 1]
+        node = _get_grad_fn_or_grad_acc(p)
+        if len(set(reverse.get(node, ()))) > 1:  # reused
+            found.append(p)
+            continue
+        reached, _ = reverse_closure([node], from_inputs, reverse)
+        if reached & ends:  # missed
+            found.append(p)
+    return found
 
 
 def input_pass(bwd_kwargs: dict, params: Sequence[nn.Parameter],
                run: Callable[[], tuple[tuple[Optional[torch.Tensor], ...], Any]]) -> tuple[Any, Any]:
     """torch's input-gradient pass ``run()`` (returning input grads and parameter groups),
-    followed, when :func:`missed_parameters` or :func:`reused_parameters` finds any, by the
-    stage's whole weight gradient;
-    the parameter groups returned are then empty, so the weight pass adds nothing twice.
+    followed, when :func:`incomplete_parameters` finds any, by the stage's whole weight
+    gradient; the parameter groups returned are then empty, so the weight pass adds nothing
+    twice.
 
     ``bwd_kwargs``: torch's ``stage_output`` (outputs, or the loss on the last stage),
     ``output_grads`` (``None`` on the last stage: ones) and ``input_values``."""
@@ -88,8 +87,7 @@ def input_pass(bwd_kwargs: dict, params: Sequence[nn.Parameter],
             if g is not None:  # no gradient came back for it: it adds nothing
                 outputs.append(t)
                 grads.append(g)
-    missed = (missed_parameters(outputs, bwd_kwargs["input_values"], params)
-              + reused_parameters(outputs, params)) if outputs else []
+    missed = incomplete_parameters(outputs, bwd_kwargs["input_values"], params) if outputs else []
     edges = [get_gradient_edge(t) for t in outputs]  # kept: the B pass detach_()es the outputs
     grads_input, groups = run()
     if not missed:
