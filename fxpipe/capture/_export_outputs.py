@@ -19,13 +19,19 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["unsupported_output", "encoding_root", "compose_out_spec", "cache_base"]
+__all__ = ["unsupported_output", "encoding_root", "compose_out_spec", "cache_base", "is_cache"]
 
 
 def cache_base() -> type | None:
     """transformers' ``Cache`` class, or None when no model has imported it."""
     mod = sys.modules.get("transformers.cache_utils")  # a model returning one has imported it
     return getattr(mod, "Cache", None)
+
+
+def is_cache(value: Any) -> bool:
+    """A transformers cache (``DynamicCache``...): the object the capture takes apart."""
+    base = cache_base()
+    return base is not None and isinstance(value, base)
 
 
 _PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
@@ -72,7 +78,7 @@ class _CacheTemplate:
     Compared by identity (it is a TreeSpec context: one capture, one template).
     """
 
-    def __init__(self, obj: Any, cache_base: type) -> None:
+    def __init__(self, obj: Any) -> None:
         self.cls = type(obj)
         self.attrs: dict[str, Any] = {}
         self.layers: list[tuple[type, dict[str, Any], bool]] | None = None
@@ -95,8 +101,8 @@ class _CacheTemplate:
                         raise _Unsupported(f"layer {i} ({type(layer).__name__}) holds 0-dim keys/values")
                     self.layers.append((type(layer), plain, has_kv))
                     self.n_tensors += 2 if has_kv else 0
-            elif isinstance(value, cache_base):
-                self.nested[name] = _CacheTemplate(value, cache_base)
+            elif is_cache(value):
+                self.nested[name] = _CacheTemplate(value)
                 self.n_tensors += self.nested[name].n_tensors
             elif _plain_problem(name, value):
                 raise _Unsupported(f"attribute {_plain_problem(name, value)}")
@@ -189,10 +195,9 @@ def unsupported_output(value: Any) -> str:
     (checked there); any other object holding tensors cannot: micro-batches would each
     produce one, and only the first micro-batch's could be returned.
     """
-    base = cache_base()
-    if base is not None and isinstance(value, base):
+    if is_cache(value):
         try:
-            _CacheTemplate(value, base)
+            _CacheTemplate(value)
         except _Unsupported as e:
             return f"a transformers {type(value).__name__} whose {e}"
         return ""
@@ -204,14 +209,13 @@ def unsupported_output(value: Any) -> str:
 def _encode_leaves(leaves: Sequence[Any], record: dict[str, Any]) -> tuple[Any, ...]:
     """Output leaves with caches replaced by their tensors and sizes by their numbers; specs and
     problems go to ``record``."""
-    base = cache_base()
     out: list[Any] = []
     specs: list[pytree.TreeSpec | None] = []
     problems: list[str] = []
     for leaf in leaves:
-        if base is not None and isinstance(leaf, base):
+        if is_cache(leaf):
             try:
-                tpl = _CacheTemplate(leaf, base)
+                tpl = _CacheTemplate(leaf)
             except _Unsupported as e:
                 problems.append(f"a transformers {type(leaf).__name__} whose {e}")
                 out.append(leaf)

@@ -8,9 +8,9 @@ each micro-batch (and again when a checkpointed stage recomputes, as with torchg
 Standard torch.nn layers are kept too: torch.fx calls them anyway, but torch.export would go
 into an ``nn.Embedding`` and run its hook once (transformers' ``gradient_checkpointing_enable``
 hooks the input embeddings). Under torch.export a kept module is traced and then collapsed
-into one node, so its hooks also run once while capturing, on fake tensors. The model's own (root) hooks cannot be kept:
-the pipeline calls the stages, never the model, so they are refused; the pipeline is a
-module, and hooks registered on it run around each call.
+into one node, so its hooks also run once while capturing, on fake tensors. The model's own
+(root) hooks cannot be kept: the pipeline calls the stages, never the model, so they are
+refused; the pipeline is a module, and hooks registered on it run around each call.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from ._tracing import Capture, capture
 from ._values import same_value
 from ..errors import MutationError, TraceError
 from ._mutation import Mutations, find_and_fix_mutations
-from ._export_outputs import cache_base
+from ._export_outputs import is_cache
 from ._open_outputs import open_output_containers
 from ..progress import Progress
 from ..runtime._randomness import generator_states, set_generator_states
@@ -236,12 +236,6 @@ def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: d
     return ""
 
 
-def _is_cache(value: Any) -> bool:
-    """A transformers cache (``DynamicCache``...): the only object the capture takes apart."""
-    base = cache_base()
-    return base is not None and isinstance(value, base)
-
-
 def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str], deterministic: bool,
                   pre_hooked: Sequence[str] = ()) -> None:
     """Refuses a captured graph that does not reproduce the model on the sample.
@@ -260,9 +254,10 @@ def check_capture(eager: Any, graph_leaves: Sequence[Any], names: Sequence[str],
         # A transformers cache (which fxpipe.tree does not open) comes out of the capture taken
         # apart into its tensors, so the counts differ; otherwise a graph returning fewer values
         # than the model lost some (what a hook collected while the model's forward ran).
-        if len(graph_leaves) > len(leaves) or any(_is_cache(v) for v in leaves):
+        if len(graph_leaves) > len(leaves) or any(is_cache(v) for v in leaves):
             return
-        missing = [n for n in leaf_names(eager) if n not in set(names)] or ["?"]
+        returned = set(names)
+        missing = [n for n in leaf_names(eager) if n not in returned] or ["?"]
         raise TraceError(
             f"the captured graph does not reproduce the model on the sample: it returns {len(graph_leaves)} values "
             f"where model(*sample) returns {len(leaves)}; missing: {', '.join(missing[:6])}"

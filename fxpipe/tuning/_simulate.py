@@ -12,9 +12,10 @@ device is free and its inputs are there:
 
 A send also costs both devices it joins ``overhead_s`` of their own time (the host thread
 posts it, is woken by it, completes it), not overlapped with their compute: the sender's
-action ends that much later for each neighbouring stage on another device it hands on to, the
-receiver's for each it takes in from (once per boundary: the several tensors of one boundary
-are posted together; on gloo a batch of five cost about what a batch of two did). Microseconds for NCCL on GPUs; on gloo ranks whose processes share busy CPU cores it is
+action ends that much later for each neighbouring stage on another device it hands on to,
+the receiver's for each it takes in from (once per boundary: the several tensors of one
+boundary are posted together; on gloo a batch of five cost about what a batch of two did).
+Microseconds for NCCL on GPUs; on gloo ranks whose processes share busy CPU cores it is
 gloo's I/O thread waiting for a core: about a millisecond a send on two shared cores
 (``benchmarks/_tune_dist.py`` measures it), against 0.06 ms for the same send when idle.
 

@@ -231,5 +231,7 @@ def test_a_call_whose_insides_are_read_elsewhere_is_refused_naming_it() -> None:
     assert isinstance(got, _Failure) and isinstance(got.refusal, TraceError)
     assert got.refusal.module == "leaky"
     msg = str(got.refusal)
-    assert "cannot keep 'leaky' opaque (it is in leaf_modules" in msg and "a value inside the call that it does not return" in msg
-    assert "keep a module that encloses it opaque instead (leaf_modules=[...]); or drop 'leaky' from leaf_modules" in msg
+    assert "cannot keep 'leaky' opaque (it is in leaf_modules" in msg
+    assert "a value inside the call that it does not return" in msg
+    assert "keep a module that encloses it opaque instead (leaf_modules=[...]); or drop 'leaky' from " \
+        "leaf_modules" in msg
