@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .checks._counted_labels import IGNORE_INDEX, holds_ignored
+from .checks._loss_fn import Weights
 from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm
 from .runtime._frontend import checkpoint_stop
@@ -57,19 +57,21 @@ def refuse_forward_with_grad(schedule: str, training: bool) -> None:
 
 
 def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..., Tensor]],
-             target: Any, reduction: str, given: Sequence[str]) -> Tensor:
+             target: Any, reduction: Optional[str], given: Sequence[str]) -> Tensor:
     """One step of ``pipe`` (an :class:`fxpipe.Pipeline`); returns the step's loss (no grad).
     ``given``: the step keywords the caller passed (checked against the model's signature)."""
     _check_call(pipe, loss_fn, reduction, given)
     flat, micro, sizes, weights, batches = pipe._micro_batches(args, kwargs)
     m = len(batches)
+    fn: Optional[_FnLoss] = None
     if loss_fn is None:
         if target is not None:
             raise ArgumentError("target= is given without loss_fn=: pass loss_fn(output, target), or leave target "
                                 "out when the model returns its loss", argument="target")
         losses = _model_loss(pipe, sizes, weights, m)
     else:
-        losses = _fn_loss(pipe, loss_fn, target, flat, micro, sizes, reduction)
+        fn = _FnLoss(pipe, loss_fn, target, sizes, reduction)
+        losses = fn.losses()
     stop = checkpoint_stop(pipe.checkpoint, m, pipe.training)
     if pipe.schedule == "1f1b":
         try:
@@ -81,6 +83,12 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
             raise
     else:
         pipe._runtime.run(batches, stop)
+        if fn is not None and not fn.decide(batches[0].values).kind:
+            loss = fn.whole(batches, weights)  # not proven per micro-batch: eager's loss on the merged output
+            loss.backward()
+            if pipe.training:
+                commit_deferred_batch_norm(pipe._deferred)
+            return loss.detach()
         losses.backward_all(batches)
     if pipe.training:
         commit_deferred_batch_norm(pipe._deferred)
@@ -94,9 +102,9 @@ def _check_call(pipe: Any, loss_fn: Any, reduction: str, given: Sequence[str]) -
     if loss_fn is not None and not callable(loss_fn):
         raise ArgumentError(f"loss_fn must be callable as loss_fn(output) or loss_fn(output, target), got "
                             f"{type(loss_fn).__name__}", argument="loss_fn")
-    if reduction not in REDUCTIONS:
-        raise ArgumentError(f"loss_reduction must be 'mean' (loss_fn averages over a micro-batch's samples) or "
-                            f"'sum' (it sums them), got {reduction!r}", argument="loss_reduction")
+    if reduction is not None and reduction not in REDUCTIONS:
+        raise ArgumentError(f"loss_reduction must be None (read from loss_fn), 'mean' (loss_fn averages over the "
+                            f"samples it counts) or 'sum' (it sums them), got {reduction!r}", argument="loss_reduction")
     try:
         params = inspect.signature(pipe.module.forward).parameters
     except (TypeError, ValueError):
@@ -136,30 +144,60 @@ def _model_loss(pipe: Any, sizes: List[int], weights: dict, m: int) -> StepLosse
     return StepLosses(loss_of, merge, m)
 
 
-def _fn_loss(pipe: Any, loss_fn: Callable[..., Tensor], target: Any, flat: List[Any], micro: List[List[Any]],
-             sizes: List[int], reduction: str) -> StepLosses:
-    batching = pipe.batching
-    targets: Optional[List[Any]] = None
-    if target is not None:
-        targets = _split_target(batching, target, sizes)
-    if reduction == "mean" and len(sizes) > 1:
-        _refuse_ignored_labels(batching, flat, target)
+class _FnLoss:
+    """``loss_fn`` per micro-batch, merged by what it counts (:mod:`fxpipe.checks._loss_fn`).
 
-    def loss_of(i: int, out: Batch) -> Tensor:
-        output = pipe.capture.unflatten_output(list(out.values))
-        loss = loss_fn(output) if targets is None else loss_fn(output, targets[i])
-        return _checked(loss, i, "loss_fn's result")
+    The weights are decided at the first micro-batch's output (its shapes are needed to read
+    ``loss_fn``), before any backward runs. A loss not proven to split (an in-batch-negatives
+    loss, an op the reading does not know) is computed on the merged output under GPipe, as
+    ``loss_fn(pipe(x), y).backward()`` would; 1F1B, whose backwards cannot wait for every
+    output, refuses it there.
+    """
 
-    def merge(parts: List[Tensor]) -> Tensor:
-        stacked = torch.stack(parts)
-        if reduction == "sum":
-            return stacked.sum(0)
-        if len(set(sizes)) == 1:
-            return stacked.mean(0)
-        total = sum(sizes)
-        return torch.stack([p * (n / total) for p, n in zip(parts, sizes)]).sum(0)
+    def __init__(self, pipe: Any, loss_fn: Callable[..., Tensor], target: Any, sizes: List[int],
+                 reduction: Optional[str]) -> None:
+        self.pipe, self.loss_fn, self.target, self.sizes, self.reduction = pipe, loss_fn, target, sizes, reduction
+        self.targets = None if target is None else _split_target(pipe.batching, target, sizes)
+        self.reading = pipe._loss_reading(loss_fn)
+        self.weights: Optional[Weights] = None
 
-    return StepLosses(loss_of, merge, len(sizes))
+    def decide(self, first: Sequence[Any]) -> Weights:
+        if self.weights is None:
+            self.weights = self.reading.weights(list(first), self.targets, self.sizes)
+            if self.weights.kind is not None and self.reduction not in (None, self.weights.kind):
+                read = "a sum over its samples" if self.weights.kind == "sum" else "a mean over what it counts"
+                raise StepError(
+                    f"loss_reduction={self.reduction!r}, but loss_fn reads as {read} "
+                    f"(loss_reduction={self.weights.kind!r}): the step would weigh its micro-batches otherwise "
+                    "than the loss does on the whole batch. Leave loss_reduction out: fxpipe reads it from loss_fn")
+        return self.weights
+
+    def losses(self) -> StepLosses:
+        def loss_of(i: int, out: Batch) -> Tensor:
+            output = self.pipe.capture.unflatten_output(list(out.values))
+            loss = self.loss_fn(output) if self.targets is None else self.loss_fn(output, self.targets[i])
+            loss = _checked(loss, i, "loss_fn's result")
+            if i == 0 and not self.decide(out.values).kind:
+                raise StepError(
+                    f"pipe.step(loss_fn=...) under schedule='1f1b' runs each micro-batch's backward before the next "
+                    f"one's output exists, so loss_fn must split over micro-batches, and this one is not proven to: "
+                    f"{self.weights.why if self.weights else ''}. Nothing has run backward yet. Build with "
+                    "schedule='gpipe' (its step computes such a loss on the whole batch's output), or write the loss "
+                    "as a sum over samples, or such a sum divided by a count of the target (a mask's sum, the labels "
+                    "that are not ignore_index)")
+            return loss
+
+        def merge(parts: List[Tensor]) -> Tensor:
+            assert self.weights is not None
+            return self.weights.merge(parts)
+
+        return StepLosses(loss_of, merge, len(self.sizes))
+
+    def whole(self, batches: Sequence[Batch], weights: dict) -> Tensor:
+        merged = self.pipe.batching.merge([b.values for b in batches], self.sizes, weights)
+        output = self.pipe.capture.unflatten_output(merged)
+        loss = self.loss_fn(output) if self.target is None else self.loss_fn(output, self.target)
+        return _checked(loss, 0, "loss_fn's result on the whole batch")
 
 
 def _split_target(batching: Any, target: Any, sizes: List[int]) -> List[Tensor]:
@@ -177,22 +215,6 @@ def _split_target(batching: Any, target: Any, sizes: List[int]) -> List[Tensor]:
         raise ArgumentError(f"target has {target.size(0)} samples along dim 0 but the batch has {sum(sizes)}",
                             argument="target")
     return list(target.split(sizes, dim=0))
-
-
-def _refuse_ignored_labels(batching: Any, flat: Sequence[Any], target: Any) -> None:
-    """A 'mean' loss_fn weighs micro-batches by their sizes; a token mean over labels holding
-    -100 counts them out, and the micro-batches would weigh differently: refused."""
-    labelled = [("target", target)] + [(n, x) for n, d, x in zip(batching.in_names, batching.in_dims, flat)
-                                       if d is not None]
-    for name, x in labelled:
-        if holds_ignored(x):
-            raise StepError(
-                f"{'target' if name == 'target' else f'argument {name!r}'} holds {IGNORE_INDEX} (an ignored label), "
-                "and loss_reduction='mean' weighs each micro-batch's loss by its number of samples: a mean over "
-                "the labels that are not ignored weighs them by their counts instead, and the step would silently "
-                "differ from the model. Return the loss's sum (reduction='sum') divided by the whole batch's count "
-                "with loss_reduction='sum', e.g. loss_fn=lambda out, y: F.cross_entropy(out, y, reduction='sum') / "
-                "n where n = (y != -100).sum() of the whole batch")
 
 
 def _checked(loss: Any, i: int, what: str) -> Tensor:

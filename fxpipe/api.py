@@ -8,7 +8,7 @@ The data path (docs/how-it-works.md): capture -> profile -> OpGraph -> partition
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from .capture._meta import refuse_running
 from .capture._model_check import ModelCheck
 from .capture._tracing import Capture
 from .checks._batching import Batching, ChunkDims, OutputMerge
+from .checks._loss_fn import LossFnReading, loss_key, out_dims_of
 from .emit._compiling import (CompileOption, check_compile_option, check_graph_replay, compile_stages,
                               refuse_whole_pipeline_compile)
 from .emit._stages import Stages
@@ -115,6 +116,7 @@ class Pipeline(PlacedModule):
         runtime = PipelineRunner(list(stages.modules), devices, skip_layout=layout, stage_portals=True, spread=True)
         #: what the stages hold from the model, compared at each call (fxpipe.capture._model_check)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages)
+        self._loss_readings: Dict[Any, LossFnReading] = {}  # step()'s loss_fn, read per shape
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
     @property
@@ -177,22 +179,38 @@ class Pipeline(PlacedModule):
         return self.capture.unflatten_output(merged)
 
     def step(self, *args: Any, loss_fn: Optional[Callable[..., torch.Tensor]] = None, target: Any = None,
-             loss_reduction: str = "mean", **kwargs: Any) -> torch.Tensor:
+             loss_reduction: Optional[str] = None, **kwargs: Any) -> torch.Tensor:
         """One training step: forward, loss and backward of ``pipe(*args, **kwargs)``, in the
         pipeline's ``schedule`` order; adds eager's gradients on the whole batch to ``.grad``
         and returns the step's loss (0-dim, no grad).
 
         The loss is the model's own (the 0-dim output merged with ``'mean'`` or ``'sum'``,
         ``labels=`` losses) when ``loss_fn`` is None, else ``loss_fn(output)`` or
-        ``loss_fn(output, target)`` per micro-batch (``target`` split along dim 0),
-        ``loss_reduction='mean'`` for a loss averaged over the micro-batch's samples (the step
-        weighs micro-batches by size), ``'sum'`` for a summed one (added up). Under
-        ``schedule='1f1b'`` each micro-batch's backward runs as soon as its forward is done
-        (:mod:`fxpipe.runtime._orders`). Refusals: :class:`~fxpipe.errors.StepError`.
+        ``loss_fn(output, target)`` per micro-batch (``target`` split along dim 0). How the
+        micro-batch losses add up to the whole batch's is read from ``loss_fn``'s own code
+        (:mod:`fxpipe.checks._loss_fn`): a sum over samples is summed, a mean is weighted by
+        what it divides by (samples, counted labels, a mask's sum, the targets' class
+        weights). ``loss_reduction`` (``'mean'`` / ``'sum'``), if given, must agree with that
+        reading. A loss that does not split (in-batch negatives) is computed on the merged
+        output under GPipe and refused under ``schedule='1f1b'``, whose backward runs per
+        micro-batch as soon as its forward is done (:mod:`fxpipe.runtime._orders`).
+        Refusals: :class:`~fxpipe.errors.StepError`.
         """
-        given = [k for k, v in (("loss_fn", loss_fn), ("target", target)) if v is not None]
-        given += ["loss_reduction"] if loss_reduction != "mean" else []
+        given = [k for k, v in (("loss_fn", loss_fn), ("target", target), ("loss_reduction", loss_reduction))
+                 if v is not None]
         return run_step(self, args, kwargs, loss_fn, target, loss_reduction, given)
+
+    def _loss_reading(self, loss_fn: Callable[..., torch.Tensor]) -> LossFnReading:
+        """The reading of ``loss_fn`` kept for this pipeline (a few, the latest first): a lambda
+        made anew per step with the same code and captured values is the same loss."""
+        key = loss_key(loss_fn)
+        reading = self._loss_readings.pop(key, None)
+        if reading is None:
+            reading = LossFnReading(loss_fn, out_dims_of(self.batching.merges), self.capture.unflatten_output)
+        self._loss_readings[key] = reading
+        while len(self._loss_readings) > 8:
+            self._loss_readings.pop(next(iter(self._loss_readings)))
+        return reading
 
     def _micro_batches(self, args: tuple, kwargs: dict) -> Tuple[List[Any], List[List[Any]], List[int], Any,
                                                                   List[Batch]]:

@@ -1,0 +1,271 @@
+"""A user's ``loss_fn`` read, not trusted: each micro-batch's weight in the step's loss.
+
+``pipe.step(loss_fn=...)`` (and ``fxpipe.distributed``'s steps) compute ``loss_fn`` on each
+micro-batch's output and must combine the ``L_i`` into the loss ``loss_fn`` gives on the whole
+batch. Whether that is a sum, a mean weighted by sizes, by counted tokens, by a mask's sum or
+by the class weights of the targets, or impossible (an in-batch-negatives loss), is read off
+``loss_fn``'s own aten graph (:mod:`fxpipe.checks._loss_form`), traced on fake tensors
+(``make_fx``; no data is computed) shaped like one micro-batch's output and target.
+
+Each distinct micro-batch shape is traced twice (at ``m`` and ``m + 1`` samples: numbers that
+follow the batch size, like ``/ out.size(0)``, are told from literals) and the reading is
+cached per shape, at most :data:`CACHE` shapes (about 20-40 ms per new shape on a CPU; the
+first trace of a process also pays torch's fake-tensor start-up, about 2 s). Per call, a
+``'data'`` count (a token count, a mask's sum, the targets' class weights) is computed from
+each micro-batch's target by the graph's own code for it, copied out: no forward, no logits.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, fx
+from torch.utils import _pytree as pytree
+
+from ._loss_form import Den, LossForm, count_args, den_program, read_loss
+
+__all__ = ["LossFnReading", "Weights", "CACHE", "loss_key", "out_dims_of"]
+
+#: micro-batch shapes whose reading is kept per loss_fn
+CACHE = 32
+
+
+@dataclass
+class Weights:
+    """How a call's micro-batch losses merge: ``kind`` ``'sum'`` (``sum_i L_i``) or
+    ``'mean'`` (``sum_i n_i L_i / sum_i n_i``, ``counts`` the ``n_i``); None with ``why``."""
+
+    kind: Optional[str]
+    counts: Optional[List[Tensor]] = None
+    why: str = ""
+
+    def merge(self, parts: Sequence[Tensor]) -> Tensor:
+        from ._counted_labels import weighted_mean
+        if self.kind == "sum":
+            return torch.stack(list(parts)).sum(0)
+        assert self.counts is not None
+        return weighted_mean(parts, self.counts)
+
+
+@dataclass
+class _Read:
+    form: LossForm
+    program: Optional[Tuple[fx.GraphModule, List[int]]] = None
+
+
+def loss_key(loss_fn: Any) -> Any:
+    """What makes two ``loss_fn`` objects the same loss: a plain function's code, defaults and
+    the objects its closure holds (a lambda made anew each step is the same loss while it
+    captures the same objects); any other callable, itself."""
+    code = getattr(loss_fn, "__code__", None)
+    if code is None or not hasattr(loss_fn, "__closure__"):
+        return ("object", id(loss_fn), loss_fn)
+    cells = tuple(id(c.cell_contents) for c in (loss_fn.__closure__ or ()) if _filled(c))
+    return ("function", code, cells, id(loss_fn.__defaults__), id(getattr(loss_fn, "__globals__", None)))
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def out_dims_of(merges: Sequence[Any]) -> List[Optional[int]]:
+    """Per flat output leaf, the dim holding the samples, from its merge (``Batching.merges``):
+    concatenated along a dim (None: dim 0), or not per sample (summed, averaged, first)."""
+    return [0 if mg is None else mg if isinstance(mg, int) and not isinstance(mg, bool) else None for mg in merges]
+
+
+def _is_nll(node: Any) -> bool:
+    return isinstance(node, fx.Node) and "nll_loss" in str(node.target)
+
+
+def _key(leaves: Sequence[Any]) -> Tuple[Any, ...]:
+    return tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, Tensor) else ("v", repr(x))
+                 for x in leaves)
+
+
+class LossFnReading:
+    """``loss_fn`` of one pipeline, read per micro-batch shape.
+
+    Args:
+        loss_fn: ``loss_fn(output)`` or ``loss_fn(output, target)`` on one micro-batch.
+        out_dims: per flat output leaf, the dim holding the samples (None: not per sample).
+        unflatten: flat output leaves -> the model's output structure.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Tensor], out_dims: Sequence[Optional[int]],
+                 unflatten: Callable[[List[Any]], Any]) -> None:
+        self.loss_fn = loss_fn
+        self.out_dims = list(out_dims)
+        self.unflatten = unflatten
+        self._cache: "OrderedDict[Tuple[Any, ...], _Read]" = OrderedDict()
+
+    def weights(self, outputs: Sequence[Any], targets: Optional[Sequence[Any]], sizes: Sequence[int],
+                device: Optional[torch.device] = None) -> Weights:
+        """The weights of a call whose micro-batches have ``sizes`` samples, ``targets`` (None
+        without a target) and, for the first, the flat ``outputs`` (the others' differ only in
+        the samples' dim; meta tensors do, with ``device`` saying where they would be)."""
+        reads: List[_Read] = []
+        for i, m in enumerate(sizes):
+            out = self._resized(outputs, m, device)
+            target = None if targets is None else targets[i]
+            reads.append(self._read(out, target, m))
+        forms = {(r.form.kind, r.form.den.kind if r.form.den else None) for r in reads}
+        bad = next((r.form for r in reads if r.form.kind is None), None)
+        if bad is not None:
+            return Weights(None, why=bad.why)
+        if len(forms) != 1:
+            return Weights(None, why="loss_fn reads differently at the call's micro-batch sizes")
+        kind, den = next(iter(forms))
+        if kind == "sum" or len(sizes) == 1:
+            return Weights("sum" if kind == "sum" else "mean", counts=[torch.ones((), dtype=torch.float64)])
+        if den == "size":
+            return Weights("mean", counts=[torch.tensor(float(m), dtype=torch.float64) for m in sizes])
+        counts = []
+        for i, (m, r) in enumerate(zip(sizes, reads)):
+            assert r.program is not None
+            program, used = r.program
+            leaves = self._leaves(self._resized(outputs, m, device), None if targets is None else targets[i])
+            with torch.no_grad():
+                counts.append(program(*[leaves[k] for k in used]).to(torch.float64))
+        empty = [i for i, c in enumerate(counts) if not bool(c != 0)]
+        if empty and not all(r.form.den is not None and _is_nll(r.form.den.node) for r in reads):
+            # L_i = N_i / 0: the weighted merge would need N_i, which a nan or inf no longer holds
+            # (a cross entropy's N_i is 0 then, and its backward gives zeros: exact)
+            return Weights(None, why=f"micro-batch {empty[0]} counts nothing (loss_fn divides it by 0), so its loss "
+                                     "holds no value to weigh")
+        return Weights("mean", counts=counts)
+
+    # -- reading ---------------------------------------------------------------------------
+    def _resized(self, outputs: Sequence[Any], m: int, device: Optional[torch.device]) -> List[Any]:
+        """Stand-ins for the flat outputs of a micro-batch of ``m`` samples (meta tensors that
+        remember the device the outputs are on)."""
+        out = []
+        for x, d in zip(outputs, self.out_dims):
+            if isinstance(x, Tensor):
+                shape = list(x.shape)
+                if d is not None and x.dim() > 0:
+                    shape[d] = m
+                out.append(torch.empty(shape, dtype=x.dtype, device="meta", requires_grad=x.requires_grad))
+                out[-1]._fxpipe_device = device if x.is_meta and device is not None else x.device  # type: ignore
+            else:
+                out.append(x)
+        return out
+
+    def _leaves(self, outputs: Sequence[Any], target: Any) -> List[Any]:
+        tensors = [x for x in outputs if isinstance(x, Tensor)]
+        if target is not None:
+            tensors += [t for t in pytree.tree_leaves(target) if isinstance(t, Tensor)]
+        return tensors
+
+    def _read(self, outputs: List[Any], target: Any, m: int) -> _Read:
+        key = (_key(outputs), _key(pytree.tree_leaves(target)) if target is not None else None, m)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        read = self._trace_and_read(outputs, target, m)
+        self._cache[key] = read
+        if len(self._cache) > CACHE:
+            self._cache.popitem(last=False)
+        return read
+
+    def _trace_and_read(self, outputs: List[Any], target: Any, m: int) -> _Read:
+        try:
+            small = self._trace(outputs, target, m, m)
+            large = self._trace(outputs, target, m, m + 1)
+        except Exception as e:  # noqa: BLE001 - sorted below
+            if not _tracing_limit(e):  # the loss's own error: it would raise on the real output too
+                e.add_note("fxpipe: raised by loss_fn while fxpipe read it on fake tensors shaped like a micro-batch's "
+                           "output and target (no data), to find how its micro-batch losses add up")
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return _Read(LossForm(None, why=f"loss_fn could not be traced on fake tensors ({type(e).__name__}: "
+                                            f"{first})"))
+        counts, why = count_args(small, large, m)
+        if counts is None:
+            return _Read(LossForm(None, why=why))
+        n_out = sum(isinstance(x, Tensor) for x in outputs)
+        dims = [d if x.dim() > 0 else None for x, d in zip(outputs, self.out_dims) if isinstance(x, Tensor)]
+        targets = [t for t in pytree.tree_leaves(target) if isinstance(t, Tensor)] if target is not None else []
+        inputs = [(d, True) for d in dims] + [((0 if t.dim() > 0 else None), False) for t in targets]
+        assert len(inputs) >= n_out
+        graph = small if m >= 2 else large
+        form = read_loss(graph, inputs, max(m, 2), counts)
+        if form.kind != "mean" or form.den is None or form.den.kind != "data":
+            return _Read(form)
+        # the den's node, in the trace at the true size (same structure, same order)
+        position = list(graph.graph.nodes).index(form.den.node)
+        node = list(small.graph.nodes)[position]
+        return _Read(form, den_program(small, Den("data", node)))
+
+    def _trace(self, outputs: List[Any], target: Any, m: int, at: int) -> fx.GraphModule:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        flat_target, spec = pytree.tree_flatten(target) if target is not None else ([], None)
+        with mode:
+            fake_out = [self._fake(x, d, at) for x, d in zip(outputs, self.out_dims)]
+            fake_target = [torch.empty(_at(t.shape, 0, at), dtype=t.dtype, device=t.device)
+                           if isinstance(t, Tensor) and t.dim() > 0 else t for t in flat_target]
+        tensors = [x for x in fake_out if isinstance(x, Tensor)] + [t for t in fake_target if isinstance(t, Tensor)]
+        loss_fn, unflatten = self.loss_fn, self.unflatten
+
+        def traced(*xs: Tensor) -> Tensor:
+            pending = list(xs)
+            leaves = [pending.pop(0) if isinstance(x, Tensor) else x for x in fake_out]
+            target_leaves = [pending.pop(0) if isinstance(t, Tensor) else t for t in fake_target]
+            output = unflatten(leaves)
+            if spec is None:
+                return loss_fn(output)
+            return loss_fn(output, pytree.tree_unflatten(target_leaves, spec))
+
+        _anchor(loss_fn)
+        return make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*tensors)
+
+    def _fake(self, x: Any, d: Optional[int], at: int) -> Any:
+        if not isinstance(x, Tensor):
+            return x
+        device = getattr(x, "_fxpipe_device", x.device)
+        shape = list(x.shape)
+        if d is not None and x.dim() > 0:
+            shape[d] = at
+        return torch.empty(shape, dtype=x.dtype, device=device, requires_grad=x.requires_grad)
+
+
+def _tracing_limit(e: Exception) -> bool:
+    """Whether ``e`` says that fake tensors cannot run the loss (it reads values: ``.item()``,
+    a branch on a value, a shape that depends on the data), not that the loss itself failed."""
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental import symbolic_shapes
+
+    kinds = tuple(k for k in (getattr(fake_tensor, "DataDependentOutputException", None),
+                              getattr(fake_tensor, "DynamicOutputShapeException", None),
+                              getattr(fake_tensor, "UnsupportedOperatorException", None),
+                              getattr(fake_tensor, "UnsupportedFakeTensorException", None),
+                              getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)) if k is not None)
+    text = str(e)
+    return isinstance(e, kinds) or any(w in text for w in ("FakeTensor", "fake tensor", "data pointer",
+                                                           "data-dependent", "meta tensor", "on meta", "tensor subclass"))
+
+
+def _anchor(loss_fn: Any) -> None:
+    """Asks torch.fx to record ``loss_fn``'s own source lines on the traced nodes (it keeps
+    only frames of ``forward`` methods otherwise), for refusals that name the line."""
+    from torch.fx import proxy
+
+    register = getattr(proxy, "_register_stack_trace_anchor", None)  # torch >= 2.10; else ops are named alone
+    if register is not None and getattr(loss_fn, "__code__", None) is not None:
+        register(loss_fn)
+
+
+def _at(shape: Sequence[int], dim: int, size: int) -> List[int]:
+    out = list(shape)
+    out[dim] = size
+    return out

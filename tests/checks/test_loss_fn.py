@@ -1,0 +1,209 @@
+"""``pipe.step(loss_fn=...)``: the loss is read, not trusted (:mod:`fxpipe.checks._loss_fn`).
+
+Each loss a training loop writes every day -- a pad id that is not -100, a sum, a masked mean,
+class weights, a causal shift over left padding, uneven micro-batches -- must give eager's
+loss and every gradient on the whole batch, under both schedules. A loss that no split can
+make exact (in-batch negatives) is computed on the merged output under GPipe and refused
+under 1F1B before any backward. Each case here was silently wrong before the reading.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.checks._loss_fn import LossFnReading
+from fxpipe.errors import ArgumentError, StepError
+
+from exact import assert_close_scaled, assert_grads_equal
+
+SCHEDULES = ("gpipe", "1f1b")
+PAD = 0
+VOCAB = 20
+
+
+def _lm(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, VOCAB))
+
+
+def _batch(n=8, t=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, t), generator=g)
+    labels = torch.randint(1, VOCAB, (n, t), generator=g)
+    # right padding of unequal lengths: the micro-batches count different numbers of tokens
+    for row, keep in enumerate([6, 2, 5, 1, 6, 3, 2, 4, 2, 5, 6, 1][:n]):
+        labels[row, keep:] = PAD
+    return ids, labels
+
+
+def _step_vs_eager(loss_fn, schedule, *, n=8, chunks=4, n_stages=2, checkpoint="except_last", labels=None,
+                   ids=None, steps=1):
+    model = _lm()
+    ref = copy.deepcopy(model)
+    if ids is None:
+        ids, labels = _batch(n)
+    pipe = fxpipe.pipeline(model, ids, n_stages, chunks=chunks, devices=["cpu"] * n_stages, progress=False,
+                           balance_by="params", schedule=schedule, checkpoint=checkpoint)
+    with pipe:
+        for _ in range(steps):
+            model.zero_grad()
+            ref.zero_grad()
+            loss = pipe.step(ids, loss_fn=loss_fn, target=labels)
+            want = loss_fn(ref(ids), labels)
+            want.backward()
+            assert_close_scaled(loss, want.detach(), what="loss")
+            assert_grads_equal(model, ref)
+
+
+def token_mean_pad_id(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD)
+
+
+def summed(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def masked_mean(out, y):
+    per_token = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
+    mask = (y != PAD).flatten().float()
+    return (per_token * mask).sum() / mask.sum()
+
+
+CLASS_WEIGHTS = torch.linspace(0.2, 2.0, VOCAB)
+
+
+def class_weighted(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), weight=CLASS_WEIGHTS)
+
+
+def causal_shift(out, y):
+    return F.cross_entropy(out[:, :-1].flatten(0, 1), y[:, 1:].flatten(), ignore_index=PAD)
+
+
+def per_sample_mean(out, y):
+    return (out.float().pow(2).mean(-1).sum(-1) * (y[:, 0] != PAD)).sum() / out.size(0)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("loss_fn", [token_mean_pad_id, summed, masked_mean, class_weighted, causal_shift,
+                                     per_sample_mean])
+def test_losses_that_count_the_data_are_exact(schedule, loss_fn):
+    _step_vs_eager(loss_fn, schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ("never", "always"))
+@pytest.mark.parametrize("n_stages, chunks, n", [(1, 3, 10), (3, 4, 10), (4, 5, 7)])
+def test_uneven_micro_batches_and_stage_counts(schedule, checkpoint, n_stages, chunks, n):
+    """Micro-batches of 3, 3, 3, 1 samples: each weighs by what it counts, not by its size."""
+    for loss_fn in (masked_mean, class_weighted):
+        _step_vs_eager(loss_fn, schedule, n=n, chunks=chunks, n_stages=n_stages, checkpoint=checkpoint)
+
+
+def test_a_micro_batch_that_counts_nothing():
+    """Its mean is 0/0. A cross entropy's sum is then 0 and its backward zeros: exact. A
+    masked mean's numerator is lost in the nan: exact on the merged output under GPipe,
+    refused under 1F1B before any backward."""
+    ids, labels = _batch()
+    labels = labels.clone()
+    labels[6:] = PAD  # the last micro-batch of 2 counts no token
+    for schedule in SCHEDULES:
+        _step_vs_eager(token_mean_pad_id, schedule, ids=ids, labels=labels)
+    _step_vs_eager(masked_mean, "gpipe", ids=ids, labels=labels)
+    model = _lm()
+    with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule="1f1b") as pipe:
+        with pytest.raises(StepError, match="micro-batch 3 counts nothing"):
+            pipe.step(ids, loss_fn=masked_mean, target=labels)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_left_padding_with_minus_100_and_a_causal_shift():
+    """The count is of the labels the loss reads after its shift, not of the target."""
+    ids, labels = _batch()
+    labels = labels.clone()
+    for row, pad in enumerate([5, 0, 3, 1, 0, 4, 2, 0]):
+        labels[row, :pad] = -100
+
+    def shifted(out, y):
+        return F.cross_entropy(out[:, :-1].flatten(0, 1), y[:, 1:].flatten())
+
+    for schedule in SCHEDULES:
+        _step_vs_eager(shifted, schedule, ids=ids, labels=labels, steps=2)
+
+
+def in_batch_negatives(out, y):
+    emb = F.normalize(out.mean(1), dim=-1)
+    logits = emb @ emb.T / 0.1
+    return F.cross_entropy(logits, torch.arange(logits.size(0)))
+
+
+def test_a_loss_that_mixes_the_samples_is_exact_under_gpipe_and_refused_under_1f1b():
+    _step_vs_eager(in_batch_negatives, "gpipe", steps=2)
+    model = _lm()
+    ids, labels = _batch()
+    with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule="1f1b") as pipe:
+        with pytest.raises(StepError, match=r"mm at .*test_loss_fn.py:\d+ in in_batch_negatives: `logits = emb @ emb.T / 0.1`.*mixes the samples"
+                           r".*schedule='gpipe'"):
+            pipe.step(ids, loss_fn=in_batch_negatives, target=labels)
+    assert all(p.grad is None for p in model.parameters()), "refused before any backward"
+
+
+def test_a_loss_reduction_that_contradicts_the_loss_is_refused():
+    model = _lm()
+    ids, labels = _batch()
+    with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False) as pipe:
+        with pytest.raises(StepError, match="loss_reduction='mean', but loss_fn reads as a sum"):
+            pipe.step(ids, loss_fn=summed, target=labels, loss_reduction="mean")
+        with pytest.raises(ArgumentError, match="loss_reduction must be None"):
+            pipe.step(ids, loss_fn=summed, target=labels, loss_reduction="batchmean")
+        pipe.step(ids, loss_fn=summed, target=labels, loss_reduction="sum")  # agrees: runs
+
+
+def test_a_new_closure_each_step_is_read_with_its_own_values():
+    """A lambda made per step that captures this step's count: never a stale reading."""
+    for seed in (1, 2, 3):
+        ids, labels = _batch(seed=seed)
+        count = (labels != PAD).sum()
+        _step_vs_eager(lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), ignore_index=PAD,
+                                                    reduction="sum") / count, "1f1b", ids=ids, labels=labels)
+
+
+# -- the reading itself -------------------------------------------------------------------
+def _read(loss_fn, out, y, sizes):
+    return LossFnReading(loss_fn, [0], lambda leaves: leaves[0]).weights([out], list(y.split(sizes)), sizes)
+
+
+@pytest.mark.parametrize("loss_fn, kind, why", [
+    (token_mean_pad_id, "mean", ""),
+    (summed, "sum", ""),
+    (lambda o, y: o.pow(2).sum() / 4, "sum", ""),                   # a literal: a sum, scaled
+    (lambda o, y: o.pow(2).sum() / o.size(0), "mean", ""),          # follows the batch size: a mean
+    (lambda o, y: o.pow(2).sum() / (o.size(0) - 1), None, "not proportional"),
+    (lambda o, y: ((o - o.mean(0)) ** 2).mean(), None, "sum over the samples with per-sample"),
+    (lambda o, y: o[0].sum(), None, "picks some samples"),
+    (lambda o, y: o.logsumexp(0).mean(), None, "mixes the samples"),
+    (lambda o, y: F.dropout(o, 0.5).mean(), None, "random"),
+    (lambda o, y: o.pow(2).mean() + 1.0, None, "adds a constant"),
+    (in_batch_negatives, None, "mixes the samples"),
+])
+def test_readings(loss_fn, kind, why):
+    out, (_, y) = torch.randn(2, 6, VOCAB), _batch()
+    w = _read(loss_fn, out, y, [2, 2, 2, 2])
+    assert w.kind == kind, w.why
+    assert why in w.why
+
+
+def test_counts_are_the_loss_denominators():
+    out, (_, y) = torch.randn(2, 6, VOCAB), _batch()
+    counted = [(part != PAD).sum().item() for part in y.split(2)]
+    assert [c.item() for c in _read(masked_mean, out, y, [2] * 4).counts] == counted
+    assert [c.item() for c in _read(token_mean_pad_id, out, y, [2] * 4).counts] == counted
+    weights = [CLASS_WEIGHTS.double()[part.flatten()].sum().item() for part in y.split(2)]
+    got = [c.item() for c in _read(class_weighted, out, y, [2] * 4).counts]
+    assert got == pytest.approx(weights)
