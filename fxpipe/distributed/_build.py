@@ -23,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from fxpipe.build import BuildOptions, capture_and_check, check_plan, check_split_points, choose_plan
 from fxpipe.capture._tracing import retarget_devices
+from fxpipe.checks._loss_fn import LossFnReading, out_dims_of
 from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
 from fxpipe.errors import BatchShapeError
@@ -37,6 +38,7 @@ from ._agree import agree_on_arguments, agree_on_stages, broadcast_plan
 from ._carry import carried_plan
 from ._device import DeviceOption, check_one_gpu_per_rank, ensure_process_group, rank_device
 from ._failures import Failures
+from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._meta import stage_metas
 from ._pipe import DistributedPipeline
@@ -150,8 +152,12 @@ def pipeline(
     Args:
         model, sample, sample_kwargs, leaf_modules, split_points: as for :func:`fxpipe.pipeline`.
         chunks: micro-batches per mini-batch; must divide the batch size.
-        loss_fn: ``loss_fn(output, target)`` on one micro-batch, mean-reduced over its samples
-            (then ``step`` gives eager's loss and gradients); ``output`` has the model's structure.
+        loss_fn: ``loss_fn(output, target)`` on one micro-batch; ``output`` has the model's
+            structure. It is read, not trusted: a sum over samples is summed, a mean is weighted
+            by what it divides by (samples, the labels it counts after its own shift, a mask's
+            sum, class weights), so ``step`` gives eager's loss and gradients on the whole
+            batch; a loss that does not split (in-batch negatives) is refused before anything
+            is sent (:mod:`fxpipe.distributed._loss`).
         schedule: ``'gpipe'`` or ``'1f1b'``; with ``stages_per_rank > 1``: ``'gpipe'``
             (torch's LoopedBFS), ``'interleaved1f1b'`` or ``'interleavedzb'`` (interleaved zero
             bubble), stage ``k`` on rank ``k % world_size``; ``'zbv'`` (zero-bubble V) with
@@ -254,12 +260,16 @@ def pipeline(
 
     output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
 
+    reading = LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output)
+    step_loss = StepLoss(loss_fn, reading, metas[n_stages - 1].outputs, chunks, where)
+
     def scaled_loss(tensors: Any, target: torch.Tensor) -> torch.Tensor:
-        # the model's outputs as the model returns them; mean over equal micro-batches; scale_grads=False
-        return loss_fn(output.structured(tensors), target) / chunks  # type: ignore[union-attr]
+        # the model's outputs as the model returns them, weighted as loss_fn counts; scale_grads=False
+        return step_loss(output.structured(tensors), target)  # type: ignore[union-attr]
 
     runner_schedule, forward_only = make_schedules(schedule, pipe_stages, chunks, scaled_loss, placement)
     ties = TiedGradients(model, stages.modules, placement, group, wait)
     shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
     return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,
-                               chunks, shapes, ties, [group, *ties.groups.values()], output=output, device=where)
+                               chunks, shapes, ties, [group, *ties.groups.values()], output=output, device=where,
+                               step_loss=step_loss)

@@ -42,6 +42,9 @@ class StageMeta:
     out_kinds: list[Kind]
     input_args: tuple[torch.Tensor, ...]
     output_args: tuple[torch.Tensor, ...]
+    #: the last stage's flat outputs of one micro-batch (meta tensors, other values as they
+    #: are): what ``loss_fn`` is read on before a step sends anything (:mod:`fxpipe.checks._loss_fn`)
+    outputs: tuple[Any, ...] = ()
 
 
 def _fake(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -102,11 +105,14 @@ def stage_metas(stages: Sequence[torch.fx.GraphModule], micro_flat: Sequence[Any
         else:
             in_kinds = [kind_of(v, name) for v, name in zip(ins, input_names[k])]
             in_args = [m for v, kd in zip(ins, in_kinds) for m in meta_of(v, kd)]
+        outputs: tuple[Any, ...] = ()
         if k == len(stages) - 1:
             out_kinds: list[Kind] = []
             out_args = [m for v in outs if isinstance(v, torch.Tensor) for m in meta_of(v, "tensor")]
+            outputs = tuple(torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=v.requires_grad)
+                            if isinstance(v, torch.Tensor) else v for v in outs)
         else:
             out_kinds = [kind_of(v, name) for v, name in zip(outs, input_names[k + 1])]
             out_args = [m for v, kd in zip(outs, out_kinds) for m in meta_of(v, kd)]
-        metas.append(StageMeta(in_kinds, out_kinds, tuple(in_args), tuple(out_args)))
+        metas.append(StageMeta(in_kinds, out_kinds, tuple(in_args), tuple(out_args), outputs))
     return metas

@@ -8,11 +8,12 @@ sending and the scheduling; this class adds what makes a step exact against eage
   a batch refused on one rank is refused on every rank, which names it (:mod:`._failures`);
 * an error in the middle of a step on one rank (in ``loss_fn``, in a stage) is named by
   every rank (:class:`~fxpipe.errors.PeerFailedError`, through the store, :mod:`._failures`);
-* the loss is scaled by ``1 / chunks`` and the schedule runs with ``scale_grads=False``
-  (torch's ``scale_grads`` divides the whole accumulated ``.grad``, wrong under gradient
-  accumulation), so a mean-reduced ``loss_fn`` gives eager's loss and gradients; an integer
-  target holding ``-100`` in unequal numbers per micro-batch is refused (that mean is not the
-  whole batch's mean over its counted labels: :func:`check_counted_labels`);
+* each micro-batch's loss is scaled by its weight in the whole batch's loss, read from
+  ``loss_fn`` (a sum: 1; a mean: what it counts, samples, labels after its own shift, a mask's
+  sum, class weights; :mod:`._loss`), and the schedule runs with ``scale_grads=False`` (torch's
+  ``scale_grads`` divides the whole accumulated ``.grad``, wrong under gradient accumulation),
+  so ``step`` gives eager's loss and gradients; a loss that cannot be split is refused before
+  anything is sent;
 * tied parameters used on several ranks have their gradients summed (:mod:`._ties`);
 * ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank);
 * a step after the model changed in a way the stages cannot see (a submodule or parameter
@@ -34,35 +35,17 @@ from torch import nn
 
 from fxpipe.capture._tracing import Capture
 from fxpipe.emit._stages import Stages
-from fxpipe.checks._counted_labels import IGNORE_INDEX, holds_ignored
-from fxpipe.errors import BatchShapeError, DistributedError, MicroBatchError, PipelineClosedError
+from fxpipe.errors import BatchShapeError, DistributedError, PipelineClosedError
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
 
 from ._failures import Failures
+from ._loss import StepLoss
 from ._ties import TiedGradients, parameters_of
 
 __all__ = ["DistributedPipeline"]
 
 _FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-
-def check_counted_labels(target: torch.Tensor, chunks: int) -> None:
-    """Refuses an integer target holding ``-100`` (labels a cross entropy ignores) in unequal
-    numbers per micro-batch: each micro-batch's mean ``loss_fn`` is weighted ``1 / chunks``,
-    which is the mean over the whole batch's counted labels (eager's) only when every
-    micro-batch counts as many (:class:`~fxpipe.errors.MicroBatchError`, with what to do)."""
-    if chunks == 1 or not holds_ignored(target):
-        return
-    counted = (target != IGNORE_INDEX).reshape(chunks, -1).sum(1).tolist()
-    if len(set(counted)) == 1:
-        return
-    raise MicroBatchError(
-        f"target holds {IGNORE_INDEX} (ignored labels) in unequal numbers per micro-batch (counted labels per "
-        f"micro-batch: {counted}): each micro-batch's mean loss is weighted 1/{chunks}, which is not eager's mean "
-        "over the batch's counted labels. Make loss_fn a sum scaled to the whole batch, e.g. "
-        f"loss_fn=lambda out, y: F.cross_entropy(out, y, reduction='sum') * {chunks} / n with "
-        f"n = (target != {IGNORE_INDEX}).sum() of this step's batch, or pad so every micro-batch counts as many labels")
 
 
 def _autocast(device_type: str) -> Optional[torch.dtype]:
@@ -90,7 +73,8 @@ class DistributedPipeline:
     def __init__(self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages, placement: Sequence[int],
                  schedule: tuple[Any, Any], group: dist.ProcessGroup, chunks: int,
                  sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup],
-                 output: Any = None, device: torch.device = torch.device("cpu")) -> None:
+                 output: Any = None, device: torch.device = torch.device("cpu"),
+                 step_loss: Optional[StepLoss] = None) -> None:
         self.module = model
         self.device = device
         self.capture = captured
@@ -111,6 +95,7 @@ class DistributedPipeline:
         self._broken: Optional[str] = None  # the error that stopped a step midway (peers then gone or waiting)
         self._failures = Failures(group, device)  # one rank's error named by every rank
         self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
+        self._step_loss = step_loss  # loss_fn per micro-batch, weighted as it counts (._loss)
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages.modules)
@@ -205,9 +190,10 @@ class DistributedPipeline:
                 got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
                 raise BatchShapeError(f"target must be a tensor with the batch's {self._sample_shapes[0][0]} samples "
                                       f"along dim 0 (it is split into {self.chunks} micro-batches), got {got}")
-            check_counted_labels(target, self.chunks)
+            last = self.n_stages - 1 in self.local
+            if last and self._step_loss is not None:  # loss_fn read and weighed before anything is sent
+                self._step_loss.begin(target.to(self.device))
         losses: list[torch.Tensor] = []
-        last = self.n_stages - 1 in self.local
         self._ties.before_step()
         with self._exchanging():
             try:

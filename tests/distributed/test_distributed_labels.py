@@ -1,7 +1,12 @@
-"""-100 labels (ignored by a cross entropy) in a distributed step's target: each micro-batch's
-mean loss is weighted 1/chunks, which is eager's mean over the counted labels only when every
-micro-batch counts as many. Unequal counts are refused (MicroBatchError), equal ones are exact.
-World size 1, in this process (two stages on the rank)."""
+"""Losses that count the data, in a distributed step: read from ``loss_fn``, not trusted.
+
+torch's schedules backward each micro-batch's loss on its own, so each is scaled by its
+weight in the whole batch's loss (:mod:`fxpipe.distributed._loss`): -100 labels in unequal
+numbers per micro-batch, counted after the loss's own causal shift over left padding, a sum,
+a pad id that is not -100 are all eager's; an in-batch-negatives loss is refused before
+anything is sent, and the pipeline still runs. World size 1, in this process (two stages on
+the rank, zero-bubble V: the loss runs on the rank that also holds stage 0).
+"""
 
 from __future__ import annotations
 
@@ -16,46 +21,75 @@ import zoo
 from dist_models import _gpt_loss
 from exact import assert_close_scaled, largest
 from fxpipe.distributed._launch import free_port
-from fxpipe.distributed._pipe import check_counted_labels
-from fxpipe.errors import MicroBatchError
+from fxpipe.errors import StepError
 
 
-def test_counts_per_micro_batch_decide() -> None:
-    y = torch.tensor([[1, 2, -100, -100], [3, -100, 4, 5], [5, 6, 7, -100], [-100, -100, 2, 3]])
-    check_counted_labels(y, 1)  # one micro-batch: its mean is the batch's
-    check_counted_labels(y, 2)  # 5 and 5 counted
-    with pytest.raises(MicroBatchError, match=r"counted labels per micro-batch: \[2, 3, 3, 2\].*reduction='sum'"):
-        check_counted_labels(y, 4)
-    check_counted_labels(y.float(), 4)  # a float target: no labels to ignore
-    check_counted_labels(y.clamp(min=0), 4)
+def _shifted(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out[:, :-1].flatten(0, 1), y[:, 1:].flatten())
 
 
-def test_a_step_is_exact_with_equal_counts_and_refused_with_unequal_ones() -> None:
-    import fxpipe.distributed as fpd
+def _summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")
 
+
+def _pad_id(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=0)
+
+
+def _negatives(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    emb = out.mean(1)
+    return F.cross_entropy(emb @ emb.T, torch.arange(emb.size(0)))
+
+
+@pytest.fixture
+def one_rank():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=60))
     try:
-        torch.manual_seed(0)
-        model, (x,), _ = zoo.gpt_tied(batch=4)
-        eager = zoo.TinyGPT()
-        eager.load_state_dict(model.state_dict())
-        y = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
-        y[:, -3:] = -100  # 13 counted labels in each sample
-        pipe = fpd.pipeline(model, x, chunks=2, loss_fn=_gpt_loss, schedule="zbv", stages_per_rank=2, timeout=60)
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _labels() -> torch.Tensor:
+    y = torch.randint(1, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    for row, pad in enumerate([9, 0, 3, 1]):  # left padding: micro-batch 0 counts far fewer labels
+        y[row, :pad] = -100
+    return y
+
+
+@pytest.mark.parametrize("loss_fn", [_gpt_loss, _shifted, _summed, _pad_id])
+def test_counted_losses_are_exact(one_rank, loss_fn) -> None:
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    eager = zoo.TinyGPT()
+    eager.load_state_dict(model.state_dict())
+    y = _labels() if loss_fn is not _pad_id else _labels().clamp(min=0)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, schedule="zbv", stages_per_rank=2, timeout=60)
+    for _ in range(2):  # the reading is cached; the weights are this step's
+        model.zero_grad()
+        eager.zero_grad()
         loss = pipe.step(x, target=y)
-        want = _gpt_loss(eager(x), y)
+        want = loss_fn(eager(x), y)
         want.backward()
         assert_close_scaled(loss, want.detach(), None, what="loss")
         top = max(largest(p.grad) for p in eager.parameters())
         for (n, p), q in zip(model.named_parameters(), eager.parameters()):
             assert_close_scaled(p.grad, q.grad, None, what=f"grad {n}", floor_of=top)
-        y[0, :8] = -100  # micro-batch 0 now counts fewer
-        before = [p.grad.clone() for p in model.parameters()]
-        with pytest.raises(MicroBatchError, match=r"\[18, 26\]"):
-            pipe.step(x, target=y)
-        assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters()))  # refused before running
-        assert pipe.step(x, target=y.clamp(min=0)).dim() == 0  # the pipeline still runs
-        pipe.close()
-    finally:
-        dist.destroy_process_group()
+        y = y.roll(1, 0)
+    pipe.close()
+
+
+def test_a_loss_that_mixes_the_samples_is_refused_before_anything_is_sent(one_rank) -> None:
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    y = _labels()
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=_negatives, schedule="1f1b", timeout=60)
+    with pytest.raises(StepError, match=r"mm at .*test_distributed_labels.py:\d+ in _negatives.*mixes the samples"):
+        pipe.step(x, target=y)
+    assert all(p.grad is None for p in model.parameters())
+    pipe.close()
