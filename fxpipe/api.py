@@ -16,6 +16,7 @@ from torch import nn
 from ._step import run_step, refuse_forward_with_grad
 from .build import BuildOptions, build, check_split_points
 from .capture._meta import refuse_running
+from .capture._mode_flags import ModeFlags
 from .capture._model_check import ModelCheck
 from .capture._tracing import Capture
 from .checks._batching import Batching, ChunkDims, OutputMerge
@@ -116,6 +117,7 @@ class Pipeline(PlacedModule):
         runtime = PipelineRunner(list(stages.modules), devices, skip_layout=layout, stage_portals=True, spread=True)
         #: what the stages hold from the model, compared at each call (fxpipe.capture._model_check)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages)
+        self._mode_flags = ModeFlags(model, mode_sensitive)  # submodules' modes, where the graph baked them
         self._loss_readings: Dict[Any, LossFnReading] = {}  # step()'s loss_fn, read per shape
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
@@ -230,6 +232,7 @@ class Pipeline(PlacedModule):
                 f"mode: fxpipe.pipeline(model.{'train' if self.training else 'eval'}(), ...) -- it shares "
                 "the same parameters."
             )
+        self._mode_flags.check()  # a submodule switched to train/eval where the graph baked its mode
         self.batching.refuse_mode(self.training)  # the build's training-mode check failed: eval only
         self._model_check.check()  # a submodule, parameter or traced attribute replaced since the build
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values

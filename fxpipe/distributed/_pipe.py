@@ -35,7 +35,8 @@ from torch import nn
 
 from fxpipe.capture._tracing import Capture
 from fxpipe.emit._stages import Stages
-from fxpipe.errors import BatchShapeError, DistributedError, PipelineClosedError
+from fxpipe.errors import BatchShapeError, DistributedError, ModeError, PipelineClosedError
+from fxpipe.capture._mode_flags import ModeFlags
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
 
@@ -74,7 +75,7 @@ class DistributedPipeline:
                  schedule: tuple[Any, Any], group: dist.ProcessGroup, chunks: int,
                  sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup],
                  output: Any = None, device: torch.device = torch.device("cpu"),
-                 step_loss: Optional[StepLoss] = None) -> None:
+                 step_loss: Optional[StepLoss] = None, mode_sensitive: str = "") -> None:
         self.module = model
         self.device = device
         self.capture = captured
@@ -99,6 +100,10 @@ class DistributedPipeline:
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages.modules)
+        # the modes the graph baked in (torch.export: every traced module's): followed or refused
+        self._captured_training = model.training
+        self._mode_sensitive = mode_sensitive
+        self._mode_flags = ModeFlags(model, mode_sensitive)
 
     @property
     def n_stages(self) -> int:
@@ -133,6 +138,14 @@ class DistributedPipeline:
         every rank, after checking that the model did not change since the build
         (:mod:`fxpipe.capture._model_check`)."""
         self._model_check.check()
+        if self._mode_sensitive and self.module.training != self._captured_training:
+            built, now = ("training", "eval") if self._captured_training else ("eval", "training")
+            raise ModeError(
+                f"the model is in {now} mode, but this pipeline was built in {built} mode and its stages have that "
+                f"mode baked in ({self._mode_sensitive}): dropout and BatchNorm would silently run as in {built} "
+                f"mode. Switch the model back (model.{'train' if self._captured_training else 'eval'}()) or build "
+                f"a pipeline in {now} mode for this use.")
+        self._mode_flags.check()
         kind = self.device.type
         if _autocast(kind) != self._autocast:
             raise DistributedError(

@@ -1,0 +1,51 @@
+"""Each module's ``training`` flag, where the graph baked it in: followed, or the call refused.
+
+torch.export bakes every traced module's mode into aten ops (``dropout``, ``batch_norm`` with
+its ``training`` argument), and a torch.fx forward that reads ``self.training`` keeps the value
+as a constant (:func:`fxpipe.capture._prepare.mode_sensitivity`). Switching the root mode is
+handled where the pipeline is called (:class:`~fxpipe.errors.ModeError`); switching a
+*submodule* (``model.bn.eval()`` to freeze BatchNorm for fine-tuning, dropout turned off or
+back on) would be silently ignored by such a graph. :class:`ModeFlags` records every module's
+flag at the build and refuses a call after any of them changed, naming the modules, with
+:class:`~fxpipe.errors.ModelChangedError`. A graph that follows the flags (torch.fx with the
+mode-dependent layers called as modules) records nothing and checks nothing.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from torch import nn
+
+from ..errors import ModelChangedError
+
+__all__ = ["ModeFlags"]
+
+
+class ModeFlags:
+    """The modules' ``training`` flags as built, when ``baked`` says why the graph holds them
+    ('' when it follows them: nothing to check)."""
+
+    def __init__(self, model: nn.Module, baked: str) -> None:
+        self.baked = baked
+        self._flags: List[Tuple[nn.Module, str, bool]] = (
+            [(m, name, m.training) for name, m in model.named_modules() if name] if baked else [])
+
+    def check(self) -> None:
+        """Raises :class:`~fxpipe.errors.ModelChangedError` naming the submodules whose mode
+        changed since the build (the root's own mode is checked by the caller)."""
+        for m, _, flag in self._flags:  # the common case: a loop of identity tests
+            if m.training is not flag:
+                break
+        else:
+            return
+        changed = [f"'{name}' is in {'training' if m.training else 'eval'} mode now, was in "
+                   f"{'training' if flag else 'eval'} mode at the build" for m, name, flag in self._flags
+                   if m.training is not flag]
+        shown = changed[:6] + ([f"... and {len(changed) - 6} more"] if len(changed) > 6 else [])
+        raise ModelChangedError(
+            f"submodules were switched to another mode after the pipeline was built, and its graph has each "
+            f"module's mode baked in ({self.baked}): the switch would be silently ignored. Build the pipeline again "
+            "after switching (fxpipe.pipeline(model, ...); it shares the model's parameters), e.g. freeze "
+            "BatchNorm or turn dropout off before the build. What changed:\n"
+            + "\n".join(f"  - {c}" for c in shown), changes=changed)
