@@ -1,29 +1,37 @@
-"""A loss that is a mean over the labels it counts: merged exactly, or refused at call time.
+"""A loss that is a mean over what it counts: merged exactly, or refused.
 
 ``output_merge={'loss': 'mean'}`` weighs each micro-batch's loss by its number of samples. A
-token mean with an ignore index divides by the number of labels it counts instead:
-transformers' ``labels=`` losses skip every ``-100`` (the padding a collator adds, prompt
-tokens) and, for causal LMs, the last position of each row (the shift). Whenever the
-micro-batches count different numbers of labels, the size-weighted mean of their means is
-another loss with other gradients, and whether they do is only known at call time: a clean
-sample then collator batches padded with ``-100`` would train silently wrong.
+mean whose denominator the data decide divides by something else: transformers' ``labels=``
+losses skip every ``-100`` (the padding a collator adds, prompt tokens) and, for causal LMs,
+the last position of each row (the shift); a class-weighted cross entropy divides by the class
+weights of its targets; a masked mean ``(l * mask).sum() / mask.sum()`` by its mask's sum.
+Whenever the micro-batches count differently, the size-weighted mean of their means is
+another loss with other gradients, and whether they do is only known at call time: a sample
+with an all-ones mask or one class passes the build's check and real batches would train
+silently wrong.
 
 So the build decides, once, per 0-dim output merged by ``'mean'`` (:meth:`CountedLabels.find`):
 
-* **counted**: the output is the value of a ``cross_entropy`` / ``nll_loss`` with reduction
-  ``'mean'`` and no class weights (``F.cross_entropy``, ``F.nll_loss``, ``nn.CrossEntropyLoss``,
-  ``nn.NLLLoss`` under torch.fx; ``aten.cross_entropy_loss`` and the ``nll_loss`` ops under
-  torch.export; transformers' ``ForCausalLMLoss`` / ``ForMaskedLMLoss`` are these), passed on
-  only through dtype conversions. By definition its value is the sum over the targets that are
-  not ``ignore_index``, divided by their count. The graph's own code that makes the target from
-  the inputs (transformers' pad-and-slice shift, views) is copied out and run on each
-  micro-batch's inputs to count them, and :func:`weighted_mean` merges
-  ``sum_i n_i L_i / sum_i n_i``: the whole batch's sum over its count, in value and, since the
-  counts are constants of the merged loss's graph, in every gradient.
-* **not counted**: any other loss. Before anything runs, each call's labels (the integer
-  inputs a loss op reads its target from, with that op's ignore index; every integer input
-  split into micro-batches, with ``-100``) are checked, and a call holding an ignored label is
-  refused with :class:`~fxpipe.errors.MicroBatchError`, as is such a sample at build time.
+* **counted**: the output is, through dtype conversions,
+  - the value of a ``cross_entropy`` / ``nll_loss`` with reduction ``'mean'``
+    (``F.cross_entropy``, ``F.nll_loss``, ``nn.CrossEntropyLoss``, ``nn.NLLLoss`` under
+    torch.fx; ``aten.cross_entropy_loss`` and the ``nll_loss`` ops under torch.export;
+    transformers' ``ForCausalLMLoss`` / ``ForMaskedLMLoss`` are these), with any
+    ``ignore_index`` and class weights read from the module or an attribute: by definition
+    its value is the weighted sum over the targets that are not ignored, divided by their
+    class weights' sum (their count without weights); or
+  - a sum divided by a sum computed from the inputs alone (``mask.sum()``).
+  The graph's own code that makes the target or the divisor from the inputs (transformers'
+  pad-and-slice shift, views) is copied out and run on each micro-batch's inputs to count
+  them, and :func:`weighted_mean` merges ``sum_i n_i L_i / sum_i n_i``: the whole batch's sum
+  over its count, in value and, since the counts are constants of the merged loss's graph, in
+  every gradient.
+* **not counted**: any other loss. A loss that divides by a value computed from split inputs
+  that is not such a sum (``mask.sum().clamp(min=1)``) is refused at the build. Before
+  anything runs, each call's labels (the integer inputs a loss op reads its target from, with
+  that op's ignore index; every integer input split into micro-batches, with ``-100``) are
+  checked, and a call holding an ignored label is refused with
+  :class:`~fxpipe.errors.MicroBatchError`, as is such a sample at build time.
 
 One micro-batch (``chunks=1``, a batch of one) merges nothing and is never refused.
 """
@@ -40,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from ..errors import MicroBatchError
+from ._loss_form import nll_total_weight
 
 __all__ = ["CountedLabels", "TokenCount", "weighted_mean", "holds_ignored", "IGNORE_INDEX"]
 
@@ -70,17 +79,26 @@ def holds_ignored(x: Any, ignore: int = IGNORE_INDEX) -> bool:
 
 @dataclass
 class TokenCount:
-    """How many labels a micro-batch's loss counts: the graph's code for the loss's target,
-    run on the micro-batch's inputs (``inputs``: their flat indices), and the ignore index."""
+    """What a micro-batch's loss divides by: the graph's code for the loss's target (or for
+    the divisor itself), run on the micro-batch's inputs (``inputs``: their flat indices).
+    With ``ignore_index`` the program gives a cross entropy's target and the count is its
+    labels that are not ignored, each weighed by ``weight()`` (its class weights) if any;
+    without, the program's value is the count (a mask's sum)."""
 
     program: fx.GraphModule
     inputs: List[int]
-    ignore_index: int
+    ignore_index: Optional[int] = None
+    weight: Optional[Callable[[], Optional[Tensor]]] = None
 
     def __call__(self, leaves: Sequence[Any]) -> Tensor:
         with torch.no_grad():
-            target = self.program(*[leaves[i] for i in self.inputs])
-            return (target != self.ignore_index).sum()
+            value = self.program(*[leaves[i] for i in self.inputs])
+            if self.ignore_index is None:
+                return value
+            weight = self.weight() if self.weight is not None else None
+            if weight is None:
+                return (value != self.ignore_index).sum()
+            return nll_total_weight(value, weight, self.ignore_index)
 
 
 @dataclass
@@ -119,6 +137,8 @@ class CountedLabels:
                 found.uncounted.append(i)
             else:
                 found.counts[i] = count
+        for i in found.uncounted:
+            _refuse_divisor(gm, returned[i], index, in_dims, i)
         if found.uncounted:
             checks = {(k, IGNORE_INDEX) for k, d in enumerate(in_dims) if d is not None}
             for node in gm.graph.nodes:
@@ -174,21 +194,116 @@ def weighted_mean(parts: Sequence[Tensor], counts: Sequence[Tensor]) -> Tensor:
 
 
 def _token_count(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int]) -> Optional[TokenCount]:
-    """The counting of the loss ``node`` returns, or None when it is not a plain mean over labels."""
+    """The counting of the loss ``node`` returns, or None when it is not a mean over what
+    its code counts: a cross entropy / nll_loss mean (class weights included), or a sum
+    divided by a sum computed from the inputs alone (a masked mean)."""
     while isinstance(node, fx.Node) and _passes_on(node):
         node = node.args[0]
     if not isinstance(node, fx.Node):
         return None
+    divisor = _divisor(node)
+    if divisor is not None:
+        if not _is_sum(_through(node.args[0])) or not _is_sum(_through(divisor)):
+            return None
+        program = _program(gm, divisor, index)
+        return None if program is None or not program[1] else TokenCount(program[0], program[1])
     if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0 \
             and isinstance(node.args[0], fx.Node) and node.args[0].target in _ATEN_PAIRS:
         node = node.args[0]
     loss = _loss_call(gm, node)
     if loss is None or not loss[2] or not isinstance(loss[0], fx.Node):
         return None
+    weight = _weight_of(gm, loss[3])
+    if weight is False:
+        return None
     program = _program(gm, loss[0], index)
     if program is None:
         return None
-    return TokenCount(program[0], program[1], loss[1])
+    return TokenCount(program[0], program[1], loss[1], weight or None)
+
+
+def _through(node: Any) -> Any:
+    while isinstance(node, fx.Node) and _passes_on(node):
+        node = node.args[0]
+    return node
+
+
+_DIVIDES = {operator.truediv, torch.div, torch.true_divide, _aten.div.Tensor}
+_SUMS = {torch.sum, _aten.sum.default, _aten.sum.dim_IntList}
+
+
+def _divisor(node: fx.Node) -> Optional[fx.Node]:
+    """``b`` of ``a / b`` (any spelling) when ``b`` is a node, else None."""
+    divides = ((node.op == "call_function" and node.target in _DIVIDES and not node.kwargs.get("rounding_mode"))
+               or (node.op == "call_method" and node.target in ("div", "true_divide", "__truediv__")))
+    if divides and len(node.args) == 2 and isinstance(node.args[1], fx.Node):
+        return node.args[1]
+    return None
+
+
+def _is_sum(node: Any) -> bool:
+    return isinstance(node, fx.Node) and ((node.op == "call_function" and node.target in _SUMS)
+                                          or (node.op == "call_method" and node.target == "sum"))
+
+
+def _weight_of(gm: fx.GraphModule, weight: Any) -> Any:
+    """A cross entropy's class weights, read at each call: None (no weights), a function
+    returning the tensor the graph reads, or False when this cannot tell which tensor."""
+    if weight is None:
+        return None
+    if isinstance(weight, Tensor):  # a module's own weight (nn.CrossEntropyLoss(weight=...))
+        return lambda: weight
+    if isinstance(weight, fx.Node) and weight.op == "get_attr":
+        target = str(weight.target)
+        return lambda: _fetch(gm, target)
+    return False
+
+
+_SIZE_READS = {"size", "numel", "dim", "shape"}
+
+
+def _reads_sizes(node: fx.Node) -> bool:
+    """Whether the value of ``node`` comes from shapes (``x.size(0)``, ``x.shape[1]``)."""
+    for n in _ancestors(node):
+        if n.op == "call_method" and n.target in _SIZE_READS:
+            return True
+        if n.op == "call_function" and (n.target is getattr and n.args[1:] == ("shape",)
+                                        or n.target in (_aten.sym_size.int, _aten.sym_numel.default)):
+            return True
+    return False
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> Tensor:
+    owner = gm
+    *path, name = target.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return getattr(owner, name)
+
+
+def _refuse_divisor(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], in_dims: Sequence[Optional[int]],
+                    i: int) -> None:
+    """An uncounted 'mean' loss that divides by a value computed from inputs split into
+    micro-batches (a count of the data this could not read as one): refused at the build,
+    since each micro-batch would divide by its own."""
+    if not isinstance(node, fx.Node):
+        return
+    for n in _ancestors(node):
+        divisor = _divisor(n)
+        if divisor is None:
+            continue
+        program = _program(gm, divisor, index)
+        if program is None or not any(in_dims[k] is not None for k in program[1]) or _reads_sizes(divisor):
+            continue  # a constant, or a size (x.size(0): the size-weighted merge is its mean)
+        trace = (n.meta.get("stack_trace") or "").strip().splitlines()
+        where = f" ({trace[-1].strip()})" if trace else ""
+        raise MicroBatchError(
+            f"the loss (output {i}, merged with 'mean') divides by {divisor.name}{where}, a value computed from "
+            f"the inputs that is not a sum fxpipe can weigh (e.g. a count under .clamp(min=1)): each micro-batch "
+            "would divide by its own, and the merged loss and its gradients would silently differ from the "
+            "model's. What to do: divide by the plain sum (mask.sum()) and guard an empty batch outside the "
+            "model, or return the loss's sum and its count and merge both with 'sum' "
+            "(output_merge={'loss_sum': 'sum', 'count': 'sum'}), dividing after the pipeline.")
 
 
 def _passes_on(node: fx.Node) -> bool:
@@ -199,29 +314,28 @@ def _passes_on(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target in _PASS_METHODS
 
 
-def _loss_call(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[Any, int, bool]]:
-    """``(target, ignore_index, plain mean)`` of a cross_entropy / nll_loss node, else None.
-    Plain mean: reduction 'mean', no class weights (the mean divides by the count of targets
-    that are not ignored)."""
+def _loss_call(gm: fx.GraphModule, node: fx.Node) -> Optional[Tuple[Any, int, bool, Any]]:
+    """``(target, ignore_index, mean, weight)`` of a cross_entropy / nll_loss node, else None.
+    Mean: reduction 'mean', which divides by the class weights of the targets that are not
+    ignored (their count without weights); ``weight``: the class weights' node, tensor or None."""
     try:
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))
             if not isinstance(module, _MODULES):
                 return None
             target = node.args[1] if len(node.args) > 1 else node.kwargs.get("target")
-            return target, int(module.ignore_index), module.reduction == "mean" and module.weight is None
+            return target, int(module.ignore_index), module.reduction == "mean", module.weight
         if node.op != "call_function":
             return None
         if node.target in _FUNCTIONS:
             bound = inspect.signature(_FUNCTIONS[node.target]).bind(*node.args, **node.kwargs)
             bound.apply_defaults()
             a = bound.arguments
-            plain = (a["reduction"] == "mean" and a["weight"] is None and a["size_average"] is None
-                     and a["reduce"] is None)
-            return a["target"], int(a["ignore_index"]), plain
+            mean = a["reduction"] == "mean" and a["size_average"] is None and a["reduce"] is None
+            return a["target"], int(a["ignore_index"]), mean, a["weight"]
         if node.target in _ATEN_LOSSES or node.target in _ATEN_PAIRS:
             a = _schema_arguments(node)
-            return a["target"], int(a["ignore_index"]), a["reduction"] == _MEAN and a["weight"] is None
+            return a["target"], int(a["ignore_index"]), a["reduction"] == _MEAN, a["weight"]
     except (TypeError, KeyError, ValueError, AttributeError):
         return None
     return None

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx
 
-__all__ = ["Form", "LossForm", "read_loss", "den_program"]
+__all__ = ["Form", "LossForm", "read_loss", "den_program", "nll_total_weight"]
 
 aten = torch.ops.aten
 FREE, ROWS, TOTAL, RATIO, COUNT, BAD = "free", "rows", "total", "ratio", "count", "bad"
@@ -644,7 +644,7 @@ def read_loss(gm: fx.GraphModule, inputs: Sequence[Tuple[Optional[int], bool]], 
     return LossForm(None, why=f"the loss {what}")
 
 
-def _nll_total_weight(target: Tensor, weight: Optional[Tensor], ignore_index: int) -> Tensor:
+def nll_total_weight(target: Tensor, weight: Optional[Tensor], ignore_index: int) -> Tensor:
     """What a cross entropy / nll_loss with ``reduction='mean'`` divides by: the class weights
     of the targets that are not ``ignore_index`` (their count without weights)."""
     counted = target != ignore_index
@@ -657,7 +657,7 @@ def _nll_total_weight(target: Tensor, weight: Optional[Tensor], ignore_index: in
 def den_program(gm: fx.GraphModule, den: Den) -> Tuple[fx.GraphModule, List[int]]:
     """The graph's code for ``den`` (a ``'data'`` den) as a GraphModule of its own, and the
     placeholder indices it takes; a cross entropy's total weight is computed from its target
-    and class weights only (:func:`_nll_total_weight`), never from the logits."""
+    and class weights only (:func:`nll_total_weight`), never from the logits."""
     assert den.kind == "data" and den.node is not None
     root = den.node
     nll = lambda n: isinstance(n, fx.Node) and n.op == "call_function" and _name(n) in _NLL  # noqa: E731
@@ -687,7 +687,7 @@ def den_program(gm: fx.GraphModule, den: Den) -> Tuple[fx.GraphModule, List[int]
             args = n.args
             weight = env[args[2]] if len(args) > 2 and isinstance(args[2], fx.Node) else None
             ignore = args[4] if len(args) > 4 else -100
-            env[n] = graph.call_function(_nll_total_weight, (env[args[1]], weight, ignore))
+            env[n] = graph.call_function(nll_total_weight, (env[args[1]], weight, ignore))
         elif n.target is operator.getitem and nll(n.args[0]) and n.args[1] == 1:
             env[n] = env[n.args[0]]
         else:

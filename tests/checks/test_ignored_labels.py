@@ -224,7 +224,7 @@ def test_custom_losses_recognised_are_exact(chunks):
     assert_grads_close(model, ref)
 
 
-@pytest.mark.parametrize("model_cls", [HandMadeMean, LossPlusPenalty])
+@pytest.mark.parametrize("model_cls", [LossPlusPenalty])
 def test_unrecognised_mean_loss_refused_at_call_time(model_cls):
     """Built on a clean sample, exact on clean calls; a call with -100 labels is refused before
     anything runs, naming the argument and what to do."""
@@ -249,13 +249,25 @@ def test_unrecognised_mean_loss_refused_at_call_time(model_cls):
     torch.testing.assert_close(one(x, padded), ref(x, padded))  # one micro-batch merges nothing
 
 
-def test_unrecognised_mean_loss_with_ignored_labels_in_the_sample_is_refused_at_build():
+def _exact_step(model, args, chunks=2):
+    ref = copy.deepcopy(model)
+    with fxpipe.pipeline(model, args, 2, chunks=chunks, devices=["cpu"] * 2, balance_by="params",
+                         output_merge="mean", progress=False) as pipe:
+        loss = pipe.step(*args)
+    want = ref(*args)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    assert_grads_close(model, ref)
+
+
+def test_a_hand_made_mean_over_counted_labels_is_weighed_by_its_own_count():
+    """``(nll * counted).sum() / counted.sum()``: the sum of a mask divides it, and each
+    micro-batch weighs by its own (once refused; now exact, the sample holding -100 too)."""
     torch.manual_seed(0)
     x, targets = _tokens(0), _tokens(1)
     targets[1, 3:] = -100
-    with pytest.raises(MicroBatchError, match="argument 'targets' holds -100 .* in the sample"):
-        fxpipe.pipeline(HandMadeMean(), (x, targets), 2, chunks=2, devices=["cpu"] * 2, balance_by="params",
-                        output_merge="mean", progress=False)
+    targets[0, 1:] = -100
+    _exact_step(HandMadeMean(), (x, targets))
 
 
 class MaskMean(nn.Module):
@@ -275,13 +287,13 @@ class MaskMean(nn.Module):
         return (nll * mask).sum() / mask.sum()
 
 
-def test_mean_over_a_padding_mask_is_refused_at_build_by_its_gradient():
-    """Values within the check's tolerance, gradients not: the build's gradient check (issue #13)
-    still refuses what the labels cannot tell."""
+def test_mean_over_a_padding_mask_is_weighed_by_the_mask():
+    """Values alike, gradients not, under a size-weighted merge (the build's gradient check
+    once refused it, issue #13); weighed by each micro-batch's mask sum it is exact."""
     torch.manual_seed(0)
     x, targets = _tokens(0), _tokens(1)
     mask = torch.ones(4, 6)
     mask[0, 1:] = 0
-    with pytest.raises(MicroBatchError, match="close to the full batch's value but its gradient is not"):
-        fxpipe.pipeline(MaskMean(), (x, targets, mask), 2, chunks=2, devices=["cpu"] * 2, balance_by="params",
-                        output_merge="mean", progress=False)
+    _exact_step(MaskMean(), (x, targets, mask))
+
+

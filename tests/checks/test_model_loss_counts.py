@@ -1,0 +1,120 @@
+"""The model's own ``'mean'`` loss whose denominator depends on the data: weighed by what it
+divides by, at every call, whatever the sample's micro-batches happened to weigh.
+
+A masked mean ``(l * mask).sum() / mask.sum()`` built on an all-ones mask, and a class-weighted
+cross entropy built on one-class labels, passed the build's check (their micro-batches weighed
+the same on the sample) and were silently off on real batches. Now each micro-batch's loss is
+weighed by its mask's sum, or by the class weights of its targets; a denominator fxpipe cannot
+weigh (``.clamp(min=1)``, or one it cannot read) is refused at the build.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import MicroBatchError
+
+from exact import assert_close_scaled, assert_grads_equal
+
+VOCAB = 12
+
+
+class OwnLoss(nn.Module):
+    """Returns {'loss', 'logits'}; ``kind`` chooses the loss; ``export`` forces torch.export."""
+
+    def __init__(self, kind: str, export: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.export = kind, export
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB)
+        self.register_buffer("class_weights", torch.linspace(0.1, 3.0, VOCAB))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> dict:
+        if self.export and ids.dim() != 2:
+            raise ValueError("expected 2-d ids")  # stops torch.fx: captured by torch.export
+        logits = self.head(torch.tanh(self.emb(ids)))
+        flat, target = logits.flatten(0, 1), labels.flatten()
+        if self.kind == "masked":
+            per_token = F.cross_entropy(flat, target, reduction="none")
+            m = mask.flatten().float()
+            loss = (per_token * m).sum() / m.sum()
+        elif self.kind == "weighted":
+            loss = F.cross_entropy(flat, target, weight=self.class_weights)
+        else:  # 'clamped': a denominator that is not a count
+            per_token = F.cross_entropy(flat, target, reduction="none")
+            m = mask.flatten().float()
+            loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
+        return {"loss": loss, "logits": logits}
+
+
+def _data(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (8, 5), generator=g)
+    labels = torch.randint(0, VOCAB, (8, 5), generator=g)
+    mask = torch.rand(8, 5, generator=g) < torch.linspace(0.1, 0.95, 8)[:, None]
+    mask[:, 0] = True
+    return ids, labels, mask
+
+
+def _sample():
+    ids, labels, _ = _data(0)
+    return ids, labels.zero_(), torch.ones(8, 5, dtype=torch.bool)  # all-ones mask, one class
+
+
+@pytest.mark.parametrize("export", [False, True])
+@pytest.mark.parametrize("kind", ["masked", "weighted"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_data_dependent_denominator_is_weighed_at_every_call(kind, export, schedule):
+    model = OwnLoss(kind, export)
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, _sample(), 2, chunks=4, devices=["cpu"] * 2, progress=False,
+                           output_merge={"loss": "mean"}, schedule=schedule)
+    assert pipe.capture.method == ("export" if export else "fx")
+    with pipe:
+        for seed in (1, 2):
+            batch = _data(seed)
+            model.zero_grad()
+            ref.zero_grad()
+            loss = pipe.step(*batch)
+            want = ref(*batch)["loss"]
+            want.backward()
+            assert_close_scaled(loss, want.detach(), what="loss")
+            assert_grads_equal(model, ref)
+            with torch.no_grad():
+                assert_close_scaled(pipe(*batch)["loss"], want.detach(), what="forward's merged loss")
+
+
+def test_a_denominator_that_is_not_a_count_is_refused_at_the_build():
+    with pytest.raises(MicroBatchError, match=r"divides by .*clamp.*'sum'"):
+        fxpipe.pipeline(OwnLoss("clamped"), _sample(), 2, chunks=4, devices=["cpu"] * 2, progress=False,
+                        output_merge={"loss": "mean"})
+
+
+class PerSampleMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) - y).pow(2).sum() / x.size(0)  # a mean over samples: weighed by sizes
+
+
+def test_a_division_by_the_batch_size_is_the_size_weighted_mean():
+    torch.manual_seed(0)
+    model = PerSampleMean()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    with fxpipe.pipeline(model, (x, y), 2, chunks=4, devices=["cpu"] * 2, progress=False,
+                         output_merge="mean") as pipe:
+        loss = pipe.step(x, y)  # micro-batches of 3, 3, 3, 1
+    want = ref(x, y)
+    want.backward()
+    assert_close_scaled(loss, want.detach(), what="loss")
+    assert_grads_equal(model, ref)
