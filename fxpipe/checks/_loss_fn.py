@@ -143,11 +143,16 @@ class LossFnReading:
         return Weights("mean", counts=counts)
 
     # -- reading ---------------------------------------------------------------------------
+    def _dims(self, n: int) -> List[Optional[int]]:
+        """The samples' dim of each of ``n`` flat outputs: the merges name the model's output
+        leaves, and a transformers cache taken apart adds leaves merged along dim 0."""
+        return self.out_dims[:n] + [0] * (n - len(self.out_dims))
+
     def _resized(self, outputs: Sequence[Any], m: int, device: Optional[torch.device]) -> List[Any]:
         """Stand-ins for the flat outputs of a micro-batch of ``m`` samples (meta tensors that
         remember the device the outputs are on)."""
         out = []
-        for x, d in zip(outputs, self.out_dims):
+        for x, d in zip(outputs, self._dims(len(outputs))):
             if isinstance(x, Tensor):
                 shape = list(x.shape)
                 if d is not None and x.dim() > 0:
@@ -191,7 +196,7 @@ class LossFnReading:
         if counts is None:
             return _Read(LossForm(None, why=why))
         n_out = sum(isinstance(x, Tensor) for x in outputs)
-        dims = [d if x.dim() > 0 else None for x, d in zip(outputs, self.out_dims) if isinstance(x, Tensor)]
+        dims = [d if x.dim() > 0 else None for x, d in zip(outputs, self._dims(len(outputs))) if isinstance(x, Tensor)]
         targets = [t for t in pytree.tree_leaves(target) if isinstance(t, Tensor)] if target is not None else []
         inputs = [(d, True) for d in dims] + [((0 if t.dim() > 0 else None), False) for t in targets]
         assert len(inputs) >= n_out
@@ -211,11 +216,12 @@ class LossFnReading:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         flat_target, spec = pytree.tree_flatten(target) if target is not None else ([], None)
         with mode:
-            fake_out = [self._fake(x, d, at) for x, d in zip(outputs, self.out_dims)]
+            fake_out = [self._fake(x, d, at) for x, d in zip(outputs, self._dims(len(outputs)))]
             fake_target = [torch.empty(_at(t.shape, 0, at), dtype=t.dtype, device=t.device)
                            if isinstance(t, Tensor) and t.dim() > 0 else t for t in flat_target]
         tensors = [x for x in fake_out if isinstance(x, Tensor)] + [t for t in fake_target if isinstance(t, Tensor)]
         loss_fn, unflatten = self.loss_fn, self.unflatten
+        unflatten(list(fake_out))  # fxpipe's own structure: an error here is not loss_fn's
 
         def traced(*xs: Tensor) -> Tensor:
             pending = list(xs)
