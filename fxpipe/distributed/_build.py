@@ -26,7 +26,8 @@ from fxpipe.capture._tracing import retarget_devices
 from fxpipe.checks._loss_fn import LossFnReading, out_dims_of
 from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
-from fxpipe.errors import BatchShapeError
+from fxpipe.checks._batching import OutputMerge
+from fxpipe.errors import BatchShapeError, MicroBatchError, StepError
 from fxpipe.runtime._frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
 from fxpipe.capture._mutation import check_kept_together
 from fxpipe.plan._value import Plan
@@ -93,13 +94,27 @@ def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stag
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     chunks = check_chunks(chunks)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), or None for the model's own loss, "
+                        f"got {type(loss_fn).__name__}")
     check_schedule(schedule, stages_per_rank, chunks, dist.get_world_size())
     if balance_by not in BALANCE_BY:
         raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got {checkpoint!r}")
+
+
+def _own_loss_default(capture: Callable[[], Any], defaulted: bool) -> Any:
+    """``capture()``; with ``loss_fn=None`` and no ``output_merge``, the default
+    ``{'loss': 'mean'}`` naming no output is said as what it is: no loss to train."""
+    try:
+        return capture()
+    except MicroBatchError as e:
+        if defaulted and "output_merge names ['loss']" in str(e):
+            raise StepError("loss_fn=None trains the model's own loss, and this model returns no output named "
+                            "'loss' (transformers' returns one when called with labels=). Pass loss_fn=..., or "
+                            "output_merge={'<its loss output>': 'mean'}") from e
+        raise
 
 
 def _micro_batch(flat: Sequence[Any], chunks: int) -> list[Any]:
@@ -120,7 +135,8 @@ def pipeline(
     sample: Any,
     *,
     chunks: int,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
+    output_merge: Optional[OutputMerge] = None,
     schedule: str = "gpipe",
     stages_per_rank: int = 1,
     sample_kwargs: Optional[dict] = None,
@@ -157,7 +173,11 @@ def pipeline(
             by what it divides by (samples, the labels it counts after its own shift, a mask's
             sum, class weights), so ``step`` gives eager's loss and gradients on the whole
             batch; a loss that does not split (in-batch negatives) is refused before anything
-            is sent (:mod:`fxpipe.distributed._loss`).
+            is sent (:mod:`fxpipe.distributed._loss`). None: the model's own loss (transformers'
+            ``labels=``), weighed exactly as :func:`fxpipe.pipeline` merges it (counted labels
+            included); ``step`` then takes no ``target``.
+        output_merge: as for :func:`fxpipe.pipeline`, for the model's own loss: default
+            ``{'loss': 'mean'}`` with ``loss_fn=None``. Other outputs are merged along dim 0.
         schedule: ``'gpipe'`` or ``'1f1b'``; with ``stages_per_rank > 1``: ``'gpipe'``
             (torch's LoopedBFS), ``'interleaved1f1b'`` or ``'interleavedzb'`` (interleaved zero
             bubble), stage ``k`` on rank ``k % world_size``; ``'zbv'`` (zero-bubble V) with
@@ -210,12 +230,15 @@ def pipeline(
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
-    options = BuildOptions(n_stages, chunks, None, balance_by, leaf_modules, split_points, plan, progress=report)
+    merge = output_merge if output_merge is not None or loss_fn is not None else {"loss": "mean"}
+    options = BuildOptions(n_stages, chunks, None, balance_by, leaf_modules, split_points, plan,
+                           output_merge=merge, progress=report)
     with preserved(model):
         with Failures(group, where).agreed("capture and check its model and sample"):  # a bad sample on one rank
             check_sample(model, args, kwargs, state_dict=state_dict)
             args, kwargs = capture_sample(model, (args, kwargs))
-            checked = capture_and_check(model, args, kwargs, options)  # a meta copy of the sample for a meta model
+            checked = _own_loss_default(lambda: capture_and_check(model, args, kwargs, options),
+                                        loss_fn is None and output_merge is None)
             checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
             captured = checked.capture
             flat = captured.flatten_inputs(args, kwargs)
@@ -260,12 +283,14 @@ def pipeline(
 
     output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
 
-    reading = LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output)
-    step_loss = StepLoss(loss_fn, reading, metas[n_stages - 1].outputs, chunks, where)
+    reading = (LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output)
+               if loss_fn is not None else None)
+    step_loss = StepLoss(loss_fn, reading, metas[n_stages - 1].outputs, checked.batching, chunks, where)
 
     def scaled_loss(tensors: Any, target: torch.Tensor) -> torch.Tensor:
-        # the model's outputs as the model returns them, weighted as loss_fn counts; scale_grads=False
-        return step_loss(output.structured(tensors), target)  # type: ignore[union-attr]
+        # the model's outputs as the model returns them, weighted as the loss counts; scale_grads=False
+        return step_loss(lambda: output.flat(tensors), lambda: output.structured(tensors),  # type: ignore
+                         target)
 
     runner_schedule, forward_only = make_schedules(schedule, pipe_stages, chunks, scaled_loss, placement)
     ties = TiedGradients(model, stages.modules, placement, group, wait)

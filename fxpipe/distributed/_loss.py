@@ -1,62 +1,100 @@
-"""The loss torch.distributed.pipelining calls per micro-batch, weighted as ``loss_fn`` counts.
+"""The loss torch.distributed.pipelining calls per micro-batch, weighted as the loss counts.
 
 torch's schedules call ``loss_fn(output, target)`` on the last stage once per micro-batch and
 backward each result: the step's gradients are the sum of those backwards. For the step to be
 eager's on the whole batch, each micro-batch's loss is scaled by its weight in the whole
 batch's loss: ``1`` for a sum over samples, ``n_i / sum_j n_j`` for a mean over what it counts
 (samples, the labels a cross entropy counts after its own shift, a mask's sum, the targets'
-class weights). The weights come from reading ``loss_fn`` (:mod:`fxpipe.checks._loss_fn`),
-one process or several alike, on the last stage's output shapes from the build's fake run.
+class weights). One process and several use one analysis:
 
-:meth:`StepLoss.begin` reads and weighs on the last stage's rank before anything is sent,
-inside the step's agreement, so a loss that cannot be split (in-batch negatives) is a
+* a user's ``loss_fn`` is read from its own graph (:mod:`fxpipe.checks._loss_fn`), on the last
+  stage's output shapes from the build's fake run;
+* the model's own loss (``loss_fn=None``: the 0-dim output merged with ``'mean'`` or ``'sum'``,
+  transformers' ``labels=``) is weighed as ``fxpipe.pipeline`` merges it: a counted mean by
+  each micro-batch's count of what it divides by (:mod:`fxpipe.checks._counted_labels`, the
+  graph's own code run on the micro-batches' inputs), another mean by ``1 / chunks``.
+
+:meth:`StepLoss.begin` weighs on the last stage's rank before anything is sent, inside the
+step's agreement, so a loss that cannot be split (in-batch negatives) is a
 :class:`~fxpipe.errors.StepError` on that rank and a named ``PeerFailedError`` on the others,
 with the pipeline still usable.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from fxpipe.checks._loss_fn import LossFnReading, Weights
+from fxpipe.checks._batching import Batching
+from fxpipe.checks._loss_fn import LossFnReading
 from fxpipe.errors import DistributedError, StepError
 
-__all__ = ["StepLoss"]
+__all__ = ["StepLoss", "own_loss_output"]
+
+
+def own_loss_output(batching: Batching) -> int:
+    """The flat output index of the model's own loss: the one 0-dim output merged with
+    ``'mean'`` or ``'sum'`` (named ``loss`` where several are); a typed refusal otherwise."""
+    linear = [i for i, mg in enumerate(batching.merges) if isinstance(mg, str) and mg in ("mean", "sum")]
+    if len(linear) > 1:
+        linear = [i for i in linear if batching.out_names[i] == "loss"] or linear
+    if len(linear) != 1:
+        found = "no output" if not linear else f"outputs {[batching.out_names[i] for i in linear]}"
+        raise StepError(
+            f"loss_fn=None trains the model's own loss: the one output merged with 'mean' or 'sum' "
+            f"(output_merge={{'loss': 'mean'}}, the default when the model returns a 'loss'), and {found} of this "
+            "model is merged so. Pass loss_fn=..., or output_merge naming the loss output")
+    return linear[0]
 
 
 class StepLoss:
-    """``loss_fn`` per micro-batch of one step, scaled by its weight (see the module docstring).
+    """Each micro-batch's loss of one step, scaled by its weight (see the module docstring).
 
     Args:
-        loss_fn: the user's ``loss_fn(output, target)``.
-        reading: its reading (:class:`LossFnReading`).
+        loss_fn: the user's ``loss_fn(output, target)``, or None for the model's own loss.
+        reading: ``loss_fn``'s reading (:class:`LossFnReading`), when given.
         outputs: the last stage's flat outputs of one micro-batch (meta tensors).
+        batching: how the model's inputs split and outputs merge.
         chunks: micro-batches per step (equal sizes).
-        device: where the last stage runs (the fake tensors of the reading are made there).
+        device: where the last stage runs.
     """
 
-    def __init__(self, loss_fn: Callable[..., Tensor], reading: LossFnReading, outputs: Sequence[Any],
-                 chunks: int, device: torch.device) -> None:
+    def __init__(self, loss_fn: Optional[Callable[..., Tensor]], reading: Optional[LossFnReading],
+                 outputs: Sequence[Any], batching: Batching, chunks: int, device: torch.device) -> None:
         self.loss_fn = loss_fn
         self.reading = reading
         self.outputs = list(outputs)
+        self.batching = batching
         self.chunks = chunks
         self.device = device
-        self.weights: Optional[Weights] = None
-        self._targets: list[Tensor] = []
+        self.own = own_loss_output(batching) if loss_fn is None else None
+        self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
+        self._sizes: list[torch.Size] = []
         self._next = 0
 
-    def begin(self, target: Tensor) -> None:
-        """Reads ``loss_fn`` on this step's micro-batch targets and fixes their weights; on the
-        last stage's rank only, before the schedule runs."""
-        size = target.size(0) // self.chunks
-        sizes = [size] * self.chunks
-        self._targets = list(target.split(sizes))
+    def begin(self, target: Optional[Tensor], flat: Sequence[Any]) -> None:
+        """Fixes this step's weights from its micro-batches (``target``, and the model's flat
+        inputs ``flat`` for its own loss); on the last stage's rank only, before the schedule."""
+        sizes = [next(x.size(0) for x in flat if isinstance(x, Tensor) and x.dim() > 0) // self.chunks] * self.chunks
         self._next = 0
-        weights = self.reading.weights(self.outputs, self._targets, sizes, device=self.device)
+        if self.own is not None:
+            self._sizes = []
+            merge = self.batching.merges[self.own]
+            micro, _ = self.batching.split(flat, self.chunks)
+            counts = self.batching.weights(flat, micro).get(self.own)  # refuses what it cannot weigh
+            if merge == "sum":
+                self._shares = None
+            elif counts is not None:
+                self._shares = _shares(counts)
+            else:
+                self._shares = [torch.tensor(1.0 / self.chunks, dtype=torch.float64)] * self.chunks
+            return
+        assert target is not None and self.reading is not None
+        targets = list(target.split(sizes))
+        self._sizes = [t.shape for t in targets]
+        weights = self.reading.weights(self.outputs, targets, sizes, device=self.device)
         if weights.kind is None:
             raise StepError(
                 "loss_fn cannot be split over micro-batches: torch's schedules compute it on each micro-batch and "
@@ -64,23 +102,33 @@ class StepLoss:
                 f"{weights.why}. Nothing was sent. Write the loss as a sum over samples, or such a sum divided by a "
                 "count of the target (a mask's sum, the labels that are not ignore_index), or compute a loss that "
                 "mixes the samples outside the pipeline (eval_step gives the outputs)")
-        self.weights = weights
+        self._shares = None if weights.kind == "sum" else _shares(weights.counts or [])
 
-    def __call__(self, output: Any, target: Tensor) -> Tensor:
+    def __call__(self, flat_output: Callable[[], List[Any]], structured: Callable[[], Any], target: Any) -> Tensor:
+        """Micro-batch ``i``'s scaled loss (the schedule asks in order 0, 1, ...); the output
+        is given lazily, flat or in the model's structure."""
         i = self._next
         self._next += 1
-        if self.weights is None or i >= len(self._targets) or target.shape != self._targets[i].shape:
+        if i >= self.chunks or (self._sizes and (not isinstance(target, Tensor) or target.shape != self._sizes[i])):
             raise DistributedError(f"the schedule asked for the loss of micro-batch {i} of {self.chunks}, out of the "
                                    "order fxpipe weighs them in (0, 1, ...): the step cannot stay exact")
-        loss = self.loss_fn(output, target)
+        if self.own is not None:
+            loss = flat_output()[self.own]
+            what = f"the model's own loss (output {self.batching.out_names[self.own]!r})"
+        else:
+            assert self.loss_fn is not None
+            loss = self.loss_fn(structured(), target)
+            what = "loss_fn"
         if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
-            raise StepError(f"loss_fn for micro-batch {i} must return a 0-dim floating tensor (a loss), got {got}")
-        if self.weights.kind == "sum":
+            raise StepError(f"{what} for micro-batch {i} must be a 0-dim floating tensor (a loss), got {got}")
+        if self._shares is None:
             return loss
-        assert self.weights.counts is not None
-        counts = self.weights.counts
-        n = counts[i].to(loss.device)
-        share = (n / torch.stack(counts).sum().to(loss.device)).to(loss.dtype)
+        share = self._shares[i].to(loss.device)
         # a micro-batch counting nothing has the mean 0/0: weight 0, and a zero gradient
-        return torch.where(n > 0, loss * share, torch.zeros_like(loss))
+        return torch.where(share > 0, loss * share.to(loss.dtype), torch.zeros_like(loss))
+
+
+def _shares(counts: Sequence[Tensor]) -> List[Tensor]:
+    n = torch.stack([torch.as_tensor(c).to(torch.float64) for c in counts])
+    return list(n / n.sum())

@@ -191,21 +191,29 @@ class DistributedPipeline:
             self._broken = f"{type(e).__name__}: {first[:300]}"
             raise
 
-    def step(self, *args: Any, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """One training step of the mini-batch ``args``/``kwargs`` against ``target``, on
-        every rank at once. Returns the mini-batch loss (a 0-dim tensor, no grad) on every
-        rank, and adds this step's gradients to the ``.grad`` of this rank's parameters."""
+    def step(self, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        """One training step of the mini-batch ``args``/``kwargs`` against ``target`` (none
+        for the model's own loss, ``loss_fn=None``), on every rank at once. Returns the
+        mini-batch loss (a 0-dim tensor, no grad) on every rank, and adds this step's
+        gradients to the ``.grad`` of this rank's parameters."""
         self._check_open()
+        own = self._step_loss is not None and self._step_loss.own is not None
         with self._failures.agreed("check its batch"):
             tensors = self._inputs(args, kwargs)
-            if not isinstance(target, torch.Tensor) or target.dim() == 0 or (
-                    tensors and target.shape[0] != tensors[0].shape[0]):
+            if own and target is not None:
+                raise BatchShapeError("target= is given, but this pipeline trains the model's own loss (built with "
+                                      "loss_fn=None): leave target out, or build with loss_fn=")
+            if not own and (not isinstance(target, torch.Tensor) or target.dim() == 0 or (
+                    tensors and target.shape[0] != tensors[0].shape[0])):
                 got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
                 raise BatchShapeError(f"target must be a tensor with the batch's {self._sample_shapes[0][0]} samples "
                                       f"along dim 0 (it is split into {self.chunks} micro-batches), got {got}")
             last = self.n_stages - 1 in self.local
-            if last and self._step_loss is not None:  # loss_fn read and weighed before anything is sent
-                self._step_loss.begin(target.to(self.device))
+            if last and self._step_loss is not None:  # the loss weighed before anything is sent
+                if own:  # torch's schedules need a target to call the loss: a stand-in, split alike
+                    target = torch.zeros(tensors[0].shape[0] if tensors else self.chunks)
+                self._step_loss.begin(None if own else target.to(self.device),  # type: ignore[union-attr]
+                                      self.capture.flatten_inputs(args, kwargs))
         losses: list[torch.Tensor] = []
         self._ties.before_step()
         with self._exchanging():

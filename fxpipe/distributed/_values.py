@@ -176,8 +176,13 @@ class StageRunner(nn.Module):
             return tuple(v for v in out if isinstance(v, torch.Tensor))
         return tuple(t for v, k in zip(out, self.outputs) for t in encode(v, k, self.device))
 
+    def flat(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The last stage's flat output leaves: ``tensors`` with the other leaves of the
+        latest forward."""
+        pending = list(tensors)
+        return [pending.pop(0) if v is _TENSOR else v for v in self._leaves]
+
     def structured(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The last stage's output tensors (one micro-batch's, or merged by ``eval_step``) in
         the model's output structure, with the other leaves of the latest forward."""
-        pending = list(tensors)
-        return pytree.tree_unflatten([pending.pop(0) if v is _TENSOR else v for v in self._leaves], self.out_spec)
+        return pytree.tree_unflatten(self.flat(tensors), self.out_spec)

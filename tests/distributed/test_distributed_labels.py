@@ -93,3 +93,45 @@ def test_a_loss_that_mixes_the_samples_is_refused_before_anything_is_sent(one_ra
         pipe.step(x, target=y)
     assert all(p.grad is None for p in model.parameters())
     pipe.close()
+
+
+def test_the_models_own_labels_loss_is_weighed_as_in_one_process(one_rank) -> None:
+    """transformers' labels= loss with loss_fn=None: its counted labels (after the shift, left
+    padding) weigh each micro-batch, as fxpipe.pipeline merges it; exact over two steps."""
+    import copy
+
+    T = pytest.importorskip("transformers")
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    model = T.GPT2LMHeadModel(config)
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    labels = _labels()
+    pipe = fpd.pipeline(model, (), sample_kwargs={"input_ids": ids, "labels": labels}, chunks=2, loss_fn=None,
+                        schedule="zbv", stages_per_rank=2, timeout=60)
+    for _ in range(2):
+        model.zero_grad()
+        eager.zero_grad()
+        loss = pipe.step(input_ids=ids, labels=labels)
+        want = eager(input_ids=ids, labels=labels).loss
+        want.backward()
+        assert_close_scaled(loss, want.detach(), None, what="loss")
+        top = max(largest(p.grad) for p in eager.parameters())
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_close_scaled(p.grad, q.grad, None, what=f"grad {n}", floor_of=top)
+        labels = labels.roll(1, 0)
+    with pytest.raises(Exception, match="target= is given"):
+        pipe.step(input_ids=ids, labels=labels, target=labels)
+    pipe.close()
+
+
+def test_loss_fn_none_without_a_loss_output_is_refused(one_rank) -> None:
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    with pytest.raises(StepError, match="returns no output named 'loss'"):
+        fpd.pipeline(model, x, chunks=2, timeout=60)
