@@ -28,7 +28,7 @@ from .errors import ArgumentError, DevicesError, ModeError, PipelinePicklingErro
 from .plan._make import BALANCE_BY
 from .plan._value import Plan
 from .progress import ProgressOption, as_progress
-from .runtime._batchnorm import commit_deferred_batch_norm
+from .runtime._batchnorm import commit_deferred_batch_norm, refuse_deferred_in_graph
 from .runtime._devices import Device, default_devices
 from .runtime._frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .runtime._microbatch import Batch
@@ -119,6 +119,8 @@ class Pipeline(PlacedModule):
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages)
         self._mode_flags = ModeFlags(model, mode_sensitive)  # submodules' modes, where the graph baked them
         self._loss_readings: Dict[Any, LossFnReading] = {}  # step()'s loss_fn, read per shape
+        if deferred_batch_norm:
+            refuse_deferred_in_graph(captured.graph_module, captured.method, chunks)
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
 
     @property

@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..errors import BatchNormConversionError
 from ._checkpoint import is_recomputing
 
 __all__ = [
     "DeferredBatchNorm", "convert_deferred_batch_norm", "defer_batch_norms",
     "release_deferred_batch_norm", "commit_deferred_batch_norm", "DEFERRED_ATTRIBUTES",
+    "refuse_deferred_in_graph",
 ]
 
 #: Instance attributes a deferred layer carries on top of its BatchNorm state.
@@ -177,3 +179,26 @@ def release_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:
 def commit_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:
     for bn in modules:
         bn.commit()
+
+
+def refuse_deferred_in_graph(graph: torch.fx.GraphModule, method: str, chunks: int) -> None:
+    """``deferred_batch_norm=True`` swaps the BatchNorm modules' classes; a torch.export graph
+    calls aten's batch norm itself, which the swap never reaches: in training its running
+    statistics would be updated once per micro-batch, silently. Refused."""
+    if method != "export" or chunks < 2:
+        return
+    if any(_trains_batch_norm(n) for n in graph.graph.nodes):
+        raise BatchNormConversionError(
+            "deferred_batch_norm=True, but the model was captured with torch.export, whose graph calls aten's "
+            "batch norm in training mode itself rather than the BatchNorm modules: running statistics would be "
+            "updated once per micro-batch, not once per mini-batch. What to do: make the model traceable by "
+            "torch.fx (keep the code torch.fx cannot trace opaque with leaf_modules=[...]), or build with "
+            "chunks=1, or with the BatchNorm layers in eval mode (frozen statistics).")
+
+
+def _trains_batch_norm(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or "batch_norm" not in str(node.target) or "no_training" in str(node.target):
+        return False
+    if node.target is torch.ops.aten.batch_norm.default:  # (input, weight, bias, mean, var, training, ...)
+        return len(node.args) > 5 and bool(node.args[5])
+    return True

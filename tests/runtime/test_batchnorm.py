@@ -46,3 +46,33 @@ def test_deferred_batch_norm_eval_uses_running_stats():
     pipe.eval()
     ref.eval()
     torch.testing.assert_close(pipe(x), ref(x))
+
+
+class _ExportedBN(nn.Module):
+    """Linear, BatchNorm, Linear, captured by torch.export (the shape check stops torch.fx)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError("expected a 2-d input")
+        return self.b(self.bn(self.a(x)))
+
+
+def test_deferred_batch_norm_under_torch_export_is_refused_where_it_would_do_nothing():
+    """The export graph calls aten's batch norm, not the modules the option converts: running
+    statistics would move once per micro-batch. Refused in training with several micro-batches;
+    eval mode (frozen statistics) and one micro-batch build as before."""
+    import fxpipe
+    from fxpipe.errors import BatchNormConversionError
+
+    x = torch.randn(8, 4)
+    model = _ExportedBN()
+    with pytest.raises(BatchNormConversionError, match="torch.export.*once per micro-batch"):
+        fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True, progress=False)
+    assert type(model.bn) is nn.BatchNorm1d  # nothing converted
+    fxpipe.pipeline(model, x, 2, chunks=1, devices=["cpu"] * 2, deferred_batch_norm=True, progress=False).close()
+    fxpipe.pipeline(model.eval(), x, 2, chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True,
+                    progress=False).close()
