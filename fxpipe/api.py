@@ -16,6 +16,7 @@ from torch import nn
 from ._step import run_step, refuse_forward_with_grad
 from .build import BuildOptions, build, check_split_points
 from .capture._meta import refuse_running
+from .capture._baked_dtypes import BakedDtypes
 from .capture._mode_flags import ModeFlags
 from .capture._model_check import ModelCheck
 from .capture._tracing import Capture
@@ -118,6 +119,7 @@ class Pipeline(PlacedModule):
         #: what the stages hold from the model, compared at each call (fxpipe.capture._model_check)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages)
         self._mode_flags = ModeFlags(model, mode_sensitive)  # submodules' modes, where the graph baked them
+        self._dtypes = BakedDtypes(model, captured.graph_module, captured.method)  # .to(dtype) after an export
         self._loss_readings: Dict[Any, LossFnReading] = {}  # step()'s loss_fn, read per shape
         if deferred_batch_norm:
             refuse_deferred_in_graph(captured.graph_module, captured.method, chunks)
@@ -235,6 +237,7 @@ class Pipeline(PlacedModule):
                 "the same parameters."
             )
         self._mode_flags.check()  # a submodule switched to train/eval where the graph baked its mode
+        self._dtypes.check()  # parameters given another dtype where the graph names the old one
         self.batching.refuse_mode(self.training)  # the build's training-mode check failed: eval only
         self._model_check.check()  # a submodule, parameter or traced attribute replaced since the build
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values

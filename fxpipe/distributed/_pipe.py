@@ -36,6 +36,7 @@ from torch import nn
 from fxpipe.capture._tracing import Capture
 from fxpipe.emit._stages import Stages
 from fxpipe.errors import BatchShapeError, DistributedError, ModeError, PipelineClosedError
+from fxpipe.capture._baked_dtypes import BakedDtypes
 from fxpipe.capture._mode_flags import ModeFlags
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
@@ -104,6 +105,7 @@ class DistributedPipeline:
         self._captured_training = model.training
         self._mode_sensitive = mode_sensitive
         self._mode_flags = ModeFlags(model, mode_sensitive)
+        self._dtypes = BakedDtypes(model, captured.graph_module, captured.method)
 
     @property
     def n_stages(self) -> int:
@@ -146,6 +148,7 @@ class DistributedPipeline:
                 f"mode. Switch the model back (model.{'train' if self._captured_training else 'eval'}()) or build "
                 f"a pipeline in {now} mode for this use.")
         self._mode_flags.check()
+        self._dtypes.check()
         kind = self.device.type
         if _autocast(kind) != self._autocast:
             raise DistributedError(

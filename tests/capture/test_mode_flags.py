@@ -135,3 +135,25 @@ def test_distributed_eval_step_in_another_mode_than_the_export_build_is_refused(
         pipe.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_another_dtype_after_an_export_build_that_names_one_is_refused():
+    """GPT-2's export graph writes float32 into its ops: bfloat16 weights after the build
+    crashed with a bare 'mixed dtype'. Refused by name; rebuilt, it runs in bfloat16."""
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, 64, (4, 8))
+    kwargs = {"input_ids": ids, "labels": ids}
+    pipe = fxpipe.pipeline(model, (), 2, sample_kwargs=kwargs, chunks=2, devices=["cpu"] * 2, progress=False,
+                           output_merge={"loss": "mean"})
+    assert pipe.capture.method == "export"
+    pipe.to(torch.bfloat16)
+    with pytest.raises(ModelChangedError, match=r"'transformer.wte.weight' is torch.bfloat16 now, was torch.float32"):
+        pipe(**kwargs)
+    again = fxpipe.pipeline(model, (), 2, sample_kwargs=kwargs, chunks=2, devices=["cpu"] * 2, progress=False,
+                            output_merge={"loss": "mean"})
+    with torch.no_grad():
+        torch.testing.assert_close(again(**kwargs)["logits"], model(**kwargs).logits, rtol=0.02, atol=0.02)
+        assert again(**kwargs)["logits"].dtype == torch.bfloat16
