@@ -25,7 +25,7 @@ from .checks._loss_fn import LossFnReading, loss_key, out_dims_of
 from .emit._compiling import (CompileOption, check_compile_option, check_graph_replay, compile_stages,
                               refuse_whole_pipeline_compile)
 from .emit._stages import Stages
-from .errors import ArgumentError, DevicesError, ModeError, PipelinePicklingError, StagesError
+from .errors import ArgumentError, DevicesError, InputMismatchError, ModeError, PipelinePicklingError, StagesError
 from .plan._make import BALANCE_BY
 from .plan._value import Plan
 from .progress import ProgressOption, as_progress
@@ -242,6 +242,12 @@ class Pipeline(PlacedModule):
         self._model_check.check()  # a submodule, parameter or traced attribute replaced since the build
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
         micro, sizes = self.batching.split(flat, self.chunks)
+        if self.capture.batch_fixed and max(sizes, default=1) > 1:
+            raise InputMismatchError(
+                f"this call's micro-batches hold {max(sizes)} samples, but torch.export captured the model on a "
+                "batch-1 sample and fixed the batch at 1 (torch.export specialises a size of 1): every micro-batch "
+                f"must hold one sample here (a batch of at most chunks={self.chunks}). Build from a sample of 2 or "
+                "more samples: the pipeline then takes any batch size")
         weights = self.batching.weights(flat, micro)  # refuses ignored labels a 'mean' loss cannot weigh
         first = self.devices[0]
         batches = [

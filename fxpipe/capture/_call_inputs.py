@@ -23,7 +23,7 @@ from ._values import same_plain
 if TYPE_CHECKING:
     from ._tracing import Capture
 
-__all__ = ["call_signature", "fixed_dims", "flatten_call", "in_sample_order", "mismatch_error"]
+__all__ = ["call_signature", "fixed_dims", "fixed_batch", "flatten_call", "in_sample_order", "mismatch_error"]
 
 
 # -- a call vs the captured sample (Capture.flatten_inputs) -----------------------------------
@@ -173,6 +173,21 @@ def fixed_dims(gm: torch.fx.GraphModule, flat: Sequence[Any],
         if any(s is not None for s in sizes):
             out[i] = sizes
     return out
+
+
+def fixed_batch(gm: torch.fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[int | None] | None) -> bool:
+    """Whether torch.export specialised the split dim itself: it does for a batch of one (its
+    0/1 specialisation), and then every micro-batch must hold one sample. (A larger sample
+    with a fixed batch cannot be split at all and is refused by the build's check.)"""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, (node, v) in enumerate(zip(phs, flat)):
+        val = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim() or not v.dim():
+            continue
+        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+        if split is not None and isinstance(val.shape[split % v.dim()], int):
+            return True
+    return False
 
 
 def _shape_problems(v: torch.Tensor, want: tuple[int | None, ...], name: str) -> list[tuple[str, str]]:

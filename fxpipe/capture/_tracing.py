@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ._attr_reads import AttrRead, AttributeReads, plain_attributes
 from ._augmented import AugmentedProxy
 from ._custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
-from ._call_inputs import call_signature, fixed_dims, flatten_call
+from ._call_inputs import call_signature, fixed_batch, fixed_dims, flatten_call
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
 from ._trace_errors import describe, lost_records_error, output_error, reason_of, trace_error, user_frame
@@ -87,6 +87,8 @@ class Capture:
     signature: inspect.Signature | None = field(default=None, repr=False, compare=False)
     fixed: dict[int, tuple[int | None, ...]] = field(default_factory=dict)
     reads: list[AttrRead] = field(default_factory=list, repr=False, compare=False)
+    #: torch.export fixed the split dim (a batch-1 sample): every micro-batch holds one sample
+    batch_fixed: bool = False
 
     def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
         """Flatten a call's inputs, checking them against the captured sample.
@@ -313,7 +315,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         # caches in the output (past_key_values) come out as their tensors; the spec rebuilds them
         out_spec = compose_out_spec(out_specs[-1], ex_res.leaf_specs)
         return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model),
-                       fixed_dims(gm, flat, split_dims), reads)
+                       fixed_dims(gm, flat, split_dims), reads, fixed_batch(gm, flat, split_dims))
     if ex_res.bad_output:
         # The fx graph returns the same object, from an opaque node: each micro-batch would
         # make one and only the first could be returned. Refuse rather than mislead.

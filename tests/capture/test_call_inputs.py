@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import fxpipe
 from fxpipe.capture._call_inputs import fixed_dims, in_sample_order
 from fxpipe.capture._values import same_plain as same_value
 from fxpipe.capture._tracing import Capture, capture
@@ -232,3 +233,33 @@ def test_fixed_sizes_are_checked_at_each_call(cap: Capture) -> None:
     # a size problem is named alongside a structural one, in one message
     msg = _refused(sized, (X, {"ids": torch.randn(2, 6), "pos": [P0, P1]}, args[2]), {**_kwargs(), "scale": 2.0})
     assert "dim 1 of batch['ids'] is 6" in msg and "scale is 2.0" in msg, msg
+
+
+class _FlattensTheBatch(nn.Module):
+    """reshape(-1, ...) merges the batch into rows; the dim check stops torch.fx."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError("expected 3 dims")
+        return self.b(self.a(x).reshape(-1, 8)).reshape(x.shape[0], -1)
+
+
+def test_a_batch_of_one_under_export_fixes_the_micro_batch_at_one_sample():
+    """torch.export specialises a size of 1: from a batch-1 sample, micro-batches of 2 ended in
+    a bare RuntimeError (or, with other reshapes, were silently off). Refused by name; micro-
+    batches of one sample stay exact."""
+    torch.manual_seed(0)
+    model = _FlattensTheBatch()
+    x = torch.randn(4, 3, 4)
+    pipe = fxpipe.pipeline(model, torch.randn(1, 3, 4), 2, chunks=4, devices=["cpu"] * 2, progress=False)
+    assert pipe.capture.method == "export" and pipe.capture.batch_fixed
+    torch.testing.assert_close(pipe(x), model(x))  # four micro-batches of one
+    with pytest.raises(InputMismatchError, match="micro-batches hold 2 samples.*batch-1 sample.*2 or more"):
+        pipe(torch.randn(8, 3, 4))
+    wide = fxpipe.pipeline(model, torch.randn(2, 3, 4), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    assert not wide.capture.batch_fixed
+    torch.testing.assert_close(wide(torch.randn(8, 3, 4)).shape, torch.Size([8, 6]))
