@@ -38,7 +38,7 @@ from .checks._modes import check_modes
 from .emit._placement import place_stages
 from .emit._stage_state import mutable_state
 from .emit._stages import Stages, emit_stages
-from .errors import ArgumentError, PlanModelError, SplitPointsError
+from .errors import ArgumentError, FxpipeError, PlanModelError, SplitPointsError, TraceError
 from .plan._make import make_plan
 from .plan._value import Plan
 from .progress import Progress
@@ -180,10 +180,33 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
             "called: sample= its positional input (a tuple for several), sample_kwargs= its keyword "
             "arguments.", argument="sample")
     _, split_dims = input_split_dims(model, args, kwargs, options.chunk_dims)
-    prepared = prepare(model, args, kwargs, options.leaf_modules, split_dims, report)
+    try:
+        prepared = prepare(model, args, kwargs, options.leaf_modules, split_dims, report)
+    except Exception as e:
+        _refuse_failing_sample(model, args, kwargs, e)  # the model's own error first, when it has one
+        raise
     with report.phase("checking micro-batches against the whole batch"):
         batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge)
     return Checked(prepared, batching, args, kwargs, meta)
+
+
+def _refuse_failing_sample(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, failure: Exception) -> None:
+    """After a failed capture: the model run eagerly on the sample. A model that fails there
+    too (labels of the wrong shape) was given a sample it rejects, whatever the capture said
+    about untraceable code: that error leads, as a :class:`TraceError` naming it."""
+    if isinstance(failure, FxpipeError) and not isinstance(failure, TraceError):
+        return  # a refusal of fxpipe's own that names its cause
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as own:  # noqa: BLE001 - the model's own error, whatever it is
+        first = (str(own).strip().splitlines() or [""])[0].rstrip(".")
+        raise TraceError(
+            f"the model itself fails on the sample: {type(own).__name__}: {first}. fxpipe captures the model by "
+            f"running it on the sample, so the sample must be one the model accepts: check the sample's shapes "
+            f"and arguments (model(*sample, **sample_kwargs) raises the same). The capture's own error follows "
+            f"as the cause.", reason=f"{type(own).__name__}: {first}") from own
+    return
 
 
 def choose_plan(checked: Checked, options: BuildOptions) -> Plan:

@@ -486,3 +486,21 @@ def test_forward_pre_hook_is_refused_for_itself_not_for_the_sample():
     x = torch.randn(4, 4)
     with pytest.raises(TraceError, match="itself has forward or backward hooks"):
         fxpipe.pipeline(model, (x, x), 2, devices=["cpu"] * 2, balance_by="params")
+
+
+class _LabelledLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.b(self.a(x)), labels)
+
+
+def test_a_sample_the_model_itself_rejects_leads_with_the_models_own_error():
+    """Labels of the wrong shape: the capture's complaint (untraceable code, a bare ValueError
+    from inside its run) used to lead; now the model's own error does, as a TraceError."""
+    with pytest.raises(fxpipe.TraceError, match=r"the model itself fails on the sample: ValueError: Expected "
+                                                r"input batch_size \(8\) to match target batch_size \(5\)\. "):
+        fxpipe.pipeline(_LabelledLoss(), (torch.randn(8, 4), torch.randint(0, 3, (5,))), 2, chunks=2,
+                        devices=["cpu"] * 2, output_merge="mean", progress=False)
