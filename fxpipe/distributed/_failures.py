@@ -37,7 +37,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import PeerFailedError
+from fxpipe.errors import DistributedError, PeerFailedError
 
 __all__ = ["Failures", "failure_line"]
 
@@ -81,6 +81,10 @@ def _from_transport(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(_TRANSPORT.search(str(error).split("\n", 1)[0]))
 
 
+#: the calls a rank can be in when the ranks agree (their index travels)
+_CALLS = ("", "step()", "eval_step()")
+
+
 class Failures:
     """The failure reporting of one pipeline's process group (both ways, see the module)."""
 
@@ -93,23 +97,38 @@ class Failures:
         self.key = f"fxpipe/failure/{group.group_name}"
 
     @contextmanager
-    def agreed(self, doing: str) -> Iterator[None]:
+    def agreed(self, doing: str, call: str = "") -> Iterator[None]:
         """Runs the block (this rank's checks, which send nothing), then makes every rank agree
         on its outcome: when the block raised on some ranks, each of those re-raises its own
         error and every other rank raises ``PeerFailedError`` naming the first of them and its
-        error. ``doing`` says what failed (``"check its batch"``)."""
+        error. ``doing`` says what failed (``"check its batch"``). ``call`` names what this rank
+        is running (``'step()'``): ranks running different calls would run different
+        schedules (gloo aborted the process), so every rank refuses them with a
+        :class:`DistributedError` naming each rank's call."""
         failure: Optional[Exception] = None
         try:
             yield
         except Exception as e:  # told to every rank below, then re-raised here
             failure = e
         with self.reported():  # a peer gone before it could agree
-            flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+            world = self.world_size
+            flags = torch.zeros(2 * world, dtype=torch.int32, device=self.device)
             flags[self.rank] = failure is not None
+            flags[world + self.rank] = _CALLS.index(call) if call in _CALLS else len(_CALLS)
             dist.all_reduce(flags, group=self.group)
-            failed = [r for r, flag in enumerate(flags.tolist()) if flag]
-            if not failed:
-                return
+            values = flags.tolist()
+        calls = values[world:]
+        if len(set(calls)) > 1:  # raised outside reported(): not a failure for the store to keep
+            named = ", ".join(f"rank {r}: {_CALLS[c] if c < len(_CALLS) else 'another call'}"
+                              for r, c in enumerate(calls))
+            raise DistributedError(
+                f"the ranks called different methods of this pipeline ({named}): each would run another schedule, "
+                "and their transfers would not match. Nothing was sent. Call the same method on every rank, with "
+                "the same batch.")
+        failed = [r for r, flag in enumerate(values[:world]) if flag]
+        if not failed:
+            return
+        with self.reported():
             lines: list[Optional[str]] = [None] * self.world_size
             mine = failure_line(self.rank, failure) if failure is not None else None
             dist.all_gather_object(lines, mine, group=self.group)

@@ -201,7 +201,7 @@ class DistributedPipeline:
         gradients to the ``.grad`` of this rank's parameters."""
         self._check_open()
         own = self._step_loss is not None and self._step_loss.own is not None
-        with self._failures.agreed("check its batch"):
+        with self._failures.agreed("check its batch", call="step()"):
             tensors = self._inputs(args, kwargs)
             if own and target is not None:
                 raise BatchShapeError("target= is given, but this pipeline trains the model's own loss (built with "
@@ -243,7 +243,7 @@ class DistributedPipeline:
         """Forward only: the model's outputs (merged over micro-batches along dim 0) on the
         rank of the last stage, ``None`` on the others."""
         self._check_open()
-        with self._failures.agreed("check its batch"):
+        with self._failures.agreed("check its batch", call="eval_step()"):
             tensors = self._inputs(args, kwargs)
         with self._exchanging():
             out = self._forward_only.step(*self._sent(tensors))

@@ -146,6 +146,11 @@ def _differing_arguments_worker(rank: int, world: int, port: int, out: str) -> N
         except Exception as e:
             _record(out, rank, what, e)
     pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)  # the same arguments: it runs
+    try:  # rank 1 validates while rank 0 trains: gloo aborted rank 1, rank 0 got a raw RuntimeError
+        pipe.eval_step(x) if rank else pipe.step(x, target=y)
+        Path(out, f"rank{rank}.calls.txt").write_text("ran")
+    except Exception as e:
+        _record(out, rank, "calls", e)
     Path(out, f"rank{rank}.after.txt").write_text(repr(pipe.step(x, target=y).item()))
     pipe.close()
     # an orderly end: rank 0 holds the tcp:// store, and a rank leaving while the other still
@@ -162,6 +167,9 @@ def test_ranks_given_different_chunks_or_schedule_are_refused_on_every_rank(tmp_
                                "chunks (chunks: rank 0 2, rank 1 4)"), line
     for line in schedule:
         assert "different schedule (schedule: rank 0 '1f1b', rank 1 'gpipe')" in line, line
+    for line in _read(tmp_path, 2, "calls"):
+        assert line.startswith("DistributedError: the ranks called different methods of this pipeline (rank 0: "
+                               "step(), rank 1: eval_step())"), line
     after = _read(tmp_path, 2, "after")
     assert len(set(after)) == 1 and codes == [0, 0], (after, codes)
 
