@@ -52,9 +52,10 @@ def _merge_hint(name: str) -> str:
 _LOSS_NOTE = (
     "'mean' gives exactly the full batch's value when each micro-batch's value is a mean over as many "
     "items as the others' (a mean over samples of equal-sized micro-batches; uneven sizes are weighted). "
-    "A loss fxpipe recognises as a mean over counted labels (F.cross_entropy, F.nll_loss or "
-    "nn.CrossEntropyLoss with reduction='mean' and no class weights, as transformers' labels= losses are) "
-    "is weighted by each micro-batch's number of labels that are not ignore_index (-100 labels), exactly. "
+    "A loss fxpipe recognises as a mean over what it counts (F.cross_entropy, F.nll_loss or "
+    "nn.CrossEntropyLoss with reduction='mean', as transformers' labels= losses are; a sum divided by a sum "
+    "of the inputs, a masked mean) is weighted by each micro-batch's count (its labels that are not "
+    "ignore_index, their class weights, its mask's sum), exactly. "
     "Another mean over a varying number of items (an ignore index, padding) is not the full batch's once "
     "merged: return its sum and its count, both merged with 'sum', and divide after the pipeline, or "
     "compute that loss outside the pipeline from the logits.")

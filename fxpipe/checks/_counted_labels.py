@@ -170,8 +170,8 @@ class CountedLabels:
                     f"argument {in_names[k]!r} holds {ignore} (an ignored label) in {where}, and {outputs} merged "
                     "over micro-batches with 'mean'. fxpipe weighs a loss by each micro-batch's count of counted "
                     "labels only where it recognises it as a mean over them (F.cross_entropy, F.nll_loss or "
-                    "nn.CrossEntropyLoss with reduction='mean' and no class weights, as transformers' labels= "
-                    "losses are). This loss is not one: with micro-batches that count different numbers of "
+                    "nn.CrossEntropyLoss with reduction='mean', as transformers' labels= losses are, or a sum "
+                    "divided by a sum of the inputs). This loss is not one: with micro-batches that count different numbers of "
                     "labels, the merged loss and its gradients would silently differ from the model's. What to "
                     "do: return the loss's sum and its number of counted labels, merge both with 'sum' (e.g. "
                     "output_merge={'loss_sum': 'sum', 'count': 'sum'}) and divide after the pipeline; or compute "
@@ -370,8 +370,16 @@ def _program(gm: fx.GraphModule, target: fx.Node,
              index: Dict[fx.Node, int]) -> Optional[Tuple[fx.GraphModule, List[int]]]:
     """The graph's code computing ``target`` from the inputs, as a GraphModule of its own, and
     the flat indices of the inputs it takes; None when it calls a module (its cost and state
-    are not the label bookkeeping this runs per call) or reads anything but inputs and constants."""
-    needed = _ancestors(target)
+    are not the label bookkeeping this runs per call) or reads anything but inputs and constants.
+    A move to another tensor's device (``labels.to(logits.device)``, transformers' losses) is
+    left out: counting runs where the labels are, and needs nothing of the logits."""
+    needed: Set[fx.Node] = set()
+    todo = [target]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend([n.args[0]] if _moves_device(n) else n.all_input_nodes)
     if any(n.op not in ("placeholder", "call_function", "call_method", "get_attr") for n in needed):
         return None
     if any(n.op == "placeholder" and n not in index for n in needed):
@@ -381,8 +389,17 @@ def _program(gm: fx.GraphModule, target: fx.Node,
     inputs: List[int] = []
     for n in gm.graph.nodes:  # topological: every argument is copied before its user
         if n in needed:
-            env[n] = graph.node_copy(n, lambda a: env[a])
+            env[n] = env[n.args[0]] if _moves_device(n) else graph.node_copy(n, lambda a: env[a])
             if n.op == "placeholder":
                 inputs.append(index[n])
     graph.output(env[target])
     return fx.GraphModule(gm, graph), inputs
+
+
+def _moves_device(node: fx.Node) -> bool:
+    """``x.to(y.device)``: a node whose only other argument is another node's ``.device``."""
+    if node.op != "call_method" or node.target != "to" or len(node.args) != 2 or node.kwargs:
+        return False
+    device = node.args[1]
+    return (isinstance(node.args[0], fx.Node) and isinstance(device, fx.Node) and device.op == "call_function"
+            and device.target is getattr and device.args[1:] == ("device",))

@@ -29,10 +29,23 @@ __all__ = ["gradient_mismatch"]
 
 
 def _grads(value: Tensor, params: List[Tensor]) -> List[Tensor]:
-    """d value / d params as float64, zeros where a parameter does not reach ``value``."""
-    got = (torch.autograd.grad(value, params, allow_unused=True, retain_graph=True) if value.requires_grad
-           else [None] * len(params))
-    return [torch.zeros_like(p, dtype=torch.float64) if g is None else g.double() for p, g in zip(params, got)]
+    """d value / d params as float64, zeros where a parameter does not reach ``value``.
+
+    Taken by ``backward()`` into ``.grad`` (put back afterwards), not ``torch.autograd.grad``:
+    a model's own ``torch.utils.checkpoint(use_reentrant=True)`` inside a module kept opaque
+    runs a backward of its own that refuses ``.grad()`` (transformers'
+    ``gradient_checkpointing_enable`` with ``use_reentrant=True`` and a ``labels=`` loss)."""
+    if not value.requires_grad:
+        return [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    kept = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        value.backward(retain_graph=True)
+        return [torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double() for p in params]
+    finally:
+        for p, g in zip(params, kept):
+            p.grad = g
 
 
 def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[Sequence[Any]],
@@ -41,8 +54,8 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
     0-dim output in ``indices`` whose merged gradient differs from the whole batch's, or None.
 
     ``merge(i, parts)`` merges output ``i`` of the micro-batches as the pipeline will.
-    Runs with gradients enabled, accumulating nothing (``torch.autograd.grad``); the caller
-    sets the mode and seeds and restores the model's state.
+    Runs with gradients enabled, leaving every ``.grad`` as it was; the caller sets the mode
+    and seeds and restores the model's state.
     """
     named = [(n, p) for n, p in gm.named_parameters() if p.requires_grad]
     if not named or not indices:

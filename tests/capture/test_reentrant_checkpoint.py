@@ -93,3 +93,30 @@ def test_transformers_reentrant_gradient_checkpointing_is_exact():
     got.pow(2).mean().backward()
     expected.pow(2).mean().backward()
     assert_grads_equal(model, ref)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_transformers_reentrant_gradient_checkpointing_with_a_labels_loss_is_exact(schedule):
+    """The build's gradient check of a merged loss used torch.autograd.grad, which a reentrant
+    checkpoint refuses: a bare RuntimeError ended the build. It now backwards into .grad (put
+    back), and the step is eager's, -100 padding included."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids = torch.randint(0, 64, (4, 10))
+    labels = ids.clone()
+    labels[1, 4:], labels[3, 7:] = -100, -100
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, (), 2, sample_kwargs={"input_ids": ids, "labels": labels}, chunks=2,
+                           devices=["cpu"] * 2, balance_by="params", progress=False, output_merge={"loss": "mean"},
+                           schedule=schedule)
+    assert all(p.grad is None for p in model.parameters()), "the build's check leaves .grad as it was"
+    loss = pipe.step(input_ids=ids, labels=labels)
+    want = ref(input_ids=ids, labels=labels).loss
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    assert_grads_equal(model, ref)
