@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .checks._loss_fn import Weights
+from .checks._loss_fn import Weights, split_target
 from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm
 from .runtime._frontend import checkpoint_stop
@@ -200,21 +200,14 @@ class _FnLoss:
         return _checked(loss, 0, "loss_fn's result on the whole batch")
 
 
-def _split_target(batching: Any, target: Any, sizes: List[int]) -> List[Tensor]:
-    if not isinstance(target, Tensor) or target.dim() == 0:
-        got = f"a 0-dim tensor" if isinstance(target, Tensor) else type(target).__name__
-        raise ArgumentError(f"target must be a tensor with the batch along dim 0 (it is split into micro-batches "
-                            f"like the inputs), got {got}", argument="target")
+def _split_target(batching: Any, target: Any, sizes: List[int]) -> List[Any]:
     other = sorted({d for d in batching.in_dims if d not in (None, 0)})
     if other:
         raise ArgumentError(
             f"target= is split along dim 0, but the inputs are split along {batching.dims_text()}: where the "
             "target's batch is cannot be told. Compute the loss in the model (labels=, output_merge={'loss': "
             "'mean'}) or move the target's batch to dim 0 and the inputs' too", argument="target")
-    if target.size(0) != sum(sizes):
-        raise ArgumentError(f"target has {target.size(0)} samples along dim 0 but the batch has {sum(sizes)}",
-                            argument="target")
-    return list(target.split(sizes, dim=0))
+    return split_target(target, sizes)
 
 
 def _checked(loss: Any, i: int, what: str) -> Tensor:

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ._loss_form import Den, LossForm, count_args, den_program, read_loss
 
-__all__ = ["LossFnReading", "Weights", "CACHE", "loss_key", "out_dims_of"]
+__all__ = ["LossFnReading", "Weights", "CACHE", "loss_key", "out_dims_of", "split_target"]
 
 #: micro-batch shapes whose reading is kept per loss_fn
 CACHE = 32
@@ -73,6 +73,36 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
+
+
+def split_target(target: Any, sizes: Sequence[int]) -> List[Any]:
+    """``target`` per micro-batch of ``sizes`` samples: a tensor, or a tuple, list or dict of
+    them (``(labels, weights)``, ``{'labels': ..., 'mask': ...}``), each tensor split along
+    dim 0; other values given whole to every micro-batch. A typed refusal names the leaf whose
+    dim 0 is not the batch."""
+    from ..errors import ArgumentError
+
+    leaves, spec = pytree.tree_flatten_with_path(target)
+    if not any(isinstance(x, Tensor) for _, x in leaves):
+        raise ArgumentError(f"target must be a tensor with the batch along dim 0, or a tuple, list or dict of such "
+                            f"tensors (each is split into micro-batches like the inputs), got {type(target).__name__}",
+                            argument="target")
+    total = sum(sizes)
+    parts: List[List[Any]] = [[] for _ in sizes]
+    for path, x in leaves:
+        if isinstance(x, Tensor):
+            name = "target" + pytree.keystr(path)
+            if x.dim() == 0 or x.size(0) != total:
+                got = "a 0-dim tensor" if x.dim() == 0 else f"{x.size(0)} samples along dim 0"
+                raise ArgumentError(f"{name} has {got}, but the batch has {total} (target is split along dim 0 like "
+                                    "the inputs)", argument="target")
+            for part, piece in zip(parts, x.split(list(sizes), dim=0)):
+                part.append(piece)
+        else:
+            for part in parts:
+                part.append(x)
+    treespec = pytree.tree_structure(target)
+    return [pytree.tree_unflatten(part, treespec) for part in parts]
 
 
 def out_dims_of(merges: Sequence[Any]) -> List[Optional[int]]:

@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from fxpipe.checks._batching import Batching
 from fxpipe.checks._loss_fn import LossFnReading
@@ -71,16 +72,18 @@ class StepLoss:
         self.device = device
         self.own = own_loss_output(batching) if loss_fn is None else None
         self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
-        self._sizes: list[torch.Size] = []
+        self._targets: List[Any] = []  # this step's, per micro-batch
         self._next = 0
 
-    def begin(self, target: Optional[Tensor], flat: Sequence[Any]) -> None:
-        """Fixes this step's weights from its micro-batches (``target``, and the model's flat
-        inputs ``flat`` for its own loss); on the last stage's rank only, before the schedule."""
+    def begin(self, targets: Optional[List[Any]], flat: Sequence[Any]) -> None:
+        """Fixes this step's weights from its micro-batches (``targets``, one per micro-batch,
+        and the model's flat inputs ``flat`` for its own loss); on the last stage's rank only,
+        before the schedule. torch's schedule is then given a stand-in target: the loss takes
+        each micro-batch's from here, so a target may be a tuple or dict of tensors."""
         sizes = [next(x.size(0) for x in flat if isinstance(x, Tensor) and x.dim() > 0) // self.chunks] * self.chunks
         self._next = 0
+        self._targets = []
         if self.own is not None:
-            self._sizes = []
             merge = self.batching.merges[self.own]
             micro, _ = self.batching.split(flat, self.chunks)
             counts = self.batching.weights(flat, micro).get(self.own)  # refuses what it cannot weigh
@@ -91,10 +94,10 @@ class StepLoss:
             else:
                 self._shares = [torch.tensor(1.0 / self.chunks, dtype=torch.float64)] * self.chunks
             return
-        assert target is not None and self.reading is not None
-        targets = list(target.split(sizes))
-        self._sizes = [t.shape for t in targets]
-        weights = self.reading.weights(self.outputs, targets, sizes, device=self.device)
+        assert targets is not None and self.reading is not None
+        self._targets = [pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, part)
+                         for part in targets]
+        weights = self.reading.weights(self.outputs, self._targets, sizes, device=self.device)
         if weights.kind is None:
             raise StepError(
                 "loss_fn cannot be split over micro-batches: torch's schedules compute it on each micro-batch and "
@@ -109,15 +112,15 @@ class StepLoss:
         is given lazily, flat or in the model's structure."""
         i = self._next
         self._next += 1
-        if i >= self.chunks or (self._sizes and (not isinstance(target, Tensor) or target.shape != self._sizes[i])):
-            raise DistributedError(f"the schedule asked for the loss of micro-batch {i} of {self.chunks}, out of the "
-                                   "order fxpipe weighs them in (0, 1, ...): the step cannot stay exact")
+        if i >= self.chunks:
+            raise DistributedError(f"the schedule asked for the loss of micro-batch {i} of {self.chunks}: more than "
+                                   "the step has, so the step cannot stay exact")
         if self.own is not None:
             loss = flat_output()[self.own]
             what = f"the model's own loss (output {self.batching.out_names[self.own]!r})"
         else:
             assert self.loss_fn is not None
-            loss = self.loss_fn(structured(), target)
+            loss = self.loss_fn(structured(), self._targets[i])  # torch's own `target` is a stand-in
             what = "loss_fn"
         if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__

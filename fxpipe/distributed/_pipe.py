@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpipe.capture._tracing import Capture
+from fxpipe.checks._loss_fn import split_target
 from fxpipe.emit._stages import Stages
 from fxpipe.errors import BatchShapeError, DistributedError, ModeError, PipelineClosedError
 from fxpipe.capture._baked_dtypes import BakedDtypes
@@ -194,34 +195,40 @@ class DistributedPipeline:
             self._broken = f"{type(e).__name__}: {first[:300]}"
             raise
 
-    def step(self, *args: Any, target: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
-        """One training step of the mini-batch ``args``/``kwargs`` against ``target`` (none
-        for the model's own loss, ``loss_fn=None``), on every rank at once. Returns the
-        mini-batch loss (a 0-dim tensor, no grad) on every rank, and adds this step's
-        gradients to the ``.grad`` of this rank's parameters."""
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """One training step of the mini-batch ``args``/``kwargs`` against ``target`` (a
+        tensor, or a tuple or dict of tensors, each split along dim 0; none for the model's
+        own loss, ``loss_fn=None``), on every rank at once. Returns the mini-batch loss (a
+        0-dim tensor, no grad) on every rank, and adds this step's gradients to the ``.grad``
+        of this rank's parameters."""
         self._check_open()
         own = self._step_loss is not None and self._step_loss.own is not None
         with self._failures.agreed("check its batch", call="step()"):
             tensors = self._inputs(args, kwargs)
+            batch = self._sample_shapes[0][0] if self._sample_shapes and self._sample_shapes[0] else self.chunks
+            targets = None
             if own and target is not None:
                 raise BatchShapeError("target= is given, but this pipeline trains the model's own loss (built with "
                                       "loss_fn=None): leave target out, or build with loss_fn=")
-            if not own and (not isinstance(target, torch.Tensor) or target.dim() == 0 or (
-                    tensors and target.shape[0] != tensors[0].shape[0])):
-                got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
-                raise BatchShapeError(f"target must be a tensor with the batch's {self._sample_shapes[0][0]} samples "
-                                      f"along dim 0 (it is split into {self.chunks} micro-batches), got {got}")
+            if not own:
+                if not isinstance(target, (torch.Tensor, tuple, list, dict)) or (
+                        isinstance(target, torch.Tensor) and (target.dim() == 0 or target.shape[0] != batch)):
+                    got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+                    raise BatchShapeError(f"target must be a tensor with the batch's {batch} samples along dim 0, or "
+                                          f"a tuple or dict of such tensors (split into {self.chunks} micro-batches), "
+                                          f"got {got}")
+                targets = split_target(target, [batch // self.chunks] * self.chunks)
             last = self.n_stages - 1 in self.local
             if last and self._step_loss is not None:  # the loss weighed before anything is sent
-                if own:  # torch's schedules need a target to call the loss: a stand-in, split alike
-                    target = torch.zeros(tensors[0].shape[0] if tensors else self.chunks)
-                self._step_loss.begin(None if own else target.to(self.device),  # type: ignore[union-attr]
-                                      self.capture.flatten_inputs(args, kwargs))
+                self._step_loss.begin(targets, self.capture.flatten_inputs(args, kwargs))
+        # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
+        # takes the real one from StepLoss: a stand-in, split alike
+        stand_in = torch.zeros(batch, device=self.device) if last else None
         losses: list[torch.Tensor] = []
         self._ties.before_step()
         with self._exchanging():
             try:
-                self._schedule.step(*self._sent(tensors), target=target.to(self.device) if last else None,
+                self._schedule.step(*self._sent(tensors), target=stand_in,
                                     losses=losses if last else None, return_outputs=False)
             except BaseException:
                 self._ties.restore()

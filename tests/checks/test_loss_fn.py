@@ -207,3 +207,27 @@ def test_counts_are_the_loss_denominators():
     weights = [CLASS_WEIGHTS.double()[part.flatten()].sum().item() for part in y.split(2)]
     got = [c.item() for c in _read(class_weighted, out, y, [2] * 4).counts]
     assert got == pytest.approx(weights)
+
+
+def weighted_by_sample(out, target):
+    """A structured target: (labels, per-token weights); the mean divides by the weights' sum."""
+    labels, weights = target
+    per_token = F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="none")
+    return (per_token * weights.flatten()).sum() / weights.sum()
+
+
+def from_a_dict(out, target):
+    per_token = F.cross_entropy(out.flatten(0, 1), target["labels"].flatten(), reduction="none")
+    return (per_token * target["mask"].flatten()).sum() / target["mask"].sum()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_structured_target_is_split_like_the_batch(schedule):
+    ids, labels = _batch()
+    weights = torch.rand(labels.shape, generator=torch.Generator().manual_seed(3)) * (labels != PAD)
+    _step_vs_eager(weighted_by_sample, schedule, ids=ids, labels=(labels, weights))
+    _step_vs_eager(from_a_dict, schedule, ids=ids, labels={"labels": labels, "mask": (labels != PAD).float()})
+    model = _lm()
+    with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule=schedule) as pipe:
+        with pytest.raises(ArgumentError, match=r"target\[1\] has 4 samples along dim 0, but the batch has 8"):
+            pipe.step(ids, loss_fn=weighted_by_sample, target=(labels, weights[:4]))

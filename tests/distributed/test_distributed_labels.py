@@ -135,3 +135,28 @@ def test_loss_fn_none_without_a_loss_output_is_refused(one_rank) -> None:
     model, (x,), _ = zoo.gpt_tied(batch=4)
     with pytest.raises(StepError, match="returns no output named 'loss'"):
         fpd.pipeline(model, x, chunks=2, timeout=60)
+
+
+def test_a_structured_target(one_rank) -> None:
+    """{'labels': ..., 'mask': ...}: split like the batch by fxpipe, weighed by the mask's sum."""
+    import fxpipe.distributed as fpd
+
+    def masked(out: torch.Tensor, target: dict) -> torch.Tensor:
+        per_token = F.cross_entropy(out.flatten(0, 1), target["labels"].flatten(), reduction="none")
+        return (per_token * target["mask"].flatten()).sum() / target["mask"].sum()
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    eager = zoo.TinyGPT()
+    eager.load_state_dict(model.state_dict())
+    y = _labels().clamp(min=0)
+    target = {"labels": y, "mask": (_labels() != -100).float()}
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=masked, schedule="zbv", stages_per_rank=2, timeout=60)
+    loss = pipe.step(x, target=target)
+    want = masked(eager(x), target)
+    want.backward()
+    assert_close_scaled(loss, want.detach(), None, what="loss")
+    top = max(largest(p.grad) for p in eager.parameters())
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close_scaled(p.grad, q.grad, None, what=f"grad {n}", floor_of=top)
+    pipe.close()
