@@ -26,7 +26,7 @@ inputs', a step keyword the model's own ``forward`` also takes.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -38,10 +38,11 @@ from .runtime._frontend import checkpoint_stop
 from .runtime._microbatch import Batch
 from .runtime._orders import StepLosses
 
-__all__ = ["run_step", "REDUCTIONS", "refuse_forward_with_grad"]
+__all__ = ["run_step", "REDUCTIONS", "ReturnOutputs", "refuse_forward_with_grad"]
 
 REDUCTIONS = ("mean", "sum")
-_STEP_KEYWORDS = ("loss_fn", "target", "loss_reduction")
+#: ``step(return_outputs=...)``: False, True, or a callable on one micro-batch's output
+ReturnOutputs = Union[bool, Callable[[Any], Any]]
 
 
 def refuse_forward_with_grad(schedule: str, training: bool) -> None:
@@ -57,10 +58,13 @@ def refuse_forward_with_grad(schedule: str, training: bool) -> None:
 
 
 def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..., Tensor]],
-             target: Any, reduction: Optional[str], given: Sequence[str]) -> Tensor:
-    """One step of ``pipe`` (an :class:`fxpipe.Pipeline`); returns the step's loss (no grad).
+             target: Any, reduction: Optional[str], given: Sequence[str],
+             return_outputs: ReturnOutputs = False) -> Any:
+    """One step of ``pipe`` (an :class:`fxpipe.Pipeline`); returns the step's loss (no grad),
+    or ``(loss, outputs)`` with ``return_outputs`` (:class:`_Kept`).
     ``given``: the step keywords the caller passed (checked against the model's signature)."""
     _check_call(pipe, loss_fn, reduction, given)
+    kept = _Kept(pipe, return_outputs)
     flat, micro, sizes, weights, batches = pipe._micro_batches(args, kwargs)
     m = len(batches)
     fn: Optional[_FnLoss] = None
@@ -72,6 +76,7 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
     else:
         fn = _FnLoss(pipe, loss_fn, target, sizes, reduction)
         losses = fn.losses()
+    losses.loss_of = kept.around(losses.loss_of, m)
     stop = checkpoint_stop(pipe.checkpoint, m, pipe.training)
     if pipe.schedule == "1f1b":
         try:
@@ -84,15 +89,60 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
     else:
         pipe._runtime.run(batches, stop)
         if fn is not None and not fn.decide(batches[0].values).kind:
+            for i, b in enumerate(batches):
+                kept.keep(i, b)
             loss = fn.whole(batches, weights)  # not proven per micro-batch: eager's loss on the merged output
             loss.backward()
             if pipe.training:
                 commit_deferred_batch_norm(pipe._deferred)
-            return loss.detach()
+            return kept.result(loss.detach(), sizes, weights)
         losses.backward_all(batches)
     if pipe.training:
         commit_deferred_batch_norm(pipe._deferred)
-    return losses.merged()
+    return kept.result(losses.merged(), sizes, weights)
+
+
+class _Kept:
+    """``return_outputs``: each micro-batch's outputs, detached as they leave the last stage
+    (its activations are freed as usual; only the outputs stay), merged as ``pipe(x)`` merges
+    them (``True``), or ``fn(output)`` of each micro-batch, computed then under ``no_grad``
+    so only its result stays (a callable: metrics without holding the logits)."""
+
+    def __init__(self, pipe: Any, how: ReturnOutputs) -> None:
+        if not (how is False or how is True or callable(how)):
+            raise ArgumentError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
+                                f"got {type(how).__name__}", argument="return_outputs")
+        self.pipe, self.how = pipe, how
+        self.values: List[Any] = []
+
+    def around(self, loss_of: Callable[[int, Batch], Tensor], m: int) -> Callable[[int, Batch], Tensor]:
+        if self.how is False:
+            return loss_of
+        self.values = [None] * m
+
+        def keeping(i: int, out: Batch) -> Tensor:
+            self.keep(i, out)
+            return loss_of(i, out)
+
+        return keeping
+
+    def keep(self, i: int, out: Batch) -> None:
+        if self.how is False or (self.values and self.values[i] is not None):
+            return
+        leaves = [v.detach() if isinstance(v, Tensor) else v for v in out.values]
+        if self.how is True:
+            self.values[i] = leaves
+        else:
+            with torch.no_grad():
+                self.values[i] = self.how(self.pipe.capture.unflatten_output(leaves))
+
+    def result(self, loss: Tensor, sizes: List[int], weights: dict) -> Any:
+        if self.how is False:
+            return loss
+        if self.how is True:
+            merged = self.pipe.batching.merge(self.values, sizes, weights)
+            return loss, self.pipe.capture.unflatten_output(merged)
+        return loss, list(self.values)
 
 
 def _check_call(pipe: Any, loss_fn: Any, reduction: str, given: Sequence[str]) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from ._step import run_step, refuse_forward_with_grad
+from ._step import ReturnOutputs, run_step, refuse_forward_with_grad
 from .build import BuildOptions, build, check_split_points
 from .capture._meta import refuse_running
 from .capture._baked_dtypes import BakedDtypes
@@ -185,7 +185,7 @@ class Pipeline(PlacedModule):
         return self.capture.unflatten_output(merged)
 
     def step(self, *args: Any, loss_fn: Optional[Callable[..., torch.Tensor]] = None, target: Any = None,
-             loss_reduction: Optional[str] = None, **kwargs: Any) -> torch.Tensor:
+             loss_reduction: Optional[str] = None, return_outputs: ReturnOutputs = False, **kwargs: Any) -> Any:
         """One training step: forward, loss and backward of ``pipe(*args, **kwargs)``, in the
         pipeline's ``schedule`` order; adds eager's gradients on the whole batch to ``.grad``
         and returns the step's loss (0-dim, no grad).
@@ -201,10 +201,16 @@ class Pipeline(PlacedModule):
         output under GPipe and refused under ``schedule='1f1b'``, whose backward runs per
         micro-batch as soon as its forward is done (:mod:`fxpipe.runtime._orders`).
         Refusals: :class:`~fxpipe.errors.StepError`.
+
+        ``return_outputs``: ``True`` returns ``(loss, outputs)``, the outputs merged as
+        ``pipe(x)`` merges them and detached (each micro-batch's kept as it leaves the last
+        stage, its activations freed as usual); a callable ``fn(output)`` returns ``(loss,
+        [fn(output_i) for each micro-batch])``, computed under ``no_grad`` as each arrives, so
+        only its result is kept (accuracy counts without holding the logits).
         """
         given = [k for k, v in (("loss_fn", loss_fn), ("target", target), ("loss_reduction", loss_reduction))
-                 if v is not None]
-        return run_step(self, args, kwargs, loss_fn, target, loss_reduction, given)
+                 if v is not None] + (["return_outputs"] if return_outputs is not False else [])
+        return run_step(self, args, kwargs, loss_fn, target, loss_reduction, given, return_outputs)
 
     def _loss_reading(self, loss_fn: Callable[..., torch.Tensor]) -> LossFnReading:
         """The reading of ``loss_fn`` kept for this pipeline (a few, the latest first): a lambda

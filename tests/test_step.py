@@ -344,3 +344,27 @@ def test_step_on_one_gpu(schedule, checkpoint):
         torch.backends.cudnn.allow_tf32 = saved
     assert_close_scaled(loss, want.detach(), what="loss", rtol=1e-3, atol=5e-5)
     assert_grads_equal(model, ref, rtol=1e-3, atol=5e-5)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_step_returns_the_outputs_when_asked(schedule):
+    """return_outputs=True: the merged outputs, detached, as pipe(x) gives them; a callable:
+    its result per micro-batch (an accuracy count), without keeping the logits."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(10, 8), torch.randint(0, 5, (10,))
+    with _build(model, x, 2, chunks=4, schedule=schedule) as pipe:
+        loss, out = pipe.step(x, loss_fn=F.cross_entropy, target=y, return_outputs=True)
+        assert not out.requires_grad
+        assert_close_scaled(out, ref(x).detach(), what="outputs")
+        model.zero_grad()
+        ref.zero_grad()
+        loss, correct = pipe.step(x, loss_fn=F.cross_entropy, target=y,
+                                  return_outputs=lambda out: out.argmax(-1))
+        assert torch.equal(torch.cat(correct), ref(x).argmax(-1))
+        with pytest.raises(ArgumentError, match="return_outputs must be"):
+            pipe.step(x, loss_fn=F.cross_entropy, target=y, return_outputs="yes")
+    want = F.cross_entropy(ref(x), y)
+    want.backward()
+    assert_close_scaled(loss, want.detach(), what="loss")
+    assert_grads_equal(model, ref)
