@@ -18,7 +18,7 @@ each micro-batch's target by the graph's own code for it, copied out: no forward
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,8 +52,13 @@ class Weights:
 
 @dataclass
 class _Read:
+    """A reading at one shape: the form, and per count it divides by (``form.den`` then
+    ``form.also``) its program (None: proportional to the samples)."""
+
     form: LossForm
-    program: Optional[Tuple[fx.GraphModule, List[int]]] = None
+    programs: List[Optional[Tuple[fx.GraphModule, List[int]]]] = field(default_factory=list)
+    #: per count: whether it is a cross entropy's (whose sum is 0 where it counts nothing)
+    nll: List[bool] = field(default_factory=list)
 
 
 def loss_key(loss_fn: Any) -> Any:
@@ -111,6 +116,12 @@ def out_dims_of(merges: Sequence[Any]) -> List[Optional[int]]:
     return [0 if mg is None else mg if isinstance(mg, int) and not isinstance(mg, bool) else None for mg in merges]
 
 
+def _proportional(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
+    """Whether ``a_i / sum(a) == b_i / sum(b)`` for every micro-batch (to float64 rounding)."""
+    x, y = torch.stack(list(a)), torch.stack(list(b))
+    return bool(torch.allclose(x * y.sum(), y * x.sum(), rtol=1e-9, atol=0.0))
+
+
 def _is_nll(node: Any) -> bool:
     return isinstance(node, fx.Node) and "nll_loss" in str(node.target)
 
@@ -146,30 +157,41 @@ class LossFnReading:
             out = self._resized(outputs, m, device)
             target = None if targets is None else targets[i]
             reads.append(self._read(out, target, m))
-        forms = {(r.form.kind, r.form.den.kind if r.form.den else None) for r in reads}
         bad = next((r.form for r in reads if r.form.kind is None), None)
         if bad is not None:
             return Weights(None, why=bad.why)
+        forms = {(r.form.kind, tuple(p is None for p in r.programs)) for r in reads}
         if len(forms) != 1:
             return Weights(None, why="loss_fn reads differently at the call's micro-batch sizes")
-        kind, den = next(iter(forms))
+        kind = reads[0].form.kind
         if kind == "sum" or len(sizes) == 1:
             return Weights("sum" if kind == "sum" else "mean", counts=[torch.ones((), dtype=torch.float64)])
-        if den == "size":
-            return Weights("mean", counts=[torch.tensor(float(m), dtype=torch.float64) for m in sizes])
-        counts = []
-        for i, (m, r) in enumerate(zip(sizes, reads)):
-            assert r.program is not None
-            program, used = r.program
-            leaves = self._leaves(self._resized(outputs, m, device), None if targets is None else targets[i])
-            with torch.no_grad():
-                counts.append(program(*[leaves[k] for k in used]).to(torch.float64))
+        per_count: List[List[Tensor]] = []  # per count the loss divides by, per micro-batch
+        for k in range(len(reads[0].programs)):
+            column = []
+            for i, (m, r) in enumerate(zip(sizes, reads)):
+                found = r.programs[k]
+                if found is None:  # proportional to the samples
+                    column.append(torch.tensor(float(m), dtype=torch.float64))
+                    continue
+                program, used = found
+                leaves = self._leaves(self._resized(outputs, m, device), None if targets is None else targets[i])
+                with torch.no_grad():
+                    column.append(program(*[leaves[j] for j in used]).to(torch.float64))
+            per_count.append(column)
+        counts = per_count[0]
         empty = [i for i, c in enumerate(counts) if not bool(c != 0)]
-        if empty and not all(r.form.den is not None and _is_nll(r.form.den.node) for r in reads):
+        if empty and not all(all(r.nll) for r in reads):
             # L_i = N_i / 0: the weighted merge would need N_i, which a nan or inf no longer holds
             # (a cross entropy's N_i is 0 then, and its backward gives zeros: exact)
             return Weights(None, why=f"micro-batch {empty[0]} counts nothing (loss_fn divides it by 0), so its loss "
                                      "holds no value to weigh")
+        for other in per_count[1:]:
+            if not _proportional(counts, other):
+                return Weights(None, why=(
+                    "loss_fn adds means over counts that differ between this call's micro-batches (per micro-batch "
+                    f"{[round(float(c), 4) for c in counts]} against {[round(float(c), 4) for c in other]}): no "
+                    "one weight per micro-batch gives every term its whole-batch mean"))
         return Weights("mean", counts=counts)
 
     # -- reading ---------------------------------------------------------------------------
@@ -232,12 +254,19 @@ class LossFnReading:
         assert len(inputs) >= n_out
         graph = small if m >= 2 else large
         form = read_loss(graph, inputs, max(m, 2), counts)
-        if form.kind != "mean" or form.den is None or form.den.kind != "data":
+        if form.kind != "mean" or form.den is None:
             return _Read(form)
-        # the den's node, in the trace at the true size (same structure, same order)
-        position = list(graph.graph.nodes).index(form.den.node)
-        node = list(small.graph.nodes)[position]
-        return _Read(form, den_program(small, Den("data", node)))
+        read = _Read(form)
+        for den in (form.den, *form.also):
+            if den.kind != "data":
+                read.programs.append(None)
+                read.nll.append(False)
+                continue
+            # the count's node, in the trace at the true size (same structure, same order)
+            node = list(small.graph.nodes)[list(graph.graph.nodes).index(den.node)]
+            read.programs.append(den_program(small, Den("data", node)))
+            read.nll.append(_is_nll(node))
+        return read
 
     def _trace(self, outputs: List[Any], target: Any, m: int, at: int) -> fx.GraphModule:
         from torch._subclasses.fake_tensor import FakeTensorMode

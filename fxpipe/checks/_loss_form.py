@@ -68,6 +68,7 @@ class Form:
     block: Tuple[int, int] = (1, 1)  # rows: (outer, inner): index = (o * m + sample) * inner + i
     uniform: bool = False       # free: one value everywhere (may broadcast along the samples)
     den: Optional[Den] = None   # ratio
+    also: Tuple[Den, ...] = ()  # ratio: the other terms' counts (a sum of means), proportional or refused per call
     why: str = ""               # bad
 
 
@@ -78,6 +79,8 @@ class LossForm:
 
     kind: Optional[str]
     den: Optional[Den] = None
+    #: a sum of means over other counts: exact when every micro-batch's counts are proportional
+    also: Tuple[Den, ...] = ()
     why: str = ""
 
 
@@ -147,9 +150,13 @@ def _name(node: fx.Node) -> str:
     return _raw_name(node)[:-1] if _in_place(node) else _raw_name(node)
 
 
+#: elementwise ops whose schema carries no pointwise tag
+_ELEMENTWISE = {"masked_fill", "where", "clamp", "clamp_min", "clamp_max", "nan_to_num", "logical_not", "sign"}
+
+
 def _is_pointwise(node: fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
-    return torch.Tag.pointwise in tags or _name(node) in _LINEAR
+    return torch.Tag.pointwise in tags or _name(node) in _LINEAR or _name(node) in _ELEMENTWISE
 
 
 class _Reader:
@@ -352,13 +359,14 @@ class _Reader:
             a, b = sums
             if a.kind == TOTAL and b.kind == TOTAL:
                 return Form(TOTAL, grad=grad, output=output)
-            if a.kind == RATIO and b.kind == RATIO and a.den == b.den:
-                return a
-            if a.kind == RATIO and b.kind == RATIO and a.den is not None and b.den is not None \
-                    and a.den.kind == b.den.kind == "size":
-                return a
-            return _bad(f"{_where(node)} adds losses that divide by different counts (or a sum to a mean): no "
-                        "one weight per micro-batch gives both")
+            if a.kind == RATIO and b.kind == RATIO:
+                # a sum of means: one weight per micro-batch serves every term where the counts
+                # are proportional across the micro-batches, checked per call
+                dens = [d for d in (a.den, *a.also) if d is not None]
+                dens += [d for d in (b.den, *b.also) if d is not None and d not in dens]
+                return Form(RATIO, grad=grad, output=output, den=dens[0], also=tuple(dens[1:]))
+            return _bad(f"{_where(node)} adds a sum over the samples to a mean: no one weight per micro-batch "
+                        "gives both")
         if name in ("mul", "div"):
             if len(sums) == 2:
                 a, b = forms
@@ -368,7 +376,7 @@ class _Reader:
             first = forms[0]
             if name == "div" and first.kind not in (TOTAL, RATIO):
                 return _bad(f"{_where(node)} divides by a sum over the samples")
-            return Form(sums[0].kind, grad=grad, output=output, den=sums[0].den)
+            return Form(sums[0].kind, grad=grad, output=output, den=sums[0].den, also=sums[0].also)
         return _bad(f"{_where(node)} is not linear in a sum over the samples")
 
     def nll(self, node: fx.Node, args: Sequence[Any]) -> Tuple[Form, Form]:
@@ -636,7 +644,7 @@ def read_loss(gm: fx.GraphModule, inputs: Sequence[Tuple[Optional[int], bool]], 
     if form.kind == TOTAL and form.grad:
         return LossForm("sum")
     if form.kind == RATIO and form.grad:
-        return LossForm("mean", den=form.den)
+        return LossForm("mean", den=form.den, also=form.also)
     if form.kind == BAD:
         return LossForm(None, why=form.why)
     what = {ROWS: "is not reduced to one value per batch", FREE: "does not depend on the samples",

@@ -90,9 +90,20 @@ def per_sample_mean(out, y):
     return (out.float().pow(2).mean(-1).sum(-1) * (y[:, 0] != PAD)).sum() / out.size(0)
 
 
+def label_smoothing(out, y):
+    """Two means (the cross entropy's and the smoothing term's) over the same counted labels."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD, label_smoothing=0.1)
+
+
+def with_a_penalty(out, y):
+    """A token mean plus a mean over every element: counts that are proportional only when no
+    token is padding; exact under GPipe, refused under 1F1B when they are not."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten()) + 0.1 * out.pow(2).mean()
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("loss_fn", [token_mean_pad_id, summed, masked_mean, class_weighted, causal_shift,
-                                     per_sample_mean])
+                                     per_sample_mean, label_smoothing, with_a_penalty])
 def test_losses_that_count_the_data_are_exact(schedule, loss_fn):
     _step_vs_eager(loss_fn, schedule)
 
@@ -152,6 +163,20 @@ def test_a_loss_that_mixes_the_samples_is_exact_under_gpipe_and_refused_under_1f
                            r".*schedule='gpipe'"):
             pipe.step(ids, loss_fn=in_batch_negatives, target=labels)
     assert all(p.grad is None for p in model.parameters()), "refused before any backward"
+
+
+def test_means_over_counts_that_differ_per_call():
+    """A sum of two means: one weight per micro-batch serves both only where their counts are
+    proportional across the micro-batches, which the call's data decide: exact then; else
+    exact on the merged output under GPipe and refused under 1F1B, naming the counts."""
+    ids, labels = _batch()
+    padded = labels.masked_fill(labels == PAD, -100)  # -100 padding: the token mean counts fewer tokens
+    _step_vs_eager(with_a_penalty, "gpipe", ids=ids, labels=padded)
+    model = _lm()
+    with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule="1f1b") as pipe:
+        with pytest.raises(StepError, match=r"adds means over counts that differ .*\[8\.0, 6\.0, 9\.0, 6\.0\] against"):
+            pipe.step(ids, loss_fn=with_a_penalty, target=padded)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_loss_reduction_that_contradicts_the_loss_is_refused():
