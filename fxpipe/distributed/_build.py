@@ -297,4 +297,5 @@ def pipeline(
     shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
     return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,
                                chunks, shapes, ties, [group, *ties.groups.values()], output=output, device=where,
-                               step_loss=step_loss, mode_sensitive=checked.prepared.mode_sensitive)
+                               step_loss=step_loss, mode_sensitive=checked.prepared.mode_sensitive,
+                               batching=checked.batching)

@@ -74,6 +74,10 @@ class StepLoss:
         self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
         self._targets: List[Any] = []  # this step's, per micro-batch
         self._next = 0
+        #: ``step(return_outputs=...)``: False, True (each micro-batch's flat outputs, detached),
+        #: or a callable applied to each micro-batch's output; what was kept this step
+        self.keep: Any = False
+        self.kept: List[Any] = []
 
     def begin(self, targets: Optional[List[Any]], flat: Sequence[Any]) -> None:
         """Fixes this step's weights from its micro-batches (``targets``, one per micro-batch,
@@ -83,6 +87,7 @@ class StepLoss:
         sizes = [next(x.size(0) for x in flat if isinstance(x, Tensor) and x.dim() > 0) // self.chunks] * self.chunks
         self._next = 0
         self._targets = []
+        self.kept = []
         if self.own is not None:
             merge = self.batching.merges[self.own]
             micro, _ = self.batching.split(flat, self.chunks)
@@ -112,6 +117,13 @@ class StepLoss:
         is given lazily, flat or in the model's structure."""
         i = self._next
         self._next += 1
+        if self.keep is not False and i < self.chunks:
+            leaves = [v.detach() if isinstance(v, Tensor) else v for v in flat_output()]
+            if self.keep is True:
+                self.kept.append(leaves)
+            else:
+                with torch.no_grad():
+                    self.kept.append(self.keep(structured()))
         if i >= self.chunks:
             raise DistributedError(f"the schedule asked for the loss of micro-batch {i} of {self.chunks}: more than "
                                    "the step has, so the step cannot stay exact")

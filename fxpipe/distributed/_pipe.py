@@ -77,7 +77,7 @@ class DistributedPipeline:
                  schedule: tuple[Any, Any], group: dist.ProcessGroup, chunks: int,
                  sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup],
                  output: Any = None, device: torch.device = torch.device("cpu"),
-                 step_loss: Optional[StepLoss] = None, mode_sensitive: str = "") -> None:
+                 step_loss: Optional[StepLoss] = None, mode_sensitive: str = "", batching: Any = None) -> None:
         self.module = model
         self.device = device
         self.capture = captured
@@ -99,6 +99,7 @@ class DistributedPipeline:
         self._failures = Failures(group, device)  # one rank's error named by every rank
         self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
         self._step_loss = step_loss  # loss_fn per micro-batch, weighted as it counts (._loss)
+        self._batching = batching  # how outputs merge (step(return_outputs=True))
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages.modules)
@@ -195,12 +196,16 @@ class DistributedPipeline:
             self._broken = f"{type(e).__name__}: {first[:300]}"
             raise
 
-    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def step(self, *args: Any, target: Any = None, return_outputs: Any = False, **kwargs: Any) -> Any:
         """One training step of the mini-batch ``args``/``kwargs`` against ``target`` (a
         tensor, or a tuple or dict of tensors, each split along dim 0; none for the model's
         own loss, ``loss_fn=None``), on every rank at once. Returns the mini-batch loss (a
         0-dim tensor, no grad) on every rank, and adds this step's gradients to the ``.grad``
-        of this rank's parameters."""
+        of this rank's parameters. ``return_outputs``: as for :meth:`fxpipe.Pipeline.step`,
+        ``(loss, outputs)`` with the outputs on the last stage's rank, ``None`` on the others."""
+        if not (return_outputs is False or return_outputs is True or callable(return_outputs)):
+            raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
+                            f"got {type(return_outputs).__name__}")
         self._check_open()
         own = self._step_loss is not None and self._step_loss.own is not None
         with self._failures.agreed("check its batch", call="step()"):
@@ -221,6 +226,7 @@ class DistributedPipeline:
             last = self.n_stages - 1 in self.local
             if last and self._step_loss is not None:  # the loss weighed before anything is sent
                 self._step_loss.begin(targets, self.capture.flatten_inputs(args, kwargs))
+                self._step_loss.keep = return_outputs
         # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
         # takes the real one from StepLoss: a stand-in, split alike
         stand_in = torch.zeros(batch, device=self.device) if last else None
@@ -234,7 +240,20 @@ class DistributedPipeline:
                 self._ties.restore()
                 raise
             self._ties.after_step()
-            return self._broadcast_loss(torch.stack([x.detach() for x in losses]).sum() if last else None)
+            loss = self._broadcast_loss(torch.stack([x.detach() for x in losses]).sum() if last else None)
+        if return_outputs is False:
+            return loss
+        return loss, self._kept_outputs(return_outputs) if last else None
+
+    def _kept_outputs(self, how: Any) -> Any:
+        """The outputs ``step(return_outputs=...)`` kept on the last stage's rank: merged along
+        dim 0 as ``eval_step`` merges them (``True``), or the callable's result per micro-batch."""
+        assert self._step_loss is not None
+        kept, self._step_loss.kept = self._step_loss.kept, []
+        if how is not True:
+            return kept
+        sizes = [self._sample_shapes[0][0] // self.chunks] * self.chunks if self._sample_shapes else [1] * len(kept)
+        return self.capture.unflatten_output(self._batching.merge(kept, sizes))
 
     def _broadcast_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
         """The last stage's loss on every rank: float64 carries any float dtype exactly, the

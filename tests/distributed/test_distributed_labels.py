@@ -160,3 +160,21 @@ def test_a_structured_target(one_rank) -> None:
     for (n, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close_scaled(p.grad, q.grad, None, what=f"grad {n}", floor_of=top)
     pipe.close()
+
+
+def test_step_returns_the_outputs_on_the_last_stages_rank(one_rank) -> None:
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    eager = zoo.TinyGPT()
+    eager.load_state_dict(model.state_dict())
+    y = _labels()
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=_gpt_loss, schedule="zbv", stages_per_rank=2, timeout=60)
+    loss, out = pipe.step(x, target=y, return_outputs=True)
+    want = eager(x)
+    assert_close_scaled(out, want.detach(), None, what="outputs")
+    assert_close_scaled(loss, _gpt_loss(want, y).detach(), None, what="loss")
+    _, preds = pipe.step(x, target=y, return_outputs=lambda o: o.argmax(-1))
+    assert len(preds) == 2 and preds[0].shape == (2, 16)
+    pipe.close()
