@@ -203,12 +203,12 @@ class DistributedPipeline:
         0-dim tensor, no grad) on every rank, and adds this step's gradients to the ``.grad``
         of this rank's parameters. ``return_outputs``: as for :meth:`fxpipe.Pipeline.step`,
         ``(loss, outputs)`` with the outputs on the last stage's rank, ``None`` on the others."""
-        if not (return_outputs is False or return_outputs is True or callable(return_outputs)):
-            raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
-                            f"got {type(return_outputs).__name__}")
         self._check_open()
         own = self._step_loss is not None and self._step_loss.own is not None
-        with self._failures.agreed("check its batch", call="step()"):
+        with self._failures.agreed("check its batch", call="step()"):  # refused on one rank: named on all
+            if not (return_outputs is False or return_outputs is True or callable(return_outputs)):
+                raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
+                                f"got {type(return_outputs).__name__}")
             tensors = self._inputs(args, kwargs)
             batch = self._sample_shapes[0][0] if self._sample_shapes and self._sample_shapes[0] else self.chunks
             targets = None
