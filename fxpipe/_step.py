@@ -225,7 +225,16 @@ class _FnLoss:
     def losses(self) -> StepLosses:
         def loss_of(i: int, out: Batch) -> Tensor:
             output = self.pipe.capture.unflatten_output(list(out.values))
-            loss = self.loss_fn(output) if self.targets is None else self.loss_fn(output, self.targets[i])
+            try:
+                loss = self.loss_fn(output) if self.targets is None else self.loss_fn(output, self.targets[i])
+            except Exception as e:
+                if i == 0 and not self.decide(out.values).kind:  # it fails on a micro-batch: say why first
+                    raise StepError(
+                        f"loss_fn fails on micro-batch 0 ({type(e).__name__}: {str(e).strip()[:200]}), and it is not "
+                        f"proven to split over micro-batches: {self.weights.why if self.weights else ''}. Under "
+                        "schedule='1f1b' each micro-batch's loss is computed on its own; build with schedule='gpipe' "
+                        "(its step computes such a loss on the whole batch's output)") from e
+                raise
             loss = _checked(loss, i, "loss_fn's result")
             if i == 0 and not self.decide(out.values).kind:
                 raise StepError(

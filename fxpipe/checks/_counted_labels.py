@@ -114,9 +114,10 @@ class CountedLabels:
 
     @classmethod
     def find(cls, gm: fx.GraphModule, whole: Sequence[Any], means: Sequence[bool],
-             in_dims: Sequence[Optional[int]]) -> "CountedLabels":
+             in_dims: Sequence[Optional[int]], flat: Sequence[Any] = ()) -> "CountedLabels":
         """Looks at the 0-dim floating outputs of ``whole`` (the sample's) whose ``means`` entry
-        is set. ``in_dims``: per flat input the dim it is split along (None: not split)."""
+        is set. ``in_dims``: per flat input the dim it is split along (None: not split);
+        ``flat``: the sample's inputs (a boolean one is a mask a selection may use)."""
         found = cls()
         wanted = [i for i, (v, m) in enumerate(zip(whole, means))
                   if m and isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point()]
@@ -139,6 +140,7 @@ class CountedLabels:
                 found.counts[i] = count
         for i in found.uncounted:
             _refuse_divisor(gm, returned[i], index, in_dims, i)
+            _refuse_selection(gm, returned[i], index, in_dims, i, flat)
         if found.uncounted:
             checks = {(k, IGNORE_INDEX) for k, d in enumerate(in_dims) if d is not None}
             for node in gm.graph.nodes:
@@ -257,6 +259,53 @@ def _weight_of(gm: fx.GraphModule, weight: Any) -> Any:
         target = str(weight.target)
         return lambda: _fetch(gm, target)
     return False
+
+
+_COMPARISONS = {"ne", "eq", "lt", "le", "gt", "ge", "__ne__", "__eq__", "__lt__", "__le__", "__gt__", "__ge__",
+                "logical_and", "logical_or", "logical_not", "__and__", "__or__", "__invert__", "bool", "isfinite",
+                "isnan", "isinf"}
+_SELECTIONS = {"masked_select", "nanmean", "nonzero", "nansum"}
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", getattr(target, "__name__", ""))
+
+
+def _refuse_selection(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], in_dims: Sequence[Optional[int]],
+                      i: int, flat: Sequence[Any] = ()) -> None:
+    """An uncounted 'mean' loss over a selection the data decide (``l[labels != pad].mean()``,
+    ``masked_select``, ``nanmean``): each micro-batch would divide by its own count, silently;
+    refused at the build with the exact spelling (a masked mean fxpipe weighs)."""
+    if not isinstance(node, fx.Node):
+        return
+    split = {p for p, k in index.items() if in_dims[k] is not None}
+    masks = {p for p, k in index.items() if k < len(flat) and isinstance(flat[k], Tensor) and flat[k].dtype == torch.bool}
+
+    def boolean(key: Any) -> bool:  # a comparison, or computed from a boolean input (a mask)
+        return isinstance(key, fx.Node) and (_op_name(key) in _COMPARISONS or bool(_ancestors(key) & masks))
+
+    for n in _ancestors(node):
+        name = _op_name(n)
+        chosen = None
+        if name in _SELECTIONS:
+            chosen = n
+        elif n.op == "call_function" and n.target is operator.getitem and len(n.args) > 1:
+            keys = n.args[1] if isinstance(n.args[1], (tuple, list)) else (n.args[1],)
+            if any(boolean(k) for k in keys):
+                chosen = n
+        if chosen is not None and _ancestors(chosen) & split:
+            trace = (chosen.meta.get("stack_trace") or "").strip().splitlines()
+            where = f" ({trace[-1].strip()})" if trace else ""
+            raise MicroBatchError(
+                f"the loss (output {i}, merged with 'mean') averages over a selection the data decide "
+                f"({chosen.name}{where}: a boolean mask, masked_select or nanmean): each micro-batch would divide by "
+                "its own count, and the merged loss and its gradients would silently differ from the model's. What "
+                "to do: write it as a masked mean, (l * mask).sum() / mask.sum(), which fxpipe weighs by each "
+                "micro-batch's mask sum, exactly; or return the sum and the count merged with 'sum'.")
 
 
 _SIZE_READS = {"size", "numel", "dim", "shape"}

@@ -17,6 +17,7 @@ each micro-batch's target by the graph's own code for it, copied out: no forward
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -62,14 +63,60 @@ class _Read:
 
 
 def loss_key(loss_fn: Any) -> Any:
-    """What makes two ``loss_fn`` objects the same loss: a plain function's code, defaults and
-    the objects its closure holds (a lambda made anew each step is the same loss while it
-    captures the same objects); any other callable, itself."""
-    code = getattr(loss_fn, "__code__", None)
-    if code is None or not hasattr(loss_fn, "__closure__"):
-        return ("object", id(loss_fn), loss_fn)
-    cells = tuple(id(c.cell_contents) for c in (loss_fn.__closure__ or ()) if _filled(c))
-    return ("function", code, cells, id(loss_fn.__defaults__), id(getattr(loss_fn, "__globals__", None)))
+    """What makes two calls' ``loss_fn`` the same loss, for the cached reading (which holds
+    the counts' code with the values it read baked in): the function's code and defaults, and
+    every value it can read that a loop may change, each by identity, plain values by value
+    and tensors with their version counter (an in-place change): the objects its closure
+    holds, the globals its code names, a bound method's object's attributes, a callable
+    object's attributes (``nn.CrossEntropyLoss``'s ``weight`` and ``ignore_index``). A lambda
+    made anew each step with the same code and values is the same loss; a function that reads
+    a value through a helper of its own is not seen here (the docs say so)."""
+    fn = getattr(loss_fn, "__func__", loss_fn)
+    owner = getattr(loss_fn, "__self__", None)
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a callable object: its class's __call__ reads its attributes
+        return ("object", type(loss_fn), _state(vars(loss_fn)) if hasattr(loss_fn, "__dict__") else id(loss_fn))
+    cells = tuple(_value(c.cell_contents) for c in (fn.__closure__ or ()) if _filled(c))
+    names = getattr(fn, "__globals__", {})
+    globals_read = tuple((n, _value(names[n])) for n in code.co_names if n in names and not _module(names[n]))
+    defaults = tuple(_value(d) for d in (fn.__defaults__ or ()))
+    return ("function", code, cells, globals_read, defaults,
+            _state(vars(owner)) if owner is not None and hasattr(owner, "__dict__") else id(owner))
+
+
+def _module(value: Any) -> bool:
+    import types
+    return isinstance(value, types.ModuleType) or callable(value) and not isinstance(value, Tensor) \
+        and not hasattr(value, "__dict__")
+
+
+def _value(x: Any) -> Any:
+    """A value as a key: plain ones themselves, a tensor by identity and version, a module
+    (nn.Module) by its parameters', buffers' and plain attributes', anything else by identity."""
+    if x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return (type(x), x)
+    if isinstance(x, Tensor):
+        return ("tensor", id(x), x._version)
+    if isinstance(x, (tuple, list)) and len(x) <= 16:
+        return (type(x), tuple(_value(v) for v in x))
+    if isinstance(x, torch.nn.Module):
+        return ("module", id(x), _state(vars(x)))
+    return ("id", id(x))
+
+
+def _state(attrs: dict) -> Tuple[Any, ...]:
+    """An object's attributes as a key, one level deep (a module's registries included)."""
+    out = []
+    for name, v in attrs.items():
+        if name in ("_parameters", "_buffers") and isinstance(v, dict):
+            out.append((name, tuple((k, _value(t)) for k, t in v.items())))
+        elif name.startswith("_") and name != "_modules":
+            continue
+        elif isinstance(v, dict):
+            out.append((name, ("id", id(v))))
+        else:
+            out.append((name, _value(v)))
+    return tuple(out)
 
 
 def _filled(cell: Any) -> bool:
@@ -83,7 +130,8 @@ def _filled(cell: Any) -> bool:
 def split_target(target: Any, sizes: Sequence[int]) -> List[Any]:
     """``target`` per micro-batch of ``sizes`` samples: a tensor, or a tuple, list or dict of
     them (``(labels, weights)``, ``{'labels': ..., 'mask': ...}``), each tensor split along
-    dim 0; other values given whole to every micro-batch. A typed refusal names the leaf whose
+    dim 0; other values, 0-dim tensors among them (transformers' ``num_items_in_batch``), given
+    whole to every micro-batch. A typed refusal names the leaf whose
     dim 0 is not the batch."""
     from ..errors import ArgumentError
 
@@ -95,7 +143,7 @@ def split_target(target: Any, sizes: Sequence[int]) -> List[Any]:
     total = sum(sizes)
     parts: List[List[Any]] = [[] for _ in sizes]
     for path, x in leaves:
-        if isinstance(x, Tensor):
+        if isinstance(x, Tensor) and (x.dim() > 0 or len(leaves) == 1):
             name = "target" + pytree.keystr(path)
             if x.dim() == 0 or x.size(0) != total:
                 got = "a 0-dim tensor" if x.dim() == 0 else f"{x.size(0)} samples along dim 0"
@@ -120,6 +168,10 @@ def _proportional(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
     """Whether ``a_i / sum(a) == b_i / sum(b)`` for every micro-batch (to float64 rounding)."""
     x, y = torch.stack(list(a)), torch.stack(list(b))
     return bool(torch.allclose(x * y.sum(), y * x.sum(), rtol=1e-9, atol=0.0))
+
+
+def _den_kinds(form: LossForm) -> Tuple[Any, ...]:
+    return tuple(d.kind for d in (form.den, *form.also) if d is not None)
 
 
 def _is_nll(node: Any) -> bool:
@@ -156,7 +208,7 @@ class LossFnReading:
         for i, m in enumerate(sizes):
             out = self._resized(outputs, m, device)
             target = None if targets is None else targets[i]
-            reads.append(self._read(out, target, m))
+            reads.append(self._read(out, target, m, sum(sizes)))
         bad = next((r.form for r in reads if r.form.kind is None), None)
         if bad is not None:
             return Weights(None, why=bad.why)
@@ -221,30 +273,30 @@ class LossFnReading:
             tensors += [t for t in pytree.tree_leaves(target) if isinstance(t, Tensor)]
         return tensors
 
-    def _read(self, outputs: List[Any], target: Any, m: int) -> _Read:
-        key = (_key(outputs), _key(pytree.tree_leaves(target)) if target is not None else None, m)
+    def _read(self, outputs: List[Any], target: Any, m: int, whole: int) -> _Read:
+        key = (_key(outputs), _key(pytree.tree_leaves(target)) if target is not None else None, m, whole)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        read = self._trace_and_read(outputs, target, m)
+        read = self._trace_and_read(outputs, target, m, whole)
         self._cache[key] = read
         if len(self._cache) > CACHE:
             self._cache.popitem(last=False)
         return read
 
-    def _trace_and_read(self, outputs: List[Any], target: Any, m: int) -> _Read:
+    def _trace_and_read(self, outputs: List[Any], target: Any, m: int, whole: int) -> _Read:
+        """Traces at ``m`` samples (the counts' code is taken from there), ``m + 1`` (numbers
+        that follow the batch size), and the whole batch's ``whole`` (code that changes with
+        the batch size, reshapes that mix samples only at that size): all must read alike."""
+        sizes = sorted({m, m + 1, whole})
         try:
-            small = self._trace(outputs, target, m, m)
-            large = self._trace(outputs, target, m, m + 1)
-        except Exception as e:  # noqa: BLE001 - sorted below
-            if not _tracing_limit(e):  # the loss's own error: it would raise on the real output too
-                e.add_note("fxpipe: raised by loss_fn while fxpipe read it on fake tensors shaped like a micro-batch's "
-                           "output and target (no data), to find how its micro-batch losses add up")
-                raise
+            traces = {n: self._trace(outputs, target, m, n) for n in sizes}
+        except Exception as e:  # noqa: BLE001 - not proven: merged-output loss (GPipe) or a typed refusal
             first = (str(e).strip().splitlines() or [""])[0][:200]
-            return _Read(LossForm(None, why=f"loss_fn could not be traced on fake tensors ({type(e).__name__}: "
-                                            f"{first})"))
-        counts, why = count_args(small, large, m)
+            return _Read(LossForm(None, why=f"loss_fn could not be run on fake tensors shaped like micro-batches of "
+                                            f"{m} and {m + 1} samples and the batch of {whole} "
+                                            f"({type(e).__name__}: {first})"))
+        counts, why = count_args([(traces[m], m)] + [(traces[n], n) for n in sizes if n != m])
         if counts is None:
             return _Read(LossForm(None, why=why))
         n_out = sum(isinstance(x, Tensor) for x in outputs)
@@ -252,8 +304,14 @@ class LossFnReading:
         targets = [t for t in pytree.tree_leaves(target) if isinstance(t, Tensor)] if target is not None else []
         inputs = [(d, True) for d in dims] + [((0 if t.dim() > 0 else None), False) for t in targets]
         assert len(inputs) >= n_out
-        graph = small if m >= 2 else large
-        form = read_loss(graph, inputs, max(m, 2), counts)
+        forms = [read_loss(traces[n], inputs, n, counts) for n in sizes if n >= 2]
+        form = forms[0]
+        if any(f.kind != form.kind or _den_kinds(f) != _den_kinds(form) for f in forms[1:]):
+            bad = next((f for f in forms if f.kind is None), None)
+            return _Read(bad if bad is not None else LossForm(
+                None, why="loss_fn reads differently at the micro-batches' size and the whole batch's"))
+        graph = traces[sizes[1]] if m < 2 else traces[m]  # the reading's nodes, in a trace of 2 or more samples
+        small = traces[m]
         if form.kind != "mean" or form.den is None:
             return _Read(form)
         read = _Read(form)
@@ -292,7 +350,13 @@ class LossFnReading:
             return loss_fn(output, pytree.tree_unflatten(target_leaves, spec))
 
         _anchor(loss_fn)
-        return make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*tensors)
+        quiet = logging.getLogger("torch._subclasses.fake_tensor")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # a loss that fails on fake tensors is a reading, not a log entry
+        try:
+            return make_fx(traced, tracing_mode="fake", record_stack_traces=True)(*tensors)
+        finally:
+            quiet.setLevel(level)
 
     def _fake(self, x: Any, d: Optional[int], at: int) -> Any:
         if not isinstance(x, Tensor):
@@ -302,22 +366,6 @@ class LossFnReading:
         if d is not None and x.dim() > 0:
             shape[d] = at
         return torch.empty(shape, dtype=x.dtype, device=device, requires_grad=x.requires_grad)
-
-
-def _tracing_limit(e: Exception) -> bool:
-    """Whether ``e`` says that fake tensors cannot run the loss (it reads values: ``.item()``,
-    a branch on a value, a shape that depends on the data), not that the loss itself failed."""
-    from torch._subclasses import fake_tensor
-    from torch.fx.experimental import symbolic_shapes
-
-    kinds = tuple(k for k in (getattr(fake_tensor, "DataDependentOutputException", None),
-                              getattr(fake_tensor, "DynamicOutputShapeException", None),
-                              getattr(fake_tensor, "UnsupportedOperatorException", None),
-                              getattr(fake_tensor, "UnsupportedFakeTensorException", None),
-                              getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)) if k is not None)
-    text = str(e)
-    return isinstance(e, kinds) or any(w in text for w in ("FakeTensor", "fake tensor", "data pointer",
-                                                           "data-dependent", "meta tensor", "on meta", "tensor subclass"))
 
 
 def _anchor(loss_fn: Any) -> None:

@@ -212,10 +212,15 @@ class _Reader:
                 placeholders += 1
                 val = node.meta.get("val")
                 grad = is_output and isinstance(val, Tensor) and val.is_floating_point()
-                self.env[node] = (Form(ROWS, grad=grad, output=is_output, dim=dim) if dim is not None
-                                  else Form(FREE, grad=grad, output=is_output))
-            elif node.op == "get_attr":
-                self.env[node] = Form(FREE)
+                if dim is not None:
+                    self.env[node] = Form(ROWS, grad=grad, output=is_output, dim=dim)
+                elif is_output:  # one value per micro-batch (a 0-dim output merged by 'sum' or 'mean')
+                    self.env[node] = _bad(f"loss_fn uses output {node.name}, which holds one value per micro-batch, "
+                                          "not one per sample: what it weighs in the whole batch cannot be read")
+                else:
+                    self.env[node] = Form(FREE, grad=grad, output=is_output)
+            elif node.op == "get_attr":  # a constant, or a number of the batch size made a tensor
+                self.env[node] = Form(COUNT) if (self.index[node], -1) in self.counts else Form(FREE)
             elif node.op == "call_function":
                 try:
                     self.env[node] = self.call(node)
@@ -250,10 +255,9 @@ class _Reader:
             return _bad(f"{_where(node)} draws random numbers: each micro-batch draws others than the whole batch")
         if name in _FILLS:
             src = self.env.get(args[0]) if args and isinstance(args[0], fx.Node) else None
-            if name == "scalar_tensor" or (name == "full" and len(args) > 1):
-                k = 0 if name == "scalar_tensor" else 1
-                if (self.index[node], k) in self.counts:
-                    return Form(COUNT)
+            k = {"scalar_tensor": 0, "full": 1, "full_like": 1, "new_full": 2}.get(name)  # the fill value
+            if k is not None and (self.index[node], k) in self.counts:
+                return Form(COUNT)
             if isinstance(src, Form) and src.kind == ROWS and name.endswith("_like"):
                 return Form(ROWS, dim=src.dim, block=src.block)
             return Form(FREE, uniform=True)
@@ -327,7 +331,7 @@ class _Reader:
                 return Form(RATIO, grad=True, output=True, den=Den("size"))
             return _bad(f"{_where(node)} multiplies a sum over the samples by a number that grows with them")
         if COUNT in kinds:
-            return Form(COUNT) if name in ("mul", "_to_copy", "clone", "alias", "to") and \
+            return Form(COUNT) if name in ("mul", "_to_copy", "clone", "alias", "to", "lift_fresh_copy") and \
                 sum(f.kind == COUNT for f in forms) == 1 else _bad(f"{_where(node)} on the batch size")
         return self.linear(node, name, forms, grad, output)
 
@@ -410,7 +414,7 @@ class _Reader:
                 return Form(RATIO, grad=form.grad, output=form.output, den=Den("size"))
             return Form(TOTAL, grad=form.grad, output=form.output)
         if form.kind in (TOTAL, RATIO, FREE):
-            return form if not mean or form.kind == FREE else _bad(f"{_where(node)} averages a sum")
+            return form  # averaged over its own fixed dims: linear
         return _bad(_where(node))
 
     def reduction(self, node: fx.Node, args: Sequence[Any], mean: bool) -> Form:
@@ -424,9 +428,7 @@ class _Reader:
             return self.reduce_all(node, form, mean)
         dims = sorted({d % max(len(shape), 1) for d in dims})
         if form.kind != ROWS:
-            if form.kind in (TOTAL, RATIO) and mean:
-                return _bad(f"{_where(node)} averages a sum")
-            return form
+            return form  # a sum over the samples (or constants) averaged over its own fixed dims: linear
         if form.dim in dims:
             # over the samples (and maybe more): a sum of per-sample sums
             if mean:
@@ -439,8 +441,10 @@ class _Reader:
         form = self.form(node, 0, args[0])
         name = _name(node)
         shape = _shape(args[0]) or ()
-        if form.kind == FREE:
-            return form
+        if form.kind == FREE:  # a scan or reduction of constants varies along its dims (cumsum of ones)
+            out = node.meta.get("val")
+            free = replace(form, uniform=False)
+            return (free, free) if isinstance(out, (tuple, list)) else free
         if form.kind != ROWS:
             return form if form.kind == BAD else _bad(f"{_where(node)} is not linear in a sum over the samples")
         dims: Any = args[1] if len(args) > 1 else node.kwargs.get("dim")
@@ -576,13 +580,29 @@ class _Reader:
         src = self.form(node, 0, args[0])
         dim = args[1]
         idx = self.form(node, 2, args[2])
+        extra = [self.form(node, 3, args[3])] if name in ("scatter", "scatter_add") and len(args) > 3 else []
+        bad = next((f for f in (src, idx, *extra) if f.kind == BAD), None)
+        if bad is not None:
+            return bad
         nd = len(_shape(args[0]) or ())
         dim = dim % max(nd, 1)
-        if src.kind == ROWS and dim != src.dim and (idx.kind == FREE and name == "index_select"
-                                                     or idx.kind == ROWS and idx.dim == src.dim):
-            return Form(ROWS, grad=src.grad, output=src.output or idx.output, dim=src.dim, block=src.block)
-        if src.kind == FREE and idx.kind == FREE:
-            return Form(FREE)
+        grad = any(f.grad for f in (src, idx, *extra))
+        output = any(f.output for f in (src, idx, *extra))
+        rows = [f for f in (src, idx, *extra) if f.kind == ROWS]
+        if any(f.kind not in (ROWS, FREE) for f in (src, idx, *extra)):
+            return _bad(f"{_where(node)} indexes with a sum over the samples")
+        if not rows:
+            return Form(FREE, grad=grad, output=output)
+        placed = {(f.dim, f.block) for f in rows}
+        if len(placed) != 1:
+            return _bad(f"{_where(node)} lines up different samples' values")
+        d, block = next(iter(placed))
+        if name == "gather" and src.kind == FREE and idx.kind == ROWS:  # class weights of the targets
+            return Form(ROWS, grad=grad, output=output, dim=idx.dim, block=idx.block)
+        if name == "index_select" and idx.kind == ROWS:
+            return _bad(f"{_where(node)} indexes along the samples' dim")
+        if src.kind == ROWS and dim != d and all(f.kind == ROWS or name == "index_select" for f in (idx, *extra)):
+            return Form(ROWS, grad=grad, output=output, dim=d, block=block)
         return _bad(f"{_where(node)} indexes along the samples' dim")
 
     def join(self, node: fx.Node, name: str, args: Sequence[Any]) -> Form:
@@ -606,33 +626,49 @@ class _Reader:
         return _bad(f"{_where(node)} joins tensors along the samples' dim or mixes per-sample and other values")
 
 
-def count_args(small: fx.GraphModule, large: fx.GraphModule, m: int) -> Tuple[Optional[Set[Tuple[int, int]]], str]:
-    """Plain numbers of ``small`` (traced at ``m`` samples) that ``large`` (at ``m + 1``) has
-    otherwise: ``(node index, arg position)`` of those proportional to the samples; None and
-    why when the two graphs differ in structure or a number changes otherwise."""
-    a, b = list(small.graph.nodes), list(large.graph.nodes)
-    if len(a) != len(b) or any(x.op != y.op or x.target != y.target for x, y in zip(a, b)):
-        return None, "its code depends on the batch size (two batch sizes trace different ops)"
+def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[Set[Tuple[int, int]]], str]:
+    """The plain numbers (and one-element tensor constants) of ``traces[0]`` that follow the
+    batch size: ``(node index, arg position)``, position ``-1`` for a ``get_attr`` constant.
+    ``traces``: the same loss traced at several batch sizes ``(graph, samples)``. A number
+    that changes must be proportional to the samples in every trace (a count); None and why
+    when the graphs differ in structure (code that branches on the batch size) or a number
+    changes otherwise (``B - 1``, ``max(B, 4)``). Shapes given as lists are not compared: the
+    reading follows shapes itself."""
+    (base, m), others = traces[0], traces[1:]
+    a = list(base.graph.nodes)
     found: Set[Tuple[int, int]] = set()
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x.op != "call_function" or _name(x) in ("view", "_unsafe_view", "reshape", "expand", "full", "zeros",
-                                                   "ones", "empty", "new_zeros", "new_ones", "new_full",
-                                                   "new_empty", "slice", "split", "split_with_sizes", "repeat",
-                                                   "narrow", "arange", "sym_size", "sym_numel"):
-            if x.op == "call_function" and _name(x) == "full" and len(x.args) > 1 and x.args[1] != y.args[1]:
-                pass  # the fill value: checked below
-            else:
-                continue
-        for k, (u, v) in enumerate(zip(x.args, y.args)):
-            if isinstance(u, (int, float)) and not isinstance(u, bool) and u != v:
-                if _name(x) == "full" and k == 0:
+    for other, size in others:
+        b = list(other.graph.nodes)
+        if len(a) != len(b) or any(x.op != y.op or x.target != y.target for x, y in zip(a, b)):
+            return None, f"its code depends on the batch size (batches of {m} and {size} samples trace different ops)"
+        for i, (x, y) in enumerate(zip(a, b)):
+            pairs: List[Tuple[int, Any, Any]] = []
+            if x.op == "call_function":
+                pairs = [(k, u, v) for k, (u, v) in enumerate(zip(x.args, y.args))
+                         if isinstance(u, (int, float)) and not isinstance(u, bool)]
+            elif x.op == "get_attr":
+                u, v = _constant(base, x.target), _constant(other, y.target)
+                if isinstance(u, Tensor) and isinstance(v, Tensor):
+                    if u.shape != v.shape or (u.numel() > 1 and not torch.equal(u, v)):
+                        return None, "it makes a tensor constant that depends on the batch size"
+                    if u.numel() == 1:
+                        pairs = [(-1, float(u), float(v))]
+            for k, u, v in pairs:
+                if u == v:
                     continue
-                if u * (m + 1) == v * m and u != 0:
+                if u != 0 and u * size == v * m:
                     found.add((i, k))
                 else:
                     return None, (f"{_where(x)} uses a number that changes with the batch size but is not "
-                                  "proportional to it (like B - 1)")
+                                  "proportional to it (like B - 1, max(B, 4))")
     return found, ""
+
+
+def _constant(gm: fx.GraphModule, target: Any) -> Any:
+    owner: Any = gm
+    for part in str(target).split("."):
+        owner = getattr(owner, part, None)
+    return owner
 
 
 def read_loss(gm: fx.GraphModule, inputs: Sequence[Tuple[Optional[int], bool]], m: int,

@@ -48,7 +48,8 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     """
     mode = mode or evaluating
     if batching.counted is None:
-        batching.counted = CountedLabels.find(gm, whole, [m == "mean" for m in batching.merges], batching.in_dims)
+        batching.counted = CountedLabels.find(gm, whole, [m == "mean" for m in batching.merges], batching.in_dims,
+                                              flat)
     deterministic = True if random is False else reruns_same(gm, model, flat, whole, mode)
     provisional = random is False  # not yet confirmed by a second run
     compare = deterministic and values

@@ -216,6 +216,15 @@ def _read(loss_fn, out, y, sizes):
     (lambda o, y: F.dropout(o, 0.5).mean(), None, "random"),
     (lambda o, y: o.pow(2).mean() + 1.0, None, "adds a constant"),
     (in_batch_negatives, None, "mixes the samples"),
+    # found by a new user's sweep: each was silently wrong before
+    (lambda o, y: o.pow(2).sum() / torch.tensor(float(len(y))), "mean", ""),       # a count made a tensor
+    (lambda o, y: o.pow(2).sum() / o.new_full((), o.size(0)), "mean", ""),
+    (lambda o, y: o.pow(2).sum() / max(len(y), 4), None, "not proportional"),      # read at the whole batch too
+    (lambda o, y: o.pow(2).mean() if len(y) >= 4 else o.pow(2).sum(), None, "trace different ops"),
+    (lambda o, y: (o.pow(2).sum((1, 2)) * torch.ones(len(y)).cumsum(0)).sum(), None, "constant tensor"),
+    (lambda o, y: torch.zeros_like(o).scatter(2, y[..., None] % VOCAB, (o - o.mean(0)) ** 2).sum(), None,
+     "combines a sum over the samples"),
+    (lambda o, y: o.reshape(VOCAB, -1).logsumexp(1).sum(), None, "share a row"),
 ])
 def test_readings(loss_fn, kind, why):
     out, (_, y) = torch.randn(2, 6, VOCAB), _batch()
@@ -256,3 +265,46 @@ def test_a_structured_target_is_split_like_the_batch(schedule):
     with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule=schedule) as pipe:
         with pytest.raises(ArgumentError, match=r"target\[1\] has 4 samples along dim 0, but the batch has 8"):
             pipe.step(ids, loss_fn=weighted_by_sample, target=(labels, weights[:4]))
+
+
+CHANGING = torch.ones(VOCAB)
+
+
+def reads_a_global(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), weight=CHANGING, ignore_index=PAD)
+
+
+class Trainer:
+    def __init__(self, pad):
+        self.pad = pad
+
+    def loss(self, out, y):
+        return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=self.pad)
+
+
+def test_a_reading_is_never_reused_for_a_loss_that_changed():
+    """The reading holds the counts' code with what the loss read baked in: a global rebound
+    between steps, a bound method of another object or an attribute changed, a loss module's
+    ignore_index or weight set anew. Each must be read again (each was silently stale)."""
+    global CHANGING
+    ids, labels = _batch()
+    model = _lm()
+    ref = copy.deepcopy(model)
+    crit = nn.CrossEntropyLoss(ignore_index=PAD)
+    first, second = Trainer(PAD), Trainer(-100)
+    steps = [(reads_a_global, None), (reads_a_global, torch.linspace(0.1, 3.0, VOCAB)),
+             (first.loss, None), (second.loss, None), (lambda o, y: crit(o.flatten(0, 1), y.flatten()), None),
+             (lambda o, y: crit(o.flatten(0, 1), y.flatten()), "mutate")]
+    with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule="1f1b") as pipe:
+        for fn, change in steps:
+            if isinstance(change, torch.Tensor):
+                CHANGING = change
+            elif change == "mutate":
+                crit.ignore_index, crit.weight = -100, torch.linspace(3.0, 0.1, VOCAB)
+            model.zero_grad()
+            ref.zero_grad()
+            loss = pipe.step(ids, loss_fn=fn, target=labels)
+            want = fn(ref(ids), labels)
+            want.backward()
+            assert_close_scaled(loss, want.detach(), what="loss")
+            assert_grads_equal(model, ref)

@@ -47,6 +47,9 @@ class OwnLoss(nn.Module):
             loss = (per_token * m).sum() / m.sum()
         elif self.kind == "weighted":
             loss = F.cross_entropy(flat, target, weight=self.class_weights)
+        elif self.kind == "selected":  # a mean over a boolean selection
+            per_token = F.cross_entropy(flat, target, reduction="none")
+            loss = per_token[mask.flatten()].mean()
         else:  # 'clamped': a denominator that is not a count
             per_token = F.cross_entropy(flat, target, reduction="none")
             m = mask.flatten().float()
@@ -118,3 +121,11 @@ def test_a_division_by_the_batch_size_is_the_size_weighted_mean():
     want.backward()
     assert_close_scaled(loss, want.detach(), what="loss")
     assert_grads_equal(model, ref)
+
+
+def test_a_mean_over_a_boolean_selection_is_refused_at_the_build():
+    """``l[mask].mean()`` divides each micro-batch by its own count: silently off on padded
+    batches when built on an unpadded sample; refused, saying to write the masked mean."""
+    with pytest.raises(MicroBatchError, match=r"selection the data decide.*\(l \* mask\)\.sum\(\) / mask\.sum\(\)"):
+        fxpipe.pipeline(OwnLoss("selected"), _sample(), 2, chunks=4, devices=["cpu"] * 2, progress=False,
+                        output_merge={"loss": "mean"})
