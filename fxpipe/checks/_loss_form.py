@@ -35,131 +35,20 @@ two batch sizes (``count_args``): ``/ out.size(0)`` differs between them, ``/ 4`
 from __future__ import annotations
 
 import operator
-import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, fx
 
-__all__ = ["Form", "LossForm", "read_loss", "den_program", "nll_total_weight"]
+from ._loss_shapes import ShapeReading
+from ._loss_values import (BAD, COUNT, FILLS, FREE, NLL, RANDOM, RATIO, REDUCING_LOSSES, ROWS, SCAN_OR_REDUCE, TOTAL,
+                           Den, Form, LossForm, bad, in_place, is_pointwise, op_name, shape_of, source_of)
 
-aten = torch.ops.aten
-FREE, ROWS, TOTAL, RATIO, COUNT, BAD = "free", "rows", "total", "ratio", "count", "bad"
-
-
-@dataclass(frozen=True)
-class Den:
-    """What a ``ratio`` divides by: ``'size'`` (proportional to the number of samples) or
-    ``'data'`` (the value of ``node``, computed from the target alone)."""
-
-    kind: str
-    node: Optional[fx.Node] = None
+__all__ = ["Form", "LossForm", "Den", "read_loss", "count_args", "den_program", "nll_total_weight"]
 
 
-@dataclass(frozen=True)
-class Form:
-    """The abstract value of one node (see the module docstring)."""
-
-    kind: str
-    grad: bool = False          # depends differentiably on the model's output
-    output: bool = False        # depends on the model's output at all
-    dim: int = 0                # rows: the dim that holds the samples
-    block: Tuple[int, int] = (1, 1)  # rows: (outer, inner): index = (o * m + sample) * inner + i
-    uniform: bool = False       # free: one value everywhere (may broadcast along the samples)
-    den: Optional[Den] = None   # ratio
-    also: Tuple[Den, ...] = ()  # ratio: the other terms' counts (a sum of means), proportional or refused per call
-    why: str = ""               # bad
-
-
-@dataclass
-class LossForm:
-    """The reading of a whole loss: ``kind`` ``'sum'`` or ``'mean'`` (a ratio over ``den``),
-    or None with ``why`` it is not proven."""
-
-    kind: Optional[str]
-    den: Optional[Den] = None
-    #: a sum of means over other counts: exact when every micro-batch's counts are proportional
-    also: Tuple[Den, ...] = ()
-    why: str = ""
-
-
-def _bad(why: str) -> Form:
-    return Form(BAD, why=why)
-
-
-def _where(node: fx.Node) -> str:
-    """The op, and the user's source line where the trace recorded it."""
-    name = _name(node) if isinstance(node.target, torch._ops.OpOverload) else str(node.target)
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ") and "/torch/" not in ln
-              and "/fxpipe/" not in ln]
-    if frames:
-        k = frames[-1]
-        code = lines[k + 1] if k + 1 < len(lines) else ""
-        found = re.match(r'File "(.*)", line (\d+), in (.*)', lines[k])
-        at = f"{found.group(1)}:{found.group(2)} in {found.group(3)}" if found else lines[k][5:]
-        return f"{name} at {at}: `{code}`"
-    return name
-
-
-def _shape(node: Any) -> Optional[Tuple[int, ...]]:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(int(s) for s in val.shape) if isinstance(val, Tensor) else None
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-# -- the ops, by kind ---------------------------------------------------------------------
-_LINEAR = {"add", "sub", "rsub", "mul", "div", "neg", "_to_copy", "clone", "alias", "detach", "to", "contiguous",
-           "lift_fresh_copy", "positive"}
-_SCAN_OR_REDUCE = {"amax", "amin", "max", "min", "logsumexp", "prod", "var", "std", "var_mean", "std_mean",
-                   "linalg_vector_norm", "norm", "any", "all", "argmax", "argmin", "cumsum", "cumprod", "_softmax",
-                   "_log_softmax", "sort", "topk", "median", "kthvalue", "logcumsumexp", "cummax", "cummin",
-                   "aminmax", "nansum", "count_nonzero", "flip", "roll"}
-_FILLS = {"full", "zeros", "ones", "empty", "scalar_tensor", "zeros_like", "ones_like", "full_like", "empty_like",
-          "new_zeros", "new_ones", "new_full", "new_empty"}
-#: loss ops taking ``reduction`` (0 none, 1 mean, 2 sum) at this position; their tensor arguments are pointwise
-_REDUCING_LOSSES = {"mse_loss": 2, "binary_cross_entropy": 3, "binary_cross_entropy_with_logits": 4,
-                    "smooth_l1_loss": 2, "huber_loss": 2, "soft_margin_loss": 2, "l1_loss": 2,
-                    "multilabel_margin_loss": 2, "multi_margin_loss": 5}
-_NLL = {"nll_loss_forward", "nll_loss2d_forward"}
-_RANDOM = {"rand", "randn", "randint", "bernoulli", "native_dropout", "normal", "uniform", "rand_like", "randn_like",
-           "multinomial", "randperm", "exponential"}
-
-
-def _raw_name(node: fx.Node) -> str:
-    target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    return getattr(packet, "__name__", getattr(target, "__name__", str(target)))
-
-
-def _in_place(node: fx.Node) -> bool:
-    raw = _raw_name(node)
-    return isinstance(node.target, torch._ops.OpOverload) and raw.endswith("_") and not raw.endswith("__")
-
-
-def _name(node: fx.Node) -> str:
-    """The op's name, an in-place variant's (``add_``) as its out-of-place one's."""
-    return _raw_name(node)[:-1] if _in_place(node) else _raw_name(node)
-
-
-#: elementwise ops whose schema carries no pointwise tag
-_ELEMENTWISE = {"masked_fill", "where", "clamp", "clamp_min", "clamp_max", "nan_to_num", "logical_not", "sign"}
-
-
-def _is_pointwise(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.pointwise in tags or _name(node) in _LINEAR or _name(node) in _ELEMENTWISE
-
-
-class _Reader:
+class _Reader(ShapeReading):
     """One pass over a traced loss (see :func:`read_loss`)."""
 
     def __init__(self, gm: fx.GraphModule, inputs: Sequence[Tuple[Optional[int], bool]], m: int,
@@ -175,7 +64,7 @@ class _Reader:
         """The form of argument ``k`` of ``node``: a node's, or a plain number's."""
         if isinstance(arg, fx.Node):
             f = self.env.get(arg)
-            return f if isinstance(f, Form) else _bad(f"{arg.name} is not a tensor this reading follows")
+            return f if isinstance(f, Form) else bad(f"{arg.name} is not a tensor this reading follows")
         if (self.index[node], k) in self.counts:
             return Form(COUNT)
         return Form(FREE, uniform=True)
@@ -183,21 +72,21 @@ class _Reader:
     def rows_like(self, node: fx.Node, forms: Sequence[Form], shapes: Sequence[Optional[Tuple[int, ...]]]) -> Form:
         """Pointwise with broadcasting: the samples' dims must line up, and a free operand may
         vary along them only if it has size 1 there."""
-        out = _shape(node)
+        out = shape_of(node)
         if out is None:
-            return _bad(f"{_where(node)} gives no tensor")
+            return bad(f"{source_of(node)} gives no tensor")
         rows = [(f, s) for f, s in zip(forms, shapes) if f.kind == ROWS]
         grad = any(f.grad for f in forms)
         output = any(f.output for f in forms)
         placed = {(f.dim + len(out) - len(s or ()), f.block) for f, s in rows}
         if len(placed) != 1:
-            return _bad(f"{_where(node)} lines up different samples' values")
+            return bad(f"{source_of(node)} lines up different samples' values")
         dim, block = next(iter(placed))
         for f, s in zip(forms, shapes):
             if f.kind == FREE and not f.uniform and s is not None:
                 at = dim - (len(out) - len(s))
                 if 0 <= at < len(s) and s[at] > 1:
-                    return _bad(f"{_where(node)} combines each position along the samples' dim with a "
+                    return bad(f"{source_of(node)} combines each position along the samples' dim with a "
                                 "constant tensor of that length: samples would meet other values in a micro-batch")
         return Form(ROWS, grad=grad, output=output, dim=dim, block=block)
 
@@ -205,7 +94,7 @@ class _Reader:
     def run(self) -> Form:
         self.index = {n: i for i, n in enumerate(self.gm.graph.nodes)}
         placeholders = 0
-        result: Any = _bad("the loss returns nothing")
+        result: Any = bad("the loss returns nothing")
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 dim, is_output = self.inputs[placeholders] if placeholders < len(self.inputs) else (None, False)
@@ -215,7 +104,7 @@ class _Reader:
                 if dim is not None:
                     self.env[node] = Form(ROWS, grad=grad, output=is_output, dim=dim)
                 elif is_output:  # one value per micro-batch (a 0-dim output merged by 'sum' or 'mean')
-                    self.env[node] = _bad(f"loss_fn uses output {node.name}, which holds one value per micro-batch, "
+                    self.env[node] = bad(f"loss_fn uses output {node.name}, which holds one value per micro-batch, "
                                           "not one per sample: what it weighs in the whole batch cannot be read")
                 else:
                     self.env[node] = Form(FREE, grad=grad, output=is_output)
@@ -225,35 +114,35 @@ class _Reader:
                 try:
                     self.env[node] = self.call(node)
                 except (IndexError, KeyError, TypeError, ValueError, AttributeError) as e:
-                    self.env[node] = _bad(f"{_where(node)} could not be read ({type(e).__name__}: {e})")
+                    self.env[node] = bad(f"{source_of(node)} could not be read ({type(e).__name__}: {e})")
             elif node.op == "output":
                 ret = node.args[0]
                 ret = ret[0] if isinstance(ret, (tuple, list)) and len(ret) == 1 else ret
-                result = self.env.get(ret, _bad("the loss is not a tensor")) if isinstance(ret, fx.Node) else \
-                    _bad("the loss is not a tensor")
+                result = self.env.get(ret, bad("the loss is not a tensor")) if isinstance(ret, fx.Node) else \
+                    bad("the loss is not a tensor")
             else:
-                self.env[node] = _bad(f"{node.op} {node.target}")
+                self.env[node] = bad(f"{node.op} {node.target}")
         return result
 
     def call(self, node: fx.Node) -> Any:
-        form = self.call_named(node, _name(node))
-        if _in_place(node) and node.args and isinstance(node.args[0], fx.Node):
+        form = self.call_named(node, op_name(node))
+        if in_place(node) and node.args and isinstance(node.args[0], fx.Node):
             self.env[node.args[0]] = form  # make_fx keeps mutations: the mutated tensor now holds the result
         return form
 
     def call_named(self, node: fx.Node, name: str) -> Any:
         if node.target is operator.getitem:
             inner = self.env.get(node.args[0])
-            return inner[node.args[1]] if isinstance(inner, (tuple, list)) else _bad(f"{_where(node)}")
+            return inner[node.args[1]] if isinstance(inner, (tuple, list)) else bad(f"{source_of(node)}")
         if not isinstance(node.target, torch._ops.OpOverload):
             # Python arithmetic on sizes (operator.mul of sym sizes): plain numbers, never tensors
             return Form(FREE, uniform=True)
         args = list(node.args)
         if name == "sym_size" or name == "sym_numel" or name == "sym_stride":
             return Form(FREE, uniform=True)
-        if name in _RANDOM:
-            return _bad(f"{_where(node)} draws random numbers: each micro-batch draws others than the whole batch")
-        if name in _FILLS:
+        if name in RANDOM:
+            return bad(f"{source_of(node)} draws random numbers: each micro-batch draws others than the whole batch")
+        if name in FILLS:
             src = self.env.get(args[0]) if args and isinstance(args[0], fx.Node) else None
             k = {"scalar_tensor": 0, "full": 1, "full_like": 1, "new_full": 2}.get(name)  # the fill value
             if k is not None and (self.index[node], k) in self.counts:
@@ -261,19 +150,19 @@ class _Reader:
             if isinstance(src, Form) and src.kind == ROWS and name.endswith("_like"):
                 return Form(ROWS, dim=src.dim, block=src.block)
             return Form(FREE, uniform=True)
-        if name in _NLL:
+        if name in NLL:
             return self.nll(node, args)
-        if name in _REDUCING_LOSSES:
-            k = _REDUCING_LOSSES[name]
+        if name in REDUCING_LOSSES:
+            k = REDUCING_LOSSES[name]
             tensors = [i for i, a in enumerate(args[:k]) if isinstance(a, fx.Node)]
-            elementwise = self.pointwise(node, tensors, args, shape_of=lambda: self.broadcast_shape(args, tensors))
+            elementwise = self.pointwise(node, tensors, args, broadcast=lambda: self.broadcast_shape(args, tensors))
             reduction = args[k] if len(args) > k else node.kwargs.get("reduction", 1)
             if reduction == 0:
                 return elementwise
             return self.reduce_all(node, elementwise, mean=reduction == 1)
         if name in ("sum", "mean"):
             return self.reduction(node, args, mean=name == "mean")
-        if name in _SCAN_OR_REDUCE:
+        if name in SCAN_OR_REDUCE:
             return self.along(node, args)
         if name in ("view", "_unsafe_view", "reshape"):
             return self.view(node, args)
@@ -286,29 +175,29 @@ class _Reader:
             return self.indexing(node, name, args)
         if name in ("cat", "stack"):
             return self.join(node, name, args)
-        if name == "where" or _is_pointwise(node):
+        if name == "where" or is_pointwise(node):
             operands = [i for i, a in enumerate(args)
                         if isinstance(a, fx.Node) or (isinstance(a, (int, float)) and not isinstance(a, bool))]
             return self.pointwise(node, operands, args)
         forms = [self.env.get(a) for a in node.all_input_nodes]
         if all(isinstance(f, Form) and f.kind == FREE for f in forms):
             return Form(FREE)
-        return _bad(f"{_where(node)} is an op this reading of losses does not know")
+        return bad(f"{source_of(node)} is an op this reading of losses does not know")
 
     def broadcast_shape(self, args: Sequence[Any], tensors: Sequence[int]) -> Optional[Tuple[int, ...]]:
-        shapes = [_shape(args[i]) for i in tensors]
+        shapes = [shape_of(args[i]) for i in tensors]
         try:
             return tuple(torch.broadcast_shapes(*[s for s in shapes if s is not None]))
         except RuntimeError:
             return None
 
-    def pointwise(self, node: fx.Node, positions: Sequence[int], args: Sequence[Any], shape_of: Any = None) -> Form:
+    def pointwise(self, node: fx.Node, positions: Sequence[int], args: Sequence[Any], broadcast: Any = None) -> Form:
         forms = [self.form(node, i, args[i]) for i in positions]
-        shapes = [_shape(args[i]) for i in positions]
-        name = _name(node)
-        bad = next((f for f in forms if f.kind == BAD), None)
-        if bad is not None:
-            return bad
+        shapes = [shape_of(args[i]) for i in positions]
+        name = op_name(node)
+        failed = next((f for f in forms if f.kind == BAD), None)
+        if failed is not None:
+            return failed
         kinds = {f.kind for f in forms}
         grad = any(f.grad for f in forms)
         output = any(f.output for f in forms)
@@ -318,28 +207,28 @@ class _Reader:
         if kinds <= {FREE}:
             return Form(FREE, output=output, grad=grad, uniform=all(f.uniform for f in forms))
         if kinds <= {FREE, ROWS}:
-            if shape_of is not None:  # a loss op's elementwise part: its broadcast shape
-                shape = shape_of()
+            if broadcast is not None:  # a loss op's elementwise part: its broadcast shape
+                shape = broadcast()
                 if shape is None:
-                    return _bad(f"{_where(node)}: operands that do not broadcast")
+                    return bad(f"{source_of(node)}: operands that do not broadcast")
                 return self.rows_of(node, forms, shapes, shape)
             return self.rows_like(node, forms, shapes)
         if ROWS in kinds:
-            return _bad(f"{_where(node)} combines a sum over the samples with per-sample values")
+            return bad(f"{source_of(node)} combines a sum over the samples with per-sample values")
         if COUNT in kinds and kinds & {TOTAL, RATIO}:
             if name == "div" and forms[0].kind == TOTAL and forms[0].grad and forms[1].kind == COUNT:
                 return Form(RATIO, grad=True, output=True, den=Den("size"))
-            return _bad(f"{_where(node)} multiplies a sum over the samples by a number that grows with them")
+            return bad(f"{source_of(node)} multiplies a sum over the samples by a number that grows with them")
         if COUNT in kinds:
             return Form(COUNT) if name in ("mul", "_to_copy", "clone", "alias", "to", "lift_fresh_copy") and \
-                sum(f.kind == COUNT for f in forms) == 1 else _bad(f"{_where(node)} on the batch size")
+                sum(f.kind == COUNT for f in forms) == 1 else bad(f"{source_of(node)} on the batch size")
         return self.linear(node, name, forms, grad, output)
 
     def rows_of(self, node: fx.Node, forms: Sequence[Form], shapes: Sequence[Any], out: Tuple[int, ...]) -> Form:
         rows = [(f, s) for f, s in zip(forms, shapes) if f.kind == ROWS]
         placed = {(f.dim + len(out) - len(s or ()), f.block) for f, s in rows}
         if len(placed) != 1:
-            return _bad(f"{_where(node)} lines up different samples' values")
+            return bad(f"{source_of(node)} lines up different samples' values")
         dim, block = next(iter(placed))
         return Form(ROWS, grad=any(f.grad for f in forms), output=any(f.output for f in forms), dim=dim, block=block)
 
@@ -358,8 +247,8 @@ class _Reader:
                 other = next(f for f in forms if f.kind not in (TOTAL, RATIO))
                 # adding a constant would count it once per micro-batch; a data-only total's
                 # constant shift is harmless only where it is no denominator: refused alike
-                return _bad(f"{_where(node)} adds a constant to a sum over the samples: each micro-batch "
-                            "would count it once") if other.kind == FREE else _bad(_where(node))
+                return bad(f"{source_of(node)} adds a constant to a sum over the samples: each micro-batch "
+                            "would count it once") if other.kind == FREE else bad(source_of(node))
             a, b = sums
             if a.kind == TOTAL and b.kind == TOTAL:
                 return Form(TOTAL, grad=grad, output=output)
@@ -369,39 +258,39 @@ class _Reader:
                 dens = [d for d in (a.den, *a.also) if d is not None]
                 dens += [d for d in (b.den, *b.also) if d is not None and d not in dens]
                 return Form(RATIO, grad=grad, output=output, den=dens[0], also=tuple(dens[1:]))
-            return _bad(f"{_where(node)} adds a sum over the samples to a mean: no one weight per micro-batch "
+            return bad(f"{source_of(node)} adds a sum over the samples to a mean: no one weight per micro-batch "
                         "gives both")
         if name in ("mul", "div"):
             if len(sums) == 2:
                 a, b = forms
                 if name == "div" and a.kind == TOTAL and a.grad and b.kind == TOTAL and not b.output:
                     return Form(RATIO, grad=True, output=True, den=Den("data", node.args[1]))
-                return _bad(f"{_where(node)} multiplies or divides two sums over the samples")
+                return bad(f"{source_of(node)} multiplies or divides two sums over the samples")
             first = forms[0]
             if name == "div" and first.kind not in (TOTAL, RATIO):
-                return _bad(f"{_where(node)} divides by a sum over the samples")
+                return bad(f"{source_of(node)} divides by a sum over the samples")
             return Form(sums[0].kind, grad=grad, output=output, den=sums[0].den, also=sums[0].also)
-        return _bad(f"{_where(node)} is not linear in a sum over the samples")
+        return bad(f"{source_of(node)} is not linear in a sum over the samples")
 
     def nll(self, node: fx.Node, args: Sequence[Any]) -> Tuple[Form, Form]:
         inp, target = self.form(node, 0, args[0]), self.form(node, 1, args[1])
         weight = self.form(node, 2, args[2]) if len(args) > 2 and isinstance(args[2], fx.Node) else Form(FREE)
         reduction = args[3] if len(args) > 3 else 1
         if BAD in (inp.kind, target.kind, weight.kind):
-            bad = next(f for f in (inp, target, weight) if f.kind == BAD)
-            return bad, bad
+            failed = next(f for f in (inp, target, weight) if f.kind == BAD)
+            return failed, failed
         if weight.kind != FREE:
-            return _bad(f"{_where(node)}: class weights that depend on the samples"), _bad("")
+            return bad(f"{source_of(node)}: class weights that depend on the samples"), bad("")
         # input (N, C[, H, W]) and target (N[, H, W]): the samples along N in both, alike
         if inp.kind != ROWS or target.kind != ROWS or inp.dim != 0 or target.dim != 0 or inp.block != target.block:
-            why = f"{_where(node)}: the loss's input and target do not hold the samples in their first dim alike"
-            return _bad(why), _bad(why)
+            why = f"{source_of(node)}: the loss's input and target do not hold the samples in their first dim alike"
+            return bad(why), bad(why)
         per = Form(ROWS, grad=inp.grad, output=True, dim=0, block=target.block)
         den = Form(TOTAL, output=target.output, grad=False)
         if reduction == 0:
             return per, den
         if target.output:
-            return _bad(f"{_where(node)}: the target is computed from the model's output"), den
+            return bad(f"{source_of(node)}: the target is computed from the model's output"), den
         if reduction == 2:
             return Form(TOTAL, grad=inp.grad, output=True), den
         return Form(RATIO, grad=inp.grad, output=True, den=Den("data", node)), den
@@ -415,11 +304,11 @@ class _Reader:
             return Form(TOTAL, grad=form.grad, output=form.output)
         if form.kind in (TOTAL, RATIO, FREE):
             return form  # averaged over its own fixed dims: linear
-        return _bad(_where(node))
+        return bad(source_of(node))
 
     def reduction(self, node: fx.Node, args: Sequence[Any], mean: bool) -> Form:
         form = self.form(node, 0, args[0])
-        shape = _shape(args[0]) or ()
+        shape = shape_of(args[0]) or ()
         dims = args[1] if len(args) > 1 else node.kwargs.get("dim")
         keep = bool(args[2]) if len(args) > 2 else bool(node.kwargs.get("keepdim", False))
         if isinstance(dims, int):
@@ -439,14 +328,14 @@ class _Reader:
 
     def along(self, node: fx.Node, args: Sequence[Any]) -> Any:
         form = self.form(node, 0, args[0])
-        name = _name(node)
-        shape = _shape(args[0]) or ()
+        name = op_name(node)
+        shape = shape_of(args[0]) or ()
         if form.kind == FREE:  # a scan or reduction of constants varies along its dims (cumsum of ones)
             out = node.meta.get("val")
             free = replace(form, uniform=False)
             return (free, free) if isinstance(out, (tuple, list)) else free
         if form.kind != ROWS:
-            return form if form.kind == BAD else _bad(f"{_where(node)} is not linear in a sum over the samples")
+            return form if form.kind == BAD else bad(f"{source_of(node)} is not linear in a sum over the samples")
         dims: Any = args[1] if len(args) > 1 else node.kwargs.get("dim")
         if name in ("_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin") \
                 and dims is None:
@@ -460,170 +349,16 @@ class _Reader:
         if isinstance(dims, int):
             dims = [dims]
         if not dims:
-            return _bad(f"{_where(node)} reduces over every dim, the samples' too: it mixes the samples")
+            return bad(f"{source_of(node)} reduces over every dim, the samples' too: it mixes the samples")
         dims = [d % max(len(shape), 1) for d in dims]
         if form.dim in dims:
-            return _bad(f"{_where(node)} works across the samples' dim: it mixes the samples")
+            return bad(f"{source_of(node)} works across the samples' dim: it mixes the samples")
         out = node.meta.get("val")
         first = out[0] if isinstance(out, (tuple, list)) else out
         keep = isinstance(first, Tensor) and first.dim() == len(shape)
         dim = form.dim if keep else form.dim - sum(d < form.dim for d in dims)
         moved = replace(form, dim=dim)
         return (moved, replace(moved, grad=False)) if isinstance(out, (tuple, list)) else moved
-
-    def view(self, node: fx.Node, args: Sequence[Any]) -> Form:
-        form = self.form(node, 0, args[0])
-        if form.kind != ROWS:
-            return form
-        before, after = _shape(args[0]), _shape(node)
-        if before is None or after is None:
-            return _bad(_where(node))
-        outer, inner = form.block
-        rest = _numel(before[form.dim + 1:]) * inner  # elements per sample per block, past the samples
-        block = self.m * rest                          # one run of every sample
-        for e in range(len(after)):
-            tail = _numel(after[e + 1:])
-            if tail and rest % tail == 0 and (after[e] * tail) % block == 0 and after[e] >= self.m:
-                return replace(form, dim=e, block=((after[e] * tail) // block, rest // tail))
-        return _bad(f"{_where(node)} reshapes the samples' dim so that samples share a row")
-
-    def move(self, node: fx.Node, name: str, args: Sequence[Any]) -> Any:
-        form = self.form(node, 0, args[0])
-        if form.kind != ROWS:
-            return form
-        shape = _shape(args[0]) or ()
-        nd = len(shape)
-        d = form.dim
-        out = node.meta.get("val")
-        if name == "permute":
-            return replace(form, dim=[x % nd for x in args[1]].index(d))
-        if name == "transpose":
-            a, b = args[1] % nd, args[2] % nd
-            return replace(form, dim=b if d == a else a if d == b else d)
-        if name == "t":
-            return replace(form, dim=(1 - d) if nd == 2 else d)
-        if name == "unsqueeze":
-            at = args[1] % (nd + 1)
-            return replace(form, dim=d + (at <= d))
-        if name == "squeeze":
-            after = _shape(node) or ()
-            removed = len(shape) - len(after)
-            drop = [i for i, s in enumerate(shape) if s == 1][:removed] if removed else []
-            if len(args) > 1:
-                want = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
-                drop = [w % nd for w in want if shape[w % nd] == 1]
-            if d in drop:
-                return _bad(_where(node))
-            return replace(form, dim=d - sum(x < d for x in drop))
-        if name == "expand":
-            after = _shape(node) or ()
-            moved = d + len(after) - nd
-            return replace(form, dim=moved) if after[moved] == shape[d] else _bad(_where(node))
-        if name in ("select", "slice", "narrow", "split", "split_with_sizes", "unbind", "chunk", "unfold",
-                    "diagonal", "repeat"):
-            at = (args[1] if len(args) > 1 else node.kwargs.get("dim", 0))
-            if name in ("split", "split_with_sizes", "chunk"):
-                at = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
-            if name == "repeat":
-                return replace(form, dim=d + len(args[1]) - nd) if args[1][d - nd] == 1 else _bad(
-                    f"{_where(node)} repeats the samples")
-            if name == "diagonal":
-                return _bad(_where(node))
-            at = at % nd
-            if at != d:
-                if name == "select" or name == "unbind":
-                    moved = replace(form, dim=d - (at < d))
-                    return [moved] * shape[at] if name == "unbind" else moved
-                return [form] * len(out) if isinstance(out, (tuple, list)) else form
-            if name == "slice":
-                start = args[2] if len(args) > 2 else 0
-                end = args[3] if len(args) > 3 else None
-                step = args[4] if len(args) > 4 else 1
-                if (start in (0, None)) and (end is None or end >= shape[d]) and step == 1:
-                    return form
-            return _bad(f"{_where(node)} picks some samples of the batch (or some positions of the samples' dim)")
-        return _bad(_where(node))
-
-    def matmul(self, node: fx.Node, name: str, args: Sequence[Any]) -> Form:
-        operands = list(args[1:3]) if name in ("addmm", "baddbmm") else list(args[:2])
-        a, b = (self.form(node, i, x) for i, x in enumerate(operands))
-        bias = self.form(node, 0, args[0]) if name in ("addmm", "baddbmm") else Form(FREE, uniform=True)
-        if BAD in (a.kind, b.kind, bias.kind):
-            return next(f for f in (a, b, bias) if f.kind == BAD)
-        grad, output = a.grad or b.grad or bias.grad, a.output or b.output or bias.output
-        nd = 3 if name in ("bmm", "baddbmm") else 2
-        kept_a, contracted_a, contracted_b, kept_b = nd - 2, nd - 1, nd - 2, nd - 1
-        if a.kind == ROWS and b.kind == ROWS and nd == 3 and a.dim == b.dim == 0 and a.block == b.block:
-            out = Form(ROWS, grad=grad, output=output, dim=0, block=a.block)
-        elif a.kind == ROWS and b.kind == FREE and a.dim == kept_a:
-            out = Form(ROWS, grad=grad, output=output, dim=kept_a, block=a.block)
-        elif b.kind == ROWS and a.kind == FREE and b.dim == kept_b:
-            out = Form(ROWS, grad=grad, output=output, dim=kept_b, block=b.block)
-        elif a.kind == ROWS and b.kind == ROWS and a.dim == contracted_a and b.dim == contracted_b \
-                and a.block == b.block and nd == 2:
-            out = Form(TOTAL, grad=grad, output=output)
-        elif a.kind == FREE and b.kind == FREE:
-            out = Form(FREE, grad=grad, output=output)
-        else:
-            return _bad(f"{_where(node)} multiplies values of different samples with each other "
-                        "(an in-batch similarity matrix): it mixes the samples")
-        if bias.kind not in (FREE,) and not (bias.kind == ROWS and out.kind == ROWS):
-            return _bad(_where(node))
-        return out
-
-    def indexing(self, node: fx.Node, name: str, args: Sequence[Any]) -> Form:
-        if name == "embedding":
-            weight, idx = self.form(node, 0, args[0]), self.form(node, 1, args[1])
-            if weight.kind == FREE and idx.kind == ROWS:
-                return Form(ROWS, grad=weight.grad or idx.grad, output=idx.output, dim=idx.dim, block=idx.block)
-            return Form(FREE) if idx.kind == FREE and weight.kind == FREE else _bad(_where(node))
-        src = self.form(node, 0, args[0])
-        dim = args[1]
-        idx = self.form(node, 2, args[2])
-        extra = [self.form(node, 3, args[3])] if name in ("scatter", "scatter_add") and len(args) > 3 else []
-        bad = next((f for f in (src, idx, *extra) if f.kind == BAD), None)
-        if bad is not None:
-            return bad
-        nd = len(_shape(args[0]) or ())
-        dim = dim % max(nd, 1)
-        grad = any(f.grad for f in (src, idx, *extra))
-        output = any(f.output for f in (src, idx, *extra))
-        rows = [f for f in (src, idx, *extra) if f.kind == ROWS]
-        if any(f.kind not in (ROWS, FREE) for f in (src, idx, *extra)):
-            return _bad(f"{_where(node)} indexes with a sum over the samples")
-        if not rows:
-            return Form(FREE, grad=grad, output=output)
-        placed = {(f.dim, f.block) for f in rows}
-        if len(placed) != 1:
-            return _bad(f"{_where(node)} lines up different samples' values")
-        d, block = next(iter(placed))
-        if name == "gather" and src.kind == FREE and idx.kind == ROWS:  # class weights of the targets
-            return Form(ROWS, grad=grad, output=output, dim=idx.dim, block=idx.block)
-        if name == "index_select" and idx.kind == ROWS:
-            return _bad(f"{_where(node)} indexes along the samples' dim")
-        if src.kind == ROWS and dim != d and all(f.kind == ROWS or name == "index_select" for f in (idx, *extra)):
-            return Form(ROWS, grad=grad, output=output, dim=d, block=block)
-        return _bad(f"{_where(node)} indexes along the samples' dim")
-
-    def join(self, node: fx.Node, name: str, args: Sequence[Any]) -> Form:
-        parts = [self.env.get(a) if isinstance(a, fx.Node) else Form(FREE, uniform=True) for a in args[0]]
-        at = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
-        if not all(isinstance(f, Form) for f in parts):
-            return _bad(_where(node))
-        if all(f.kind == FREE for f in parts):
-            return Form(FREE)
-        first = _shape(args[0][0]) or ()
-        nd = len(first) + (name == "stack")
-        at = at % max(nd, 1)
-        rows = {(f.dim, f.block) for f in parts if f.kind == ROWS}
-        if len(rows) == 1 and all(f.kind == ROWS for f in parts):
-            d, block = next(iter(rows))
-            if name == "stack":
-                d = d + (at <= d)
-            if at != d:
-                return Form(ROWS, grad=any(f.grad for f in parts), output=any(f.output for f in parts),
-                            dim=d, block=block)
-        return _bad(f"{_where(node)} joins tensors along the samples' dim or mixes per-sample and other values")
 
 
 def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[Set[Tuple[int, int]]], str]:
@@ -659,7 +394,7 @@ def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[S
                 if u != 0 and u * size == v * m:
                     found.add((i, k))
                 else:
-                    return None, (f"{_where(x)} uses a number that changes with the batch size but is not "
+                    return None, (f"{source_of(x)} uses a number that changes with the batch size but is not "
                                   "proportional to it (like B - 1, max(B, 4))")
     return found, ""
 
@@ -704,7 +439,7 @@ def den_program(gm: fx.GraphModule, den: Den) -> Tuple[fx.GraphModule, List[int]
     and class weights only (:func:`nll_total_weight`), never from the logits."""
     assert den.kind == "data" and den.node is not None
     root = den.node
-    nll = lambda n: isinstance(n, fx.Node) and n.op == "call_function" and _name(n) in _NLL  # noqa: E731
+    nll = lambda n: isinstance(n, fx.Node) and n.op == "call_function" and op_name(n) in NLL  # noqa: E731
 
     def inputs_of(n: fx.Node) -> List[fx.Node]:
         if nll(n):
