@@ -41,7 +41,7 @@ from __future__ import annotations
 import inspect
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,7 @@ from torch import Tensor, fx, nn
 
 from ..errors import MicroBatchError
 from ._loss_form import nll_total_weight
+from ._loss_values import ancestors
 
 __all__ = ["CountedLabels", "TokenCount", "weighted_mean", "holds_ignored", "IGNORE_INDEX"]
 
@@ -146,7 +147,7 @@ class CountedLabels:
             for node in gm.graph.nodes:
                 loss = _loss_call(gm, node)
                 if loss is not None and isinstance(loss[0], fx.Node):
-                    checks |= {(index[p], loss[1]) for p in _ancestors(loss[0]) if p in index}
+                    checks |= {(index[p], loss[1]) for p in ancestors(loss[0]) if p in index}
             found.checks = sorted(checks)
         return found
 
@@ -286,9 +287,9 @@ def _refuse_selection(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], 
     masks = {p for p, k in index.items() if k < len(flat) and isinstance(flat[k], Tensor) and flat[k].dtype == torch.bool}
 
     def boolean(key: Any) -> bool:  # a comparison, or computed from a boolean input (a mask)
-        return isinstance(key, fx.Node) and (_op_name(key) in _COMPARISONS or bool(_ancestors(key) & masks))
+        return isinstance(key, fx.Node) and (_op_name(key) in _COMPARISONS or bool(ancestors(key) & masks))
 
-    for n in _ancestors(node):
+    for n in ancestors(node):
         name = _op_name(n)
         chosen = None
         if name in _SELECTIONS:
@@ -297,9 +298,8 @@ def _refuse_selection(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], 
             keys = n.args[1] if isinstance(n.args[1], (tuple, list)) else (n.args[1],)
             if any(boolean(k) for k in keys):
                 chosen = n
-        if chosen is not None and _ancestors(chosen) & split:
-            trace = (chosen.meta.get("stack_trace") or "").strip().splitlines()
-            where = f" ({trace[-1].strip()})" if trace else ""
+        if chosen is not None and ancestors(chosen) & split:
+            where = _line(chosen)
             raise MicroBatchError(
                 f"the loss (output {i}, merged with 'mean') averages over a selection the data decide "
                 f"({chosen.name}{where}: a boolean mask, masked_select or nanmean): each micro-batch would divide by "
@@ -308,12 +308,18 @@ def _refuse_selection(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], 
                 "micro-batch's mask sum, exactly; or return the sum and the count merged with 'sum'.")
 
 
+def _line(node: fx.Node) -> str:
+    """`` (the source line)`` the capture recorded for ``node``, or ''."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return f" ({trace[-1].strip()})" if trace else ""
+
+
 _SIZE_READS = {"size", "numel", "dim", "shape"}
 
 
 def _reads_sizes(node: fx.Node) -> bool:
     """Whether the value of ``node`` comes from shapes (``x.size(0)``, ``x.shape[1]``)."""
-    for n in _ancestors(node):
+    for n in ancestors(node):
         if n.op == "call_method" and n.target in _SIZE_READS:
             return True
         if n.op == "call_function" and (n.target is getattr and n.args[1:] == ("shape",)
@@ -337,15 +343,14 @@ def _refuse_divisor(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], in
     since each micro-batch would divide by its own."""
     if not isinstance(node, fx.Node):
         return
-    for n in _ancestors(node):
+    for n in ancestors(node):
         divisor = _divisor(n)
         if divisor is None:
             continue
         program = _program(gm, divisor, index)
         if program is None or not any(in_dims[k] is not None for k in program[1]) or _reads_sizes(divisor):
             continue  # a constant, or a size (x.size(0): the size-weighted merge is its mean)
-        trace = (n.meta.get("stack_trace") or "").strip().splitlines()
-        where = f" ({trace[-1].strip()})" if trace else ""
+        where = _line(n)
         raise MicroBatchError(
             f"the loss (output {i}, merged with 'mean') divides by {divisor.name}{where}, a value computed from "
             f"the inputs that is not a sum fxpipe can weigh (e.g. a count under .clamp(min=1)): each micro-batch "
@@ -404,17 +409,6 @@ def _schema_arguments(node: fx.Node) -> Dict[str, Any]:
     return out
 
 
-def _ancestors(node: fx.Node) -> Set[fx.Node]:
-    seen: Set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
-
-
 def _program(gm: fx.GraphModule, target: fx.Node,
              index: Dict[fx.Node, int]) -> Optional[Tuple[fx.GraphModule, List[int]]]:
     """The graph's code computing ``target`` from the inputs, as a GraphModule of its own, and
@@ -422,13 +416,7 @@ def _program(gm: fx.GraphModule, target: fx.Node,
     are not the label bookkeeping this runs per call) or reads anything but inputs and constants.
     A move to another tensor's device (``labels.to(logits.device)``, transformers' losses) is
     left out: counting runs where the labels are, and needs nothing of the logits."""
-    needed: Set[fx.Node] = set()
-    todo = [target]
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend([n.args[0]] if _moves_device(n) else n.all_input_nodes)
+    needed = ancestors(target, lambda n: [n.args[0]] if _moves_device(n) else n.all_input_nodes)
     if any(n.op not in ("placeholder", "call_function", "call_method", "get_attr") for n in needed):
         return None
     if any(n.op == "placeholder" and n not in index for n in needed):

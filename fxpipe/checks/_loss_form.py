@@ -43,7 +43,7 @@ from torch import Tensor, fx
 
 from ._loss_shapes import ShapeReading
 from ._loss_values import (BAD, COUNT, FILLS, FREE, NLL, RANDOM, RATIO, REDUCING_LOSSES, ROWS, SCAN_OR_REDUCE, TOTAL,
-                           Den, Form, LossForm, bad, in_place, is_pointwise, op_name, shape_of, source_of)
+                           Den, Form, LossForm, ancestors, bad, in_place, is_pointwise, op_name, shape_of, source_of)
 
 __all__ = ["Form", "LossForm", "Den", "read_loss", "count_args", "den_program", "nll_total_weight"]
 
@@ -448,13 +448,7 @@ def den_program(gm: fx.GraphModule, den: Den) -> Tuple[fx.GraphModule, List[int]
             return [n.args[0]]
         return list(n.all_input_nodes)
 
-    needed: Set[fx.Node] = set()
-    todo = [root]
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend(inputs_of(n))
+    needed = ancestors(root, inputs_of)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     graph = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}

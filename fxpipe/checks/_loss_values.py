@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, fx
 
-__all__ = ["Den", "Form", "LossForm", "bad", "source_of", "shape_of", "numel", "op_name", "raw_name", "in_place",
+__all__ = ["Den", "Form", "LossForm", "ancestors", "bad", "source_of", "shape_of", "numel", "op_name", "raw_name", "in_place",
            "is_pointwise", "FREE", "ROWS", "TOTAL", "RATIO", "COUNT", "BAD", "LINEAR", "SCAN_OR_REDUCE", "FILLS",
            "REDUCING_LOSSES", "NLL", "RANDOM", "ELEMENTWISE"]
 
@@ -134,3 +134,16 @@ ELEMENTWISE = {"masked_fill", "where", "clamp", "clamp_min", "clamp_max", "nan_t
 def is_pointwise(node: fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
     return torch.Tag.pointwise in tags or op_name(node) in LINEAR or op_name(node) in ELEMENTWISE
+
+
+def ancestors(node: fx.Node, inputs_of: Optional[Callable[[fx.Node], List[fx.Node]]] = None) -> Set[fx.Node]:
+    """``node`` and every node it is computed from (``inputs_of``: which of a node's inputs to
+    follow; default all)."""
+    seen: Set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(inputs_of(n) if inputs_of is not None else n.all_input_nodes)
+    return seen
