@@ -77,14 +77,19 @@ def test_torch_reentrant_checkpoint_is_itself_again_after_a_build():
     assert model.a.weight.grad is not None
 
 
-def test_transformers_reentrant_gradient_checkpointing_is_exact():
+def _reentrant_gpt2():
+    """A tiny GPT-2 with transformers' reentrant gradient checkpointing, in training mode."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    model.train()
+    return model.train()
+
+
+def test_transformers_reentrant_gradient_checkpointing_is_exact():
+    model = _reentrant_gpt2()
     ids = torch.randint(0, 64, (4, 10))
     ref = copy.deepcopy(model)
     pipe = fxpipe.pipeline(model, ids, 2, chunks=2, devices=["cpu"] * 2, balance_by="params", progress=False)
@@ -100,13 +105,7 @@ def test_transformers_reentrant_gradient_checkpointing_with_a_labels_loss_is_exa
     """The build's gradient check of a merged loss used torch.autograd.grad, which a reentrant
     checkpoint refuses: a bare RuntimeError ended the build. It now backwards into .grad (put
     back), and the step is eager's, -100 padding included."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    model.train()
+    model = _reentrant_gpt2()
     ids = torch.randint(0, 64, (4, 10))
     labels = ids.clone()
     labels[1, 4:], labels[3, 7:] = -100, -100

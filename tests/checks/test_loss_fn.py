@@ -52,13 +52,18 @@ def _step_vs_eager(loss_fn, schedule, *, n=8, chunks=4, n_stages=2, checkpoint="
                            balance_by="params", schedule=schedule, checkpoint=checkpoint)
     with pipe:
         for _ in range(steps):
-            model.zero_grad()
-            ref.zero_grad()
-            loss = pipe.step(ids, loss_fn=loss_fn, target=labels)
-            want = loss_fn(ref(ids), labels)
-            want.backward()
-            assert_close_scaled(loss, want.detach(), what="loss")
-            assert_grads_equal(model, ref)
+            _one_step(pipe, model, ref, loss_fn, ids, labels)
+
+
+def _one_step(pipe, model, ref, loss_fn, ids, labels):
+    """One step of ``pipe`` against eager's ``loss_fn(ref(ids), labels)``: the loss and every gradient."""
+    model.zero_grad()
+    ref.zero_grad()
+    loss = pipe.step(ids, loss_fn=loss_fn, target=labels)
+    want = loss_fn(ref(ids), labels)
+    want.backward()
+    assert_close_scaled(loss, want.detach(), what="loss")
+    assert_grads_equal(model, ref)
 
 
 def token_mean_pad_id(out, y):
@@ -301,10 +306,4 @@ def test_a_reading_is_never_reused_for_a_loss_that_changed():
                 CHANGING = change
             elif change == "mutate":
                 crit.ignore_index, crit.weight = -100, torch.linspace(3.0, 0.1, VOCAB)
-            model.zero_grad()
-            ref.zero_grad()
-            loss = pipe.step(ids, loss_fn=fn, target=labels)
-            want = fn(ref(ids), labels)
-            want.backward()
-            assert_close_scaled(loss, want.detach(), what="loss")
-            assert_grads_equal(model, ref)
+            _one_step(pipe, model, ref, fn, ids, labels)

@@ -41,6 +41,15 @@ def _negatives(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(emb @ emb.T, torch.arange(emb.size(0)))
 
 
+def _assert_exact(loss: torch.Tensor, want: torch.Tensor, model: torch.nn.Module, eager: torch.nn.Module) -> None:
+    """The step's loss against eager's ``want`` (backwarded here), and every gradient."""
+    want.backward()
+    assert_close_scaled(loss, want.detach(), None, what="loss")
+    top = max(largest(p.grad) for p in eager.parameters())
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close_scaled(p.grad, q.grad, None, what=f"grad {n}", floor_of=top)
+
+
 @pytest.fixture
 def one_rank():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
@@ -73,11 +82,7 @@ def test_counted_losses_are_exact(one_rank, loss_fn) -> None:
         eager.zero_grad()
         loss = pipe.step(x, target=y)
         want = loss_fn(eager(x), y)
-        want.backward()
-        assert_close_scaled(loss, want.detach(), None, what="loss")
-        top = max(largest(p.grad) for p in eager.parameters())
-        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
-            assert_close_scaled(p.grad, q.grad, None, what=f"grad {n}", floor_of=top)
+        _assert_exact(loss, want, model, eager)
         y = y.roll(1, 0)
     pipe.close()
 
@@ -115,13 +120,7 @@ def test_the_models_own_labels_loss_is_weighed_as_in_one_process(one_rank) -> No
     for _ in range(2):
         model.zero_grad()
         eager.zero_grad()
-        loss = pipe.step(input_ids=ids, labels=labels)
-        want = eager(input_ids=ids, labels=labels).loss
-        want.backward()
-        assert_close_scaled(loss, want.detach(), None, what="loss")
-        top = max(largest(p.grad) for p in eager.parameters())
-        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
-            assert_close_scaled(p.grad, q.grad, None, what=f"grad {n}", floor_of=top)
+        _assert_exact(pipe.step(input_ids=ids, labels=labels), eager(input_ids=ids, labels=labels).loss, model, eager)
         labels = labels.roll(1, 0)
     with pytest.raises(Exception, match="target= is given"):
         pipe.step(input_ids=ids, labels=labels, target=labels)
@@ -152,13 +151,7 @@ def test_a_structured_target(one_rank) -> None:
     y = _labels().clamp(min=0)
     target = {"labels": y, "mask": (_labels() != -100).float()}
     pipe = fpd.pipeline(model, x, chunks=2, loss_fn=masked, schedule="zbv", stages_per_rank=2, timeout=60)
-    loss = pipe.step(x, target=target)
-    want = masked(eager(x), target)
-    want.backward()
-    assert_close_scaled(loss, want.detach(), None, what="loss")
-    top = max(largest(p.grad) for p in eager.parameters())
-    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
-        assert_close_scaled(p.grad, q.grad, None, what=f"grad {n}", floor_of=top)
+    _assert_exact(pipe.step(x, target=target), masked(eager(x), target), model, eager)
     pipe.close()
 
 
