@@ -80,7 +80,8 @@ def test_loss_needs_a_declared_merge_and_says_so():
         fxpipe.pipeline(fam.model(), (), STAGES, sample_kwargs=kwargs, chunks=CHUNKS, balance_by="params")
     msg = str(info.value)
     assert "'loss'" in msg and "output_merge={'loss': 'mean'}" in msg
-    assert "samples of equal-sized micro-batches" in msg and "ignore_index (-100 labels)" in msg
+    assert "samples of equal-sized micro-batches" in msg and "labels that are not ignore_index" in msg
+    assert "its mask's sum" in msg
 
 
 @pytest.mark.parametrize("merge", ["callable", "sum"])
