@@ -7,12 +7,15 @@ by the class weights of the targets, or impossible (an in-batch-negatives loss),
 ``loss_fn``'s own aten graph (:mod:`fxpipe.checks._loss_form`), traced on fake tensors
 (``make_fx``; no data is computed) shaped like one micro-batch's output and target.
 
-Each distinct micro-batch shape is traced twice (at ``m`` and ``m + 1`` samples: numbers that
-follow the batch size, like ``/ out.size(0)``, are told from literals) and the reading is
-cached per shape, at most :data:`CACHE` shapes (about 20-40 ms per new shape on a CPU; the
-first trace of a process also pays torch's fake-tensor start-up, about 2 s). Per call, a
-``'data'`` count (a token count, a mask's sum, the targets' class weights) is computed from
-each micro-batch's target by the graph's own code for it, copied out: no forward, no logits.
+Each distinct micro-batch shape is traced three times (at ``m`` and ``m + 1`` samples:
+numbers that follow the batch size, like ``/ out.size(0)``, are told from literals; and at the
+whole batch's size, where code that branches on ``len(y)`` or a reshape that mixes samples
+would read otherwise) and the reading is cached per shape and per :func:`loss_key`, at most
+:data:`CACHE` shapes (about 0.1 s per new shape on a CPU, about one GPT-2 step at the test
+sizes; the first trace of a process also pays torch's fake-tensor and dynamo imports, 2-4 s).
+Per call, a ``'data'`` count (a token count, a mask's sum, the targets' class weights) is
+computed from each micro-batch's target by the graph's own code for it, copied out: no
+forward, no logits (about 1% of a step, ``benchmarks/loss_reading.py``).
 """
 
 from __future__ import annotations
@@ -204,11 +207,12 @@ class LossFnReading:
         """The weights of a call whose micro-batches have ``sizes`` samples, ``targets`` (None
         without a target) and, for the first, the flat ``outputs`` (the others' differ only in
         the samples' dim; meta tensors do, with ``device`` saying where they would be)."""
-        reads: List[_Read] = []
+        stand_ins = {m: self._resized(outputs, m, device) for m in set(sizes)}
+        by_size: dict = {}  # micro-batches of one size are split from one batch: one reading
         for i, m in enumerate(sizes):
-            out = self._resized(outputs, m, device)
-            target = None if targets is None else targets[i]
-            reads.append(self._read(out, target, m, sum(sizes)))
+            if m not in by_size:
+                by_size[m] = self._read(stand_ins[m], None if targets is None else targets[i], m, sum(sizes))
+        reads = [by_size[m] for m in sizes]
         bad = next((r.form for r in reads if r.form.kind is None), None)
         if bad is not None:
             return Weights(None, why=bad.why)
@@ -227,7 +231,7 @@ class LossFnReading:
                     column.append(torch.tensor(float(m), dtype=torch.float64))
                     continue
                 program, used = found
-                leaves = self._leaves(self._resized(outputs, m, device), None if targets is None else targets[i])
+                leaves = self._leaves(stand_ins[m], None if targets is None else targets[i])
                 with torch.no_grad():
                     column.append(program(*[leaves[j] for j in used]).to(torch.float64))
             per_count.append(column)
