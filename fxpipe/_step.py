@@ -78,6 +78,7 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
         losses = fn.losses()
     losses.loss_of = kept.around(losses.loss_of, m)
     stop = checkpoint_stop(pipe.checkpoint, m, pipe.training)
+    loss: Optional[Tensor] = None  # set where the loss is not the merge of the micro-batches'
     if pipe.schedule == "1f1b":
         try:
             pipe._runtime.run(batches, stop, on_output=losses.backward_now)
@@ -91,15 +92,14 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
         if fn is not None and not fn.decide(batches[0].values).kind:
             for i, b in enumerate(batches):
                 kept.keep(i, b)
-            loss = fn.whole(batches, weights)  # not proven per micro-batch: eager's loss on the merged output
-            loss.backward()
-            if pipe.training:
-                commit_deferred_batch_norm(pipe._deferred)
-            return kept.result(loss.detach(), sizes, weights)
-        losses.backward_all(batches)
+            whole = fn.whole(batches, weights)  # not proven per micro-batch: eager's loss on the merged output
+            whole.backward()
+            loss = whole.detach()
+        else:
+            losses.backward_all(batches)
     if pipe.training:
         commit_deferred_batch_norm(pipe._deferred)
-    return kept.result(losses.merged(), sizes, weights)
+    return kept.result(loss if loss is not None else losses.merged(), sizes, weights)
 
 
 class _Kept:

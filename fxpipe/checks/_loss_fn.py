@@ -23,15 +23,16 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
-from ._loss_form import Den, LossForm, count_args, den_program, read_loss
+from ._loss_form import Den, LossForm, den_program, read_loss
+from ._loss_values import source_of
 
-__all__ = ["LossFnReading", "Weights", "CACHE", "loss_key", "out_dims_of", "split_target"]
+__all__ = ["LossFnReading", "Weights", "CACHE", "count_args", "loss_key", "out_dims_of", "split_target"]
 
 #: micro-batch shapes whose reading is kept per loss_fn
 CACHE = 32
@@ -171,6 +172,51 @@ def _proportional(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
     """Whether ``a_i / sum(a) == b_i / sum(b)`` for every micro-batch (to float64 rounding)."""
     x, y = torch.stack(list(a)), torch.stack(list(b))
     return bool(torch.allclose(x * y.sum(), y * x.sum(), rtol=1e-9, atol=0.0))
+
+
+def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[Set[Tuple[int, int]]], str]:
+    """The plain numbers (and one-element tensor constants) of ``traces[0]`` that follow the
+    batch size: ``(node index, arg position)``, position ``-1`` for a ``get_attr`` constant.
+    ``traces``: the same loss traced at several batch sizes ``(graph, samples)``. A number
+    that changes must be proportional to the samples in every trace (a count); None and why
+    when the graphs differ in structure (code that branches on the batch size) or a number
+    changes otherwise (``B - 1``, ``max(B, 4)``). Shapes given as lists are not compared: the
+    reading follows shapes itself."""
+    (base, m), others = traces[0], traces[1:]
+    a = list(base.graph.nodes)
+    found: Set[Tuple[int, int]] = set()
+    for other, size in others:
+        b = list(other.graph.nodes)
+        if len(a) != len(b) or any(x.op != y.op or x.target != y.target for x, y in zip(a, b)):
+            return None, f"its code depends on the batch size (batches of {m} and {size} samples trace different ops)"
+        for i, (x, y) in enumerate(zip(a, b)):
+            pairs: List[Tuple[int, Any, Any]] = []
+            if x.op == "call_function":
+                pairs = [(k, u, v) for k, (u, v) in enumerate(zip(x.args, y.args))
+                         if isinstance(u, (int, float)) and not isinstance(u, bool)]
+            elif x.op == "get_attr":
+                u, v = _constant(base, x.target), _constant(other, y.target)
+                if isinstance(u, Tensor) and isinstance(v, Tensor):
+                    if u.shape != v.shape or (u.numel() > 1 and not torch.equal(u, v)):
+                        return None, "it makes a tensor constant that depends on the batch size"
+                    if u.numel() == 1:
+                        pairs = [(-1, float(u), float(v))]
+            for k, u, v in pairs:
+                if u == v:
+                    continue
+                if u != 0 and u * size == v * m:
+                    found.add((i, k))
+                else:
+                    return None, (f"{source_of(x)} uses a number that changes with the batch size but is not "
+                                  "proportional to it (like B - 1, max(B, 4))")
+    return found, ""
+
+
+def _constant(gm: fx.GraphModule, target: Any) -> Any:
+    owner: Any = gm
+    for part in str(target).split("."):
+        owner = getattr(owner, part, None)
+    return owner
 
 
 def _den_kinds(form: LossForm) -> Tuple[Any, ...]:

@@ -28,8 +28,9 @@ program is copied out of the graph, :func:`den_program`). That is the whole batc
 its whole count, exactly. Anything else is not proven, and the caller computes the loss on
 the merged output or refuses (:mod:`fxpipe.checks._loss_fn`).
 
-Numbers derived from the batch size are told apart from literals by comparing two traces at
-two batch sizes (``count_args``): ``/ out.size(0)`` differs between them, ``/ 4`` does not.
+Numbers derived from the batch size are told apart from literals by comparing traces at
+several batch sizes (:func:`fxpipe.checks._loss_fn.count_args`): ``/ out.size(0)`` differs
+between them, ``/ 4`` does not.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from ._loss_shapes import ShapeReading
 from ._loss_values import (BAD, COUNT, FILLS, FREE, NLL, RANDOM, RATIO, REDUCING_LOSSES, ROWS, SCAN_OR_REDUCE, TOTAL,
                            Den, Form, LossForm, ancestors, bad, in_place, is_pointwise, op_name, shape_of, source_of)
 
-__all__ = ["Form", "LossForm", "Den", "read_loss", "count_args", "den_program", "nll_total_weight"]
+__all__ = ["Form", "LossForm", "Den", "read_loss", "den_program", "nll_total_weight"]
 
 
 class _Reader(ShapeReading):
@@ -359,51 +360,6 @@ class _Reader(ShapeReading):
         dim = form.dim if keep else form.dim - sum(d < form.dim for d in dims)
         moved = replace(form, dim=dim)
         return (moved, replace(moved, grad=False)) if isinstance(out, (tuple, list)) else moved
-
-
-def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[Set[Tuple[int, int]]], str]:
-    """The plain numbers (and one-element tensor constants) of ``traces[0]`` that follow the
-    batch size: ``(node index, arg position)``, position ``-1`` for a ``get_attr`` constant.
-    ``traces``: the same loss traced at several batch sizes ``(graph, samples)``. A number
-    that changes must be proportional to the samples in every trace (a count); None and why
-    when the graphs differ in structure (code that branches on the batch size) or a number
-    changes otherwise (``B - 1``, ``max(B, 4)``). Shapes given as lists are not compared: the
-    reading follows shapes itself."""
-    (base, m), others = traces[0], traces[1:]
-    a = list(base.graph.nodes)
-    found: Set[Tuple[int, int]] = set()
-    for other, size in others:
-        b = list(other.graph.nodes)
-        if len(a) != len(b) or any(x.op != y.op or x.target != y.target for x, y in zip(a, b)):
-            return None, f"its code depends on the batch size (batches of {m} and {size} samples trace different ops)"
-        for i, (x, y) in enumerate(zip(a, b)):
-            pairs: List[Tuple[int, Any, Any]] = []
-            if x.op == "call_function":
-                pairs = [(k, u, v) for k, (u, v) in enumerate(zip(x.args, y.args))
-                         if isinstance(u, (int, float)) and not isinstance(u, bool)]
-            elif x.op == "get_attr":
-                u, v = _constant(base, x.target), _constant(other, y.target)
-                if isinstance(u, Tensor) and isinstance(v, Tensor):
-                    if u.shape != v.shape or (u.numel() > 1 and not torch.equal(u, v)):
-                        return None, "it makes a tensor constant that depends on the batch size"
-                    if u.numel() == 1:
-                        pairs = [(-1, float(u), float(v))]
-            for k, u, v in pairs:
-                if u == v:
-                    continue
-                if u != 0 and u * size == v * m:
-                    found.add((i, k))
-                else:
-                    return None, (f"{source_of(x)} uses a number that changes with the batch size but is not "
-                                  "proportional to it (like B - 1, max(B, 4))")
-    return found, ""
-
-
-def _constant(gm: fx.GraphModule, target: Any) -> Any:
-    owner: Any = gm
-    for part in str(target).split("."):
-        owner = getattr(owner, part, None)
-    return owner
 
 
 def read_loss(gm: fx.GraphModule, inputs: Sequence[Tuple[Optional[int], bool]], m: int,
