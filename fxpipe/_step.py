@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .checks._loss_fn import Weights, split_target
+from .checks._loss_fn import Weights, own_loss_output, split_target
 from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm
 from .runtime._frontend import checkpoint_stop
@@ -171,18 +171,7 @@ def _model_loss(pipe: Any, sizes: List[int], weights: dict, m: int) -> StepLosse
     """The model's own loss output, merged as the forward merges it."""
     batching = pipe.batching
     names = batching.out_names
-    merges = batching.merges
-    linear = [i for i, merge in enumerate(merges) if isinstance(merge, str) and merge in ("mean", "sum")]
-    if len(linear) > 1:
-        linear = [i for i in linear if names[i] == "loss"] or linear
-    if len(linear) != 1:
-        found = "no output" if not linear else f"outputs {[names[i] for i in linear]}"
-        raise StepError(
-            f"pipe.step() without loss_fn= trains the model's own loss: the one 0-dim output merged with 'mean' or "
-            f"'sum' (output_merge={{'loss': 'mean'}}), and {found} of this model "
-            f"{'is' if not linear else 'are'} merged so. Pass loss_fn=lambda out, y: ... with target=y, or build "
-            "with output_merge naming the loss output")
-    k = linear[0]
+    k = own_loss_output(batching, "pipe.step() without loss_fn=", "Pass loss_fn=lambda out, y: ... with target=y")
     label = f"output {names[k]!r}" if names[k] else "the output"
 
     def loss_of(i: int, out: Batch) -> Tensor:

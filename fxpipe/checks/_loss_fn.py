@@ -32,7 +32,8 @@ from torch.utils import _pytree as pytree
 from ._loss_form import Den, LossForm, den_program, read_loss
 from ._loss_values import source_of
 
-__all__ = ["LossFnReading", "Weights", "CACHE", "count_args", "loss_key", "out_dims_of", "split_target"]
+__all__ = ["LossFnReading", "Weights", "CACHE", "count_args", "loss_key", "out_dims_of", "own_loss_output",
+           "split_target"]
 
 #: micro-batch shapes whose reading is kept per loss_fn
 CACHE = 32
@@ -160,6 +161,25 @@ def split_target(target: Any, sizes: Sequence[int]) -> List[Any]:
                 part.append(x)
     treespec = pytree.tree_structure(target)
     return [pytree.tree_unflatten(part, treespec) for part in parts]
+
+
+def own_loss_output(batching: Any, who: str, todo: str) -> int:
+    """The flat output index of the model's own loss: the one 0-dim output merged with
+    ``'mean'`` or ``'sum'`` (named ``loss`` where several are), for both front doors; a
+    :class:`~fxpipe.errors.StepError` otherwise, saying ``who`` trains it and what to do."""
+    from ..errors import StepError
+
+    names, merges = batching.out_names, batching.merges
+    linear = [i for i, merge in enumerate(merges) if isinstance(merge, str) and merge in ("mean", "sum")]
+    if len(linear) > 1:
+        linear = [i for i in linear if names[i] == "loss"] or linear
+    if len(linear) != 1:
+        found = "no output" if not linear else f"outputs {[names[i] for i in linear]}"
+        raise StepError(
+            f"{who} trains the model's own loss: the one 0-dim output merged with 'mean' or 'sum' "
+            f"(output_merge={{'loss': 'mean'}}), and {found} of this model {'is' if not linear else 'are'} merged "
+            f"so. {todo}, or build with output_merge naming the loss output")
+    return linear[0]
 
 
 def out_dims_of(merges: Sequence[Any]) -> List[Optional[int]]:

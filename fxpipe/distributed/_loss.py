@@ -29,25 +29,10 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from fxpipe.checks._batching import Batching
-from fxpipe.checks._loss_fn import LossFnReading
+from fxpipe.checks._loss_fn import LossFnReading, own_loss_output
 from fxpipe.errors import DistributedError, StepError
 
-__all__ = ["StepLoss", "own_loss_output"]
-
-
-def own_loss_output(batching: Batching) -> int:
-    """The flat output index of the model's own loss: the one 0-dim output merged with
-    ``'mean'`` or ``'sum'`` (named ``loss`` where several are); a typed refusal otherwise."""
-    linear = [i for i, mg in enumerate(batching.merges) if isinstance(mg, str) and mg in ("mean", "sum")]
-    if len(linear) > 1:
-        linear = [i for i in linear if batching.out_names[i] == "loss"] or linear
-    if len(linear) != 1:
-        found = "no output" if not linear else f"outputs {[batching.out_names[i] for i in linear]}"
-        raise StepError(
-            f"loss_fn=None trains the model's own loss: the one output merged with 'mean' or 'sum' "
-            f"(output_merge={{'loss': 'mean'}}, the default when the model returns a 'loss'), and {found} of this "
-            "model is merged so. Pass loss_fn=..., or output_merge naming the loss output")
-    return linear[0]
+__all__ = ["StepLoss"]
 
 
 class StepLoss:
@@ -70,7 +55,7 @@ class StepLoss:
         self.batching = batching
         self.chunks = chunks
         self.device = device
-        self.own = own_loss_output(batching) if loss_fn is None else None
+        self.own = own_loss_output(batching, "loss_fn=None", "Pass loss_fn=...") if loss_fn is None else None
         self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
         self._targets: List[Any] = []  # this step's, per micro-batch
         self._next = 0
