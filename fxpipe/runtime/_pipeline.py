@@ -113,6 +113,24 @@ class PipelineRunner:
     ) -> None:
         if len(partitions) != len(devices):
             raise ValueError(f"{len(partitions)} partitions but {len(devices)} devices")
+        self.devices = list(devices)
+        self.set_partitions(partitions, skip_layout)
+        self._tracker = StagePortals if stage_portals else SkipTrackerThroughPortals
+        self.spread = spread
+        # None: worker threads when a partition is on an accelerator; inline on CPU.
+        self.threads = threads
+        self._pool: Optional[WorkerPool] = None
+        self._copy_streams: List[List[AbstractStream]] = [[] for _ in self.devices]
+        self.closed = False
+        #: how errors name the pipeline; front ends set their own class name
+        self.label = "this pipeline"
+
+    def set_partitions(self, partitions: Sequence[Callable[..., Any]], skip_layout: Optional[SkipLayout] = None) -> None:
+        """Runs ``partitions`` from now on, one per device as before (a front end may hold
+        several cuts of one model and switch between them); the worker threads and copy
+        streams stay."""
+        if len(partitions) != len(self.devices):
+            raise ValueError(f"{len(partitions)} partitions but {len(self.devices)} devices")
         self.partitions = list(partitions)
         # Buffers each partition updates in forward (generated stages declare them), read
         # once here rather than per task: the recomputation runs on their snapshot.
@@ -125,17 +143,7 @@ class PipelineRunner:
         # Their modules and parameters, whose flags and versions each forward records.
         self._layouts = [StageLayout(p, [m.__dict__[w][k] for m, w, k in s if w == "_parameters"])
                          for p, s in zip(self.partitions, self._states)]
-        self.devices = list(devices)
-        self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(partitions), {})
-        self._tracker = StagePortals if stage_portals else SkipTrackerThroughPortals
-        self.spread = spread
-        # None: worker threads when a partition is on an accelerator; inline on CPU.
-        self.threads = threads
-        self._pool: Optional[WorkerPool] = None
-        self._copy_streams: List[List[AbstractStream]] = [[] for _ in self.devices]
-        self.closed = False
-        #: how errors name the pipeline; front ends set their own class name
-        self.label = "this pipeline"
+        self.skip_layout = skip_layout if skip_layout is not None else SkipLayout(len(self.partitions), {})
 
     def close(self, wait: bool = True) -> None:
         """Stops the worker threads (``wait``: until they have ended) and refuses later runs.
