@@ -11,31 +11,29 @@ import os
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ._step import ReturnOutputs, run_step, refuse_forward_with_grad
-from .build import BuildOptions, build, check_split_points
+from ._mode_variants import ModeVariants, Variant
+from .build import BuildOptions, build, check_split_points, emit_and_place
 from .capture._meta import refuse_running
-from .capture._baked_dtypes import BakedDtypes
-from .capture._mode_flags import ModeFlags
-from .capture._model_check import ModelCheck
 from .capture._tracing import Capture
 from .checks._batching import Batching, ChunkDims, OutputMerge
 from .checks._loss_fn import LossFnReading, loss_key, out_dims_of
 from .emit._compiling import (CompileOption, check_compile_option, check_graph_replay, compile_stages,
                               refuse_whole_pipeline_compile)
 from .emit._stages import Stages
-from .errors import ArgumentError, DevicesError, InputMismatchError, ModeError, PipelinePicklingError, StagesError
+from .errors import ArgumentError, DevicesError, InputMismatchError, PipelinePicklingError, StagesError
 from .plan._make import BALANCE_BY
 from .plan._value import Plan
-from .progress import ProgressOption, as_progress
+from .progress import Progress, ProgressOption, as_progress
 from .runtime._batchnorm import commit_deferred_batch_norm, refuse_deferred_in_graph
 from .runtime._devices import Device, default_devices
 from .runtime._frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .runtime._microbatch import Batch
 from .runtime._orders import check_schedule
 from .runtime._pipeline import PipelineRunner
-from .runtime._skip_layout import SkipLayout
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -94,36 +92,66 @@ class Pipeline(PlacedModule):
         self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages,
         devices: List[torch.device], chunks: int, checkpoint: str, deferred_batch_norm: bool,
         mode_sensitive: str = "", batching: Optional[Batching] = None, meta: bool = False,
-        schedule: str = "gpipe",
+        schedule: str = "gpipe", *, sample: Optional[Tuple[Tuple[Any, ...], dict]] = None,
+        options: Optional[BuildOptions] = None, compile_options: Optional[Dict[str, Any]] = None,
+        prepared: Optional[Tuple[Any, Any, Any]] = None,
     ) -> None:
         super().__init__()
         self.module = model
         self.meta = meta
-        self.capture = captured
-        #: how inputs are split into micro-batches and outputs merged (checked when built)
-        self.batching = batching if batching is not None else _default_batching(model, captured)
         self.plan = plan
-        self.stages = stages
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
         #: the order of a training step: 'gpipe' or '1f1b' (:mod:`fxpipe.runtime._orders`)
         self.schedule = check_schedule(schedule)
-        # Graphs that baked the training mode in cannot follow .train()/.eval().
-        self.captured_training = model.training
+        #: why the graph holds each module's training mode ('' when it follows them)
         self.mode_sensitive = mode_sensitive
         self.training = model.training  # the pipeline starts in the model's mode
-        # The plan's portals, which are also the stash/pop pairs in the stage code.
-        layout = SkipLayout.from_names(len(stages), {p.name: (p.src, p.dst) for p in plan.portals})
-        runtime = PipelineRunner(list(stages.modules), devices, skip_layout=layout, stage_portals=True, spread=True)
-        #: what the stages hold from the model, compared at each call (fxpipe.capture._model_check)
-        self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages)
-        self._mode_flags = ModeFlags(model, mode_sensitive)  # submodules' modes, where the graph baked them
-        self._dtypes = BakedDtypes(model, captured.graph_module, captured.method)  # .to(dtype) after an export
-        self._loss_readings: Dict[Any, LossFnReading] = {}  # step()'s loss_fn, read per shape
+        self._compile_options = compile_options
+        first = Variant.of(model, captured, batching if batching is not None else _default_batching(model, captured),
+                           plan, stages)
+        # Each set of modes the model is switched to runs its own capture, cut as planned
+        # (fxpipe._mode_variants); a graph that follows the modes has one.
+        self._variants = ModeVariants(
+            model, first, mode_sensitive, sample=sample,
+            options=options or BuildOptions(len(stages), chunks, devices), emit=self._emit, prepared=prepared)
+        self._active = first
+        runtime = PipelineRunner(list(stages.modules), devices, skip_layout=first.skip_layout, stage_portals=True,
+                                 spread=True)
         if deferred_batch_norm:
             refuse_deferred_in_graph(captured.graph_module, captured.method, chunks)
         self._open(runtime, model, deferred_batch_norm)  # close() undoes the conversion
+
+    # The active capture's values (fxpipe._mode_variants: one per set of modes the model ran in).
+    @property
+    def capture(self) -> Capture:
+        """The capture the pipeline runs now (the build's, or one in the modes the model has now)."""
+        return self._active.capture
+
+    @property
+    def batching(self) -> Batching:
+        """How inputs are split into micro-batches and outputs merged (checked on the sample)."""
+        return self._active.batching
+
+    @property
+    def stages(self) -> Stages:
+        """The stages the pipeline runs now: ``stages[k]`` is stage ``k``'s ``GraphModule``."""
+        return self._active.stages
+
+    def _emit(self, captured: Capture, plan: Plan) -> Stages:
+        """Stages for another capture of the model, placed (and compiled) as the build's."""
+        stages = emit_and_place(self.module, captured, plan, self.devices, Progress(enabled=False))
+        if self._compile_options is not None:
+            compile_stages(stages, self._compile_options)
+        return stages
+
+    def _follow_modes(self) -> None:
+        """Runs the capture made for the modes the model has now (captured on first need)."""
+        variant = self._variants.current()
+        if variant is not self._active:
+            self._runtime.set_partitions(list(variant.stages.modules), variant.skip_layout)
+            self._active = variant
 
     @property
     def n_stages(self) -> int:
@@ -215,13 +243,13 @@ class Pipeline(PlacedModule):
     def _loss_reading(self, loss_fn: Callable[..., torch.Tensor]) -> LossFnReading:
         """The reading of ``loss_fn`` kept for this pipeline (a few, the latest first): a lambda
         made anew per step with the same code and captured values is the same loss."""
-        key = loss_key(loss_fn)
-        reading = self._loss_readings.pop(key, None)
+        key, readings = loss_key(loss_fn), self._active.loss_readings
+        reading = readings.pop(key, None)
         if reading is None:
             reading = LossFnReading(loss_fn, out_dims_of(self.batching.merges), self.capture.unflatten_output)
-        self._loss_readings[key] = reading
-        while len(self._loss_readings) > 8:
-            self._loss_readings.pop(next(iter(self._loss_readings)))
+        readings[key] = reading
+        while len(readings) > 8:
+            readings.pop(next(iter(readings)))
         return reading
 
     def _micro_batches(self, args: tuple, kwargs: dict) -> Tuple[List[Any], List[List[Any]], List[int], Any,
@@ -233,19 +261,10 @@ class Pipeline(PlacedModule):
         # The model's mode is the truth: model.eval() alone (not pipe.eval()) switches the
         # stages' modules, so the pipeline follows it rather than its own flag.
         self.training = self.module.training
-        if self.mode_sensitive and self.training != self.captured_training:
-            captured = "training" if self.captured_training else "eval"
-            now = "training" if self.training else "eval"
-            raise ModeError(
-                f"this pipeline was captured in {captured} mode and its graph has that mode baked in "
-                f"({self.mode_sensitive}), so it cannot run in {now} mode. Build one pipeline per "
-                f"mode: fxpipe.pipeline(model.{'train' if self.training else 'eval'}(), ...) -- it shares "
-                "the same parameters."
-            )
-        self._mode_flags.check()  # a submodule switched to train/eval where the graph baked its mode
-        self._dtypes.check()  # parameters given another dtype where the graph names the old one
+        self._follow_modes()  # a graph with the modes baked in: the capture made for the modes set now
+        self._active.dtypes.check()  # parameters given another dtype where the graph names the old one
         self.batching.refuse_mode(self.training)  # the build's training-mode check failed: eval only
-        self._model_check.check()  # a submodule, parameter or traced attribute replaced since the build
+        self._active.model_check.check()  # a submodule, parameter or traced attribute replaced since the build
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
         micro, sizes = self.batching.split(flat, self.chunks)
         if self.capture.batch_fixed and max(sizes, default=1) > 1:
@@ -352,12 +371,24 @@ def pipeline(
     args: Tuple[Any, ...] = sample if isinstance(sample, tuple) else (sample,)
     options = BuildOptions(n_stages, chunks, device_list, balance_by, leaf_modules, split_points, plan, chunk_dims,
                            output_merge, report)
-    built = build(model, args, dict(sample_kwargs or {}), options)  # fxpipe.build: the one build sequence
-    pipe = Pipeline(model, built.capture, built.plan, built.stages, device_list, chunks, checkpoint,
-                    deferred_batch_norm, built.mode_sensitive, built.batching, meta=built.meta, schedule=schedule)
+    kwargs = dict(sample_kwargs or {})
+    # Stages on several devices: the model cannot run whole after placement, so the other root
+    # mode is captured now (fxpipe._mode_variants); on one device, on first need.
+    several = len(set(device_list)) > 1
+    built = build(model, args, kwargs, options, flipped=several)  # fxpipe.build: the one build sequence
     if compile_options is not None:
-        compile_stages(pipe.stages, compile_options)
-    return pipe
+        compile_stages(built.stages, compile_options)
+    kept = None if several or not built.mode_sensitive else _kept_sample(args, kwargs)
+    return Pipeline(model, built.capture, built.plan, built.stages, device_list, chunks, checkpoint,
+                    deferred_batch_norm, built.mode_sensitive, built.batching, meta=built.meta, schedule=schedule,
+                    sample=kept, options=options, compile_options=compile_options, prepared=built.flipped)
+
+
+def _kept_sample(args: Tuple[Any, ...], kwargs: dict) -> Tuple[Tuple[Any, ...], dict]:
+    """The sample, copied, for a later capture in other modes (the caller may reuse its tensors)."""
+    def kept(v: Any) -> Any:
+        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return pytree.tree_map(kept, (args, kwargs))
 
 
 def _default_batching(model: nn.Module, captured: Capture) -> Batching:

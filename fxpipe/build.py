@@ -39,12 +39,14 @@ from .emit._placement import place_stages
 from .emit._stage_state import mutable_state
 from .emit._stages import Stages, emit_stages
 from .errors import ArgumentError, FxpipeError, PlanModelError, SplitPointsError, TraceError
+from .plan._carry_over import CarryError, carry_assignment
 from .plan._make import make_plan
+from .plan._op_graph import build_opgraph
 from .plan._value import Plan
 from .progress import Progress
 
 __all__ = ["BuildOptions", "Checked", "Built", "build", "capture_and_check", "choose_plan", "emit_and_place",
-           "check_plan", "check_split_points"]
+           "check_plan", "check_split_points", "carried_plan", "CarryError"]
 
 PlanOption = Union[Plan, str, "os.PathLike[str]", None]
 
@@ -95,6 +97,9 @@ class Built:
     mode_sensitive: str
     #: built from a model on the meta device (planned and emitted, not runnable)
     meta: bool
+    #: with ``build(flipped=True)`` and a graph with the modes baked in: the model captured with
+    #: the root's mode flipped, ``(flags, Checked or the error, Plan carried over or None)``
+    flipped: Optional[Tuple[Tuple[bool, ...], Any, Optional[Plan]]] = None
 
 
 def check_split_points(split_points: Optional[Sequence[str]], plan: Any) -> None:
@@ -224,6 +229,25 @@ def choose_plan(checked: Checked, options: BuildOptions) -> Plan:
     return chosen
 
 
+def carried_plan(plan: Plan, planned: Capture, captured: Capture) -> Plan:
+    """``plan``, made for the capture ``planned``, carried over to ``captured``: another capture of
+    the same model (in other modes), cut in the same places (:mod:`fxpipe.plan._carry_over`).
+    Raises :class:`CarryError` (a ``ValueError``) when the graphs differ too much to carry it."""
+    new = build_opgraph(captured.graph_module)
+    assignment = carry_assignment(build_opgraph(planned.graph_module), plan.assignment, new)
+    try:
+        carried = Plan.from_assignment(new, assignment, balance_by=plan.balance_by, meta=plan.meta)
+    except ValueError as e:
+        raise CarryError(str(e)) from None
+    if carried.n_stages != plan.n_stages:
+        raise CarryError(f"the carried cut has {carried.n_stages} stages, the plan {plan.n_stages}")
+    try:
+        check_kept_together(captured.graph_module, carried.assignment)
+    except FxpipeError as e:
+        raise CarryError(str(e)) from None
+    return carried
+
+
 def emit_and_place(model: nn.Module, captured: Capture, plan: Plan, devices: List[torch.device],
                    progress: Progress) -> Stages:
     """One stage module per stage, each knowing the state its recomputation must snapshot,
@@ -237,18 +261,38 @@ def emit_and_place(model: nn.Module, captured: Capture, plan: Plan, devices: Lis
 
 
 def build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildOptions, *,
-          emit: bool = True) -> Built:
+          emit: bool = True, flipped: bool = False) -> Built:
     """The whole sequence for one process: capture and check, plan, then (``emit``) emit and
     place on ``options.devices``. Runs outside inference mode whatever the caller's (the build
     runs backward to profile and tracks in-place updates by version counters), and leaves the
-    model as it was."""
+    model as it was. ``flipped``: where the graph bakes the modes in, also capture the model with
+    the root's mode flipped, before placing (:mod:`fxpipe._mode_variants`)."""
+    other = None
     with torch.inference_mode(False):
         with preserved(model):  # building runs the model; none of it may show afterwards
             checked = capture_and_check(model, args, kwargs, options)
             plan = choose_plan(checked, options)
+            if flipped and checked.prepared.mode_sensitive and not checked.meta:
+                other = _flipped(model, checked, plan, options)
         stages = None
         if emit:
             if options.devices is None:
                 raise ValueError("build(emit=True) needs options.devices: one device per stage")
             stages = emit_and_place(model, checked.capture, plan, options.devices, options.progress)
-    return Built(checked.capture, checked.batching, plan, stages, checked.prepared.mode_sensitive, checked.meta)
+    return Built(checked.capture, checked.batching, plan, stages, checked.prepared.mode_sensitive, checked.meta,
+                 other)
+
+
+def _flipped(model: nn.Module, checked: Checked, plan: Plan, options: BuildOptions
+             ) -> Tuple[Tuple[bool, ...], Any, Optional[Plan]]:
+    """The model captured and checked with the root's mode flipped (every module with it), and
+    ``plan`` carried over; or the error that stopped it, kept for the call that needs it. Call
+    inside ``preserved(model)``."""
+    model.train(not model.training)
+    flags = tuple(m.training for m in model.modules())
+    try:
+        with torch.enable_grad():
+            other = capture_and_check(model, checked.args, checked.kwargs, options)
+            return flags, other, carried_plan(plan, checked.capture, other.capture)
+    except (FxpipeError, CarryError) as e:
+        return flags, e, None

@@ -103,7 +103,7 @@ LAYERS = [
     ("plan", ("fxpipe.plan",)),
     ("emit", ("fxpipe.emit", "fxpipe.portals")),
     ("build", ("fxpipe.build",)),
-    ("front doors", ("fxpipe.api", "fxpipe._step", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance",
+    ("front doors", ("fxpipe.api", "fxpipe._step", "fxpipe._mode_variants", "fxpipe.distributed", "fxpipe.gpipe", "fxpipe.balance",
                      "fxpipe.batchnorm", "fxpipe.skip", "fxpipe.tuning")),
     ("cli", ("fxpipe.cli", "fxpipe.__main__")),
 ]

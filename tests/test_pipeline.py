@@ -345,17 +345,20 @@ def test_mode_following_graphs_run_in_both_modes():
     torch.testing.assert_close(pipe(*args), model(*args))
 
 
-def test_mode_baked_graph_refuses_the_other_mode():
+def test_mode_baked_graph_follows_the_other_mode():
+    """A traced ``self.training`` branch: eval in the middle of training runs a capture made in
+    eval mode, cut where the plan cut the training one; back in training it drops again."""
     model = ReadsTraining()
     pipe = fxpipe.pipeline(model, torch.randn(4, 4), 2, devices=["cpu"] * 2, balance_by="params")
     assert "self.training" in pipe.mode_sensitive
     pipe(torch.randn(4, 4))
     pipe.eval()
-    with pytest.raises(fxpipe.errors.ModeError, match=r"captured in training mode .* cannot run in eval mode.*model.eval\(\)"):
-        pipe(torch.randn(4, 4))
-    eval_pipe = fxpipe.pipeline(model.eval(), torch.randn(4, 4), 2, devices=["cpu"] * 2, balance_by="params")
     x = torch.randn(4, 4)
-    torch.testing.assert_close(eval_pipe(x), model(x))
+    torch.testing.assert_close(pipe(x), model(x))
+    pipe.train()
+    torch.manual_seed(1)
+    dropped = pipe(x)
+    assert not torch.allclose(dropped, model.eval()(x))  # the training capture again: dropout on
 
 
 @pytest.mark.parametrize("cut", [

@@ -1,4 +1,4 @@
-"""Each module's ``training`` flag, where the graph baked it in: followed, or the call refused.
+"""Each module's ``training`` flag, where the graph baked it in: a switch refused (``fxpipe.distributed``).
 
 torch.export bakes every traced module's mode into aten ops (``dropout``, ``batch_norm`` with
 its ``training`` argument), and a torch.fx forward that reads ``self.training`` keeps the value
@@ -8,7 +8,8 @@ handled where the pipeline is called (:class:`~fxpipe.errors.ModeError`); switch
 back on) would be silently ignored by such a graph. :class:`ModeFlags` records every module's
 flag at the build and refuses a call after any of them changed, naming the modules, with
 :class:`~fxpipe.errors.ModelChangedError`. A graph that follows the flags (torch.fx with the
-mode-dependent layers called as modules) records nothing and checks nothing.
+mode-dependent layers called as modules) records nothing and checks nothing. ``fxpipe.pipeline``
+follows such switches instead, with a capture per set of flags (:mod:`fxpipe._mode_variants`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from torch.utils import _pytree as pytree
 
 import fxpipe
 from fxpipe.capture._tracing import Capture, TraceError, capture, flatten_output, retarget_devices
-from fxpipe.errors import ModeError
 try:
     import zoo  # tests/ on sys.path (pytest rootdir-less layout)
     from exact import assert_all_close
@@ -368,32 +367,43 @@ class TrainingBranch(nn.Module):
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("train", [True, False])
-def test_training_branch_builds_in_either_mode_and_refuses_the_other(train, checkpoint):
-    """Checked (micro-batches; graph against eager) in the mode it was captured in, not in eval."""
-    from exact import assert_exact
+def test_training_branch_builds_in_either_mode_and_follows_the_other(train, checkpoint):
+    """Checked (micro-batches; graph against eager) in the mode it was captured in; switched to
+    the other, the pipeline captures the model again in it (fxpipe._mode_variants) and is exact
+    there too, outputs and every gradient; switched back, it runs the build's stages again."""
+    from exact import assert_exact, assert_grads_equal
 
     torch.manual_seed(0)
     x = torch.randn(6, 8)
     model = TrainingBranch().train(train)
     pipe = assert_exact(model, (x,), 3, chunks=2, checkpoint=checkpoint, balance_by="params")
     assert "self.training" in pipe.mode_sensitive
+    built, model = pipe.stages, pipe.module
     pipe.train(not train)
-    captured, other = ("training", "eval") if train else ("eval", "training")
-    with pytest.raises(ModeError, match=f"captured in {captured} mode .* cannot run in {other} mode"):
-        pipe(x)
+    assert model.training is not train
+    model.zero_grad()
+    ref = copy.deepcopy(model)
+    out, want = pipe(x), ref(x)
+    torch.testing.assert_close(out, want)
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    assert_grads_equal(model, ref)
+    assert pipe.stages is not built
+    pipe.train(train)
+    torch.testing.assert_close(pipe(x), model(x))
+    assert pipe.stages is built
 
 
 def test_model_eval_alone_switches_the_pipeline_too():
     """``model.eval()`` (not ``pipe.eval()``) puts the stages' modules in eval mode; the
-    pipeline follows the model's mode, so a graph baked in training mode is refused."""
+    pipeline follows the model's mode: a graph baked in training mode is captured again in eval."""
     import fxpipe
 
     model = TrainingBranch().train()
     x = torch.randn(6, 8)
     pipe = fxpipe.pipeline(model, x, 2, devices=["cpu"] * 2, balance_by="params")
     model.eval()
-    with pytest.raises(ModeError, match="captured in training mode"):
-        pipe(x)
+    torch.testing.assert_close(pipe(x), model(x))
     model.train()
     torch.testing.assert_close(pipe(x), model(x))
 
