@@ -99,7 +99,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         memory: per device (``'80GiB'``, bytes); None: no limit.
         batch: the mini-batch size, when it is not the sample's (micro-batches are cut from
             the sample, repeated if it is smaller).
-        schedules: ``'gpipe'`` (``fxpipe.pipeline``, one process), ``'1f1b'``,
+        schedules: ``'gpipe'`` (``fxpipe.pipeline``, one process), ``'1f1b'`` (both:
+            ``fxpipe.pipeline(schedule='1f1b')`` in one process, and ``fxpipe.distributed``),
             ``'interleaved1f1b'``, ``'interleavedzb'``, ``'zbv'`` (``fxpipe.distributed``).
         checkpoint: the modes to consider; chunks: the micro-batch counts (default: the powers
             of two dividing the batch).
@@ -201,7 +202,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     costs = "a roofline (device_flops, bandwidth)" if flops is not None else "each stage timed on one micro-batch"
     notes = [f"costs from {costs}; "
              f"memory: parameters + gradients + {optimizer} state + activations"
-             + (" + receive buffers (distributed)" if any(s != "gpipe" for s in schedules) else "")]
+             + (" + receive buffers (distributed)" if any(c.distributed for c in choices) else "")]
     if len(set(labels)) > 1:  # sends between devices: what the user assumed, printed beside the times
         per_byte = f" + bytes / {settings.link / 1e9:.3g} GB/s" if math.isfinite(settings.link) else ""
         notes.append(f"a send between devices: {format_seconds(settings.latency)}{per_byte}, costing each of the "

@@ -7,6 +7,8 @@ input-gradient pass and ``'W'`` weight-gradient pass (zero-bubble schedules). Tw
   clock cycles (tick ``k`` runs every ``(i, j)`` with ``i + j = k``); backward in the exact
   reverse of that order (autograd runs the latest-created task first; with devices, Fork/Join
   enforces the same order). Stages on one device run their tasks one after another.
+  :func:`single_process_1f1b`: the same runtime's 1F1B step, each micro-batch's backward
+  between two forward ticks.
 * :func:`torch_orders`: ``fxpipe.distributed``, one process per rank: the ``pipeline_order``
   torch's own schedule class builds for every rank (``ScheduleGPipe``, ``Schedule1F1B``,
   ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``, ...), read from the class itself, so a
@@ -24,11 +26,11 @@ device ran its actions in, read from recorded spans by :func:`measured_orders`.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Dict, List, NamedTuple, Sequence
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 from ..runtime._pipeline import clock_cycles
 
-__all__ = ["Action", "single_process_order", "torch_orders", "DISTRIBUTED_SCHEDULES", "placement",
+__all__ = ["Action", "single_process_order", "single_process_1f1b", "torch_orders", "DISTRIBUTED_SCHEDULES", "placement",
            "measured_orders"]
 
 #: schedules of fxpipe.distributed the tuner knows, with their stages per rank
@@ -49,6 +51,31 @@ def single_process_order(n_stages: int, chunks: int) -> List[Action]:
     exact reverse."""
     forward = [Action("F", j, i) for tick in clock_cycles(chunks, n_stages) for i, j in tick]
     return forward + [Action("B", a.stage, a.mb) for a in reversed(forward)]
+
+
+def single_process_1f1b(n_stages: int, chunks: int) -> Tuple[List[Action], Dict[Action, List[Action]]]:
+    """``fxpipe.pipeline(schedule='1f1b')``'s order (:mod:`fxpipe.runtime._orders`): forward
+    clock cycles; after the tick in which micro-batch ``i`` leaves the last stage, its backward
+    through every stage, last first, on the caller's thread. Returns the order and the waits it
+    adds: the caller waits for a tick before that backward, and for the backward before the
+    next tick, so nothing of one overlaps the other (the simulation's ``after``)."""
+    order: List[Action] = []
+    after: Dict[Action, List[Action]] = {}
+    previous: List[Action] = []  # what the next tick waits for: the last tick's backward
+    for k, tick in enumerate(clock_cycles(chunks, n_stages)):
+        forwards = [Action("F", j, i) for i, j in tick]
+        for f in forwards:
+            after[f] = list(previous)
+        order += forwards
+        done = k - (n_stages - 1)  # the micro-batch that left the last stage in this tick
+        if 0 <= done < chunks:
+            backward = [Action("B", j, done) for j in reversed(range(n_stages))]
+            after[backward[0]] = forwards
+            order += backward
+            previous = [backward[-1]]
+        else:
+            previous = forwards
+    return order, after
 
 
 def placement(schedule: str, world: int, stages_per_rank: int) -> List[int]:

@@ -40,12 +40,19 @@ class Choice:
     #: the arguments of the front door that builds it
     kwargs: Dict[str, Any] = field(default_factory=dict)
     plan: Optional[Plan] = None
+    #: run by fxpipe.pipeline in one process ('gpipe', and '1f1b' through Pipeline.step)
+    one_process: bool = False
     _tuning: Any = field(default=None, repr=False)
 
     @property
     def distributed(self) -> bool:
         """Runs on fxpipe.distributed (one process per rank), not fxpipe.pipeline."""
-        return self.schedule != "gpipe"
+        return not self.one_process
+
+    @property
+    def label(self) -> str:
+        """The schedule as the table shows it: ``1f1b`` on ranks, ``1f1b (1 process)`` in one."""
+        return f"{self.schedule} (1 process)" if self.one_process and self.schedule != "gpipe" else self.schedule
 
     @property
     def peak(self) -> float:
@@ -74,12 +81,13 @@ class Choice:
         """One line: the dataclass's own repr printed the plan's every node twice (27 KB for a
         4-layer GPT-2; a Llama's would be megabytes in a REPL)."""
         kwargs = {k: (f"<Plan: {v.n_stages} stages>" if isinstance(v, Plan) else v) for k, v in self.kwargs.items()}
-        return (f"Choice(schedule={self.schedule!r}, n_stages={self.n_stages}, chunks={self.chunks}, "
+        return (f"Choice(schedule={self.schedule!r}, one_process={self.one_process}, n_stages={self.n_stages}, "
+                f"chunks={self.chunks}, "
                 f"checkpoint={self.checkpoint!r}, step_s={self.step_s:.3g}, bubble={self.bubble:.3f}, "
                 f"peak={format_bytes(self.peak)!r}, fits={self.fits}, why={self.why!r}, kwargs={kwargs})")
 
     def row(self) -> List[str]:
-        return [self.schedule, str(self.n_stages), str(self.chunks), self.checkpoint,
+        return [self.label, str(self.n_stages), str(self.chunks), self.checkpoint,
                 f"{self.step_s * 1e3:.2f} ms", f"{self.bubble:.1%}", format_bytes(self.peak)]
 
 
@@ -122,9 +130,9 @@ class Tuning:
         if misfits:
             lines.append(f"do not fit or cannot run ({len(misfits)}), e.g.:")
             shown = sorted(misfits, key=lambda c: c.peak or float("inf"))[:6]
-            lines += [f"  {c.schedule} stages={c.n_stages} chunks={c.chunks} {c.checkpoint}: {c.why}" for c in shown]
+            lines += [f"  {c.label} stages={c.n_stages} chunks={c.chunks} {c.checkpoint}: {c.why}" for c in shown]
         for name, why in self.skipped.items():
-            lines.append(f"not considered: {name}: {why}")
+            lines.append(f"not considered: {name}{' on ranks' if name == '1f1b' else ''}: {why}")
         return "\n".join(lines)
 
 

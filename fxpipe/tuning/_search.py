@@ -1,9 +1,10 @@
 """The candidates, each predicted, and their ranking.
 
-A candidate is (schedule, stages, chunks, checkpoint mode). ``'gpipe'`` is
-``fxpipe.pipeline``: one process, one stage per device, the runtime's clock cycles. The
-others are ``fxpipe.distributed`` with torch's schedule of that name: one rank per device,
-one stage per rank (two for the interleaved and V schedules). Each stage count gets one plan
+A candidate is (schedule, front door, stages, chunks, checkpoint mode). ``'gpipe'`` is
+``fxpipe.pipeline``: one process, one stage per device, the runtime's clock cycles; so is
+``'1f1b'`` in one process (``Pipeline.step``: each micro-batch's backward between two forward
+ticks). ``'1f1b'`` and the others are also ``fxpipe.distributed`` with torch's schedule of
+that name: one rank per device, one stage per rank (two for the interleaved and V schedules). Each stage count gets one plan
 (``fxpipe.plan``: balanced by ``balance_by``; by default profiled time for a model with
 weights, parameters on meta),
 and each micro-batch size one recorded forward (:mod:`._nodes`; with four sizes or more,
@@ -37,12 +38,16 @@ from ._costs import (StageTimes, action_seconds, first_stage_in_weight_pass, mic
                      stage_times_roofline)
 from ._memory import activation_peaks, receive_buffers, static_bytes, torch_run
 from ._nodes import Recording, record_nodes
-from ._orders import DISTRIBUTED_SCHEDULES, Action, placement, single_process_order, torch_orders
+from ._orders import (DISTRIBUTED_SCHEDULES, Action, placement, single_process_1f1b, single_process_order,
+                      torch_orders)
 from ._result import Choice
 from ._scaling import derive, fit, same
 from ._simulate import send_bytes, simulate
 from ._stage_timing import carried_stages, time_stage_actions
 from ._units import format_bytes
+
+#: the schedules fxpipe.pipeline runs in one process (fxpipe.runtime._orders)
+LOCAL_SCHEDULES = ("gpipe", "1f1b")
 
 __all__ = ["Settings", "Search"]
 
@@ -101,7 +106,9 @@ class Search:
         #: why stage timing fell back to the profile, if it did (one line each)
         self.untimed: List[str] = []
         self._acts: Dict[Tuple[int, int, Tuple[int, ...], bool], List[StageActivations]] = {}
-        self._orders: Dict[Tuple[str, int], Dict[Hashable, List[Action]]] = {}
+        self._orders: Dict[Tuple[str, bool, int], Dict[Hashable, List[Action]]] = {}
+        #: per (schedule, local, chunks): what an action waits for besides its inputs
+        self.waits: Dict[Tuple[str, bool, int], Dict[Action, List[Action]]] = {}
         self._fit: Any = None  # None: not tried; False: the sizes are recorded one by one
         #: micro-batch sizes recorded, and derived from two of them (checked on a third)
         self.recorded: List[int] = []
@@ -235,30 +242,38 @@ class Search:
         return self._timed[key]
 
     # -- one candidate -------------------------------------------------------------------------
-    def layout(self, schedule: str) -> Tuple[int, List[Hashable]]:
-        """(stages, the device of each stage)."""
+    def layout(self, schedule: str, local: bool = False) -> Tuple[int, List[Hashable]]:
+        """(stages, the device of each stage); ``local``: ``fxpipe.pipeline``, one stage per device."""
         n = len(self.s.devices)
-        if schedule == "gpipe":
+        if local:
             return n, list(self.s.devices)
         spr = DISTRIBUTED_SCHEDULES[schedule]
         return n * spr, [self.s.devices[r] for r in placement(schedule, n, spr)]
 
-    def orders(self, schedule: str, n_stages: int, chunks: int, where: List[Hashable]) -> Dict[Hashable, List[Action]]:
-        """Each device's actions, built once per (schedule, chunks): every checkpoint mode
-        runs the same order (torch's classes take a while to build theirs)."""
-        key = (schedule, chunks)
+    def orders(self, schedule: str, n_stages: int, chunks: int, where: List[Hashable],
+               local: bool = False) -> Dict[Hashable, List[Action]]:
+        """Each device's actions, built once per (schedule, front door, chunks): every
+        checkpoint mode runs the same order (torch's classes take a while to build theirs).
+        ``local``: ``fxpipe.pipeline``'s runtime, whose 1F1B also waits between ticks
+        (:attr:`waits`)."""
+        key = (schedule, local, chunks)
         if key not in self._orders:
-            if schedule == "gpipe":
-                order = single_process_order(n_stages, chunks)
+            if local:
+                if schedule == "gpipe":
+                    order, self.waits[key] = single_process_order(n_stages, chunks), {}
+                else:
+                    order, self.waits[key] = single_process_1f1b(n_stages, chunks)
                 self._orders[key] = {d: [a for a in order if where[a.stage] == d] for d in dict.fromkeys(where)}
             else:
                 by_rank = torch_orders(schedule, len(self.s.devices), chunks)
                 self._orders[key] = {self.s.devices[r]: acts for r, acts in by_rank.items()}
         return self._orders[key]
 
-    def predict(self, schedule: str, chunks: int, mode: str) -> Choice:
-        n_stages, where = self.layout(schedule)
-        choice = Choice(schedule, n_stages, chunks, mode)
+    def predict(self, schedule: str, chunks: int, mode: str, local: bool = False) -> Choice:
+        """One candidate; ``local``: run by ``fxpipe.pipeline`` (one process), else by
+        ``fxpipe.distributed`` (a rank per device)."""
+        n_stages, where = self.layout(schedule, local)
+        choice = Choice(schedule, n_stages, chunks, mode, one_process=local)
         if self.s.batch % chunks:
             choice.fits, choice.why = False, f"chunks={chunks} does not divide the batch of {self.s.batch}"
             return choice
@@ -266,7 +281,7 @@ class Search:
             choice.fits, choice.why = False, self.refused[chunks]
             return choice
         try:
-            orders = self.orders(schedule, n_stages, chunks, where)
+            orders = self.orders(schedule, n_stages, chunks, where, local)
         except ValueError as e:  # torch's schedule refuses this chunks for this world size
             choice.fits, choice.why = False, f"torch's schedule refuses it: {str(e).splitlines()[0]}"
             return choice
@@ -277,8 +292,8 @@ class Search:
             return choice
         size = self.s.batch // chunks
         pools = [list(dict.fromkeys(where)).index(d) for d in where]
-        acts = self._activations(plan, size, tuple(pools), received_static=schedule != "gpipe")
-        run = False if schedule == "gpipe" else torch_run(schedule, where)
+        acts = self._activations(plan, size, tuple(pools), received_static=not local)
+        run = False if local else torch_run(schedule, where)
         split = bool(run and run.split)
         times = self.times(plan, size, split)
         stop = {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
@@ -287,17 +302,20 @@ class Search:
             return action_seconds(a, times[a.stage], a.mb < stop, split)
 
         def send(a: Action) -> float:
-            sent = send_bytes(a, acts, carried=schedule != "gpipe")
+            sent = send_bytes(a, acts, carried=not local)
             return self.s.latency + sent / self.s.link if sent else 0.0
 
-        timeline = simulate(orders, duration, where, send, self.s.send_overhead)
+        timeline = simulate(orders, duration, where, send, self.s.send_overhead,
+                            after=self.waits.get((schedule, local, chunks)))
         params, trained = [st.param_bytes for st in plan.stages], self.trainable(plan)
         # one autograd call over every micro-batch sums each parameter's gradient before .grad:
-        # extra memory only where .grad is kept through the backward (set_to_none: the sum becomes it)
-        sums = trained if schedule == "gpipe" and self.s.zero_grad == "in_place" else None
-        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=schedule == "gpipe", torch_stages=run,
+        # extra memory only where .grad is kept through the backward (set_to_none: the sum becomes it);
+        # the one-process 1F1B backwards each micro-batch alone, into .grad
+        gpipe = local and schedule == "gpipe"
+        sums = trained if gpipe and self.s.zero_grad == "in_place" else None
+        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=gpipe, torch_stages=run,
                                  grad_buffers=sums)
-        if schedule == "gpipe":
+        if local:
             static = static_bytes(params, where, self.s.optimizer, trained=trained)
         else:
             static = static_bytes(params, where, self.s.optimizer, receive=receive_buffers(acts, run), chunks=chunks,
@@ -309,7 +327,7 @@ class Search:
             choice.activation_bytes[label] = float(peaks.get(d, 0))
             choice.peak_bytes[label] = choice.static_bytes[label] + choice.activation_bytes[label]
         choice.plan = plan
-        choice.kwargs = self._kwargs(schedule, n_stages, chunks, mode, plan)
+        choice.kwargs = self._kwargs(schedule, n_stages, chunks, mode, plan, local)
         if self.s.memory is not None and choice.peak > self.s.memory:
             worst = max(choice.peak_bytes, key=choice.peak_bytes.__getitem__)
             choice.fits = False
@@ -326,16 +344,35 @@ class Search:
                                                 received_static)
         return self._acts[key]
 
-    def _kwargs(self, schedule: str, n_stages: int, chunks: int, mode: str, plan: Plan) -> Dict[str, Any]:
-        if schedule == "gpipe":
+    def _kwargs(self, schedule: str, n_stages: int, chunks: int, mode: str, plan: Plan,
+                local: bool) -> Dict[str, Any]:
+        if local:
             kwargs: Dict[str, Any] = {"n_stages": n_stages, "chunks": chunks, "checkpoint": mode, "plan": plan,
                                       **self.s.build}
+            if schedule != "gpipe":
+                kwargs["schedule"] = schedule
             if self.s.torch_devices is not None:
                 kwargs["devices"] = list(self.s.torch_devices)
             return kwargs
         leaves = {k: v for k, v in self.s.build.items() if k == "leaf_modules"}
         return {"chunks": chunks, "schedule": schedule, "stages_per_rank": DISTRIBUTED_SCHEDULES[schedule],
                 "checkpoint": mode, "plan": plan, **leaves}
+
+    def candidates(self) -> List[Tuple[str, bool]]:
+        """(schedule, run by fxpipe.pipeline): 'gpipe' in one process; '1f1b' in one process
+        (``fxpipe.pipeline(schedule='1f1b')``) and on ranks; the others on ranks. Distributed
+        ones the settings skip (devices that repeat) are left out."""
+        found = []
+        for schedule in self.s.schedules:
+            if schedule in LOCAL_SCHEDULES:
+                found.append((schedule, True))
+            if schedule != "gpipe" and schedule not in self.s.skipped:
+                found.append((schedule, False))
+        return found
+
+    def _same_as_gpipe(self, schedule: str, local: bool, chunks: int) -> bool:
+        """One micro-batch in one process: 1F1B runs GPipe's order, listed once (as 'gpipe')."""
+        return local and schedule == "1f1b" and chunks == 1 and "gpipe" in self.s.schedules
 
     def _same_as_never(self, chunks: int, mode: str) -> bool:
         """``'except_last'`` with one micro-batch checkpoints nothing: the run of ``'never'``,
@@ -344,8 +381,8 @@ class Search:
 
     def run(self) -> List[Choice]:
         self.refuse_sizes()
-        choices = [self.predict(schedule, chunks, mode)
-                   for schedule in self.s.schedules if schedule not in self.s.skipped
+        choices = [self.predict(schedule, chunks, mode, local)
+                   for schedule, local in self.candidates()
                    for chunks in self.s.chunks for mode in self.s.checkpoints
-                   if not self._same_as_never(chunks, mode)]
+                   if not self._same_as_never(chunks, mode) and not self._same_as_gpipe(schedule, local, chunks)]
         return sorted(choices, key=lambda c: (not c.fits, c.step_s if c.fits else float("inf"), c.peak))

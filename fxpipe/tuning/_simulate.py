@@ -59,11 +59,14 @@ class Timeline:
 
 def simulate(orders: Mapping[Hashable, Sequence[Action]], duration: Callable[[Action], float],
              device_of_stage: Sequence[Hashable], send_s: Callable[[Action], float] = lambda a: 0.0,
-             overhead_s: float = 0.0) -> Timeline:
+             overhead_s: float = 0.0, after: Mapping[Action, Sequence[Action]] | None = None) -> Timeline:
     """Times ``orders`` (device -> its actions in order). ``duration(a)`` is an action's
     compute time; ``send_s(a)`` the transfer it waits for when its input comes from another
     device (``F``: the activations stage ``a.stage`` receives; ``B``/``I``: the gradient from
-    stage ``a.stage + 1``); ``overhead_s`` what each send costs the two devices' own time."""
+    stage ``a.stage + 1``); ``overhead_s`` what each send costs the two devices' own time;
+    ``after``: actions an action waits for besides its inputs (a caller that waits between
+    ticks: :func:`fxpipe.tuning._orders.single_process_1f1b`)."""
+    waits = after or {}
     n_stages = len(device_of_stage)
 
     def crossings(a: Action) -> int:
@@ -92,6 +95,7 @@ def simulate(orders: Mapping[Hashable, Sequence[Action]], duration: Callable[[Ac
                 deps.append((Action(kinds.get((a.stage + 1, a.mb), "B"), a.stage + 1, a.mb), True))
         else:
             deps.append((Action("I", a.stage, a.mb), False))
+        deps += [(w, False) for w in waits.get(a, ())]
         t = 0.0
         for dep, crosses in deps:
             if dep not in end:

@@ -24,7 +24,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.runtime._timeline import Recorder
-from fxpipe.tuning._orders import Action, measured_orders, single_process_order, torch_orders
+from fxpipe.tuning._orders import Action, measured_orders, single_process_1f1b, single_process_order, torch_orders
 
 #: (schedule, stages per rank, chunks, checkpoint) on one rank, in this process
 ONE_RANK = [("interleaved1f1b", 2, 4, "never"), ("interleaved1f1b", 2, 3, "always"),
@@ -102,6 +102,21 @@ def test_single_process_pipeline_runs_the_simulated_order() -> None:
         measured = measured_orders(rec.spans)
         assert list(measured) == ["cpu"]
         assert _fmt(measured["cpu"]) == _fmt(single_process_order(n, chunks)), (n, chunks, mode)
+
+
+def test_single_process_1f1b_step_runs_the_simulated_order() -> None:
+    """``fxpipe.pipeline(schedule='1f1b')``'s step: forward ticks, each micro-batch's backward
+    through every stage after the tick it left the last one in (what tune simulates)."""
+    model, x, _ = mlp()
+    for n, chunks, mode in [(4, 4, "never"), (2, 4, "always"), (3, 2, "except_last"), (3, 5, "always")]:
+        pipe = fxpipe.pipeline(model, x, n, chunks=chunks, devices=["cpu"] * n, checkpoint=mode, progress=False,
+                               schedule="1f1b")
+        pipe.step(x, loss_fn=lambda out: out.sum())  # warm-up
+        with Recorder() as rec:
+            pipe.step(x, loss_fn=lambda out: out.sum())
+        measured = measured_orders(rec.spans)
+        assert list(measured) == ["cpu"]
+        assert _fmt(measured["cpu"]) == _fmt(single_process_1f1b(n, chunks)[0]), (n, chunks, mode)
 
 
 def test_one_rank_interleaved_and_v_orders_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:

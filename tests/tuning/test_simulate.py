@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fxpipe.tuning._orders import Action, check_complete, placement, single_process_order, torch_orders
+from fxpipe.tuning._orders import (Action, check_complete, placement, single_process_1f1b, single_process_order,
+                                   torch_orders)
 from fxpipe.tuning._simulate import simulate
 
 
@@ -33,6 +34,21 @@ def test_1f1b_uniform_has_gpipes_step(k: int, m: int) -> None:
     t = simulate(torch_orders("1f1b", k, m), uniform(1.0, 2.0), list(range(k)))
     assert t.step_s == pytest.approx((m + k - 1) * 3.0)
     assert t.bubble == pytest.approx((k - 1) / (m + k - 1))
+
+
+@pytest.mark.parametrize("k,m", [(2, 2), (3, 4), (4, 8)])
+def test_one_process_1f1b_waits_between_ticks_and_backwards(k: int, m: int) -> None:
+    """fxpipe.pipeline's 1F1B on K devices: each tick's forwards run together (f), then the
+    finished micro-batch's backward through every stage alone (K * b), since the caller waits
+    for each: (M + K - 1) ticks of f plus M backwards of K * b. Without the waits the next
+    tick's forwards would overlap that backward."""
+    f, b = 1.0, 2.0
+    order, after = single_process_1f1b(k, m)
+    check_complete({0: order}, k, m)
+    orders = {d: [a for a in order if a.stage == d] for d in range(k)}
+    t = simulate(orders, uniform(f, b), list(range(k)), after=after)
+    assert t.step_s == pytest.approx((m + k - 1) * f + m * k * b)
+    assert simulate(orders, uniform(f, b), list(range(k))).step_s < t.step_s
 
 
 def test_one_device_runs_everything_in_turn() -> None:

@@ -3,6 +3,8 @@ refusal naming the smallest requirement, argument errors, meta models, the comma
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -46,6 +48,36 @@ def test_tune_ranks_and_builds_its_best_leaving_the_model_as_it_was() -> None:
         assert pipe.chunks == t.best.chunks and pipe.checkpoint == t.best.checkpoint
         assert pipe.plan is t.best.plan
         torch.testing.assert_close(pipe(x), model(x))
+    finally:
+        pipe.close()
+
+
+def test_one_process_1f1b_is_proposed_and_its_choice_steps_exactly() -> None:
+    """``schedules=('1f1b',)`` on devices that repeat (no ranks possible): fxpipe.pipeline's own
+    1F1B, never 'no configuration can run'; its activations peak lower than GPipe's, and the
+    pipeline it builds steps as eager does."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 32)
+    t = fxpipe.tune(model, x, ["cpu"] * 2, schedules=("1f1b",), chunks=[2, 4], optimizer="sgd")
+    assert t.choices and all(c.one_process and not c.distributed and c.schedule == "1f1b" for c in t.choices)
+    assert "1f1b (1 process)" in str(t) and "not considered: 1f1b on ranks" in str(t)
+    assert "receive buffers" not in str(t)
+    both = fxpipe.tune(model, x, ["cpu"] * 2, schedules=("gpipe", "1f1b"), chunks=[1, 4], checkpoint=("never",),
+                       optimizer="sgd")
+    by = {(c.schedule, c.chunks): c for c in both.choices}
+    assert ("1f1b", 1) not in by  # one micro-batch: GPipe's run, listed once
+    one, gpipe = by[("1f1b", 4)], by[("gpipe", 4)]
+    assert sum(one.activation_bytes.values()) < sum(gpipe.activation_bytes.values())
+    pipe = one.pipeline(progress=False)
+    try:
+        assert pipe.schedule == "1f1b" and pipe.chunks == 4
+        ref = copy.deepcopy(model)
+        loss = pipe.step(x, loss_fn=lambda out: out.pow(2).mean())
+        want = ref(x).pow(2).mean()
+        want.backward()
+        torch.testing.assert_close(loss, want.detach())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
     finally:
         pipe.close()
 
