@@ -188,10 +188,13 @@ def out_dims_of(merges: Sequence[Any]) -> List[Optional[int]]:
     return [0 if mg is None else mg if isinstance(mg, int) and not isinstance(mg, bool) else None for mg in merges]
 
 
-def _proportional(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
-    """Whether ``a_i / sum(a) == b_i / sum(b)`` for every micro-batch (to float64 rounding)."""
-    x, y = torch.stack(list(a)), torch.stack(list(b))
-    return bool(torch.allclose(x * y.sum(), y * x.sum(), rtol=1e-9, atol=0.0))
+def _proportional(a: Sequence[Tensor], b: Sequence[Tensor], eps: float) -> bool:
+    """Whether ``a_i / sum(a) == b_i / sum(b)`` for every micro-batch, to the rounding of the
+    dtype the counts were computed in (``eps``): two sums of the same class weights in another
+    order (a weighted cross entropy's mean and its label smoothing's) differ in their last
+    float32 bits."""
+    x, y = torch.stack(list(a)).double(), torch.stack(list(b)).double()
+    return bool(torch.allclose(x * y.sum(), y * x.sum(), rtol=max(64 * eps, 1e-12), atol=0.0))
 
 
 def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[Set[Tuple[int, int]]], str]:
@@ -207,9 +210,11 @@ def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[S
     found: Set[Tuple[int, int]] = set()
     for other, size in others:
         b = list(other.graph.nodes)
-        if len(a) != len(b) or any(x.op != y.op or x.target != y.target for x, y in zip(a, b)):
+        pairs_of = aligned(base, other, layout=size == 1)
+        if pairs_of is None:
             return None, f"its code depends on the batch size (batches of {m} and {size} samples trace different ops)"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, j in pairs_of:
+            x, y = a[i], b[j]
             pairs: List[Tuple[int, Any, Any]] = []
             if x.op == "call_function":
                 pairs = [(k, u, v) for k, (u, v) in enumerate(zip(x.args, y.args))
@@ -230,6 +235,32 @@ def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[S
                     return None, (f"{source_of(x)} uses a number that changes with the batch size but is not "
                                   "proportional to it (like B - 1, max(B, 4))")
     return found, ""
+
+
+#: ops that only change a tensor's layout: a slice of one sample is contiguous where a slice
+#: of several is not, so the trace at 1 sample views where the others clone and view
+_COPIES = {"aten.clone.default", "aten.contiguous.default"}
+_VIEWS = {"aten._unsafe_view.default": "aten.view.default", "aten.reshape.default": "aten.view.default"}
+
+
+def aligned(a: fx.GraphModule, b: fx.GraphModule, layout: bool = False) -> Optional[List[Tuple[int, int]]]:
+    """Index pairs of ``a``'s and ``b``'s nodes doing the same op in the same order, or None
+    where the graphs differ. ``layout``: ``b`` was traced at one sample, where copies that
+    only make a tensor contiguous are not needed: those are skipped, and views matched to
+    reshapes."""
+    def ops(gm: fx.GraphModule) -> List[Tuple[int, Any, str]]:
+        found = []
+        for i, n in enumerate(gm.graph.nodes):
+            name = str(n.target)
+            if layout and n.op == "call_function" and name in _COPIES:
+                continue
+            found.append((i, n.op, _VIEWS.get(name, name) if layout else name))
+        return found
+
+    x, y = ops(a), ops(b)
+    if len(x) != len(y) or any(u[1:] != v[1:] for u, v in zip(x, y)):
+        return None
+    return [(u[0], v[0]) for u, v in zip(x, y)]
 
 
 def _constant(gm: fx.GraphModule, target: Any) -> Any:
@@ -289,6 +320,7 @@ class LossFnReading:
         if kind == "sum" or len(sizes) == 1:
             return Weights("sum" if kind == "sum" else "mean", counts=[torch.ones((), dtype=torch.float64)])
         per_count: List[List[Tensor]] = []  # per count the loss divides by, per micro-batch
+        eps = 0.0  # the rounding of the dtype the counts were computed in
         for k in range(len(reads[0].programs)):
             column = []
             for i, (m, r) in enumerate(zip(sizes, reads)):
@@ -299,9 +331,19 @@ class LossFnReading:
                 program, used = found
                 leaves = self._leaves(stand_ins[m], None if targets is None else targets[i])
                 with torch.no_grad():
-                    column.append(program(*[leaves[j] for j in used]).to(torch.float64))
+                    value = program(*[leaves[j] for j in used])
+                if value.is_floating_point():
+                    eps = max(eps, torch.finfo(value.dtype).eps)
+                column.append(value.to(torch.float64))
             per_count.append(column)
         counts = per_count[0]
+        shift = max((abs(d.shift) for r in reads for d in (r.form.den, *r.form.also) if d is not None), default=0.0)
+        if shift and (len(counts) - 1) * shift > torch.finfo(torch.float32).eps * abs(float(sum(counts))):
+            # each micro-batch's count holds the constant once: k - 1 extra, negligible or not proven
+            return Weights(None, why=(
+                f"loss_fn adds {shift:g} to the count it divides by, which each of the {len(counts)} micro-batches "
+                f"would add once: against this call's count of {float(sum(counts)):g} that is more than float32 "
+                "rounding"))
         empty = [i for i, c in enumerate(counts) if not bool(c != 0)]
         if empty and not all(all(r.nll) for r in reads):
             # L_i = N_i / 0: the weighted merge would need N_i, which a nan or inf no longer holds
@@ -309,7 +351,7 @@ class LossFnReading:
             return Weights(None, why=f"micro-batch {empty[0]} counts nothing (loss_fn divides it by 0), so its loss "
                                      "holds no value to weigh")
         for other in per_count[1:]:
-            if not _proportional(counts, other):
+            if not _proportional(counts, other, eps):
                 return Weights(None, why=(
                     "loss_fn adds means over counts that differ between this call's micro-batches (per micro-batch "
                     f"{[round(float(c), 4) for c in counts]} against {[round(float(c), 4) for c in other]}): no "
@@ -366,7 +408,8 @@ class LossFnReading:
             return _Read(LossForm(None, why=f"loss_fn could not be run on fake tensors shaped like micro-batches of "
                                             f"{m} and {m + 1} samples and the batch of {whole} "
                                             f"({type(e).__name__}: {first})"))
-        counts, why = count_args([(traces[m], m)] + [(traces[n], n) for n in sizes if n != m])
+        base = sizes[1] if m < 2 else m  # the reading's trace: 2 samples or more
+        counts, why = count_args([(traces[base], base)] + [(traces[n], n) for n in sizes if n != base])
         if counts is None:
             return _Read(LossForm(None, why=why))
         n_out = sum(isinstance(x, Tensor) for x in outputs)
@@ -380,8 +423,7 @@ class LossFnReading:
             bad = next((f for f in forms if f.kind is None), None)
             return _Read(bad if bad is not None else LossForm(
                 None, why="loss_fn reads differently at the micro-batches' size and the whole batch's"))
-        graph = traces[sizes[1]] if m < 2 else traces[m]  # the reading's nodes, in a trace of 2 or more samples
-        small = traces[m]
+        graph, small = traces[base], traces[m]  # the reading's nodes; the trace at the true size
         if form.kind != "mean" or form.den is None:
             return _Read(form)
         read = _Read(form)
@@ -390,8 +432,9 @@ class LossFnReading:
                 read.programs.append(None)
                 read.nll.append(False)
                 continue
-            # the count's node, in the trace at the true size (same structure, same order)
-            node = list(small.graph.nodes)[list(graph.graph.nodes).index(den.node)]
+            # the count's node, in the trace at the true size (the same ops in the same order)
+            where = dict(aligned(graph, small, layout=m == 1) or ())
+            node = list(small.graph.nodes)[where[list(graph.graph.nodes).index(den.node)]]
             read.programs.append(den_program(small, Den("data", node)))
             read.nll.append(_is_nll(node))
         return read

@@ -244,6 +244,9 @@ class _Reader(ShapeReading):
             if len(sums) == 1 and any(isinstance(a, (int, float)) and not isinstance(a, bool) and a == 0
                                       for a in node.args):
                 return sums[0]  # `0 + loss` (Python's sum() starts from 0)
+            shift = _small_constant(node, name)
+            if len(sums) == 1 and sums[0].kind == TOTAL and not sums[0].output and shift is not None:
+                return replace(sums[0], shift=sums[0].shift + shift)  # a count kept off 0: checked per call
             if len(sums) == 1:
                 other = next(f for f in forms if f.kind not in (TOTAL, RATIO))
                 # adding a constant would count it once per micro-batch; a data-only total's
@@ -265,7 +268,7 @@ class _Reader(ShapeReading):
             if len(sums) == 2:
                 a, b = forms
                 if name == "div" and a.kind == TOTAL and a.grad and b.kind == TOTAL and not b.output:
-                    return Form(RATIO, grad=True, output=True, den=Den("data", node.args[1]))
+                    return Form(RATIO, grad=True, output=True, den=Den("data", node.args[1], shift=b.shift))
                 return bad(f"{source_of(node)} multiplies or divides two sums over the samples")
             first = forms[0]
             if name == "div" and first.kind not in (TOTAL, RATIO):
@@ -425,3 +428,19 @@ def den_program(gm: fx.GraphModule, den: Den) -> Tuple[fx.GraphModule, List[int]
                 used.append(placeholders.index(n))
     graph.output(env[root])
     return fx.GraphModule(gm, graph), used
+
+
+#: the largest constant a count of the target may add and still be read as that count
+SMALL_SHIFT = 1e-3
+
+
+def _small_constant(node: fx.Node, name: str) -> Optional[float]:
+    """``c`` of ``count + c`` (``add``, one operand a number with ``0 < |c| <= SMALL_SHIFT``),
+    else None."""
+    if name != "add":
+        return None
+    numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    alpha = node.kwargs.get("alpha", 1)
+    if len(numbers) != 1 or alpha != 1 or not 0 < abs(numbers[0]) <= SMALL_SHIFT:
+        return None
+    return float(numbers[0])

@@ -31,6 +31,9 @@ class Den:
 
     kind: str
     node: Optional[fx.Node] = None
+    #: a small constant the count has added (``mask.sum() + 1e-8``, against a division by 0):
+    #: each micro-batch's count then holds it once, negligible only against counts much larger
+    shift: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Form:
     uniform: bool = False       # free: one value everywhere (may broadcast along the samples)
     den: Optional[Den] = None   # ratio
     also: Tuple[Den, ...] = ()  # ratio: the other terms' counts (a sum of means), proportional or refused per call
+    shift: float = 0.0          # total: a small constant added to a count of the target (see Den.shift)
     why: str = ""               # bad
 
 

@@ -106,11 +106,33 @@ def with_a_penalty(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten()) + 0.1 * out.pow(2).mean()
 
 
+def weighted_label_smoothing(out, y):
+    """Class weights with label smoothing: both terms divide by the targets' class weights,
+    summed in another order (proportional to float32 rounding, not bit for bit)."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), weight=CLASS_WEIGHTS, label_smoothing=0.1)
+
+
+def masked_mean_kept_off_zero(out, y):
+    """A masked mean whose count is kept off 0 (``mask.sum() + 1e-8``)."""
+    per_token = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
+    mask = (y != PAD).flatten().float()
+    return (per_token * mask).sum() / (mask.sum() + 1e-8)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("loss_fn", [token_mean_pad_id, summed, masked_mean, class_weighted, causal_shift,
-                                     per_sample_mean, label_smoothing, with_a_penalty])
+                                     per_sample_mean, label_smoothing, with_a_penalty, weighted_label_smoothing,
+                                     masked_mean_kept_off_zero])
 def test_losses_that_count_the_data_are_exact(schedule, loss_fn):
     _step_vs_eager(loss_fn, schedule)
+
+
+@pytest.mark.parametrize("loss_fn", [causal_shift, masked_mean, weighted_label_smoothing, masked_mean_kept_off_zero])
+def test_one_sample_micro_batches_read_as_the_others(loss_fn):
+    """Micro-batches of one sample: a slice of one sample is contiguous, so its trace views where
+    the others copy and view; read alike, and exact under 1F1B (it was refused as code that
+    depends on the batch size)."""
+    _step_vs_eager(loss_fn, "1f1b", n=4, chunks=4)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -220,6 +242,9 @@ def _read(loss_fn, out, y, sizes):
     (lambda o, y: o.logsumexp(0).mean(), None, "mixes the samples"),
     (lambda o, y: F.dropout(o, 0.5).mean(), None, "random"),
     (lambda o, y: o.pow(2).mean() + 1.0, None, "adds a constant"),
+    (lambda o, y: o.pow(2).sum() / ((y != PAD).sum() + 0.5), None, "adds a constant"),  # not negligible
+    (lambda o, y: o.pow(2).sum() / ((y != PAD).sum() + 1e-3), None, "adds 0.001 to the count"),  # per call
+    (lambda o, y: o.pow(2).sum() / ((y != PAD).sum() + 1e-9), "mean", ""),
     (in_batch_negatives, None, "mixes the samples"),
     # found by a new user's sweep: each was silently wrong before
     (lambda o, y: o.pow(2).sum() / torch.tensor(float(len(y))), "mean", ""),       # a count made a tensor
