@@ -191,6 +191,17 @@ class PeerFailedError(DistributedError):
         return (type(self), (str(self), self.rank, self.error))
 
 
+class BatchMismatchError(DistributedError):
+    """Ranks of one ``fxpipe.distributed`` pipeline were given different batches: only the
+    first stage's rank reads the inputs and only the last the targets, so the step would train
+    one rank's inputs against another's targets. The message names which ranks agree."""
+
+    def __init__(self, message: str, *, groups: "list[list[int]] | None" = None) -> None:
+        super().__init__(message)
+        #: the ranks that were given the same batch, one list per batch
+        self.groups = [list(g) for g in (groups or [])]
+
+
 class PlanMismatchError(DistributedError):
     """The ranks of a distributed pipeline do not run the same stage code: their models or
     fxpipe/torch versions differ. The message lists each rank's stage code hashes."""

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
-from fxpipe.errors import DistributedError, PeerFailedError
+from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError
 
-__all__ = ["Failures", "failure_line"]
+__all__ = ["Failures", "Agreement", "failure_line", "fingerprint"]
 
 #: the longest error message carried to the other ranks (one line of a terminal log)
 _MAX_CHARS = 2000
@@ -84,6 +85,59 @@ def _from_transport(error: BaseException) -> bool:
 #: the calls a rank can be in when the ranks agree (their index travels)
 _CALLS = ("", "step()", "eval_step()")
 
+#: numbers in a batch's fingerprint
+_PRINT = 3
+_WEIGHTS: dict = {}  # (numel, device) -> the fixed weights of the second sum
+#: the integer type of each element size: a float's bits are summed as an integer
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """Fixed odd 32-bit weights, one per position (Knuth's multiplicative hash of the index),
+    so two batches with the same values in another order (rows swapped between ranks' shards)
+    weigh differently."""
+    key = (n, str(device))
+    w = _WEIGHTS.get(key)
+    if w is None:
+        if len(_WEIGHTS) > 16:
+            _WEIGHTS.clear()
+        w = _WEIGHTS[key] = (torch.arange(n, dtype=torch.int64, device=device) * 2654435761 % 4294967296) | 1
+    return w
+
+
+def fingerprint(values: Any, device: torch.device) -> torch.Tensor:
+    """Three int64 numbers that differ between two calls' tensors that differ (``values``: any
+    structure of them), but by a rare accident: their element count, the sum of their bits and
+    a sum of their bits weighted by position. Sums of integers wrap but never round, so every
+    rank gets the same numbers for the same tensors whatever the order of the reduction (float
+    sums could differ in their last bit with the memory's alignment). Computed where each tensor
+    is (two numbers then moved to ``device``), without a sync: a few passes over the inputs and
+    targets."""
+    out = torch.zeros(_PRINT, dtype=torch.int64, device=device)
+    for t in pytree.tree_leaves(values):
+        if not isinstance(t, torch.Tensor):
+            continue
+        x = t.detach().reshape(-1)
+        if x.is_complex():
+            x = torch.view_as_real(x).reshape(-1)
+        if x.dtype == torch.bool:
+            x = x.to(torch.uint8)
+        if x.is_floating_point():
+            x = x.view(_BITS[x.element_size()])
+        x = x.to(torch.int64)
+        part = torch.stack([x.sum(), (x * _weights(x.numel(), x.device)).sum()])
+        out[0] += x.numel()
+        out[1:] += part.to(device, non_blocking=True)
+    return out
+
+
+class Agreement:
+    """What a rank adds to :meth:`Failures.agreed`: ``batch``, the values every rank must have
+    been given alike (the call's inputs and targets), set inside the block."""
+
+    def __init__(self) -> None:
+        self.batch: Any = None
+
 
 class Failures:
     """The failure reporting of one pipeline's process group (both ways, see the module)."""
@@ -97,26 +151,38 @@ class Failures:
         self.key = f"fxpipe/failure/{group.group_name}"
 
     @contextmanager
-    def agreed(self, doing: str, call: str = "") -> Iterator[None]:
+    def agreed(self, doing: str, call: str = "") -> Iterator[Agreement]:
         """Runs the block (this rank's checks, which send nothing), then makes every rank agree
         on its outcome: when the block raised on some ranks, each of those re-raises its own
         error and every other rank raises ``PeerFailedError`` naming the first of them and its
         error. ``doing`` says what failed (``"check its batch"``). ``call`` names what this rank
         is running (``'step()'``): ranks running different calls would run different
         schedules (gloo aborted the process), so every rank refuses them with a
-        :class:`DistributedError` naming each rank's call."""
+        :class:`DistributedError` naming each rank's call. The block may set the yielded
+        :class:`Agreement`'s ``batch``: ranks given different batches are refused on every rank
+        with :class:`BatchMismatchError` naming them (their fingerprints travel in the same
+        all-reduce: a few more bytes, no extra collective)."""
         failure: Optional[Exception] = None
+        agreement = Agreement()
         try:
-            yield
+            yield agreement
         except Exception as e:  # told to every rank below, then re-raised here
             failure = e
         with self.reported():  # a peer gone before it could agree
             world = self.world_size
-            flags = torch.zeros(2 * world, dtype=torch.int32, device=self.device)
+            flags = torch.zeros((2 + _PRINT) * world, dtype=torch.int64, device=self.device)
             flags[self.rank] = failure is not None
             flags[world + self.rank] = _CALLS.index(call) if call in _CALLS else len(_CALLS)
+            if failure is None and agreement.batch is not None:
+                start = 2 * world + _PRINT * self.rank
+                try:
+                    flags[start:start + _PRINT] = fingerprint(agreement.batch, self.device)
+                except Exception as e:  # noqa: BLE001 - told to every rank as this rank's failure
+                    failure = e
+                    flags[self.rank] = 1
             dist.all_reduce(flags, group=self.group)
             values = flags.tolist()
+        values, prints = values[:2 * world], values[2 * world:]
         calls = values[world:]
         if len(set(calls)) > 1:  # raised outside reported(): not a failure for the store to keep
             named = ", ".join(f"rank {r}: {_CALLS[c] if c < len(_CALLS) else 'another call'}"
@@ -127,6 +193,7 @@ class Failures:
                 "the same batch.")
         failed = [r for r, flag in enumerate(values[:world]) if flag]
         if not failed:
+            _refuse_different_batches([tuple(prints[_PRINT * r:_PRINT * (r + 1)]) for r in range(world)], call)
             return
         with self.reported():
             lines: list[Optional[str]] = [None] * self.world_size
@@ -176,3 +243,22 @@ class Failures:
         if not store.check([self.key]):
             return None
         return store.get(self.key).decode("utf-8", "replace")
+
+
+def _refuse_different_batches(prints: List[tuple], call: str) -> None:
+    """Every rank's fingerprint of its batch (all zeros: none given) the same, else
+    :class:`BatchMismatchError` naming which ranks got which batch."""
+    given = [p for p in prints if any(p)]
+    if len(set(given)) <= 1:
+        return
+    groups: dict = {}
+    for rank, p in enumerate(prints):
+        groups.setdefault(p, []).append(rank)
+    listed = "; ".join(f"ranks {', '.join(map(str, g))}" if len(g) > 1 else f"rank {g[0]}" for g in groups.values())
+    raise BatchMismatchError(
+        f"the ranks were given different batches in {call or 'this call'} ({listed} each got another one). "
+        "fxpipe.distributed runs one pipeline over all its ranks: the first stage's rank reads the inputs and the "
+        "last stage's rank the targets, so different batches would train one rank's inputs against another's "
+        "targets. Nothing was sent. Pass the same batch (inputs and targets) on every rank: give every rank the "
+        "same data loader order (the same seed and no DistributedSampler across the pipeline's ranks).",
+        groups=list(groups.values()))

@@ -205,11 +205,12 @@ class DistributedPipeline:
         ``(loss, outputs)`` with the outputs on the last stage's rank, ``None`` on the others."""
         self._check_open()
         own = self._step_loss is not None and self._step_loss.own is not None
-        with self._failures.agreed("check its batch", call="step()"):  # refused on one rank: named on all
+        with self._failures.agreed("check its batch", call="step()") as agreement:  # refused on one: on all
             if not (return_outputs is False or return_outputs is True or callable(return_outputs)):
                 raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
                                 f"got {type(return_outputs).__name__}")
             tensors = self._inputs(args, kwargs)
+            agreement.batch = (tensors, target)  # every rank must have this step's batch
             batch = self._sample_shapes[0][0] if self._sample_shapes and self._sample_shapes[0] else self.chunks
             targets = None
             if own and target is not None:
@@ -269,8 +270,9 @@ class DistributedPipeline:
         """Forward only: the model's outputs (merged over micro-batches along dim 0) on the
         rank of the last stage, ``None`` on the others."""
         self._check_open()
-        with self._failures.agreed("check its batch", call="eval_step()"):
+        with self._failures.agreed("check its batch", call="eval_step()") as agreement:
             tensors = self._inputs(args, kwargs)
+            agreement.batch = tensors
         with self._exchanging():
             out = self._forward_only.step(*self._sent(tensors))
         return None if out is None else self._output.structured(out)

@@ -151,6 +151,20 @@ def _differing_arguments_worker(rank: int, world: int, port: int, out: str) -> N
         Path(out, f"rank{rank}.calls.txt").write_text("ran")
     except Exception as e:
         _record(out, rank, "calls", e)
+    # rank 1 given its own shard, as a user attempting data parallelism does: the step trained
+    # rank 0's inputs against rank 1's targets (4 ranks: 4.195, neither the shard's nor the global)
+    flipped = (x.flip(0), y.flip(0))  # the same values in another order: the same plain sum
+    for what, (xs, ys) in (("inputs", (flipped[0], y)), ("targets", (x, flipped[1])), ("both", flipped)):
+        try:
+            pipe.step(xs if rank else x, target=ys if rank else y)
+            Path(out, f"rank{rank}.{what}.txt").write_text("ran")
+        except Exception as e:
+            _record(out, rank, what, e)
+    try:
+        pipe.eval_step(x.flip(0) if rank else x)
+        Path(out, f"rank{rank}.eval.txt").write_text("ran")
+    except Exception as e:
+        _record(out, rank, "eval", e)
     Path(out, f"rank{rank}.after.txt").write_text(repr(pipe.step(x, target=y).item()))
     pipe.close()
     # an orderly end: rank 0 holds the tcp:// store, and a rank leaving while the other still
@@ -170,6 +184,10 @@ def test_ranks_given_different_chunks_or_schedule_are_refused_on_every_rank(tmp_
     for line in _read(tmp_path, 2, "calls"):
         assert line.startswith("DistributedError: the ranks called different methods of this pipeline (rank 0: "
                                "step(), rank 1: eval_step())"), line
+    for what in ("inputs", "targets", "both", "eval"):
+        for line in _read(tmp_path, 2, what):
+            assert line.startswith("BatchMismatchError: the ranks were given different batches in "), (what, line)
+            assert "(rank 0; rank 1 each got another one)" in line, line
     after = _read(tmp_path, 2, "after")
     assert len(set(after)) == 1 and codes == [0, 0], (after, codes)
 
