@@ -202,6 +202,18 @@ class BatchMismatchError(DistributedError):
         self.groups = [list(g) for g in (groups or [])]
 
 
+class TiedWeightsError(DistributedError):
+    """A parameter used by stages on several ranks (a tied embedding and LM head) holds other
+    values on those ranks at the start of a step: its copies were updated differently (a
+    gradient clipped by each rank's own norm, weights changed on one rank). ``.parameter``
+    names it, ``.ranks`` the ranks holding it."""
+
+    def __init__(self, message: str, *, parameter: str = "", ranks: "tuple[int, ...]" = ()) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.ranks = tuple(ranks)
+
+
 class PlanMismatchError(DistributedError):
     """The ranks of a distributed pipeline do not run the same stage code: their models or
     fxpipe/torch versions differ. The message lists each rank's stage code hashes."""

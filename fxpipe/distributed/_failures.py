@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError
+from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError, TiedWeightsError
 
 __all__ = ["Failures", "Agreement", "failure_line", "fingerprint"]
 
@@ -131,12 +131,27 @@ def fingerprint(values: Any, device: torch.device) -> torch.Tensor:
     return out
 
 
+def bits_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor's bits as int64: equal for equal tensors whatever the reduction
+    order, different (but by a rare accident) for tensors that differ; one pass."""
+    x = t.detach().reshape(-1)
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    if x.is_floating_point():
+        x = x.view(_BITS[x.element_size()])
+    return x.sum(dtype=torch.int64)
+
+
 class Agreement:
-    """What a rank adds to :meth:`Failures.agreed`: ``batch``, the values every rank must have
-    been given alike (the call's inputs and targets), set inside the block."""
+    """What a rank adds to :meth:`Failures.agreed`, set inside the block: ``batch``, the values
+    every rank must have been given alike (the call's inputs and targets); ``copies``, one
+    ``(name, tensor or None, group ranks)`` per tensor that those ranks each hold a copy of (a
+    tied parameter), the same list in the same order on every rank, the tensor None on a rank
+    that holds none."""
 
     def __init__(self) -> None:
         self.batch: Any = None
+        self.copies: List[tuple] = []
 
 
 class Failures:
@@ -170,7 +185,8 @@ class Failures:
             failure = e
         with self.reported():  # a peer gone before it could agree
             world = self.world_size
-            flags = torch.zeros((2 + _PRINT) * world, dtype=torch.int64, device=self.device)
+            copies = len(agreement.copies) * world
+            flags = torch.zeros((2 + _PRINT) * world + copies, dtype=torch.int64, device=self.device)
             flags[self.rank] = failure is not None
             flags[world + self.rank] = _CALLS.index(call) if call in _CALLS else len(_CALLS)
             if failure is None and agreement.batch is not None:
@@ -180,9 +196,13 @@ class Failures:
                 except Exception as e:  # noqa: BLE001 - told to every rank as this rank's failure
                     failure = e
                     flags[self.rank] = 1
+            base = (2 + _PRINT) * world
+            for i, (_, tensor, _) in enumerate(agreement.copies):
+                if tensor is not None:
+                    flags[base + i * world + self.rank] = bits_sum(tensor).to(self.device)
             dist.all_reduce(flags, group=self.group)
             values = flags.tolist()
-        values, prints = values[:2 * world], values[2 * world:]
+        values, prints, held = values[:2 * world], values[2 * world:(2 + _PRINT) * world], values[(2 + _PRINT) * world:]
         calls = values[world:]
         if len(set(calls)) > 1:  # raised outside reported(): not a failure for the store to keep
             named = ", ".join(f"rank {r}: {_CALLS[c] if c < len(_CALLS) else 'another call'}"
@@ -194,6 +214,7 @@ class Failures:
         failed = [r for r, flag in enumerate(values[:world]) if flag]
         if not failed:
             _refuse_different_batches([tuple(prints[_PRINT * r:_PRINT * (r + 1)]) for r in range(world)], call)
+            _refuse_different_copies(agreement.copies, held, world)
             return
         with self.reported():
             lines: list[Optional[str]] = [None] * self.world_size
@@ -262,3 +283,20 @@ def _refuse_different_batches(prints: List[tuple], call: str) -> None:
         "targets. Nothing was sent. Pass the same batch (inputs and targets) on every rank: give every rank the "
         "same data loader order (the same seed and no DistributedSampler across the pipeline's ranks).",
         groups=list(groups.values()))
+
+
+def _refuse_different_copies(copies: List[tuple], held: List[int], world: int) -> None:
+    """Every copy of each shared tensor holds the same bits, else :class:`TiedWeightsError`
+    naming the first that does not, on every rank (all see the same reduced numbers)."""
+    for i, (name, _, ranks) in enumerate(copies):
+        sums = {r: held[i * world + r] for r in ranks}
+        if len(set(sums.values())) > 1:
+            raise TiedWeightsError(
+                f"the tied parameter {name!r} holds other values on ranks {', '.join(map(str, ranks))} at the start of "
+                "this step: its copies were updated differently, and the step would train two different weights. "
+                "Likely causes: torch.nn.utils.clip_grad_norm_ on each rank, which clips by that rank's own norm (use "
+                "pipe.clip_grad_norm_(max_norm), the global norm); an optimizer whose update of one parameter reads "
+                "others (a global norm or trust ratio over its whole param group); weights loaded or changed on one "
+                "rank only. Optimizers that update each parameter from its own value, gradient and state (SGD, Adam, "
+                "AdamW, with weight decay) keep the copies equal. Nothing was sent; reload the weights on every rank "
+                "(or build the pipeline again) to go on.", parameter=name, ranks=tuple(ranks))

@@ -42,6 +42,7 @@ from fxpipe.capture._mode_flags import ModeFlags
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
 
+from ._clip import clip_grad_norm_
 from ._failures import Failures
 from ._loss import StepLoss
 from ._ties import TiedGradients, parameters_of
@@ -93,6 +94,7 @@ class DistributedPipeline:
         self._last_rank = dist.get_global_rank(group, self.placement[-1])  # of the last stage
         self._sample_shapes = sample_shapes
         self._ties = ties
+        self._copies = ties.copies(group)  # compared at each call (fxpipe.distributed._failures)
         self._groups = groups
         self._closed = False
         self._broken: Optional[str] = None  # the error that stopped a step midway (peers then gone or waiting)
@@ -135,6 +137,16 @@ class DistributedPipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters: give them to this rank's optimizer."""
         return (p for _, p in self.named_parameters())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every rank's
+        gradients (a tied parameter counted once), and the same scale on every rank, so tied
+        copies stay equal. Call it on every rank, between ``step`` and the optimizer's step;
+        returns the total norm (0-dim) on every rank (:mod:`._clip`)."""
+        self._check_open()
+        with self._failures.reported():
+            return clip_grad_norm_(list(self.parameters()), self._ties.counted_here, max_norm, norm_type,
+                                   self._group, self.device, error_if_nonfinite)
 
     # -- running -------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -209,6 +221,7 @@ class DistributedPipeline:
             if not (return_outputs is False or return_outputs is True or callable(return_outputs)):
                 raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
                                 f"got {type(return_outputs).__name__}")
+            agreement.copies = self._copies  # tied parameters: equal on the ranks holding them
             tensors = self._inputs(args, kwargs)
             agreement.batch = (tensors, target)  # every rank must have this step's batch
             batch = self._sample_shapes[0][0] if self._sample_shapes and self._sample_shapes[0] else self.chunks
@@ -271,6 +284,7 @@ class DistributedPipeline:
         rank of the last stage, ``None`` on the others."""
         self._check_open()
         with self._failures.agreed("check its batch", call="eval_step()") as agreement:
+            agreement.copies = self._copies
             tensors = self._inputs(args, kwargs)
             agreement.batch = tensors
         with self._exchanging():

@@ -51,6 +51,23 @@ class TiedGradients:
                 self.groups[ranks] = sub
         self._saved: dict[int, torch.Tensor | None] = {}
 
+    def copies(self, group: dist.ProcessGroup) -> list[tuple[str, nn.Parameter | None, tuple[int, ...]]]:
+        """Every tied parameter as :class:`fxpipe.distributed._failures.Agreement` compares it:
+        ``(name, the parameter on a rank holding it else None, the ranks holding it in group)``,
+        the same list on every rank."""
+        me = dist.get_rank()
+        return [(n, p if me in ranks else None, tuple(dist.get_group_rank(group, r) for r in ranks))
+                for n, p, ranks in self.tied]
+
+    def counted_here(self, p: nn.Parameter) -> bool:
+        """Whether this rank counts ``p`` in a norm over all ranks: a tied parameter on the
+        lowest rank holding it (its copies hold the same gradient after a step), any other
+        parameter where it is."""
+        for _, q, ranks in self.tied:
+            if q is p:
+                return dist.get_rank() == ranks[0]
+        return True
+
     def local(self) -> list[tuple[str, nn.Parameter, dist.ProcessGroup]]:
         return [(n, p, self.groups[r]) for n, p, r in self.tied if r in self.groups]
 
