@@ -10,6 +10,13 @@ first pass did (:mod:`fxpipe.runtime._checkpoint` swaps a snapshot in). Two sour
   torch normalization layer the stage calls (``track_running_stats``: BatchNorm*,
   InstanceNorm*, SyncBatchNorm, and fxpipe's deferred BatchNorm) is listed too, whatever the
   build's mode. Snapshotting a buffer that turns out unchanged costs a copy, not a result.
+
+Each slot names the module the stage's *code* reads the buffer from. A stage whose code reads
+``self.bn.running_mean`` (a torch.export graph: ``get_attr``) holds its own shell modules along
+that path, made by ``GraphModule``, with the model's tensors in them; swapping the model's
+module's entry would leave the shell's, and the recomputation then updated the live statistics
+a second time (HF ResNet, 3 updates per step for 2 micro-batches). A module the stage calls
+(``call_module``) is the model's own object, where both are the same.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ def mutable_state(model: nn.Module, stage: fx.GraphModule) -> List[Slot]:
     for node in stage.graph.nodes:
         for name in node.meta.get(MUTATES_STATE, ()):
             owner_name, _, key = name.rpartition(".")
-            owner = model.get_submodule(owner_name)
+            owner = _read_from(stage, model, owner_name, key)
             _add(slots, (owner, "_buffers" if key in owner._buffers else "_parameters", key))
     for node in stage.graph.nodes:
         if node.op != "call_module":
@@ -46,6 +53,19 @@ def mutable_state(model: nn.Module, stage: fx.GraphModule) -> List[Slot]:
                     if sub._buffers.get(key) is not None:
                         _add(slots, (sub, "_buffers", key))
     return slots
+
+
+def _read_from(stage: fx.GraphModule, model: nn.Module, owner_name: str, key: str) -> nn.Module:
+    """The module whose ``key`` the stage's code reads: the stage's own module at that path
+    when it holds the tensor there (a shell of a ``get_attr`` path, or the model's module it
+    calls), else the model's."""
+    try:
+        held = stage.get_submodule(owner_name)
+    except AttributeError:
+        held = None
+    if held is not None and (key in held._buffers or key in held._parameters):
+        return held
+    return model.get_submodule(owner_name)
 
 
 def _add(slots: List[Slot], slot: Slot) -> None:
