@@ -20,7 +20,7 @@ and any other set is refused with :class:`~fxpipe.errors.ModelChangedError` nami
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -79,7 +79,7 @@ def capture_other_flags(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, o
     Runs outside inference mode and with gradients on, as a build does, and leaves the model as
     it was."""
     with torch.inference_mode(False), torch.enable_grad(), preserved(model):
-        checked = capture_and_check(model, args, kwargs, options)
+        checked = capture_and_check(model, args, kwargs, replace(options, export_only=planned.method == "export"))
         return checked, carried_plan(plan, planned, checked.capture)
 
 

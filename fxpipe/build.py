@@ -21,7 +21,7 @@ it as it was.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -66,6 +66,9 @@ class BuildOptions:
     chunk_dims: ChunkDims = 0
     output_merge: Optional[OutputMerge] = None
     progress: Progress = field(default_factory=lambda: Progress(enabled=False))
+    #: torch.export only, not torch.fx first: a capture in other modes of a model first captured
+    #: by export (:mod:`fxpipe._mode_variants`)
+    export_only: bool = False
 
 
 @dataclass
@@ -186,7 +189,7 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
             "arguments.", argument="sample")
     _, split_dims = input_split_dims(model, args, kwargs, options.chunk_dims)
     try:
-        prepared = prepare(model, args, kwargs, options.leaf_modules, split_dims, report)
+        prepared = prepare(model, args, kwargs, options.leaf_modules, split_dims, report, options.export_only)
     except Exception as e:
         _refuse_failing_sample(model, args, kwargs, e)  # the model's own error first, when it has one
         raise
@@ -292,7 +295,8 @@ def _flipped(model: nn.Module, checked: Checked, plan: Plan, options: BuildOptio
     flags = tuple(m.training for m in model.modules())
     try:
         with torch.enable_grad():
-            other = capture_and_check(model, checked.args, checked.kwargs, options)
+            other = capture_and_check(model, checked.args, checked.kwargs,
+                                      replace(options, export_only=checked.capture.method == "export"))
             return flags, other, carried_plan(plan, checked.capture, other.capture)
     except (FxpipeError, CarryError) as e:
         return flags, e, None

@@ -154,13 +154,14 @@ class Prepared:
 
 
 def prepare(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[Union[type, str]] = (),
-            split_dims: Optional[List[Optional[int]]] = None, report: Optional[Progress] = None) -> Prepared:
+            split_dims: Optional[List[Optional[int]]] = None, report: Optional[Progress] = None,
+            export_only: bool = False) -> Prepared:
     """Capture ``model`` exactly (see the module docstring). Wrap the call in :func:`preserved`:
     tracing runs the model. ``split_dims``: see :func:`fxpipe.capture._tracing.capture`. ``report``
     shows the phases (:mod:`fxpipe.progress`)."""
     report = report if report is not None else Progress(enabled=False)
     with report.phase("capturing the model"):
-        captured, leaves, sensitive = _captured(model, args, kwargs, leaf_modules, split_dims)
+        captured, leaves, sensitive = _captured(model, args, kwargs, leaf_modules, split_dims, export_only)
     with report.phase("finding in-place updates"):
         flat = captured.flatten_inputs(args, kwargs)
         mutations = find_and_fix_mutations(model, captured.graph_module, flat)
@@ -170,14 +171,15 @@ def prepare(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[
 
 
 def _captured(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[Union[type, str]],
-              split_dims: Optional[List[Optional[int]]]) -> Tuple[Capture, List[Union[type, str]], str]:
+              split_dims: Optional[List[Optional[int]]], export_only: bool = False
+              ) -> Tuple[Capture, List[Union[type, str]], str]:
     """The capture, with modules fx would drop buffer updates of kept opaque, the leaf modules
     that took, and why the graph cannot follow .train()/.eval() ('' if it can)."""
     leaves: List[Union[type, str]] = list(leaf_modules)
     names = {id(m): name for name, m in model.named_modules()}
     for _ in range(8):
         before = _versions(model)
-        captured = capture(model, args, kwargs, leaf_modules=leaves, split_dims=split_dims)
+        captured = capture(model, args, kwargs, leaf_modules=leaves, split_dims=split_dims, export_only=export_only)
         after = _versions(model)
         changed = [name for name, v in before.items() if after.get(name) != v]
         if not changed or captured.method == "export":

@@ -259,7 +259,8 @@ def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
 
 # -- entry point ---------------------------------------------------------------------------
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
-            leaf_modules: Iterable[type | str] = (), split_dims: list[int | None] | None = None) -> Capture:
+            leaf_modules: Iterable[type | str] = (), split_dims: list[int | None] | None = None,
+            export_only: bool = False) -> Capture:
     """Capture ``model(*args, **kwargs)`` as a flat GraphModule sharing the model's state.
 
     ``leaf_modules``: module classes or qualified names to keep opaque (``call_module``).
@@ -269,6 +270,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     decisions taken at capture time stay baked in: ``self.training`` read inside a traced
     forward (fx), and the whole training mode for ``'export'`` graphs (aten ops carry it).
     Export graphs also carry the sample's device in factory ops: see :func:`retarget_devices`.
+    ``export_only``: torch.export without trying torch.fx first (a capture in other modes of a
+    model first captured by export: torch.fx may trace it in those modes, into a graph the
+    plan's cut cannot be carried to, :mod:`fxpipe._mode_variants`).
     Raises :class:`TraceError` when neither torch.fx nor torch.export can capture the model.
     """
     args, kwargs = tuple(args), dict(kwargs or {})
@@ -285,8 +289,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     out_specs: list[pytree.TreeSpec] = []
     root = _flat_root(model, names, in_spec, specialized, out_specs)
 
-    with refusing_reentrant_checkpoint():  # while tracing only: the checks run the real one
-        fx_res = _trace_fx(model, root, leaf_types, leaf_names)
+    if export_only:
+        fx_res: Any = _Failure("", TraceError("torch.fx not tried: the model's first capture was torch.export"))
+    else:
+        with refusing_reentrant_checkpoint():  # while tracing only: the checks run the real one
+            fx_res = _trace_fx(model, root, leaf_types, leaf_names)
     lost_records: list[str] = []
     if not isinstance(fx_res, _Failure):
         graph, opaque, auto, fx_reads, lost_records = fx_res

@@ -238,3 +238,32 @@ def test_gpt2_validation_in_the_middle_of_training_is_exact():
     torch.manual_seed(5)
     assert_close_scaled(loss, other.step(input_ids=ids, labels=ids), what="loss")
     assert_grads_equal(model, twin)
+
+
+def test_hf_resnet_with_frozen_batch_norm_fine_tunes_exactly():
+    """The issue's fine-tuning case: transformers' ResNet (torch.export) built in training mode,
+    then every BatchNorm frozen: outputs, every gradient and the running statistics as eager's.
+    torch.fx traces this model in eval mode but not in training mode; the capture in the new
+    modes keeps torch.export, so the plan's cut carries over (it was refused: 32 of 37 nodes
+    new)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+                                       num_labels=3, num_channels=3)
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(config).train()
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 3, (4,))
+    pipe = fxpipe.pipeline(model, (), 2, sample_kwargs={"pixel_values": x, "labels": y}, chunks=2,
+                           devices=["cpu"] * 2, output_merge={"loss": "mean"}, balance_by="params", progress=False)
+    assert pipe.capture.method == "export"
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    ref = copy.deepcopy(model)
+    loss = pipe.step(pixel_values=x, labels=y)
+    want = ref(pixel_values=x, labels=y).loss
+    want.backward()
+    assert_close_scaled(loss, want.detach(), what="loss")
+    assert_grads_equal(model, ref)
+    for name, buf in model.named_buffers():
+        assert torch.equal(buf, dict(ref.named_buffers())[name]), name
+    assert pipe.capture.method == "export"
