@@ -262,8 +262,11 @@ def test_what_cannot_run_is_listed_with_its_reason_and_the_rest_is_tuned() -> No
     assert {c.schedule for c in t.fitting} == {"1f1b"}
     assert all("cannot be cut into 4 stages: StagesError" in c.why for c in t.choices if c.schedule == "zbv")
     # nothing can run: the reasons, never an empty message
-    with pytest.raises(MemoryBudgetError, match="no configuration can run: 1f1b: fxpipe.distributed cuts"):
-        fxpipe.tune(SeqFirst(), torch.randn(5, 8, 16), 2, schedules=("1f1b",), chunk_dims=1, output_merge=1)
+    with pytest.raises(MemoryBudgetError, match="no configuration can run: zbv: fxpipe.distributed cuts"):
+        fxpipe.tune(SeqFirst(), torch.randn(5, 8, 16), 2, schedules=("zbv",), chunk_dims=1, output_merge=1)
+    # 1F1B with chunk_dims: fxpipe.pipeline's own, in one process (not on ranks)
+    t = fxpipe.tune(SeqFirst(), torch.randn(5, 8, 16), 2, schedules=("1f1b",), chunk_dims=1, output_merge=1)
+    assert t.fitting and all(c.one_process for c in t.choices) and "not considered: 1f1b on ranks" in str(t)
 
 
 def test_every_send_between_devices_pays_the_latency() -> None:
