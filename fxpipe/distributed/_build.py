@@ -48,6 +48,7 @@ from ._sources import StateDictSource
 from ._split_backward import backward_pass
 from ._ties import TiedGradients
 from ._values import StageRunner
+from ._weights import partly_released, release_others, restore_released
 
 __all__ = ["pipeline", "SCHEDULES", "DEFAULT_TIMEOUT"]
 
@@ -230,6 +231,8 @@ def pipeline(
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
+    if partly_released(model):  # built before: each rank holds its stages' trained weights
+        restore_released(model, group, where)
     merge = output_merge if output_merge is not None or loss_fn is not None else {"loss": "mean"}
     options = BuildOptions(n_stages, chunks, None, balance_by, leaf_modules, split_points, plan,
                            output_merge=merge, progress=report)
@@ -270,6 +273,7 @@ def pipeline(
     for k in local:  # and the constants the stages' code reads
         for t in stage_tensors(stages[k]):
             move_in_place(t, where)
+    release_others(model, stages.modules, local)  # the other ranks' stages: no stale copy kept here
     pipe_stages, runners = [], {}
     for k in local:
         first, last = k == 0, k == n_stages - 1

@@ -27,7 +27,7 @@ sending and the scheduling; this class adds what makes a step exact against eage
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from ._clip import clip_grad_norm_
 from ._failures import Failures
 from ._loss import StepLoss
 from ._ties import TiedGradients, parameters_of
+from ._weights import load_local_state_dict, local_state_dict
 
 __all__ = ["DistributedPipeline"]
 
@@ -137,6 +138,37 @@ class DistributedPipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters: give them to this rank's optimizer."""
         return (p for _, p in self.named_parameters())
+
+    # -- checkpoints (fxpipe.distributed._weights) -----------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors under the model's own keys (a tied weight under each name; the
+        other ranks' stages are released, so absent): each rank's part of a
+        ``torch.distributed.checkpoint`` save, which any layout, or the plain model, loads."""
+        return local_state_dict(self.module)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> list[str]:
+        """Loads this rank's tensors from ``state_dict`` (the model's keys; other ranks' keys
+        are ignored). ``strict``: a key of this rank missing, or a key the model lacks, is a
+        ``KeyError``. Returns the keys loaded."""
+        return load_local_state_dict(self.module, state_dict, strict)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state keyed by the model's parameter names (torch's
+        ``get_optimizer_state_dict`` conventions): this rank's part of a checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        # flattened ('state.<name>.exp_avg', 'param_groups.<name>.lr'): each rank's own keys, which any
+        # other layout's ranks find by name (nested param_groups would list each rank's own parameters)
+        return get_optimizer_state_dict(self.module, optimizer,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Loads into ``optimizer`` (over this rank's parameters) the state saved by
+        :meth:`optimizer_state_dict` under any layout (torch's ``set_optimizer_state_dict``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, optimizer, state_dict,
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every rank's

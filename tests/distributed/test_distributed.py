@@ -128,6 +128,7 @@ def test_tied_embedding_gradient_is_summed_over_its_ranks(three_ranks: list[dict
 def test_building_leaves_buffers_as_they_were(three_ranks: list[dict]) -> None:
     """The fake run finding the stage metadata must not bump BatchNorm's num_batches_tracked."""
     assert [res["build_keeps_state"] for res in three_ranks] == [True] * 3
+    assert [res["released"] for res in three_ranks] == [True] * 3  # the other ranks' stages, on meta
 
 
 def test_recomputation_does_not_update_buffers_twice(three_ranks: list[dict]) -> None:

@@ -1,0 +1,155 @@
+"""Each rank holds only its own stages' weights: released after the build, gathered to build again,
+saved and loaded by the model's own keys.
+
+Every rank builds the whole model, but only its stages train. The copies a rank kept of the other
+ranks' stages went stale at the first step, and then did harm, silently (issue #30): a second
+``fpd.pipeline`` broadcast rank 0's stale copies over the trained weights of every other rank;
+``torch.save(model.state_dict())`` or the guide's ``dcp.save`` wrote 24 of 49 untrained tensors of
+a tied GPT; and each copy cost a 7B model's memory on every rank. So:
+
+* :func:`release_others`, at the end of the build: every tensor a stage of another rank uses and
+  no stage of this rank uses moves to the meta device in place (``torch.utils.swap_tensors``: the
+  same Python object, so the model, the stages and a tied weight's other names see it): no value
+  left to save, broadcast or train by mistake. A tensor no stage uses (a pooler the forward never
+  calls) keeps its value on every rank: it never trains, so it is the same everywhere.
+* :func:`restore_released`, at the start of a build from such a model (a second pipeline, another
+  schedule or stage count): every tensor on the meta device on some rank is sent from the lowest
+  rank holding it (one all-reduce of who holds what, then a broadcast per tensor), so the build
+  starts from the trained weights, as one process would; the new build then releases again.
+* :func:`local_state_dict` / :func:`load_local_state_dict`: this rank's tensors under the model's
+  own keys (a tied weight under each of its names), what ``torch.distributed.checkpoint`` saves
+  and loads per rank, whatever the layout on either side.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from fxpipe.errors import MaterialiseError
+
+__all__ = ["release_others", "restore_released", "local_state_dict", "load_local_state_dict", "partly_released"]
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer once, by its first name, in the model's order (the same on
+    every rank: the same model)."""
+    seen: set[int] = set()
+    found = []
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            found.append((name, t))
+    return found
+
+
+def partly_released(model: nn.Module) -> bool:
+    """Some tensors on the meta device and others real: a model an earlier pipeline released."""
+    kinds = {t.is_meta for _, t in _tensors(model)}
+    return kinds == {True, False}
+
+
+def _swap(t: torch.Tensor, new: torch.Tensor, name: str) -> None:
+    new = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+    try:
+        new.__class__ = type(t)
+        new.__dict__.update(t.__dict__)
+        torch.utils.swap_tensors(t, new)
+    except (RuntimeError, TypeError) as e:
+        raise MaterialiseError(f"{name!r} ({type(t).__name__}) cannot be moved to or from the meta device in place "
+                               f"({e}): a tensor subclass, or one something else holds a weak reference to") from e
+
+
+def _drop_weak_references() -> None:
+    """``swap_tensors`` refuses a tensor something holds a weak reference to: the fake modes of
+    the build (cyclic garbage) and, under ``torch.autocast``, its cache of cast weights."""
+    gc.collect()
+    torch.clear_autocast_cache()
+
+
+def release_others(model: nn.Module, stages: Sequence[torch.fx.GraphModule], local: Sequence[int]) -> None:
+    """Moves to the meta device every tensor a stage not in ``local`` uses and no stage in
+    ``local`` uses (see the module docstring)."""
+    mine: set[int] = set()
+    used: set[int] = set()
+    for k, stage in enumerate(stages):
+        ids = {id(t) for t in (*stage.parameters(), *stage.buffers())}
+        used |= ids
+        if k in local:
+            mine |= ids
+    _drop_weak_references()
+    for name, t in _tensors(model):
+        if id(t) in used and id(t) not in mine and not t.is_meta:
+            _swap(t, torch.empty_like(t, device="meta"), name)
+
+
+def restore_released(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Gives every tensor of ``model`` a value on every rank, sent from the lowest rank holding
+    one (see the module docstring); collective. Raises :class:`MaterialiseError` on every rank
+    naming a tensor no rank holds."""
+    tensors = _tensors(model)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world > 62:
+        raise MaterialiseError("restoring a released model is limited to 62 ranks (one bit per rank)")
+    held = torch.tensor([0 if t.is_meta else 1 << rank for _, t in tensors], dtype=torch.int64, device=device)
+    dist.all_reduce(held, group=group)
+    holders = held.tolist()
+    lost = [name for (name, _), h in zip(tensors, holders) if h == 0]
+    if lost:
+        raise MaterialiseError(
+            f"{len(lost)} tensor(s) of the model, e.g. {lost[0]!r}, are on the meta device on every rank: no rank "
+            "holds a value to build from. A model an earlier fxpipe.distributed pipeline released keeps each tensor "
+            "on the ranks whose stages use it; pass state_dict= (a checkpoint, e.g. what pipe.state_dict() saved) "
+            "to build from it, or build the model anew.")
+    everyone = (1 << world) - 1
+    _drop_weak_references()
+    for (name, t), h in zip(tensors, holders):
+        if h == everyone:
+            continue
+        src = (h & -h).bit_length() - 1  # the lowest rank holding it
+        if t.is_meta:  # on the CPU, as a model is built; the build moves its stages' to the rank's device
+            _swap(t, torch.empty_like(t, device="cpu"), name)
+        carrier = t.data if t.device == device else t.data.to(device)
+        dist.broadcast(carrier, src=dist.get_global_rank(group, src), group=group)
+        if carrier is not t.data:
+            t.data.copy_(carrier)
+
+
+def local_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict()`` less what this rank released: its stages' tensors (and
+    those no stage uses), under every key the model gives them."""
+    return {k: v for k, v in model.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
+
+
+def load_local_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> list[str]:
+    """Copies into this rank's tensors their values in ``state_dict`` (keys of the model; the
+    other ranks' keys are ignored). ``strict``: a key this rank holds that ``state_dict`` lacks,
+    or a key the model does not have, is an error naming it. Returns the keys loaded."""
+    own = model.state_dict(keep_vars=True)
+    unknown = [k for k in state_dict if k not in own]
+    targets = {}
+    for key, t in own.items():
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            targets.setdefault(id(t), (t, []))[1].append(key)
+    missing = [keys[0] for t, keys in targets.values() if not any(k in state_dict for k in keys)]
+    if strict and (unknown or missing):
+        raise KeyError(f"load_state_dict: this rank's keys missing from the state_dict: {missing[:5]}; keys the model "
+                       f"does not have: {unknown[:5]}")
+    loaded = []
+    with torch.no_grad():
+        for t, keys in targets.values():
+            present = [k for k in keys if k in state_dict]
+            if not present:
+                continue
+            value = state_dict[present[-1]]  # as load_state_dict: the last name of a tied weight wins
+            if tuple(value.shape) != tuple(t.shape):
+                raise ValueError(f"load_state_dict: {present[-1]!r} is {tuple(value.shape)} in the state_dict, "
+                                 f"{tuple(t.shape)} in the model")
+            t.copy_(value)
+            loaded += present
+    return loaded
