@@ -20,6 +20,12 @@ and its peers hear of it in one of two ways:
   line. The exit stays bounded as before (gloo fails a closed connection at once, a stuck
   rank after ``timeout``).
 
+A rank can also fail **between steps**, in the user's own code (its data loader): its peers are
+then waiting in the next step's agreement, and only gloo's "Connection closed by peer" reached
+them. While a pipeline is open, an uncaught exception that ends the process writes its line to
+the store first (:func:`sys.excepthook`, chained to the one installed before): the peers raise
+``PeerFailedError`` naming the rank and its error, as for a failure inside a step.
+
 The store is the rendezvous's. Under torchrun its agent holds it, and it outlives any rank.
 Under ``init_process_group(init_method='tcp://...')`` (or ``env://`` outside torchrun) rank 0
 holds it, and it ends with rank 0's process: when rank 0 fails in the middle of a step, a peer
@@ -31,6 +37,8 @@ The failures before anything is sent need no store.
 from __future__ import annotations
 
 import re
+import sys
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional
 
@@ -154,6 +162,19 @@ class Agreement:
         self.copies: List[tuple] = []
 
 
+#: the open pipelines' failure reporting, told of an uncaught exception before the process ends
+_OPEN: "weakref.WeakSet[Failures]" = weakref.WeakSet()
+_HOOKED: list = []  # the excepthook installed before fxpipe's, once chained
+
+
+def _uncaught(kind: type, error: BaseException, tb: Any) -> None:
+    """``sys.excepthook`` while a pipeline is open: the error's line into each open pipeline's
+    store key (peers waiting in a step name it), then the hook installed before."""
+    for failures in list(_OPEN):
+        failures._write(failure_line(failures.rank, error))
+    _HOOKED[0](kind, error, tb)
+
+
 class Failures:
     """The failure reporting of one pipeline's process group (both ways, see the module)."""
 
@@ -164,6 +185,17 @@ class Failures:
         self.world_size = dist.get_world_size(group)
         # one key per pipeline: its group's name is unique in the job and the same on every rank
         self.key = f"fxpipe/failure/{group.group_name}"
+
+    def watch(self) -> None:
+        """Until :meth:`forget`: an uncaught exception ending this process names this rank to
+        the peers (see the module docstring)."""
+        if not _HOOKED:
+            _HOOKED.append(sys.excepthook)
+            sys.excepthook = _uncaught
+        _OPEN.add(self)
+
+    def forget(self) -> None:
+        _OPEN.discard(self)
 
     @contextmanager
     def agreed(self, doing: str, call: str = "") -> Iterator[Agreement]:

@@ -100,6 +100,7 @@ class DistributedPipeline:
         self._closed = False
         self._broken: Optional[str] = None  # the error that stopped a step midway (peers then gone or waiting)
         self._failures = Failures(group, device)  # one rank's error named by every rank
+        self._failures.watch()  # and an uncaught error between steps too
         self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
         self._step_loss = step_loss  # loss_fn per micro-batch, weighted as it counts (._loss)
         self._batching = batching  # how outputs merge (step(return_outputs=True))
@@ -328,6 +329,7 @@ class DistributedPipeline:
         if self._closed:
             return
         self._closed = True
+        self._failures.forget()
         self._schedule = self._forward_only = None
         for g in self._groups:
             dist.destroy_process_group(g)

@@ -364,3 +364,42 @@ def test_a_step_stopped_midway_leaves_the_pipeline_refusing_further_steps() -> N
         pipe.close()
     finally:
         dist.destroy_process_group()
+
+
+def _between_steps_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 fails in its own code between two steps (its data loader), uncaught, as a torchrun
+    script would: rank 0, waiting in the next step, names it instead of gloo's 'Connection
+    closed by peer'."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
+    pipe.step(x, target=y)
+    if rank == 1:
+        try:
+            raise ValueError("the data loader broke")
+        except ValueError:
+            sys.excepthook(*sys.exc_info())  # what Python runs for an exception nothing caught
+        os._exit(1)
+    try:
+        pipe.step(x, target=y)
+        Path(out, f"rank{rank}.between.txt").write_text("ran")
+    except Exception as e:
+        _record(out, rank, "between", e)
+    os._exit(0)  # rank 1 is gone: no orderly end of the group
+
+
+def test_a_rank_failing_between_steps_is_named_by_its_peers(tmp_path: Path) -> None:
+    codes = _run(_between_steps_worker, 2, (), tmp_path)
+    line = (tmp_path / "rank0.between.txt").read_text()
+    assert line.startswith("PeerFailedError: stopped because another rank failed: rank 1: ValueError: the data "
+                           "loader broke"), line
+    assert codes == [0, 1], codes
