@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .build import BuildOptions, Checked, CarryError, capture_and_check, carried_plan
+from .build import BuildOptions, Checked, CarryError, capture_and_check, plan_carried_over
 from .capture._baked_dtypes import BakedDtypes
 from .capture._model_check import ModelCheck
 from .capture._prepare import preserved
@@ -80,7 +80,7 @@ def capture_other_flags(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, o
     it was."""
     with torch.inference_mode(False), torch.enable_grad(), preserved(model):
         checked = capture_and_check(model, args, kwargs, replace(options, export_only=planned.method == "export"))
-        return checked, carried_plan(plan, planned, checked.capture)
+        return checked, plan_carried_over(plan, planned, checked.capture)
 
 
 def _described(modules: List[Tuple[str, nn.Module]], built: Flags, now: Flags) -> List[str]:

@@ -46,7 +46,7 @@ from .plan._value import Plan
 from .progress import Progress
 
 __all__ = ["BuildOptions", "Checked", "Built", "build", "capture_and_check", "choose_plan", "emit_and_place",
-           "check_plan", "check_split_points", "carried_plan", "CarryError"]
+           "check_plan", "check_split_points", "plan_carried_over", "CarryError", "capture_flipped"]
 
 PlanOption = Union[Plan, str, "os.PathLike[str]", None]
 
@@ -232,7 +232,7 @@ def choose_plan(checked: Checked, options: BuildOptions) -> Plan:
     return chosen
 
 
-def carried_plan(plan: Plan, planned: Capture, captured: Capture) -> Plan:
+def plan_carried_over(plan: Plan, planned: Capture, captured: Capture) -> Plan:
     """``plan``, made for the capture ``planned``, carried over to ``captured``: another capture of
     the same model (in other modes), cut in the same places (:mod:`fxpipe.plan._carry_over`).
     Raises :class:`CarryError` (a ``ValueError``) when the graphs differ too much to carry it."""
@@ -276,7 +276,7 @@ def build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildO
             checked = capture_and_check(model, args, kwargs, options)
             plan = choose_plan(checked, options)
             if flipped and checked.prepared.mode_sensitive and not checked.meta:
-                other = _flipped(model, checked, plan, options)
+                other = capture_flipped(model, checked, plan, options)
         stages = None
         if emit:
             if options.devices is None:
@@ -286,17 +286,21 @@ def build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildO
                  other)
 
 
-def _flipped(model: nn.Module, checked: Checked, plan: Plan, options: BuildOptions
+def capture_flipped(model: nn.Module, checked: Checked, plan: Plan, options: BuildOptions
              ) -> Tuple[Tuple[bool, ...], Any, Optional[Plan]]:
     """The model captured and checked with the root's mode flipped (every module with it), and
     ``plan`` carried over; or the error that stopped it, kept for the call that needs it. Call
-    inside ``preserved(model)``."""
+    inside ``preserved(model)``; the modes are back as they were on return."""
+    modes = [(m, m.training) for m in model.modules()]
     model.train(not model.training)
     flags = tuple(m.training for m in model.modules())
     try:
         with torch.enable_grad():
             other = capture_and_check(model, checked.args, checked.kwargs,
                                       replace(options, export_only=checked.capture.method == "export"))
-            return flags, other, carried_plan(plan, checked.capture, other.capture)
+            return flags, other, plan_carried_over(plan, checked.capture, other.capture)
     except (FxpipeError, CarryError) as e:
         return flags, e, None
+    finally:
+        for m, training in modes:
+            m.training = training

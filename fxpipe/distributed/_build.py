@@ -38,6 +38,7 @@ from fxpipe.progress import Progress, ProgressOption, as_progress
 from ._agree import agree_on_arguments, agree_on_stages, broadcast_plan
 from ._carry import carried_plan
 from ._device import DeviceOption, check_one_gpu_per_rank, ensure_process_group, rank_device
+from ._eval_mode import capture_eval, eval_run
 from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
@@ -259,6 +260,9 @@ def pipeline(
             return [built[0].stage_code(k, source=False) for k in range(n_stages)]
 
         agree_on_stages(build, group)
+        found_eval, no_eval = None, ""
+        if checked.prepared.mode_sensitive and model.training:  # eval_step after model.eval(): captured now
+            found_eval, no_eval = capture_eval(model, checked, agreed, options, group, where, n_stages)
     stages = built[0]
     if captured.method == "export":  # export graphs bake in the capture's device (or meta): here, this rank's
         for stage in stages.modules:
@@ -273,7 +277,10 @@ def pipeline(
     for k in local:  # and the constants the stages' code reads
         for t in stage_tensors(stages[k]):
             move_in_place(t, where)
-    release_others(model, stages.modules, local)  # the other ranks' stages: no stale copy kept here
+    also = [found_eval[2].modules] if found_eval is not None else []
+    release_others(model, stages.modules, local, also)  # the other ranks' stages: no stale copy kept here
+    evaluation = (eval_run(found_eval, model, flat, micro, local, placement, chunks, group, where, CheckpointedStage)
+                  if found_eval is not None else None)
     pipe_stages, runners = [], {}
     for k in local:
         first, last = k == 0, k == n_stages - 1
@@ -302,4 +309,4 @@ def pipeline(
     return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,
                                chunks, shapes, ties, [group, *ties.groups.values()], output=output, device=where,
                                step_loss=step_loss, mode_sensitive=checked.prepared.mode_sensitive,
-                               batching=checked.batching)
+                               batching=checked.batching, evaluation=evaluation, no_eval=no_eval)

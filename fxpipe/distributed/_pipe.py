@@ -43,6 +43,7 @@ from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
 
 from ._clip import clip_grad_norm_
+from ._eval_mode import EvalRun
 from ._failures import Failures
 from ._loss import StepLoss
 from ._ties import TiedGradients, parameters_of
@@ -79,7 +80,8 @@ class DistributedPipeline:
                  schedule: tuple[Any, Any], group: dist.ProcessGroup, chunks: int,
                  sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup],
                  output: Any = None, device: torch.device = torch.device("cpu"),
-                 step_loss: Optional[StepLoss] = None, mode_sensitive: str = "", batching: Any = None) -> None:
+                 step_loss: Optional[StepLoss] = None, mode_sensitive: str = "", batching: Any = None,
+                 evaluation: Optional[EvalRun] = None, no_eval: str = "") -> None:
         self.module = model
         self.device = device
         self.capture = captured
@@ -112,6 +114,9 @@ class DistributedPipeline:
         self._mode_sensitive = mode_sensitive
         self._mode_flags = ModeFlags(model, mode_sensitive)
         self._dtypes = BakedDtypes(model, captured.graph_module, captured.method)
+        #: eval_step in eval mode for a graph built in training mode (fxpipe.distributed._eval_mode),
+        #: or why the build could not capture it
+        self._evaluation, self._no_eval = evaluation, no_eval
 
     @property
     def n_stages(self) -> int:
@@ -182,27 +187,37 @@ class DistributedPipeline:
                                    self._group, self.device, error_if_nonfinite)
 
     # -- running -------------------------------------------------------------------------
-    def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    def _inputs(self, args: tuple, kwargs: dict, run: Optional[EvalRun] = None) -> list[torch.Tensor]:
         """The tensors of a call, on this rank's device, checked against the sample's shapes on
         every rank, after checking that the model did not change since the build
-        (:mod:`fxpipe.capture._model_check`)."""
-        self._model_check.check()
-        if self._mode_sensitive and self.module.training != self._captured_training:
-            built, now = ("training", "eval") if self._captured_training else ("eval", "training")
-            raise ModeError(
-                f"the model is in {now} mode, but this pipeline was built in {built} mode and its stages have that "
-                f"mode baked in ({self._mode_sensitive}): dropout and BatchNorm would silently run as in {built} "
-                f"mode. Switch the model back (model.{'train' if self._captured_training else 'eval'}()) or build "
-                f"a pipeline in {now} mode for this use.")
-        self._mode_flags.check()
-        self._dtypes.check()
+        (:mod:`fxpipe.capture._model_check`). ``run``: the eval capture ``eval_step`` runs in
+        eval mode (:mod:`._eval_mode`), None for the build's."""
+        if run is not None:
+            run.model_check.check()
+            run.dtypes.check()
+        else:
+            self._model_check.check()
+            if self._mode_sensitive and self.module.training != self._captured_training:
+                built, now = ("training", "eval") if self._captured_training else ("eval", "training")
+                extra = ""
+                if now == "eval":  # eval_step runs the build's eval capture where there is one
+                    extra = (" eval_step() runs in eval mode (every module in eval) with the eval-mode capture the "
+                             "build made" + (f"; this build could not make it ({self._no_eval})" if self._no_eval
+                                             else "; step() trains in training mode only") + ".")
+                raise ModeError(
+                    f"the model is in {now} mode, but this pipeline was built in {built} mode and its stages have that "
+                    f"mode baked in ({self._mode_sensitive}): dropout and BatchNorm would silently run as in {built} "
+                    f"mode.{extra} Switch the model back (model.{'train' if self._captured_training else 'eval'}()) "
+                    f"or build a pipeline in {now} mode for this use.")
+            self._mode_flags.check()
+            self._dtypes.check()
         kind = self.device.type
         if _autocast(kind) != self._autocast:
             raise DistributedError(
                 f"this call runs under {_autocast_text(_autocast(kind), kind)}, but the pipeline was built under "
                 f"{_autocast_text(self._autocast, kind)}: its stages exchange buffers of the dtypes found at build. "
                 "Build the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
-        flat = self.capture.flatten_inputs(args, kwargs)  # InputMismatchError names the argument
+        flat = (run.capture if run is not None else self.capture).flatten_inputs(args, kwargs)  # names the argument
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         for i, (t, want) in enumerate(zip(tensors, self._sample_shapes)):
             if tuple(t.shape) != want:
@@ -318,11 +333,19 @@ class DistributedPipeline:
         self._check_open()
         with self._failures.agreed("check its batch", call="eval_step()") as agreement:
             agreement.copies = self._copies
-            tensors = self._inputs(args, kwargs)
+            run = self._evaluation if self._in_eval_capture() else None  # the build's eval-mode capture
+            tensors = self._inputs(args, kwargs, run)
             agreement.batch = tensors
+        schedule, output = (self._forward_only, self._output) if run is None else (run.schedule, run.output)
         with self._exchanging():
-            out = self._forward_only.step(*self._sent(tensors))
-        return None if out is None else self._output.structured(out)
+            out = schedule.step(*self._sent(tensors))
+        return None if out is None else output.structured(out)
+
+    def _in_eval_capture(self) -> bool:
+        """Every module in eval mode, a graph with training baked in, and the build's eval
+        capture there to run (:mod:`._eval_mode`)."""
+        return (self._evaluation is not None and self.module.training != self._captured_training
+                and all(not m.training for m in self.module.modules()))
 
     def close(self) -> None:
         """Releases the pipeline's process groups (the default group stays the caller's)."""

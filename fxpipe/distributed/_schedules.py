@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from fxpipe.errors import ArgumentError, DistributedError
 
 __all__ = ["Schedule", "SCHEDULES", "rank_of_stage", "stages_of_rank", "rounds", "check_schedule", "make_schedules",
+           "forward_schedule",
            "PlacedLoopedBFS"]
 
 
@@ -153,6 +154,14 @@ class PlacedLoopedBFS(ScheduleLoopedBFS):
         return ops
 
 
+def forward_schedule(stages: Sequence[Any], chunks: int, placement: Sequence[int]) -> Any:
+    """The forward-only schedule ``eval_step`` runs over this rank's ``stages`` (see
+    :func:`make_schedules`)."""
+    if len(stages) == 1:
+        return ScheduleGPipe(stages[0], chunks)
+    return PlacedLoopedBFS(stages, chunks, placement)
+
+
 def make_schedules(schedule: str, stages: Sequence[Any], chunks: int, loss_fn: Callable[..., Any],
                    placement: Sequence[int]) -> tuple[Any, Any]:
     """(the training schedule, a forward-only schedule) over this rank's ``stages``.
@@ -164,10 +173,10 @@ def make_schedules(schedule: str, stages: Sequence[Any], chunks: int, loss_fn: C
     """
     chosen = SCHEDULES[schedule]
     cls = chosen.torch_class(len(stages))
+    forward = forward_schedule(stages, chunks, placement)
     if len(stages) == 1:
-        training, forward = cls(stages[0], chunks, loss_fn=loss_fn, scale_grads=False), ScheduleGPipe(stages[0], chunks)
+        training = cls(stages[0], chunks, loss_fn=loss_fn, scale_grads=False)
     else:
-        forward = PlacedLoopedBFS(stages, chunks, placement)
         training = cls(list(stages), chunks, loss_fn=loss_fn, scale_grads=False)  # last: its map stays on the stages
     for s in (training, forward):
         mapping = getattr(s, "stage_index_to_group_rank", None)

@@ -24,12 +24,14 @@ a tied GPT; and each copy cost a 7B model's memory on every rank. So:
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx
 from torch import nn
+from torch.utils.weak import WeakIdRef
 
 from fxpipe.errors import MaterialiseError
 
@@ -54,8 +56,21 @@ def partly_released(model: nn.Module) -> bool:
     return kinds == {True, False}
 
 
+def _forget_conversions(t: torch.Tensor) -> None:
+    """Drops ``t`` from torch's weak-id memos (``WeakIdKeyDictionary``: a fake mode's record of
+    the real tensors it converted, kept as long as a captured graph's fake values are): entries
+    of a conversion already made, whose weak references would stop ``swap_tensors``."""
+    for ref in weakref.getweakrefs(t):
+        if not isinstance(ref, WeakIdRef):
+            continue
+        for holder in gc.get_referrers(ref):
+            if isinstance(holder, dict) and ref in holder:
+                del holder[ref]
+
+
 def _swap(t: torch.Tensor, new: torch.Tensor, name: str) -> None:
     new = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+    _forget_conversions(t)
     try:
         new.__class__ = type(t)
         new.__dict__.update(t.__dict__)
@@ -67,21 +82,25 @@ def _swap(t: torch.Tensor, new: torch.Tensor, name: str) -> None:
 
 def _drop_weak_references() -> None:
     """``swap_tensors`` refuses a tensor something holds a weak reference to: the fake modes of
-    the build (cyclic garbage) and, under ``torch.autocast``, its cache of cast weights."""
+    the build (cyclic garbage) and, under ``torch.autocast``, its cache of cast weights (and the
+    live fake modes' memos: :func:`_forget_conversions`)."""
     gc.collect()
     torch.clear_autocast_cache()
 
 
-def release_others(model: nn.Module, stages: Sequence[torch.fx.GraphModule], local: Sequence[int]) -> None:
+def release_others(model: nn.Module, stages: Sequence[torch.fx.GraphModule], local: Sequence[int],
+                   also: Sequence[Sequence[torch.fx.GraphModule]] = ()) -> None:
     """Moves to the meta device every tensor a stage not in ``local`` uses and no stage in
-    ``local`` uses (see the module docstring)."""
+    ``local`` uses (see the module docstring). ``also``: other stage sets of the same cut (the
+    eval-mode capture, :mod:`._eval_mode`), whose local stages' tensors are kept too."""
     mine: set[int] = set()
     used: set[int] = set()
-    for k, stage in enumerate(stages):
-        ids = {id(t) for t in (*stage.parameters(), *stage.buffers())}
-        used |= ids
-        if k in local:
-            mine |= ids
+    for cut in (stages, *also):
+        for k, stage in enumerate(cut):
+            ids = {id(t) for t in (*stage.parameters(), *stage.buffers())}
+            used |= ids
+            if k in local:
+                mine |= ids
     _drop_weak_references()
     for name, t in _tensors(model):
         if id(t) in used and id(t) not in mine and not t.is_meta:

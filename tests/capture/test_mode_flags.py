@@ -161,7 +161,10 @@ def test_a_graph_that_follows_the_flags_follows_a_frozen_batch_norm():
     assert torch.equal(model.bn.running_mean, ref.bn.running_mean)  # eval: statistics untouched
 
 
-def test_distributed_eval_step_in_another_mode_than_the_export_build_is_refused():
+def test_distributed_eval_step_after_model_eval_is_exact_and_other_switches_refused():
+    """fxpipe.distributed: validation in the middle of training (model.eval(), eval_step) runs
+    the eval-mode capture the build made, exact against eager with dropout off (it kept dropout
+    on before, then was refused); step() in eval mode and a submodule switched stay refused."""
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
@@ -175,10 +178,15 @@ def test_distributed_eval_step_in_another_mode_than_the_export_build_is_refused(
         pipe = fpd.pipeline(model, x, chunks=2, loss_fn=F.cross_entropy, stages_per_rank=2, timeout=60)
         assert pipe.capture.method == "export"
         pipe.step(x, target=y)
-        model.eval()  # validation in the middle of training: dropout would silently stay on
-        with pytest.raises(ModeError, match="built in training mode"):
-            pipe.eval_step(x)
+        model.eval()  # validation in the middle of training: dropout silently stayed on
+        for _ in range(2):
+            torch.testing.assert_close(pipe.eval_step(x), model(x))
+        with pytest.raises(ModeError, match="step\\(\\) trains in training mode only"):
+            pipe.step(x, target=y)
         model.train()
+        torch.manual_seed(0)
+        first = pipe.step(x, target=y)  # training again: the build's stages, dropout on
+        assert torch.isfinite(first)
         model.bn.eval()
         with pytest.raises(ModelChangedError, match="'bn' is in eval mode now"):
             pipe.step(x, target=y)

@@ -187,3 +187,61 @@ def test_weights_stay_true_through_saves_resumes_and_rebuilds(tmp_path: Path) ->
         for key in ("again_params", "resumed_params"):
             for name, value in r[key].items():
                 assert_close_scaled(value, want[name], {"atol": 1e-2 * LR}, what=f"{key} {name}")
+
+
+def _eval_worker(rank: int, world: int, port: int, out: str) -> None:
+    """transformers' GPT-2 with dropout (torch.export: the modes baked in), trained a step, then
+    validated under model.eval(), then trained again."""
+    import torch.distributed as dist
+    import transformers as T
+
+    import fxpipe.distributed as fpd
+    from hf_families import SEQ, VOCAB
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                           bos_token_id=0, eos_token_id=1))  # dropout 0.1 everywhere
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    pipe = fpd.pipeline(model, (), sample_kwargs={"input_ids": ids}, chunks=2, timeout=60,
+                        loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten()))
+    pipe.step(input_ids=ids, target=ids)
+    mine = {k: v.clone() for k, v in pipe.state_dict().items()}
+    model.eval()
+    first, second = pipe.eval_step(input_ids=ids), pipe.eval_step(input_ids=ids)
+    model.train()
+    loss = pipe.step(input_ids=ids, target=ids)  # training again: the build's stages
+    logits = [None if o is None else o.logits for o in (first, second)]
+    torch.save({"weights": mine, "logits": logits, "loss": loss}, Path(out) / f"rank{rank}.pt")
+    pipe.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_validation_in_the_middle_of_training_is_exact_on_ranks(tmp_path: Path) -> None:
+    """eval_step after model.eval() on a GPT-2 with dropout: the logits of the plain model with
+    the trained weights in eval mode (dropout off, the same at every call); it kept dropout on
+    before (0.19-0.27 off, other values at each call), then was refused."""
+    import transformers as T
+    from hf_families import VOCAB
+
+    ranks = run_ranks(_eval_worker, 2, (), tmp_path)
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                           bos_token_id=0, eos_token_id=1))
+    weights = {**ranks[0]["weights"], **ranks[1]["weights"]}
+    assert set(weights) == set(model.state_dict())
+    model.load_state_dict(weights)
+    from hf_families import SEQ
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    with torch.no_grad():
+        want = model.eval()(input_ids=ids).logits
+    first, second = ranks[1]["logits"]  # the last stage's rank
+    assert ranks[0]["logits"] == [None, None]
+    assert_close_scaled(first, want, what="logits")
+    assert torch.equal(first, second)
+    assert torch.isfinite(ranks[0]["loss"]) and torch.equal(ranks[0]["loss"], ranks[1]["loss"])

@@ -1,0 +1,115 @@
+"""``eval_step`` after ``model.eval()`` for a pipeline built in training mode whose graph bakes the
+modes in (torch.export: every transformers model; a traced ``self.training``).
+
+Validation in the middle of training is universal, and such a graph keeps dropout on in eval
+(GPT-2's logits 0.19-0.27 off, differently at each call) -- refused until now. One process
+captures the model again when its flags change (:mod:`fxpipe._mode_variants`); ranks cannot: each
+holds only its own stages' weights after the build (:mod:`._weights`), and a capture runs the whole
+model. So the build captures the eval mode too, while every rank still has the whole model
+(:func:`capture_eval`, the same steps as the build's capture, the plan's cut carried over), agrees
+on its stage code, and makes this rank's stages of it a forward-only schedule of their own
+(:func:`eval_run`). ``eval_step`` runs it whenever every module is in eval mode; ``step`` in eval
+mode, and any other mix of flags, stay refused.
+
+The eval capture costs the build about one more capture and check, for mode-sensitive graphs
+only. A capture that fails, or a cut that does not carry over, on any rank leaves every rank
+without it: ``eval_step`` in eval mode then raises ``ModeError`` saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpipe.build import BuildOptions, Checked, capture_flipped
+from fxpipe.capture._baked_dtypes import BakedDtypes
+from fxpipe.capture._model_check import ModelCheck
+from fxpipe.capture._tracing import Capture, retarget_devices
+from fxpipe.emit._placement import move_in_place, stage_tensors
+from fxpipe.emit._stages import Stages, emit_stages
+from fxpipe.errors import FxpipeError
+from fxpipe.plan._value import Plan
+from torch.distributed.pipelining import PipelineStage
+
+from ._agree import agree_on_stages
+from ._carry import carried_plan
+from ._failures import Failures
+from ._meta import stage_metas
+from ._schedules import forward_schedule
+from ._values import StageRunner
+
+__all__ = ["EvalRun", "capture_eval", "eval_run"]
+
+
+@dataclass
+class EvalRun:
+    """What ``eval_step`` runs in eval mode: the capture, its stages, this rank's forward-only
+    schedule over them, the last stage's runner where this rank holds it, the flags it is for."""
+
+    flags: tuple[bool, ...]
+    capture: Capture
+    stages: Stages
+    schedule: Any
+    output: Optional[StageRunner]
+    model_check: ModelCheck
+    dtypes: BakedDtypes
+
+
+def capture_eval(model: nn.Module, checked: Checked, plan: Plan, options: BuildOptions, group: dist.ProcessGroup,
+                 device: torch.device, n_stages: int) -> tuple[Optional[tuple[tuple[bool, ...], Checked, Stages]], str]:
+    """The model captured in eval mode with ``plan``'s cut, its stages emitted and agreed on
+    every rank: ``((flags, checked, stages), '')``, or ``(None, why)`` on every rank alike.
+    Collective; call inside ``preserved(model)``, before the weights are made local."""
+    found: list[Any] = []
+    try:
+        with Failures(group, device).agreed("capture the model in eval mode"):
+            flags, other, carried = capture_flipped(model, checked, plan, options)
+            if isinstance(other, BaseException):
+                raise other
+            found.append((flags, other, carried))
+    except FxpipeError as e:  # raised on every rank (the failing one's error, PeerFailedError elsewhere)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    flags, other, carried = found[0]
+    built: list[Stages] = []
+
+    def build() -> list[str]:
+        gm = other.capture.graph_module
+        built.append(emit_stages(gm, carried_plan(gm, carried)))
+        return [built[0].stage_code(k, source=False) for k in range(n_stages)]
+
+    try:
+        agree_on_stages(build, group)
+    except FxpipeError as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return (flags, other, built[0]), ""
+
+
+def eval_run(found: tuple[tuple[bool, ...], Checked, Stages], model: nn.Module, flat: Sequence[Any],
+             micro: Sequence[Any], local: Sequence[int], placement: Sequence[int], chunks: int,
+             group: dist.ProcessGroup, device: torch.device, stage_class: type = PipelineStage) -> EvalRun:
+    """This rank's stages of the eval capture as a forward-only schedule on ``device`` (the
+    weights already local, :mod:`._materialise`)."""
+    flags, checked, stages = found
+    captured, n_stages = checked.capture, len(stages)
+    if captured.method == "export":
+        for stage in stages.modules:
+            retarget_devices(stage, device)
+    for k in local:
+        for t in stage_tensors(stages[k]):
+            move_in_place(t, device)
+    metas = stage_metas(stages.modules, micro, stages.input_names, device)
+    pipe_stages, runners = [], {}
+    for k in local:
+        first, last = k == 0, k == n_stages - 1
+        inputs = [None if isinstance(v, torch.Tensor) else ("const", v) for v in flat] if first else metas[k].in_kinds
+        runners[k] = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, captured.out_spec,
+                                 training_of=model, device=device)
+        pipe_stages.append(stage_class(runners[k], k, n_stages, device, input_args=metas[k].input_args,
+                                       output_args=metas[k].output_args, group=group))
+    return EvalRun(flags, captured, stages, forward_schedule(pipe_stages, chunks, placement),
+                   runners.get(n_stages - 1), ModelCheck(model, captured.graph_module, captured.reads, stages.modules),
+                   BakedDtypes(model, captured.graph_module, captured.method))
