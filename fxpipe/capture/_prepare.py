@@ -223,16 +223,17 @@ def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: d
     """
     if captured.method == "export":
         return "captured with torch.export"
-    original = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's: model.train(x) would set them all
     try:
-        model.train(not original)
+        model.train(not model.training)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             other = capture(model, args, kwargs, leaf_modules=leaf_modules, split_dims=split_dims)
     except Exception:  # noqa: BLE001 - a model that traces in one mode only is mode-sensitive
         return "the model does not trace the same way in the other mode"
     finally:
-        model.train(original)
+        for m, flag in modes:
+            m.training = flag
     if other.graph_module.code != captured.graph_module.code:
         return "a traced forward reads self.training"
     return ""

@@ -275,3 +275,51 @@ def test_hf_resnet_with_frozen_batch_norm_fine_tunes_exactly():
     for name, buf in model.named_buffers():
         assert torch.equal(buf, dict(ref.named_buffers())[name]), name
     assert pipe.capture.method == "export"
+
+
+class _Branching(nn.Module):
+    """A block whose traced forward reads ``self.training`` (torch.fx bakes the branch in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.training:
+            h = h * 0.5 + 0.1
+        return F.gelu(h) + x
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[_Branching() for _ in range(4)])
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(x))
+
+
+def test_a_model_built_with_one_block_in_eval_mode_is_exact():
+    """Built with the root training and one block in eval: the graph takes that block's eval
+    branch, and the checks run with each module's own flag (the other-mode trace put every
+    module back in the root's mode: a false TraceError, 'the graph does not reproduce the
+    model'); then switched to all-training, as eager."""
+    model = _Blocks().train()
+    model.blocks[0].eval()
+    x = torch.randn(6, 16)
+    pipe = _pipe(model, x)
+    assert pipe.capture.method == "fx" and pipe.mode_sensitive
+    for switch in (None, "all training"):
+        if switch:
+            model.train()
+        ref = copy.deepcopy(model)
+        out, want = pipe(x), ref(x)
+        assert_close_scaled(out, want, what="output")
+        out.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        assert_grads_equal(model, ref)
+        model.zero_grad()
+    assert model.blocks[0].training
