@@ -58,7 +58,7 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
     and seeds and restores the model's state.
     """
     named = [(n, p) for n, p in gm.named_parameters() if p.requires_grad]
-    if not named or not indices:
+    if not named or not indices or any(p.is_meta for _, p in named):  # on meta: no values to compare
         return None
     params = [p for _, p in named]
     with torch.enable_grad():

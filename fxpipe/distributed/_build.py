@@ -267,6 +267,9 @@ def pipeline(
     if captured.method == "export":  # export graphs bake in the capture's device (or meta): here, this rank's
         for stage in stages.modules:
             retarget_devices(stage, where)
+        counted = checked.batching.counted  # and the code counting a loss's labels (labels.to(logits.device))
+        for count in (counted.counts.values() if counted is not None else ()):
+            retarget_devices(count.program, where)
     metas = stage_metas(stages.modules, micro, stages.input_names, where)
 
     rank = dist.get_rank(group)

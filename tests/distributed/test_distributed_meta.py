@@ -56,6 +56,14 @@ class LlamaLogits(nn.Module):
         return self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
+class LlamaLabels(LlamaLogits):
+    """The same Llama trained by its own ``labels=`` loss (``loss_fn=None``): counted labels on
+    meta, the counting code retargeted to the rank's device."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
 class Rotary(nn.Module):
     """A model of the user's own with a non-persistent buffer (no transformers): it needs
     ``init_buffers=`` when built on meta."""
@@ -86,6 +94,12 @@ def _case(name: str) -> tuple[Callable[[], nn.Module], tuple, dict, torch.Tensor
     if name == "llama":
         from hf_families import ids, padding_mask
         return LlamaLogits, (ids(),), {"attention_mask": padding_mask()}, ids(5), _gpt_loss, 2
+    if name == "llamalabels":
+        from hf_families import ids, padding_mask
+        labels = ids(5)
+        labels[:, -2:] = -100  # right padding the loss does not count
+        return (LlamaLabels, (ids(),), {"attention_mask": padding_mask(), "labels": labels}, labels,
+                lambda out, y: out.loss, 2)
     if name == "rotary":
         return Rotary, (torch.randn(4, 8, generator=g),), {}, torch.randn(4, 4, generator=g), F.mse_loss, 2
     raise KeyError(name)
@@ -150,7 +164,9 @@ def _run(name: str, source: Any, schedule: str, init_buffers: bool = False, save
         def source(keys: list[str]) -> dict:
             asked.extend(keys)
             return {k: v for k, v in torch.load(file, mmap=True).items() if k in keys and k != "head.weight"}
-    pipe = fpd.pipeline(model, args, sample_kwargs=kwargs, chunks=chunks * stages_per_rank, loss_fn=loss_fn,
+    own = name == "llamalabels"  # the model's own labels= loss: loss_fn=None, no target
+    pipe = fpd.pipeline(model, args, sample_kwargs=kwargs, chunks=chunks * stages_per_rank,
+                        loss_fn=None if own else loss_fn,
                         schedule=schedule, stages_per_rank=stages_per_rank, timeout=60, state_dict=source,
                         init_buffers=init_rotary if init_buffers else None)
     local = {n for n, _ in pipe.named_parameters()}
@@ -167,7 +183,8 @@ def _run(name: str, source: Any, schedule: str, init_buffers: bool = False, save
         "asked": asked,
     }
     opt = _optimizer(pipe.parameters())
-    traj = _train(lambda: pipe.step(*args, target=y, **kwargs), pipe.named_parameters, opt)
+    traj = _train(lambda: pipe.step(*args, **kwargs) if own else pipe.step(*args, target=y, **kwargs),
+                  pipe.named_parameters, opt)
     if save is not None:  # this rank's real tensors; a key held by two ranks (a tie) is written once
         dcp.save({k: v for k, v in model.state_dict().items() if not v.is_meta}, checkpoint_id=save)
     pipe.close()
@@ -337,6 +354,7 @@ def test_meta_build_from_every_state_dict_form_and_hf_llama(tmp_path: Path) -> N
     rotary, trained = _save("rotary", tmp_path), str(tmp_path / "gpt-trained")
     plan = {"llama-file": ("llama", llama_file, "1f1b", {}), "llama-dcp": ("llama", llama_dir, "gpipe", {}),
             "llama-full": ("llama", None, "1f1b", {}),
+            "llama-labels": ("llamalabels", llama_file, "gpipe", {}),  # the same keys (lm.*)
             "llama-safetensors": ("llama", ("safetensors", str(tmp_path / "llama-st")), "gpipe", {}),
             "gpt-dcp": ("gpt", _save("gpt", tmp_path, checkpoint_dir=True), "gpipe", {"save": trained}),
             "gpt-callable": ("gpt", ("callable", _save("gpt", tmp_path)), "1f1b", {}),
@@ -345,6 +363,7 @@ def test_meta_build_from_every_state_dict_form_and_hf_llama(tmp_path: Path) -> N
             "rotary-refused": ("rotary", rotary, "gpipe", {})}
     results = run_ranks(_worker, 2, (plan,), tmp_path)
     _check_trajectory(results, "llama-safetensors", "llama")
+    _check_trajectory(results, "llama-labels", "llamalabels")  # was a bare .item() on meta at the build
     _check_saved(trained, "gpt")
     _check_trajectory(results, "gpt-callable", "gpt")
     for res in results:  # asked for its own keys only: every name of the tied weight, no other rank's
