@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdRef
 
-from fxpipe.errors import MaterialiseError
+from fxpipe.errors import DistributedError, MaterialiseError
 
 __all__ = ["release_others", "restore_released", "local_state_dict", "load_local_state_dict", "partly_released"]
 
@@ -68,12 +69,20 @@ def _forget_conversions(t: torch.Tensor) -> None:
                 del holder[ref]
 
 
+#: the attribute a released tensor carries: its name in the model (:func:`refuse_stale_optimizer`)
+RELEASED = "_fxpipe_released"
+
+
 def _swap(t: torch.Tensor, new: torch.Tensor, name: str) -> None:
     new = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
     _forget_conversions(t)
     try:
         new.__class__ = type(t)
         new.__dict__.update(t.__dict__)
+        if new.is_meta:
+            new.__dict__[RELEASED] = name
+        else:
+            new.__dict__.pop(RELEASED, None)
         torch.utils.swap_tensors(t, new)
     except (RuntimeError, TypeError) as e:
         raise MaterialiseError(f"{name!r} ({type(t).__name__}) cannot be moved to or from the meta device in place "
@@ -86,6 +95,35 @@ def _drop_weak_references() -> None:
     live fake modes' memos: :func:`_forget_conversions`)."""
     gc.collect()
     torch.clear_autocast_cache()
+
+
+def refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A global optimizer step pre-hook (installed with the first pipeline): refuses the step of
+    an optimizer that holds state for a parameter this rank released. It stepped that parameter
+    under an earlier layout, and a pipeline built since moved its stage to another rank: kept
+    across that rebuild, the optimizer would silently never update the parameters this rank holds
+    now (they are in no optimizer) while its state for the released ones is useless. An optimizer
+    made before the build holds released parameters too, but no state for them: it runs."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = p.__dict__.get(RELEASED)
+            if name is not None and p in optimizer.state and optimizer.state[p]:
+                raise DistributedError(
+                    f"this {type(optimizer).__name__} has state for {name!r}, which this rank no longer holds: a "
+                    "fxpipe.distributed pipeline built since placed its stage on another rank and released it here "
+                    "(to meta). Kept across that rebuild, the optimizer would never update the parameters this rank "
+                    "holds now. Make the optimizer over the new pipeline's parameters and load its state from a "
+                    "checkpoint: opt = AdamW(pipe.parameters()); pipe.load_optimizer_state_dict(opt, state) with "
+                    "the state saved by pipe.optimizer_state_dict (torch.distributed.checkpoint).")
+
+
+_HOOKED: list = []
+
+
+def watch_optimizers() -> None:
+    """Installs :func:`refuse_stale_optimizer` for every optimizer of the process, once."""
+    if not _HOOKED:
+        _HOOKED.append(register_optimizer_step_pre_hook(refuse_stale_optimizer))
 
 
 def release_others(model: nn.Module, stages: Sequence[torch.fx.GraphModule], local: Sequence[int],
@@ -102,6 +140,7 @@ def release_others(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loc
             if k in local:
                 mine |= ids
     _drop_weak_references()
+    watch_optimizers()
     for name, t in _tensors(model):
         if id(t) in used and id(t) not in mine and not t.is_meta:
             _swap(t, torch.empty_like(t, device="meta"), name)

@@ -125,6 +125,11 @@ def _checkpoint_worker(rank: int, world: int, port: int, out: str) -> None:
     pipe.close()
     # a second pipeline on the trained model: it continues from the trained weights on every rank
     again = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, schedule="zbv", stages_per_rank=2, timeout=60)
+    try:  # the old optimizer, kept across the rebuild: it would never update what this rank holds now
+        opt.step()
+        result["stale"] = "ran"
+    except Exception as e:
+        result["stale"] = f"{type(e).__name__}: {e}"
     opt_again = torch.optim.AdamW(again.parameters(), **ADAM)
     state = {"optim": again.optimizer_state_dict(opt_again)}  # this layout's parameters' state, by name
     dcp.load(state, checkpoint_id=str(Path(out) / "ckpt"))
@@ -179,6 +184,8 @@ def test_weights_stay_true_through_saves_resumes_and_rebuilds(tmp_path: Path) ->
     held = [set(r["kept"]) for r in ranks]
     assert set().union(*held) == every and all(held_r.isdisjoint(r["released"]) for held_r, r in zip(held, ranks))
     assert all(r["released"] for r in ranks)  # each rank released the other's stages
+    for r in ranks:  # an optimizer kept across a rebuild in another layout: refused, not silently partial
+        assert r["stale"].startswith("DistributedError: this AdamW has state for "), r["stale"]
     for r in ranks:
         for got, expected in zip(r["first"] + r["again"], losses):
             assert_close_scaled(got, expected, what="loss")
