@@ -8,6 +8,7 @@ import copy
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 
 from dist_harness import run_ranks
@@ -252,3 +253,74 @@ def test_validation_in_the_middle_of_training_is_exact_on_ranks(tmp_path: Path) 
     assert_close_scaled(first, want, what="logits")
     assert torch.equal(first, second)
     assert torch.isfinite(ranks[0]["loss"]) and torch.equal(ranks[0]["loss"], ranks[1]["loss"])
+
+
+def _save_worker(rank: int, world: int, port: int, out: str) -> None:
+    """N steps of the tied GPT on ``world`` ranks under 1f1b, then a DCP save of model and optimizer."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, _ = case("gpt", 4)
+    pipe = fpd.pipeline(model, x, chunks=4, loss_fn=loss_fn, schedule="1f1b", timeout=60)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    _train(pipe, opt, x, y, N)
+    dcp.save({"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)},
+             checkpoint_id=str(Path(out) / "ckpt"))
+    pipe.close()
+    torch.save({}, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A fresh model on ``world`` ranks resumed from that checkpoint, M more steps."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, _ = case("gpt", 4)
+    pipe = fpd.pipeline(model, x, chunks=4, loss_fn=loss_fn, schedule="1f1b", timeout=60)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)}
+    dcp.load(state, checkpoint_id=str(Path(out) / "ckpt"))
+    pipe.load_state_dict(state["model"])
+    pipe.load_optimizer_state_dict(opt, state["optim"])
+    losses = _train(pipe, opt, x, y, M)
+    torch.save({"losses": losses, "params": {k: v.clone() for k, v in pipe.state_dict().items()}},
+               Path(out) / f"rank{rank}.pt")
+    pipe.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path: Path) -> None:
+    """Saved by 2 ranks, resumed by 3 (another world size: other stages on every rank), model and
+    AdamW state: the M steps after the resume equal steps N+1..N+M of the uninterrupted run."""
+    run_ranks(_save_worker, 2, (), tmp_path)
+    ranks = run_ranks(_resume_worker, 3, (), tmp_path)
+    model, x, y, loss_fn, _ = case("gpt", 4)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    losses = []
+    for _ in range(N + M):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    want = model.state_dict()
+    assert set().union(*(r["params"] for r in ranks)) == set(want)
+    for r in ranks:
+        for got, expected in zip(r["losses"], losses[N:]):
+            assert_close_scaled(got, expected, what="loss")
+        for name, value in r["params"].items():
+            assert_close_scaled(value, want[name], {"atol": 1e-2 * LR}, what=name)
