@@ -29,7 +29,7 @@ its whole count, exactly. Anything else is not proven, and the caller computes t
 the merged output or refuses (:mod:`fxpipe.checks._loss_fn`).
 
 Numbers derived from the batch size are told apart from literals by comparing traces at
-several batch sizes (:func:`fxpipe.checks._loss_fn.count_args`): ``/ out.size(0)`` differs
+several batch sizes (:func:`fxpipe.checks._loss_traces.count_args`): ``/ out.size(0)`` differs
 between them, ``/ 4`` does not.
 """
 
