@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -33,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from _gpt2_steps import gpt2_and_batch, rotating_medians
 
 
 def _loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -46,8 +47,6 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch_fingerprint.json"))
     ns = parser.parse_args()
     repeat = 5 if ns.quick else ns.repeat
-    import transformers as T
-
     import fxpipe.distributed as fpd
     from fxpipe.distributed._failures import fingerprint
     from fxpipe.distributed._launch import free_port
@@ -55,15 +54,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=120))
     try:
-        torch.manual_seed(0)
-        config = T.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=512, n_positions=128, resid_pdrop=0.0,
-                              embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        model = T.GPT2LMHeadModel(config)
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 512, (8, 64), generator=g)
-        labels = ids.clone()
-        for row, length in enumerate([64, 20, 50, 9, 64, 33, 41, 12]):
-            labels[row, length:] = -100
+        model, ids, labels = gpt2_and_batch()
         pipe = fpd.pipeline(model, (), sample_kwargs={"input_ids": ids}, chunks=4, stages_per_rank=2,
                             schedule="interleaved1f1b", loss_fn=lambda out, y: _loss(out.logits, y), progress=False)
 
@@ -79,15 +70,10 @@ def main() -> None:
             return time.perf_counter() - t
 
         one_step(), one_print()  # warm up
-        times: dict[str, list[float]] = {"step": [], "fingerprint": []}
-        order = [("step", one_step), ("fingerprint", one_print)]
-        for r in range(repeat):
-            for name, fn in order[r % 2:] + order[:r % 2]:
-                times[name].append(fn())
+        med = rotating_medians([("step", one_step), ("fingerprint", one_print)], repeat)
         pipe.close()
     finally:
         dist.destroy_process_group()
-    med = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__,

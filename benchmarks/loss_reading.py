@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from _gpt2_steps import gpt2_and_batch, rotating_medians
+
 import fxpipe
 from fxpipe.checks._loss_fn import LossFnReading, out_dims_of
 
@@ -54,17 +56,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "loss_reading.json"))
     ns = parser.parse_args()
     repeat = 5 if ns.quick else ns.repeat
-    import transformers as T
-
-    torch.manual_seed(0)
-    config = T.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=512, n_positions=128, resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0)
-    model = T.GPT2LMHeadModel(config)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 512, (8, 64), generator=g)
-    labels = ids.clone()
-    for row, length in enumerate([64, 20, 50, 9, 64, 33, 41, 12]):
-        labels[row, length:] = -100
+    model, ids, labels = gpt2_and_batch()
     pipe = fxpipe.pipeline(model, (), 2, sample_kwargs={"input_ids": ids}, chunks=4, devices=["cpu"] * 2,
                            schedule="1f1b", progress=False)
     own = fxpipe.pipeline(model, (), 2, sample_kwargs={"input_ids": ids, "labels": labels}, chunks=4,
@@ -110,15 +102,11 @@ def main() -> None:
 
     one_step(), one_reading(), first_shape()  # warm up (the first fake-tensor trace of the process)
     own_step()
-    times: dict[str, list[float]] = {"step": [], "reading": [], "own_step": [], "own_counts": []}
-    order = [("step", one_step), ("reading", one_reading), ("own_step", own_step), ("own_counts", own_counts)]
-    for r in range(repeat):
-        for name, fn in order[r % 4:] + order[:r % 4]:
-            times[name].append(fn())
+    med = rotating_medians([("step", one_step), ("reading", one_reading), ("own_step", own_step),
+                            ("own_counts", own_counts)], repeat)
     firsts = [first_shape() for _ in range(max(3, repeat // 5))]
     pipe.close()
     own.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__,

@@ -22,18 +22,55 @@ LR = 1e-2
 ADAM = {"lr": LR, "eps": 1e-6}
 
 
-def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
-    """The tied GPT over 2 ranks (the embedding on rank 0, the LM head on rank 1), AdamW with
-    ``pipe.clip_grad_norm_`` for STEPS steps (2-norm, then inf-norm), then torch's per-rank
-    clipping, which the next step refuses."""
+def _join(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
-
-    import fxpipe.distributed as fpd
-    from fxpipe.errors import TiedWeightsError
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
+
+
+def _leave() -> None:
+    """An orderly end: rank 0 holds the tcp:// store."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _resume(pipe, opt, path: Path) -> None:
+    """Model and optimizer state from a torch.distributed.checkpoint, each rank its own keys."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)}
+    dcp.load(state, checkpoint_id=str(path))
+    pipe.load_state_dict(state["model"])
+    pipe.load_optimizer_state_dict(opt, state["optim"])
+
+
+def _eager(steps: int, chunks: int = 2) -> tuple:
+    """The tied GPT trained ``steps`` AdamW steps on the whole batch: (losses, model)."""
+    model, x, y, loss_fn, _ = case("gpt", chunks)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return losses, model
+
+
+def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The tied GPT over 2 ranks (the embedding on rank 0, the LM head on rank 1), AdamW with
+    ``pipe.clip_grad_norm_`` for STEPS steps (2-norm, then inf-norm), then torch's per-rank
+    clipping, which the next step refuses."""
+
+    import fxpipe.distributed as fpd
+    from fxpipe.errors import TiedWeightsError
+
+    _join(rank, world, port)
     model, x, y, loss_fn, _ = case("gpt", 2)
     pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
@@ -56,8 +93,7 @@ def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
         result["drift"] = (str(e), e.parameter, e.ranks)
     pipe.close()
     torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_global_clipping_is_eagers_and_tied_copies_that_drift_are_refused(tmp_path: Path) -> None:
@@ -106,14 +142,11 @@ def _checkpoint_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.distributed.checkpoint; from there, M more steps two ways: a second pipeline built from
     the trained model (zbv: 2 stages per rank), and a fresh model resumed from the checkpoint in
     another layout (interleaved1f1b, 2 stages per rank)."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import fxpipe.distributed as fpd
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    _join(rank, world, port)
     model, x, y, loss_fn, _ = case("gpt", 2)
     pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
@@ -143,16 +176,12 @@ def _checkpoint_worker(rank: int, world: int, port: int, out: str) -> None:
     resumed = fpd.pipeline(fresh, x, chunks=2, loss_fn=loss_fn, schedule="interleaved1f1b", stages_per_rank=2,
                            timeout=60)
     opt_resumed = torch.optim.AdamW(resumed.parameters(), **ADAM)
-    state = {"model": resumed.state_dict(), "optim": resumed.optimizer_state_dict(opt_resumed)}
-    dcp.load(state, checkpoint_id=str(Path(out) / "ckpt"))
-    resumed.load_state_dict(state["model"])
-    resumed.load_optimizer_state_dict(opt_resumed, state["optim"])
+    _resume(resumed, opt_resumed, Path(out) / "ckpt")
     result["resumed"] = _train(resumed, opt_resumed, x, y, M)
     result["resumed_params"] = {k: v.clone() for k, v in resumed.state_dict().items()}
     resumed.close()
     torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_weights_stay_true_through_saves_resumes_and_rebuilds(tmp_path: Path) -> None:
@@ -200,15 +229,12 @@ def test_weights_stay_true_through_saves_resumes_and_rebuilds(tmp_path: Path) ->
 def _eval_worker(rank: int, world: int, port: int, out: str) -> None:
     """transformers' GPT-2 with dropout (torch.export: the modes baked in), trained a step, then
     validated under model.eval(), then trained again."""
-    import torch.distributed as dist
     import transformers as T
 
     import fxpipe.distributed as fpd
     from hf_families import SEQ, VOCAB
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    _join(rank, world, port)
     torch.manual_seed(0)
     model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
                                            bos_token_id=0, eos_token_id=1))  # dropout 0.1 everywhere
@@ -225,8 +251,7 @@ def _eval_worker(rank: int, world: int, port: int, out: str) -> None:
     logits = [None if o is None else o.logits for o in (first, second)]
     torch.save({"weights": mine, "logits": logits, "loss": loss}, Path(out) / f"rank{rank}.pt")
     pipe.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_validation_in_the_middle_of_training_is_exact_on_ranks(tmp_path: Path) -> None:
@@ -257,14 +282,11 @@ def test_validation_in_the_middle_of_training_is_exact_on_ranks(tmp_path: Path) 
 
 def _save_worker(rank: int, world: int, port: int, out: str) -> None:
     """N steps of the tied GPT on ``world`` ranks under 1f1b, then a DCP save of model and optimizer."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import fxpipe.distributed as fpd
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    _join(rank, world, port)
     model, x, y, loss_fn, _ = case("gpt", 4)
     pipe = fpd.pipeline(model, x, chunks=4, loss_fn=loss_fn, schedule="1f1b", timeout=60)
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
@@ -273,33 +295,24 @@ def _save_worker(rank: int, world: int, port: int, out: str) -> None:
              checkpoint_id=str(Path(out) / "ckpt"))
     pipe.close()
     torch.save({}, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()
 
 
 def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
     """A fresh model on ``world`` ranks resumed from that checkpoint, M more steps."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     import fxpipe.distributed as fpd
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    _join(rank, world, port)
     model, x, y, loss_fn, _ = case("gpt", 4)
     pipe = fpd.pipeline(model, x, chunks=4, loss_fn=loss_fn, schedule="1f1b", timeout=60)
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
-    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)}
-    dcp.load(state, checkpoint_id=str(Path(out) / "ckpt"))
-    pipe.load_state_dict(state["model"])
-    pipe.load_optimizer_state_dict(opt, state["optim"])
+    _resume(pipe, opt, Path(out) / "ckpt")
     losses = _train(pipe, opt, x, y, M)
     torch.save({"losses": losses, "params": {k: v.clone() for k, v in pipe.state_dict().items()}},
                Path(out) / f"rank{rank}.pt")
     pipe.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()
 
 
 @pytest.mark.slow
@@ -308,15 +321,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three(tmp_path: Path) -> None:
     AdamW state: the M steps after the resume equal steps N+1..N+M of the uninterrupted run."""
     run_ranks(_save_worker, 2, (), tmp_path)
     ranks = run_ranks(_resume_worker, 3, (), tmp_path)
-    model, x, y, loss_fn, _ = case("gpt", 4)
-    opt = torch.optim.AdamW(model.parameters(), **ADAM)
-    losses = []
-    for _ in range(N + M):
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        losses.append(loss.detach())
-        opt.step()
-        opt.zero_grad()
+    losses, model = _eager(N + M, chunks=4)
     want = model.state_dict()
     assert set().union(*(r["params"] for r in ranks)) == set(want)
     for r in ranks:
