@@ -29,6 +29,7 @@ from fxpipe.build import BuildOptions, Checked, capture_flipped
 from fxpipe.capture._baked_dtypes import BakedDtypes
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.capture._tracing import Capture, retarget_devices
+from fxpipe.checks._batching import Batching
 from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
 from fxpipe.errors import FxpipeError
@@ -52,6 +53,7 @@ class EvalRun:
 
     flags: tuple[bool, ...]
     capture: Capture
+    batching: Batching
     stages: Stages
     schedule: Any
     output: Optional[StageRunner]
@@ -110,6 +112,6 @@ def eval_run(found: tuple[tuple[bool, ...], Checked, Stages], model: nn.Module, 
                                  training_of=model, device=device)
         pipe_stages.append(stage_class(runners[k], k, n_stages, device, input_args=metas[k].input_args,
                                        output_args=metas[k].output_args, group=group))
-    return EvalRun(flags, captured, stages, forward_schedule(pipe_stages, chunks, placement),
+    return EvalRun(flags, captured, checked.batching, stages, forward_schedule(pipe_stages, chunks, placement),
                    runners.get(n_stages - 1), ModelCheck(model, captured.graph_module, captured.reads, stages.modules),
                    BakedDtypes(model, captured.graph_module, captured.method))

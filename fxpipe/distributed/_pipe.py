@@ -328,18 +328,26 @@ class DistributedPipeline:
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> Optional[Any]:
-        """Forward only: the model's outputs (merged over micro-batches along dim 0) on the
-        rank of the last stage, ``None`` on the others."""
+        """Forward only: the model's outputs on the rank of the last stage, ``None`` on the
+        others, merged over micro-batches as ``fxpipe.pipeline`` merges them (along dim 0; a
+        loss as ``output_merge`` says, weighed by its counted labels)."""
         self._check_open()
         with self._failures.agreed("check its batch", call="eval_step()") as agreement:
             agreement.copies = self._copies
             run = self._evaluation if self._in_eval_capture() else None  # the build's eval-mode capture
             tensors = self._inputs(args, kwargs, run)
             agreement.batch = tensors
+            capture, batching = (self.capture, self._batching) if run is None else (run.capture, run.batching)
+            flat = capture.flatten_inputs(args, kwargs)
+            micro, sizes = batching.split(flat, self.chunks)
+            weights = batching.weights(flat, micro)  # a loss over counted labels: each micro-batch's count
         schedule, output = (self._forward_only, self._output) if run is None else (run.schedule, run.output)
         with self._exchanging():
-            out = schedule.step(*self._sent(tensors))
-        return None if out is None else output.structured(out)
+            chunks = schedule.step(*self._sent(tensors))
+        if chunks is None:
+            return None
+        leaves = [output.flat(c if isinstance(c, (tuple, list)) else (c,)) for c in chunks]
+        return capture.unflatten_output(batching.merge(leaves, sizes, weights))
 
     def _in_eval_capture(self) -> bool:
         """Every module in eval mode, a graph with training baked in, and the build's eval

@@ -128,7 +128,20 @@ def check_schedule(schedule: str, stages_per_rank: int, chunks: int, world: int)
             argument="chunks")
 
 
-class PlacedLoopedBFS(ScheduleLoopedBFS):
+class _Unmerged:
+    """A forward-only schedule that returns the last stage's output of each micro-batch, for
+    fxpipe to merge as one process does (a 0-dim loss weighed by its counted labels): torch's
+    merge concatenates every output along dim 0 and fails on a loss."""
+
+    def _merge_outputs(self, output_chunks: list[Any]) -> Any:
+        return list(output_chunks)
+
+
+class ForwardGPipe(_Unmerged, ScheduleGPipe):
+    """``ScheduleGPipe``, its outputs per micro-batch (``eval_step``, one stage per rank)."""
+
+
+class PlacedLoopedBFS(_Unmerged, ScheduleLoopedBFS):
     """torch's LoopedBFS forward order (each rank runs all micro-batches of its stages in
     increasing stage order), forward only, for any placement: ``eval_step`` runs under it.
 
@@ -156,9 +169,10 @@ class PlacedLoopedBFS(ScheduleLoopedBFS):
 
 def forward_schedule(stages: Sequence[Any], chunks: int, placement: Sequence[int]) -> Any:
     """The forward-only schedule ``eval_step`` runs over this rank's ``stages`` (see
-    :func:`make_schedules`)."""
+    :func:`make_schedules`): on the last stage's rank, ``step()`` returns each micro-batch's
+    output, unmerged."""
     if len(stages) == 1:
-        return ScheduleGPipe(stages[0], chunks)
+        return ForwardGPipe(stages[0], chunks)
     return PlacedLoopedBFS(stages, chunks, placement)
 
 

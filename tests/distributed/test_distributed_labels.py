@@ -124,6 +124,12 @@ def test_the_models_own_labels_loss_is_weighed_as_in_one_process(one_rank) -> No
         labels = labels.roll(1, 0)
     with pytest.raises(Exception, match="target= is given"):
         pipe.step(input_ids=ids, labels=labels, target=labels)
+    # validation: the model's own loss merged as it counts (torch's merge failed on the 0-dim loss)
+    out = pipe.eval_step(input_ids=ids, labels=labels)
+    with torch.no_grad():
+        want = eager(input_ids=ids, labels=labels)
+    assert_close_scaled(out.loss, want.loss, what="eval loss")
+    assert_close_scaled(out.logits, want.logits, what="eval logits")
     pipe.close()
 
 
