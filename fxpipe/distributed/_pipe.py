@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.capture._tracing import Capture
@@ -327,16 +328,27 @@ class DistributedPipeline:
         return loss if loss is not None else box[0].to(_FLOATS[int(box[1].item())])
 
     @torch.no_grad()
-    def eval_step(self, *args: Any, **kwargs: Any) -> Optional[Any]:
-        """Forward only: the model's outputs on the rank of the last stage, ``None`` on the
-        others, merged over micro-batches as ``fxpipe.pipeline`` merges them (along dim 0; a
-        loss as ``output_merge`` says, weighed by its counted labels)."""
+    def eval_step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any) -> Optional[Any]:
+        """Forward only, on every rank at once, the outputs merged over micro-batches as
+        ``fxpipe.pipeline`` merges them (along dim 0; a loss as ``output_merge`` says, weighed by
+        its counted labels).
+
+        With a loss -- ``target`` given to a pipeline built with ``loss_fn`` (the loss of the
+        merged outputs: the whole batch's, exact for any loss), or the model's own loss
+        (``loss_fn=None``) -- returns the loss on every rank, as ``step`` does;
+        ``return_outputs=True``: ``(loss, outputs)``, the outputs on every rank (sent from the
+        last stage's rank, on the CPU). Without a loss: the outputs on the last stage's rank,
+        ``None`` on the others (``return_outputs=True``: on every rank)."""
         self._check_open()
         with self._failures.agreed("check its batch", call="eval_step()") as agreement:
             agreement.copies = self._copies
             run = self._evaluation if self._in_eval_capture() else None  # the build's eval-mode capture
             tensors = self._inputs(args, kwargs, run)
-            agreement.batch = tensors
+            agreement.batch = (tensors, target)
+            if target is not None and (self._step_loss is None or self._step_loss.own is not None):
+                raise BatchShapeError("target= is given, but this pipeline has no loss_fn to compute a loss with (built "
+                                      "with loss_fn=None: the model's own loss, which eval_step returns): leave "
+                                      "target out, or build with loss_fn=")
             capture, batching = (self.capture, self._batching) if run is None else (run.capture, run.batching)
             flat = capture.flatten_inputs(args, kwargs)
             micro, sizes = batching.split(flat, self.chunks)
@@ -344,10 +356,32 @@ class DistributedPipeline:
         schedule, output = (self._forward_only, self._output) if run is None else (run.schedule, run.output)
         with self._exchanging():
             chunks = schedule.step(*self._sent(tensors))
-        if chunks is None:
-            return None
-        leaves = [output.flat(c if isinstance(c, (tuple, list)) else (c,)) for c in chunks]
-        return capture.unflatten_output(batching.merge(leaves, sizes, weights))
+        outputs, loss = None, None
+        if chunks is not None:  # the last stage's rank
+            leaves = [output.flat(c if isinstance(c, (tuple, list)) else (c,)) for c in chunks]
+            merged = batching.merge(leaves, sizes, weights)
+            outputs = capture.unflatten_output(merged)
+            if self._step_loss is not None and self._step_loss.own is not None:
+                loss = merged[self._step_loss.own]
+            elif target is not None and self._step_loss is not None:
+                on = pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, target)
+                loss = self._step_loss.loss_fn(outputs, on)
+        asked = target is not None or (self._step_loss is not None and self._step_loss.own is not None)
+        with self._exchanging():
+            if asked:
+                loss = self._broadcast_loss(loss.detach() if loss is not None else None)
+            if return_outputs:
+                outputs = self._everywhere(outputs)
+        if not asked:
+            return outputs
+        return (loss, outputs) if return_outputs else loss
+
+    def _everywhere(self, value: Any) -> Any:
+        """``value`` of the last stage's rank on every rank (its tensors through the CPU)."""
+        box = [pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, value)
+               if value is not None else None]
+        dist.broadcast_object_list(box, src=self._last_rank, group=self._group)
+        return box[0]
 
     def _in_eval_capture(self) -> bool:
         """Every module in eval mode, a graph with training baked in, and the build's eval

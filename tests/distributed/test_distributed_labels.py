@@ -125,7 +125,8 @@ def test_the_models_own_labels_loss_is_weighed_as_in_one_process(one_rank) -> No
     with pytest.raises(Exception, match="target= is given"):
         pipe.step(input_ids=ids, labels=labels, target=labels)
     # validation: the model's own loss merged as it counts (torch's merge failed on the 0-dim loss)
-    out = pipe.eval_step(input_ids=ids, labels=labels)
+    loss, out = pipe.eval_step(input_ids=ids, labels=labels, return_outputs=True)  # the loss on every rank
+    assert torch.equal(loss, out.loss)
     with torch.no_grad():
         want = eager(input_ids=ids, labels=labels)
     assert_close_scaled(out.loss, want.loss, what="eval loss")
@@ -176,4 +177,11 @@ def test_step_returns_the_outputs_on_the_last_stages_rank(one_rank) -> None:
     assert_close_scaled(loss, _gpt_loss(want, y).detach(), None, what="loss")
     _, preds = pipe.step(x, target=y, return_outputs=lambda o: o.argmax(-1))
     assert len(preds) == 2 and preds[0].shape == (2, 16)
+    # validation: the loss of the whole batch's outputs (ignored labels and all), as step() gives it
+    with torch.no_grad():
+        want = eager(x)
+    assert_close_scaled(pipe.eval_step(x, target=y), _gpt_loss(want, y), None, what="eval loss")
+    loss, out = pipe.eval_step(x, target=y, return_outputs=True)
+    assert_close_scaled(out, want, None, what="eval outputs")
+    assert_close_scaled(pipe.eval_step(x), want, None, what="outputs, no target")
     pipe.close()

@@ -246,10 +246,12 @@ def _eval_worker(rank: int, world: int, port: int, out: str) -> None:
     mine = {k: v.clone() for k, v in pipe.state_dict().items()}
     model.eval()
     first, second = pipe.eval_step(input_ids=ids), pipe.eval_step(input_ids=ids)
+    eval_loss, everywhere = pipe.eval_step(input_ids=ids, target=ids, return_outputs=True)  # on every rank
     model.train()
     loss = pipe.step(input_ids=ids, target=ids)  # training again: the build's stages
     logits = [None if o is None else o.logits for o in (first, second)]
-    torch.save({"weights": mine, "logits": logits, "loss": loss}, Path(out) / f"rank{rank}.pt")
+    torch.save({"weights": mine, "logits": logits, "loss": loss, "eval_loss": eval_loss,
+                "everywhere": everywhere.logits}, Path(out) / f"rank{rank}.pt")
     pipe.close()
     _leave()
 
@@ -278,6 +280,10 @@ def test_validation_in_the_middle_of_training_is_exact_on_ranks(tmp_path: Path) 
     assert_close_scaled(first, want, what="logits")
     assert torch.equal(first, second)
     assert torch.isfinite(ranks[0]["loss"]) and torch.equal(ranks[0]["loss"], ranks[1]["loss"])
+    eval_loss = torch.nn.functional.cross_entropy(want.flatten(0, 1), ids.flatten())
+    for r in ranks:  # the eval loss and, on request, the outputs on every rank
+        assert_close_scaled(r["eval_loss"], eval_loss, what="eval loss")
+        assert torch.equal(r["everywhere"], first)
 
 
 def _save_worker(rank: int, world: int, port: int, out: str) -> None:
