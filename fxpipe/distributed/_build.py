@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from fxpipe.build import BuildOptions, capture_and_check, check_plan, check_split_points, choose_plan
 from fxpipe.capture._tracing import retarget_devices
 from fxpipe.checks._loss_fn import LossFnReading, out_dims_of
+from fxpipe.emit._compiling import CompileOption, check_compile_option, compile_stages
 from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
 from fxpipe.checks._batching import OutputMerge
@@ -152,6 +153,7 @@ def pipeline(
     init_buffers: Optional[InitBuffers] = None,
     device: DeviceOption = None,
     progress: ProgressOption = True,
+    compile: CompileOption = False,
 ) -> DistributedPipeline:
     """This rank's part of ``model`` run as a pipeline of ``world_size * stages_per_rank`` stages.
 
@@ -205,6 +207,9 @@ def pipeline(
         device: where this rank runs: None (``cuda:LOCAL_RANK`` over NCCL, the CPU over
             gloo, as the process group's backend allows), ``'cuda'``, ``'cuda:N'`` or ``'cpu'``.
         progress: as for :func:`fxpipe.pipeline`; shown by rank 0 only (one terminal line).
+        compile: as for :func:`fxpipe.pipeline`: ``True`` or torch.compile's keyword arguments
+            compiles this rank's stages (lazily, at their first call; after the build's fake
+            metadata run); the schedule, sends and recomputation stay eager around them.
 
     Raises:
         fxpipe.errors.DistributedError: no process group and no torchrun environment; a
@@ -219,6 +224,7 @@ def pipeline(
         and every error :func:`fxpipe.pipeline` raises for the model.
     """
     wait = _check_timeout(timeout)
+    compile_options = check_compile_option(compile)  # before any collective: a bad option on every rank alike
     ensure_process_group(wait, device)
     _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, checkpoint)
     chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
@@ -307,6 +313,10 @@ def pipeline(
                          target)
 
     runner_schedule, forward_only = make_schedules(schedule, pipe_stages, chunks, scaled_loss, placement)
+    if compile_options is not None:  # after the fake metadata runs, which must see the plain stages
+        compile_stages([stages[k] for k in local], compile_options)
+        if evaluation is not None:
+            compile_stages([evaluation.stages[k] for k in local], compile_options)
     ties = TiedGradients(model, stages.modules, placement, group, wait)
     shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
     return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,

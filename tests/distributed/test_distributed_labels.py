@@ -185,3 +185,24 @@ def test_step_returns_the_outputs_on_the_last_stages_rank(one_rank) -> None:
     assert_close_scaled(out, want, None, what="eval outputs")
     assert_close_scaled(pipe.eval_step(x), want, None, what="outputs, no target")
     pipe.close()
+
+
+def test_compiled_stages_step_as_eager(one_rank) -> None:
+    """fxpipe.distributed(compile=...): this rank's stages compiled (aot_eager: the graphs and
+    the backward torch.compile makes, no code generation), steps exact against eager."""
+    import copy
+
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    eager = copy.deepcopy(model)
+    y = _labels()
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=_gpt_loss, schedule="zbv", stages_per_rank=2, timeout=60,
+                        compile={"backend": "aot_eager"})
+    assert all(getattr(pipe.stages[k], "_compiled_call_impl", None) is not None for k in pipe.local)
+    for _ in range(2):
+        model.zero_grad()
+        eager.zero_grad()
+        _assert_exact(pipe.step(x, target=y), _gpt_loss(eager(x), y), model, eager)
+    pipe.close()
