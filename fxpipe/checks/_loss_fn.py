@@ -20,6 +20,7 @@ forward, no logits (about 1% of a step, ``benchmarks/loss_reading.py``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -75,7 +76,12 @@ def loss_key(loss_fn: Any) -> Any:
     holds, the globals its code names, a bound method's object's attributes, a callable
     object's attributes (``nn.CrossEntropyLoss``'s ``weight`` and ``ignore_index``). A lambda
     made anew each step with the same code and values is the same loss; a function that reads
-    a value through a helper of its own is not seen here (the docs say so)."""
+    a value through a helper of its own is not seen here (the docs say so). A
+    ``functools.partial`` is its function with its arguments; a container or plain object it
+    names (a config dict, an ``argparse.Namespace``) by its contents, one level deep."""
+    if isinstance(loss_fn, functools.partial):
+        return ("partial", loss_key(loss_fn.func), tuple(_value(a) for a in loss_fn.args),
+                tuple((k, _value(v)) for k, v in sorted(loss_fn.keywords.items())))
     fn = getattr(loss_fn, "__func__", loss_fn)
     owner = getattr(loss_fn, "__self__", None)
     code = getattr(fn, "__code__", None)
@@ -95,21 +101,28 @@ def _module(value: Any) -> bool:
         and not hasattr(value, "__dict__")
 
 
-def _value(x: Any) -> Any:
+def _value(x: Any, depth: int = 0) -> Any:
     """A value as a key: plain ones themselves, a tensor by identity and version, a module
-    (nn.Module) by its parameters', buffers' and plain attributes', anything else by identity."""
+    (nn.Module) by its parameters', buffers' and plain attributes', a small container or a
+    plain object (a config) by its contents, one level deep; anything else by identity."""
     if x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         return (type(x), x)
     if isinstance(x, Tensor):
         return ("tensor", id(x), x._version)
+    if depth > 1:
+        return ("id", id(x))
     if isinstance(x, (tuple, list)) and len(x) <= 16:
-        return (type(x), tuple(_value(v) for v in x))
+        return (type(x), tuple(_value(v, depth + 1) for v in x))
+    if isinstance(x, dict) and len(x) <= 64:
+        return (dict, id(x), tuple((_value(k, 2), _value(v, depth + 1)) for k, v in x.items()))
     if isinstance(x, torch.nn.Module):
-        return ("module", id(x), _state(vars(x)))
+        return ("module", id(x), _state(vars(x), depth + 1))
+    if hasattr(x, "__dict__") and not isinstance(x, type) and not callable(x) and len(vars(x)) <= 64:
+        return ("object", id(x), _state(vars(x), depth + 1))
     return ("id", id(x))
 
 
-def _state(attrs: dict) -> Tuple[Any, ...]:
+def _state(attrs: dict, depth: int = 1) -> Tuple[Any, ...]:
     """An object's attributes as a key, one level deep (a module's registries included)."""
     out = []
     for name, v in attrs.items():
@@ -117,10 +130,8 @@ def _state(attrs: dict) -> Tuple[Any, ...]:
             out.append((name, tuple((k, _value(t)) for k, t in v.items())))
         elif name.startswith("_") and name != "_modules":
             continue
-        elif isinstance(v, dict):
-            out.append((name, ("id", id(v))))
         else:
-            out.append((name, _value(v)))
+            out.append((name, _value(v, depth)))
     return tuple(out)
 
 
