@@ -232,9 +232,11 @@ class BatchShapeError(FxpipeError, ValueError):
 
 
 class ModeError(FxpipeError, RuntimeError):
-    """A pipeline called in a training/eval mode its captured graph cannot run in: the capture
-    baked the other mode in (a traced ``self.training`` branch). The message says to build one
-    pipeline per mode."""
+    """A pipeline called in a training/eval mode its captured graph cannot run in, where no
+    capture in that mode could be made: the capture baked the other mode in (torch.export, a
+    traced ``self.training`` branch) and capturing it again failed, or ``fxpipe.distributed``
+    (``step`` in eval mode, a build in eval mode called in training mode). The message says why
+    and to build one pipeline per mode."""
 
 
 class ModelChangedError(FxpipeError, RuntimeError):
