@@ -78,7 +78,7 @@ def test_deferred_batch_norm_under_torch_export_is_refused_where_it_would_do_not
                     progress=False).close()
 
 
-class _ExportedBN(nn.Module):
+class _ExportedConvBN(nn.Module):
     """Conv, BatchNorm, ReLU twice, captured by torch.export (the shape check stops torch.fx):
     its stages read the running statistics through get_attr paths of their own."""
 
@@ -105,7 +105,7 @@ def test_running_statistics_under_export_are_updated_once_per_micro_batch(checkp
     an HF ResNet). Against eager run on the same micro-batches one after the other."""
     import fxpipe
 
-    model = _ExportedBN().train()
+    model = _ExportedConvBN().train()
     ref = copy.deepcopy(model)
     x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 3, (4,))
     pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, checkpoint=checkpoint, progress=False,
