@@ -21,13 +21,14 @@ and any other set is refused with :class:`~fxpipe.errors.ModelChangedError` nami
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .build import BuildOptions, Checked, CarryError, capture_and_check, plan_carried_over
 from .capture._baked_dtypes import BakedDtypes
+from .capture._mode_flags import Flags, flags_of, listed, mode_changes
 from .capture._model_check import ModelCheck
 from .capture._prepare import preserved
 from .capture._tracing import Capture
@@ -37,16 +38,10 @@ from .errors import FxpipeError, ModelChangedError, ModeError
 from .plan._value import Plan
 from .runtime._skip_layout import SkipLayout
 
-__all__ = ["Variant", "ModeVariants", "flags_of", "LIMIT"]
+__all__ = ["Variant", "ModeVariants", "LIMIT"]
 
 #: captures kept per pipeline (each shares the model's parameters: a graph and its stage code)
 LIMIT = 4
-
-Flags = Tuple[bool, ...]
-
-
-def flags_of(modules: List[nn.Module]) -> Flags:
-    return tuple(m.training for m in modules)
 
 
 @dataclass
@@ -83,12 +78,6 @@ def capture_other_flags(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, o
         return checked, plan_carried_over(plan, planned, checked.capture)
 
 
-def _described(modules: List[Tuple[str, nn.Module]], built: Flags, now: Flags) -> List[str]:
-    return [f"'{name or type(m).__name__}' is in {'training' if t else 'eval'} mode now, was in "
-            f"{'training' if b else 'eval'} mode at the build"
-            for (name, m), b, t in zip(modules, built, now) if b != t]
-
-
 class ModeVariants:
     """The variants of one pipeline, keyed by every module's ``training`` flag.
 
@@ -104,7 +93,7 @@ class ModeVariants:
                  options: BuildOptions, emit: Callable[[Capture, Plan], Stages],
                  prepared: Optional[Tuple[Flags, Any, Optional[Plan]]] = None) -> None:
         self.baked = baked
-        self._named = [(name, m) for name, m in model.named_modules()]
+        self._named = list(model.named_modules())  # the modules as built, in model.modules() order
         self._modules = [m for _, m in self._named]
         self._model = model
         self._built = flags_of(self._modules)
@@ -161,7 +150,7 @@ class ModeVariants:
         return Variant.of(self._model, checked.capture, checked.batching, plan, self._emit(checked.capture, plan))
 
     def _refusal(self, flags: Flags, cause: Optional[BaseException]) -> FxpipeError:
-        changed = _described(self._named, self._built, flags)
+        changed = mode_changes(self._named, self._built)
         if cause is not None:
             why = f"capturing the model again in these modes failed: {type(cause).__name__}: {cause}"
         elif self._several_devices:
@@ -170,10 +159,9 @@ class ModeVariants:
         else:
             why = "it was made without a sample to capture the model again (use fxpipe.pipeline)"
 
-        shown = changed[:6] + ([f"... and {len(changed) - 6} more"] if len(changed) > 6 else [])
         message = (f"this pipeline's graph has each module's mode baked in ({self.baked}), and {why}. Switch the "
                    "modes before the build, or build a pipeline in these modes (fxpipe.pipeline(model, ...); it shares "
-                   "the model's parameters). What changed:\n" + "\n".join(f"  - {c}" for c in shown))
+                   "the model's parameters). What changed:\n" + listed(changed))
         if flags[0] != self._built[0]:  # the root's own mode: model.eval() / model.train()
             return ModeError(message)
         return ModelChangedError(message, changes=changed)

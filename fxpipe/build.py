@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .capture._meta import is_meta_model, refuse_timing, to_meta
+from .capture._mode_flags import flags_of, modes_kept
 from .capture._mutation import check_kept_together
 from .capture._prepare import Prepared, prepare, preserved
 from .capture._signature import sample_mismatch
@@ -291,16 +292,13 @@ def capture_flipped(model: nn.Module, checked: Checked, plan: Plan, options: Bui
     """The model captured and checked with the root's mode flipped (every module with it), and
     ``plan`` carried over; or the error that stopped it, kept for the call that needs it. Call
     inside ``preserved(model)``; the modes are back as they were on return."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.train(not model.training)
-    flags = tuple(m.training for m in model.modules())
-    try:
-        with torch.enable_grad():
-            other = capture_and_check(model, checked.args, checked.kwargs,
-                                      replace(options, export_only=checked.capture.method == "export"))
-            return flags, other, plan_carried_over(plan, checked.capture, other.capture)
-    except (FxpipeError, CarryError) as e:
-        return flags, e, None
-    finally:
-        for m, training in modes:
-            m.training = training
+    with modes_kept(model):
+        model.train(not model.training)
+        flags = flags_of(model.modules())
+        try:
+            with torch.enable_grad():
+                other = capture_and_check(model, checked.args, checked.kwargs,
+                                          replace(options, export_only=checked.capture.method == "export"))
+                return flags, other, plan_carried_over(plan, checked.capture, other.capture)
+        except (FxpipeError, CarryError) as e:
+            return flags, e, None

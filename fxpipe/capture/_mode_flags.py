@@ -14,13 +14,47 @@ follows such switches instead, with a capture per set of flags (:mod:`fxpipe._mo
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from contextlib import contextmanager
+from typing import Iterable, Iterator, List, Sequence, Tuple
 
 from torch import nn
 
 from ..errors import ModelChangedError
 
-__all__ = ["ModeFlags"]
+__all__ = ["ModeFlags", "Flags", "flags_of", "modes_kept", "mode_changes", "listed"]
+
+#: every module's ``training`` flag, in ``model.modules()`` order
+Flags = Tuple[bool, ...]
+
+
+def flags_of(modules: Iterable[nn.Module]) -> Flags:
+    """The flags of ``modules`` (``model.modules()``, or the list of them taken at a build)."""
+    return tuple(m.training for m in modules)
+
+
+@contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Runs the block, then puts every module's own ``training`` flag back (``model.train(x)``
+    would set them all to one)."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def mode_changes(named: Sequence[Tuple[str, nn.Module]], built: Sequence[bool]) -> List[str]:
+    """One line per module of ``named`` whose flag differs from ``built`` (its flag then)."""
+    return [f"'{name or type(m).__name__}' is in {'training' if m.training else 'eval'} mode now, was in "
+            f"{'training' if flag else 'eval'} mode at the build" for (name, m), flag in zip(named, built)
+            if m.training is not flag]
+
+
+def listed(changes: List[str]) -> str:
+    """The changes as a message lists them: six, then how many more."""
+    shown = changes[:6] + ([f"... and {len(changes) - 6} more"] if len(changes) > 6 else [])
+    return "\n".join(f"  - {c}" for c in shown)
 
 
 class ModeFlags:
@@ -40,13 +74,9 @@ class ModeFlags:
                 break
         else:
             return
-        changed = [f"'{name}' is in {'training' if m.training else 'eval'} mode now, was in "
-                   f"{'training' if flag else 'eval'} mode at the build" for m, name, flag in self._flags
-                   if m.training is not flag]
-        shown = changed[:6] + ([f"... and {len(changed) - 6} more"] if len(changed) > 6 else [])
+        changed = mode_changes([(name, m) for m, name, _ in self._flags], [flag for _, _, flag in self._flags])
         raise ModelChangedError(
             f"submodules were switched to another mode after the pipeline was built, and its graph has each "
             f"module's mode baked in ({self.baked}): the switch would be silently ignored. Build the pipeline again "
             "after switching (fxpipe.pipeline(model, ...); it shares the model's parameters), e.g. freeze "
-            "BatchNorm or turn dropout off before the build. What changed:\n"
-            + "\n".join(f"  - {c}" for c in shown), changes=changed)
+            "BatchNorm or turn dropout off before the build. What changed:\n" + listed(changed), changes=changed)

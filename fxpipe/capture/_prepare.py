@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ._mode_flags import modes_kept
 from ._tracing import Capture, capture
 from ._values import same_value
 from ..errors import MutationError, TraceError
@@ -223,17 +224,13 @@ def mode_sensitivity(model: nn.Module, captured: Capture, args: tuple, kwargs: d
     """
     if captured.method == "export":
         return "captured with torch.export"
-    modes = [(m, m.training) for m in model.modules()]  # each module's: model.train(x) would set them all
     try:
-        model.train(not model.training)
-        with warnings.catch_warnings():
+        with modes_kept(model), warnings.catch_warnings():  # each module's flag back, not the root's for all
+            model.train(not model.training)
             warnings.simplefilter("ignore")
             other = capture(model, args, kwargs, leaf_modules=leaf_modules, split_dims=split_dims)
     except Exception:  # noqa: BLE001 - a model that traces in one mode only is mode-sensitive
         return "the model does not trace the same way in the other mode"
-    finally:
-        for m, flag in modes:
-            m.training = flag
     if other.graph_module.code != captured.graph_module.code:
         return "a traced forward reads self.training"
     return ""

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor, fx, nn
 
+from ..capture._mode_flags import modes_kept
 from ..capture._values import exactly_same, same_value
 from ..errors import MicroBatchError
 from ._batching import _LOSS_NOTE, Batching, _merge_hint, _output_label
@@ -157,13 +158,9 @@ def concatenated_dim(whole: Any, parts: Sequence[Any]) -> Optional[int]:
 @contextmanager
 def evaluating(model: nn.Module) -> Iterator[None]:
     """Eval mode for the block; every submodule's own flag is put back after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
+    with modes_kept(model):
+        model.eval()
         yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 

@@ -40,6 +40,7 @@ from ._batching import Batching, ChunkDims, OutputMerge
 from ._micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
 from ..errors import MicroBatchError, TraceError
 from ..capture._meta import is_meta_model
+from ..capture._mode_flags import modes_kept
 from ..capture._numerics import checking
 from ..capture._prepare import Prepared, check_capture, preserved
 from ..runtime._randomness import drew_random
@@ -65,18 +66,14 @@ def training(model: nn.Module, exempt: bool = True) -> Iterator[None]:
     """Training mode for the block: the flags as they are when the model is training (the mode
     it was built in), else ``model.train()`` (what ``pipe.train()`` gives). With ``exempt``,
     dropout and BatchNorm modules in eval mode (see the module docstring). Flags put back after."""
-    modes = [(m, m.training) for m in model.modules()]
-    if not model.training:
-        model.train()
-    if exempt:
-        for m in model.modules():
-            if isinstance(m, (_BatchNorm, _DropoutNd)):
-                m.training = False
-    try:
+    with modes_kept(model):
+        if not model.training:
+            model.train()
+        if exempt:
+            for m in model.modules():
+                if isinstance(m, (_BatchNorm, _DropoutNd)):
+                    m.training = False
         yield
-    finally:
-        for m, flag in modes:
-            m.training = flag
 
 
 def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, chunk_dims: ChunkDims,
