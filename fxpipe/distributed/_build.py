@@ -316,7 +316,7 @@ def pipeline(
     if compile_options is not None:  # after the fake metadata runs, which must see the plain stages
         compile_stages([stages[k] for k in local], compile_options)
         if evaluation is not None:
-            compile_stages([evaluation.stages[k] for k in local], compile_options)
+            compile_stages([evaluation.variant.stages[k] for k in local], compile_options)
     ties = TiedGradients(model, stages.modules, placement, group, wait)
     shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
     return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,

@@ -25,11 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxpipe._mode_variants import Variant
 from fxpipe.build import BuildOptions, Checked, capture_flipped
-from fxpipe.capture._baked_dtypes import BakedDtypes
-from fxpipe.capture._model_check import ModelCheck
-from fxpipe.capture._tracing import Capture, retarget_devices
-from fxpipe.checks._batching import Batching
+from fxpipe.capture._tracing import retarget_devices
 from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
 from fxpipe.errors import FxpipeError
@@ -45,26 +43,27 @@ from ._values import StageRunner
 
 __all__ = ["EvalRun", "capture_eval", "eval_run"]
 
+#: what the build's eval capture found: the flags, the capture checked, its stages and their plan
+Found = tuple[tuple[bool, ...], Checked, Stages, Plan]
+
 
 @dataclass
 class EvalRun:
-    """What ``eval_step`` runs in eval mode: the capture, its stages, this rank's forward-only
-    schedule over them, the last stage's runner where this rank holds it, the flags it is for."""
+    """What ``eval_step`` runs in eval mode: the capture with its batching, stages and checks of
+    what they hold (a :class:`~fxpipe._mode_variants.Variant`, as one process keeps per set of
+    flags), this rank's forward-only schedule over the stages, the last stage's runner where
+    this rank holds it, and the flags it is for."""
 
     flags: tuple[bool, ...]
-    capture: Capture
-    batching: Batching
-    stages: Stages
+    variant: Variant
     schedule: Any
     output: Optional[StageRunner]
-    model_check: ModelCheck
-    dtypes: BakedDtypes
 
 
 def capture_eval(model: nn.Module, checked: Checked, plan: Plan, options: BuildOptions, group: dist.ProcessGroup,
-                 device: torch.device, n_stages: int) -> tuple[Optional[tuple[tuple[bool, ...], Checked, Stages]], str]:
+                 device: torch.device, n_stages: int) -> tuple[Optional[Found], str]:
     """The model captured in eval mode with ``plan``'s cut, its stages emitted and agreed on
-    every rank: ``((flags, checked, stages), '')``, or ``(None, why)`` on every rank alike.
+    every rank: ``((flags, checked, stages, their plan), '')``, or ``(None, why)`` on every rank alike.
     Collective; call inside ``preserved(model)``, before the weights are made local."""
     found: list[Any] = []
     try:
@@ -76,26 +75,27 @@ def capture_eval(model: nn.Module, checked: Checked, plan: Plan, options: BuildO
     except FxpipeError as e:  # raised on every rank (the failing one's error, PeerFailedError elsewhere)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
     flags, other, carried = found[0]
-    built: list[Stages] = []
+    built: list[tuple[Stages, Plan]] = []
 
     def build() -> list[str]:
         gm = other.capture.graph_module
-        built.append(emit_stages(gm, carried_plan(gm, carried)))
-        return [built[0].stage_code(k, source=False) for k in range(n_stages)]
+        portals_carried = carried_plan(gm, carried)
+        built.append((emit_stages(gm, portals_carried), portals_carried))
+        return [built[0][0].stage_code(k, source=False) for k in range(n_stages)]
 
     try:
         agree_on_stages(build, group)
     except FxpipeError as e:
         return None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    return (flags, other, built[0]), ""
+    return (flags, other, *built[0]), ""
 
 
-def eval_run(found: tuple[tuple[bool, ...], Checked, Stages], model: nn.Module, flat: Sequence[Any],
+def eval_run(found: Found, model: nn.Module, flat: Sequence[Any],
              micro: Sequence[Any], local: Sequence[int], placement: Sequence[int], chunks: int,
              group: dist.ProcessGroup, device: torch.device, stage_class: type = PipelineStage) -> EvalRun:
     """This rank's stages of the eval capture as a forward-only schedule on ``device`` (the
     weights already local, :mod:`._materialise`)."""
-    flags, checked, stages = found
+    flags, checked, stages, plan = found
     captured, n_stages = checked.capture, len(stages)
     if captured.method == "export":
         for stage in stages.modules:
@@ -112,6 +112,5 @@ def eval_run(found: tuple[tuple[bool, ...], Checked, Stages], model: nn.Module, 
                                  training_of=model, device=device)
         pipe_stages.append(stage_class(runners[k], k, n_stages, device, input_args=metas[k].input_args,
                                        output_args=metas[k].output_args, group=group))
-    return EvalRun(flags, captured, checked.batching, stages, forward_schedule(pipe_stages, chunks, placement),
-                   runners.get(n_stages - 1), ModelCheck(model, captured.graph_module, captured.reads, stages.modules),
-                   BakedDtypes(model, captured.graph_module, captured.method))
+    return EvalRun(flags, Variant.of(model, captured, checked.batching, plan, stages),
+                   forward_schedule(pipe_stages, chunks, placement), runners.get(n_stages - 1))

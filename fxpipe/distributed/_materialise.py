@@ -15,7 +15,8 @@ on meta. Then each rank gives real values to exactly the tensors its own stages 
    ``torch.__future__.set_swap_module_params_on_conversion(True)``: the Python object stays
    the same, so the model, every stage and a tied weight's other names see the new storage
    (plain ``to_empty`` makes new Parameters, which broke ties, issue 11). Its attributes
-   (``__dict__``) are kept.
+   (``__dict__``) are kept (:func:`._weights.swap_in_place`, which also releases the other
+   ranks' tensors after a build).
 3. **Non-persistent buffers** (a rotary embedding's ``inv_freq``, position ids) are in no
    checkpoint, and ``load_state_dict`` never reads them. They are recomputed by the model's own
    code: ``init_buffers(name, module)`` when given, else, for a transformers model, the
@@ -47,7 +48,6 @@ through a GPU copy of each tensor that stays on the CPU.
 
 from __future__ import annotations
 
-import gc
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -64,6 +64,7 @@ from fxpipe.capture._meta import is_meta_model
 
 from ._agree import on_every_rank
 from ._sources import StateDictSource, missing_message, open_source
+from ._weights import drop_weak_references, swap_in_place
 
 __all__ = ["InitBuffers", "check_sample", "local_weights", "LocalTensors", "local_tensors"]
 
@@ -151,13 +152,13 @@ def local_weights(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loca
         source = open_source(state_dict, found.wanted())
         targets = _choose_keys(found, source)
         if meta:
-            # The fake runs (capture, stage metadata) left weak references to the meta tensors
-            # in fake modes now unreachable but cyclic; swap_tensors refuses a weakly-referenced
-            # tensor, so collect them first.
-            gc.collect()
+            # The fake runs (capture, stage metadata) left weak references to the meta tensors;
+            # swap_tensors refuses a weakly-referenced tensor, so they go first.
+            drop_weak_references()
             for t in found.tensors.values():
                 if t.is_meta:
-                    _to_device_in_place(t, found.where[id(t)], device)
+                    swap_in_place(t, torch.empty_like(t, device=device), found.where[id(t)],
+                                  " Build the pipeline from a model with real weights instead.")
             _init_buffers(model, found, init_buffers, device)
         for t in found.tensors.values():
             move_in_place(t, device)
@@ -227,21 +228,6 @@ def _choose_keys(found: LocalTensors, source: Any) -> dict[str, torch.Tensor]:
         raise MaterialiseError(f"{source.where} has other shapes than the model: {'; '.join(wrong[:5])}. "
                                "Build the model with the configuration the checkpoint was saved from.")
     return targets
-
-
-def _to_device_in_place(t: torch.Tensor, where: str, device: torch.device) -> None:
-    """``t`` (on meta) now holds uninitialised memory of its shape and dtype on ``device``, as
-    the same Python object with the same attributes (``to_empty`` with swapped module parameters)."""
-    empty = torch.empty_like(t, device=device)
-    new = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
-    try:
-        new.__class__ = type(t)
-        new.__dict__.update(t.__dict__)
-        torch.utils.swap_tensors(t, new)
-    except (RuntimeError, TypeError) as e:
-        raise MaterialiseError(f"{where} ({type(t).__name__}) cannot be moved off the meta device in place "
-                               f"({e}); a tensor subclass, or one something else holds a reference to, cannot "
-                               "be swapped. Build the pipeline from a model with real weights instead.") from e
 
 
 def _init_buffers(model: nn.Module, found: LocalTensors, init_buffers: Optional[InitBuffers],

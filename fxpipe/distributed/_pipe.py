@@ -188,14 +188,14 @@ class DistributedPipeline:
                                    self._group, self.device, error_if_nonfinite)
 
     # -- running -------------------------------------------------------------------------
-    def _inputs(self, args: tuple, kwargs: dict, run: Optional[EvalRun] = None) -> list[torch.Tensor]:
-        """The tensors of a call, on this rank's device, checked against the sample's shapes on
+    def _inputs(self, args: tuple, kwargs: dict, run: Optional[EvalRun] = None) -> tuple[list[Any], list[torch.Tensor]]:
+        """The flat inputs of a call and their tensors, checked against the sample's shapes on
         every rank, after checking that the model did not change since the build
         (:mod:`fxpipe.capture._model_check`). ``run``: the eval capture ``eval_step`` runs in
         eval mode (:mod:`._eval_mode`), None for the build's."""
         if run is not None:
-            run.model_check.check()
-            run.dtypes.check()
+            run.variant.model_check.check()
+            run.variant.dtypes.check()
         else:
             self._model_check.check()
             if self._mode_sensitive and self.module.training != self._captured_training:
@@ -218,7 +218,7 @@ class DistributedPipeline:
                 f"this call runs under {_autocast_text(_autocast(kind), kind)}, but the pipeline was built under "
                 f"{_autocast_text(self._autocast, kind)}: its stages exchange buffers of the dtypes found at build. "
                 "Build the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
-        flat = (run.capture if run is not None else self.capture).flatten_inputs(args, kwargs)  # names the argument
+        flat = (run.variant.capture if run is not None else self.capture).flatten_inputs(args, kwargs)  # names it
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         for i, (t, want) in enumerate(zip(tensors, self._sample_shapes)):
             if tuple(t.shape) != want:
@@ -227,7 +227,7 @@ class DistributedPipeline:
                     f"{want}: its stages exchange buffers of the sample's micro-batch shapes. Pass batches "
                     f"shaped like the sample (batch size {want[0] if want else '-'}, split into {self.chunks} "
                     "micro-batches), or build another pipeline with a sample of the new shape.")
-        return tensors
+        return flat, tensors
 
     def _sent(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """What this rank feeds its schedule: the inputs on its device when it runs the first
@@ -271,7 +271,7 @@ class DistributedPipeline:
                 raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
                                 f"got {type(return_outputs).__name__}")
             agreement.copies = self._copies  # tied parameters: equal on the ranks holding them
-            tensors = self._inputs(args, kwargs)
+            flat, tensors = self._inputs(args, kwargs)
             agreement.batch = (tensors, target)  # every rank must have this step's batch
             batch = self._sample_shapes[0][0] if self._sample_shapes and self._sample_shapes[0] else self.chunks
             targets = None
@@ -288,7 +288,7 @@ class DistributedPipeline:
                 targets = split_target(target, [batch // self.chunks] * self.chunks)
             last = self.n_stages - 1 in self.local
             if last and self._step_loss is not None:  # the loss weighed before anything is sent
-                self._step_loss.begin(targets, self.capture.flatten_inputs(args, kwargs))
+                self._step_loss.begin(targets, flat)
                 self._step_loss.keep = return_outputs
         # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
         # takes the real one from StepLoss: a stand-in, split alike
@@ -343,14 +343,14 @@ class DistributedPipeline:
         with self._failures.agreed("check its batch", call="eval_step()") as agreement:
             agreement.copies = self._copies
             run = self._evaluation if self._in_eval_capture() else None  # the build's eval-mode capture
-            tensors = self._inputs(args, kwargs, run)
+            flat, tensors = self._inputs(args, kwargs, run)
             agreement.batch = (tensors, target)
             if target is not None and (self._step_loss is None or self._step_loss.own is not None):
                 raise BatchShapeError("target= is given, but this pipeline has no loss_fn to compute a loss with (built "
                                       "with loss_fn=None: the model's own loss, which eval_step returns): leave "
                                       "target out, or build with loss_fn=")
-            capture, batching = (self.capture, self._batching) if run is None else (run.capture, run.batching)
-            flat = capture.flatten_inputs(args, kwargs)
+            capture, batching = ((self.capture, self._batching) if run is None
+                                 else (run.variant.capture, run.variant.batching))
             micro, sizes = batching.split(flat, self.chunks)
             weights = batching.weights(flat, micro)  # a loss over counted labels: each micro-batch's count
         schedule, output = (self._forward_only, self._output) if run is None else (run.schedule, run.output)

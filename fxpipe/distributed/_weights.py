@@ -36,7 +36,8 @@ from torch.utils.weak import WeakIdRef
 
 from fxpipe.errors import DistributedError, MaterialiseError
 
-__all__ = ["release_others", "restore_released", "local_state_dict", "load_local_state_dict", "partly_released"]
+__all__ = ["release_others", "restore_released", "local_state_dict", "load_local_state_dict", "partly_released",
+           "swap_in_place", "drop_weak_references"]
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +74,12 @@ def _forget_conversions(t: torch.Tensor) -> None:
 RELEASED = "_fxpipe_released"
 
 
-def _swap(t: torch.Tensor, new: torch.Tensor, name: str) -> None:
+def swap_in_place(t: torch.Tensor, new: torch.Tensor, name: str, todo: str = "") -> None:
+    """``t`` holds ``new``'s storage and device from now on, as the same Python object with the
+    same attributes (``torch.utils.swap_tensors``, as ``to_empty`` with swapped module
+    parameters): the model, every stage and a tied weight's other names see it. A tensor moved
+    to meta is marked released under ``name`` (:func:`refuse_stale_optimizer`). Raises
+    :class:`MaterialiseError` naming ``name``, with ``todo``, where torch cannot swap it."""
     new = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
     _forget_conversions(t)
     try:
@@ -85,11 +91,12 @@ def _swap(t: torch.Tensor, new: torch.Tensor, name: str) -> None:
             new.__dict__.pop(RELEASED, None)
         torch.utils.swap_tensors(t, new)
     except (RuntimeError, TypeError) as e:
-        raise MaterialiseError(f"{name!r} ({type(t).__name__}) cannot be moved to or from the meta device in place "
-                               f"({e}): a tensor subclass, or one something else holds a weak reference to") from e
+        raise MaterialiseError(f"{name!r} ({type(t).__name__}) cannot be moved {'to' if new.is_meta else 'off'} the meta "
+                               f"device in place ({e}): a tensor subclass, or one something else holds a weak "
+                               f"reference to.{todo}") from e
 
 
-def _drop_weak_references() -> None:
+def drop_weak_references() -> None:
     """``swap_tensors`` refuses a tensor something holds a weak reference to: the fake modes of
     the build (cyclic garbage) and, under ``torch.autocast``, its cache of cast weights (and the
     live fake modes' memos: :func:`_forget_conversions`)."""
@@ -139,11 +146,11 @@ def release_others(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loc
             used |= ids
             if k in local:
                 mine |= ids
-    _drop_weak_references()
+    drop_weak_references()
     watch_optimizers()
     for name, t in _tensors(model):
         if id(t) in used and id(t) not in mine and not t.is_meta:
-            _swap(t, torch.empty_like(t, device="meta"), name)
+            swap_in_place(t, torch.empty_like(t, device="meta"), name)
 
 
 def restore_released(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -165,13 +172,13 @@ def restore_released(model: nn.Module, group: dist.ProcessGroup, device: torch.d
             "on the ranks whose stages use it; pass state_dict= (a checkpoint, e.g. what pipe.state_dict() saved) "
             "to build from it, or build the model anew.")
     everyone = (1 << world) - 1
-    _drop_weak_references()
+    drop_weak_references()
     for (name, t), h in zip(tensors, holders):
         if h == everyone:
             continue
         src = (h & -h).bit_length() - 1  # the lowest rank holding it
         if t.is_meta:  # on the CPU, as a model is built; the build moves its stages' to the rank's device
-            _swap(t, torch.empty_like(t, device="cpu"), name)
+            swap_in_place(t, torch.empty_like(t, device="cpu"), name)
         carrier = t.data if t.device == device else t.data.to(device)
         dist.broadcast(carrier, src=dist.get_global_rank(group, src), group=group)
         if carrier is not t.data:
