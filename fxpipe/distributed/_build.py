@@ -49,7 +49,7 @@ from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage
 from ._sources import StateDictSource
 from ._split_backward import backward_pass
 from ._ties import TiedGradients
-from ._values import StageRunner
+from ._values import stage_runners
 from ._weights import partly_released, release_others, restore_released
 
 __all__ = ["pipeline", "SCHEDULES", "DEFAULT_TIMEOUT"]
@@ -290,16 +290,9 @@ def pipeline(
     release_others(model, stages.modules, local, also)  # the other ranks' stages: no stale copy kept here
     evaluation = (eval_run(found_eval, model, flat, micro, local, placement, chunks, group, where, CheckpointedStage)
                   if found_eval is not None else None)
-    pipe_stages, runners = [], {}
-    for k in local:
-        first, last = k == 0, k == n_stages - 1
-        inputs = [None if isinstance(v, torch.Tensor) else ("const", v) for v in flat] if first else metas[k].in_kinds
-        runner = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, captured.out_spec,
-                             checkpoint_stop=checkpoint_stop(checkpoint, chunks, True), training_of=model,
-                             clone_outputs=SCHEDULES[schedule].split_backward, device=where)
-        runners[k] = runner
-        pipe_stages.append(CheckpointedStage(runner, k, n_stages, where, input_args=metas[k].input_args,
-                                         output_args=metas[k].output_args, group=group))
+    pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, where, group,
+                                         CheckpointedStage, checkpoint_stop=checkpoint_stop(checkpoint, chunks, True),
+                                         training_of=model, clone_outputs=SCHEDULES[schedule].split_backward)
 
     output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
 

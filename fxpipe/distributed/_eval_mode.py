@@ -39,7 +39,7 @@ from ._carry import carried_plan
 from ._failures import Failures
 from ._meta import stage_metas
 from ._schedules import forward_schedule
-from ._values import StageRunner
+from ._values import StageRunner, stage_runners
 
 __all__ = ["EvalRun", "capture_eval", "eval_run"]
 
@@ -104,13 +104,7 @@ def eval_run(found: Found, model: nn.Module, flat: Sequence[Any],
         for t in stage_tensors(stages[k]):
             move_in_place(t, device)
     metas = stage_metas(stages.modules, micro, stages.input_names, device)
-    pipe_stages, runners = [], {}
-    for k in local:
-        first, last = k == 0, k == n_stages - 1
-        inputs = [None if isinstance(v, torch.Tensor) else ("const", v) for v in flat] if first else metas[k].in_kinds
-        runners[k] = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, captured.out_spec,
-                                 training_of=model, device=device)
-        pipe_stages.append(stage_class(runners[k], k, n_stages, device, input_args=metas[k].input_args,
-                                       output_args=metas[k].output_args, group=group))
+    pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, device, group, stage_class,
+                                         training_of=model)
     return EvalRun(flags, Variant.of(model, captured, checked.batching, plan, stages),
                    forward_schedule(pipe_stages, chunks, placement), runners.get(n_stages - 1))

@@ -125,14 +125,7 @@ def fingerprint(values: Any, device: torch.device) -> torch.Tensor:
     for t in pytree.tree_leaves(values):
         if not isinstance(t, torch.Tensor):
             continue
-        x = t.detach().reshape(-1)
-        if x.is_complex():
-            x = torch.view_as_real(x).reshape(-1)
-        if x.dtype == torch.bool:
-            x = x.to(torch.uint8)
-        if x.is_floating_point():
-            x = x.view(_BITS[x.element_size()])
-        x = x.to(torch.int64)
+        x = _bits(t).to(torch.int64)
         part = torch.stack([x.sum(), (x * _weights(x.numel(), x.device)).sum()])
         out[0] += x.numel()
         out[1:] += part.to(device, non_blocking=True)
@@ -142,12 +135,19 @@ def fingerprint(values: Any, device: torch.device) -> torch.Tensor:
 def bits_sum(t: torch.Tensor) -> torch.Tensor:
     """The sum of a tensor's bits as int64: equal for equal tensors whatever the reduction
     order, different (but by a rare accident) for tensors that differ; one pass."""
+    return _bits(t).sum(dtype=torch.int64)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers, flat: a float's (or a complex part's) bits, a bool as 0 or 1."""
     x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
     if x.dtype == torch.bool:
         x = x.to(torch.uint8)
     if x.is_floating_point():
         x = x.view(_BITS[x.element_size()])
-    return x.sum(dtype=torch.int64)
+    return x
 
 
 class Agreement:

@@ -23,7 +23,7 @@ from fxpipe.errors import DistributedError
 
 from ._recompute import StageCheckpoint
 
-__all__ = ["Kind", "kind_of", "encode", "decode", "meta_of", "StageRunner"]
+__all__ = ["Kind", "kind_of", "encode", "decode", "meta_of", "StageRunner", "stage_runners"]
 
 #: "tensor" | "int" | "float" | "bool" | "none" | "size" | ("tuple" | "list", [Kind, ...])
 Kind = Union[str, tuple]
@@ -186,3 +186,22 @@ class StageRunner(nn.Module):
         """The last stage's output tensors (one micro-batch's, or merged by ``eval_step``) in
         the model's output structure, with the other leaves of the latest forward."""
         return pytree.tree_unflatten(self.flat(tensors), self.out_spec)
+
+
+def stage_runners(stages: Any, metas: Sequence[Any], flat: Sequence[Any], local: Sequence[int], out_spec: Any,
+                  device: torch.device, group: Any, stage_class: type, **options: Any) -> tuple[list[Any], dict]:
+    """This rank's stages ``local`` (of the emitted ``stages``) as ``stage_class`` pipeline
+    stages (torch's ``PipelineStage`` or a subclass) around :class:`StageRunner`\\ s, with the
+    static boundary metadata ``metas`` (:mod:`._meta`); the first stage takes the model's flat
+    inputs ``flat`` (non-tensors as constants). ``options``: the runners' keywords. Returns the
+    pipeline stages and ``{stage index: runner}``."""
+    n_stages = len(stages)
+    pipe_stages, runners = [], {}
+    for k in local:
+        first, last = k == 0, k == n_stages - 1
+        inputs = [None if isinstance(v, torch.Tensor) else ("const", v) for v in flat] if first else metas[k].in_kinds
+        runners[k] = StageRunner(stages[k], inputs, None if last else metas[k].out_kinds, first, out_spec,
+                                 device=device, **options)
+        pipe_stages.append(stage_class(runners[k], k, n_stages, device, input_args=metas[k].input_args,
+                                       output_args=metas[k].output_args, group=group))
+    return pipe_stages, runners
