@@ -24,7 +24,8 @@ MAX_UNMATCHED = 0.25
 
 
 class CarryError(ValueError):
-    """The plan does not carry over: the graphs differ too much, or a value would flow back."""
+    """The plan does not carry over: the graphs differ too much, or (raised by
+    ``fxpipe.build.plan_carried_over``) a value would flow back."""
 
 
 def _key(graph: nx.DiGraph, n: str) -> Hashable:
@@ -40,8 +41,9 @@ def carry_assignment(old: nx.DiGraph, assignment: dict[str, int], new: nx.DiGrap
     """``{node of new: stage}`` with the cut of ``assignment`` (made for ``old``).
 
     Raises :class:`CarryError` when more than ``MAX_UNMATCHED`` of ``new``'s nodes have no
-    counterpart (another model rather than another mode of it) or a value would flow to an
-    earlier stage.
+    counterpart (another model rather than another mode of it). A value that would flow to an
+    earlier stage is refused where every assignment is, by the routes of
+    ``Plan.from_assignment`` (:mod:`fxpipe.plan._routes`).
     """
     before, after = _in_order(old), _in_order(new)
     matcher = difflib.SequenceMatcher(None, [_key(old, n) for n in before], [_key(new, n) for n in after],
@@ -71,7 +73,4 @@ def carry_assignment(old: nx.DiGraph, assignment: dict[str, int], new: nx.DiGrap
         if carried[n] < 0:
             users = [carried[s] for s in new.successors(n) if carried[s] >= 0]
             carried[n] = min(users) if users else 0
-    for u, v in new.edges:
-        if new.nodes[u].get("op") != "get_attr" and carried[v] < carried[u]:
-            raise CarryError(f"{v!r} (stage {carried[v]}) would use {u!r} from stage {carried[u]}")
     return carried

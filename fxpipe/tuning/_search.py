@@ -4,10 +4,9 @@ A candidate is (schedule, front door, stages, chunks, checkpoint mode). ``'gpipe
 ``fxpipe.pipeline``: one process, one stage per device, the runtime's clock cycles; so is
 ``'1f1b'`` in one process (``Pipeline.step``: each micro-batch's backward between two forward
 ticks). ``'1f1b'`` and the others are also ``fxpipe.distributed`` with torch's schedule of
-that name: one rank per device, one stage per rank (two for the interleaved and V schedules). Each stage count gets one plan
-(``fxpipe.plan``: balanced by ``balance_by``; by default profiled time for a model with
-weights, parameters on meta),
-and each micro-batch size one recorded forward (:mod:`._nodes`; with four sizes or more,
+that name: one rank per device, one stage per rank (two for the interleaved and V schedules).
+Each stage count gets one plan (``fxpipe.plan``: balanced by ``balance_by``; by default
+profiled time for a model with weights, parameters on meta), and each micro-batch size one recorded forward (:mod:`._nodes`; with four sizes or more,
 two recorded and the others derived where shapes are linear in the size, checked on the
 largest: :mod:`._scaling`) and, with weights, one timed run of each stage count's stages
 (:mod:`._stage_timing`; both backward modes where zero bubble is a candidate): everything a
@@ -38,6 +37,7 @@ from ._costs import (StageTimes, action_seconds, first_stage_in_weight_pass, mic
                      stage_times_roofline)
 from ._memory import activation_peaks, receive_buffers, static_bytes, torch_run
 from ._nodes import Recording, record_nodes
+from ..runtime._orders import SCHEDULES as LOCAL_SCHEDULES  # what fxpipe.pipeline runs in one process
 from ._orders import (DISTRIBUTED_SCHEDULES, Action, placement, single_process_1f1b, single_process_order,
                       torch_orders)
 from ._result import Choice
@@ -45,9 +45,6 @@ from ._scaling import derive, fit, same
 from ._simulate import send_bytes, simulate
 from ._stage_timing import carried_stages, time_stage_actions
 from ._units import format_bytes
-
-#: the schedules fxpipe.pipeline runs in one process (fxpipe.runtime._orders)
-LOCAL_SCHEDULES = ("gpipe", "1f1b")
 
 __all__ = ["Settings", "Search"]
 
