@@ -20,13 +20,13 @@ and any other set is refused with :class:`~fxpipe.errors.ModelChangedError` nami
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .build import BuildOptions, Checked, CarryError, capture_and_check, plan_carried_over
+from .build import BuildOptions, CarryError, recapture
 from .capture._baked_dtypes import BakedDtypes
 from .capture._mode_flags import Flags, flags_of, listed, mode_changes
 from .capture._model_check import ModelCheck
@@ -66,16 +66,6 @@ class Variant:
     @property
     def skip_layout(self) -> SkipLayout:
         return SkipLayout.from_names(len(self.stages), {p.name: (p.src, p.dst) for p in self.plan.portals})
-
-
-def capture_other_flags(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildOptions,
-                        plan: Plan, planned: Capture) -> Tuple[Checked, Plan]:
-    """The model captured and checked with the flags it has now, and ``plan`` carried over to it.
-    Runs outside inference mode and with gradients on, as a build does, and leaves the model as
-    it was."""
-    with torch.inference_mode(False), torch.enable_grad(), preserved(model):
-        checked = capture_and_check(model, args, kwargs, replace(options, export_only=planned.method == "export"))
-        return checked, plan_carried_over(plan, planned, checked.capture)
 
 
 class ModeVariants:
@@ -141,9 +131,9 @@ class ModeVariants:
         if self._sample is None:
             raise self._refusal(flags, None)
         args, kwargs = self._sample
-        try:
-            checked, plan = capture_other_flags(self._model, args, kwargs, self._options, self.first.plan,
-                                                self.first.capture)
+        try:  # outside inference mode, as a build runs, leaving the model as it was
+            with torch.inference_mode(False), preserved(self._model):
+                checked, plan = recapture(self._model, args, kwargs, self._options, self.first.plan, self.first.capture)
         except (FxpipeError, CarryError) as e:
             self._failed[flags] = e
             raise self._refusal(flags, e) from e

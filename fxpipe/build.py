@@ -47,7 +47,7 @@ from .plan._value import Plan
 from .progress import Progress
 
 __all__ = ["BuildOptions", "Checked", "Built", "build", "capture_and_check", "choose_plan", "emit_and_place",
-           "check_plan", "check_split_points", "plan_carried_over", "CarryError", "capture_flipped"]
+           "check_plan", "check_split_points", "plan_carried_over", "CarryError", "capture_flipped", "recapture"]
 
 PlanOption = Union[Plan, str, "os.PathLike[str]", None]
 
@@ -287,6 +287,16 @@ def build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildO
                  other)
 
 
+def recapture(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildOptions, plan: Plan,
+              planned: Capture) -> Tuple[Checked, Plan]:
+    """The model captured and checked again with the flags it has now (torch.export where
+    ``planned`` was, :attr:`BuildOptions.export_only`), and ``plan``, made for ``planned``,
+    carried over to it. Call inside ``preserved(model)``."""
+    with torch.enable_grad():
+        checked = capture_and_check(model, args, kwargs, replace(options, export_only=planned.method == "export"))
+        return checked, plan_carried_over(plan, planned, checked.capture)
+
+
 def capture_flipped(model: nn.Module, checked: Checked, plan: Plan, options: BuildOptions
              ) -> Tuple[Tuple[bool, ...], Any, Optional[Plan]]:
     """The model captured and checked with the root's mode flipped (every module with it), and
@@ -296,9 +306,6 @@ def capture_flipped(model: nn.Module, checked: Checked, plan: Plan, options: Bui
         model.train(not model.training)
         flags = flags_of(model.modules())
         try:
-            with torch.enable_grad():
-                other = capture_and_check(model, checked.args, checked.kwargs,
-                                          replace(options, export_only=checked.capture.method == "export"))
-                return flags, other, plan_carried_over(plan, checked.capture, other.capture)
+            return (flags, *recapture(model, checked.args, checked.kwargs, options, plan, checked.capture))
         except (FxpipeError, CarryError) as e:
             return flags, e, None
