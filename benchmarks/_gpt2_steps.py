@@ -4,6 +4,7 @@ contenders timed in a rotating order (``loss_reading.py``, ``batch_fingerprint.p
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -24,6 +25,17 @@ def gpt2_and_batch() -> Tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     for row, length in enumerate([64, 20, 50, 9, 64, 33, 41, 12]):
         labels[row, length:] = -100
     return model, ids, labels
+
+
+def timed(run: Callable[[], object], setup: Callable[[], object] = lambda: None) -> Callable[[], float]:
+    """A contender: ``setup()`` (untimed: clearing gradients before a step), then the seconds
+    ``run()`` takes."""
+    def once() -> float:
+        setup()
+        t = time.perf_counter()
+        run()
+        return time.perf_counter() - t
+    return once
 
 
 def rotating_medians(contenders: Sequence[Tuple[str, Callable[[], float]]], repeat: int) -> Dict[str, float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _gpt2_steps import gpt2_and_batch, rotating_medians
+from _gpt2_steps import gpt2_and_batch, rotating_medians, timed
 
 
 def _loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -58,16 +57,8 @@ def main() -> None:
         pipe = fpd.pipeline(model, (), sample_kwargs={"input_ids": ids}, chunks=4, stages_per_rank=2,
                             schedule="interleaved1f1b", loss_fn=lambda out, y: _loss(out.logits, y), progress=False)
 
-        def one_step() -> float:
-            model.zero_grad(set_to_none=True)
-            t = time.perf_counter()
-            pipe.step(input_ids=ids, target=labels)
-            return time.perf_counter() - t
-
-        def one_print() -> float:
-            t = time.perf_counter()
-            fingerprint(([ids], labels), torch.device("cpu")).tolist()
-            return time.perf_counter() - t
+        one_step = timed(lambda: pipe.step(input_ids=ids, target=labels), lambda: model.zero_grad(set_to_none=True))
+        one_print = timed(lambda: fingerprint(([ids], labels), torch.device("cpu")).tolist())
 
         one_step(), one_print()  # warm up
         med = rotating_medians([("step", one_step), ("fingerprint", one_print)], repeat)

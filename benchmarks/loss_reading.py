@@ -32,13 +32,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from _gpt2_steps import gpt2_and_batch, rotating_medians
+from _gpt2_steps import gpt2_and_batch, rotating_medians, timed
 
 import fxpipe
 from fxpipe.checks._loss_fn import LossFnReading, out_dims_of
@@ -72,33 +71,17 @@ def main() -> None:
     micro, sizes = own.batching.split(flat, 4)
     targets = list(labels.split(sizes))
 
-    def one_step() -> float:
+    def clear() -> None:
         model.zero_grad(set_to_none=True)
-        t = time.perf_counter()
-        pipe.step(input_ids=ids, target=labels, loss_fn=logits_fn)
-        return time.perf_counter() - t
 
-    def own_step() -> float:
-        model.zero_grad(set_to_none=True)
-        t = time.perf_counter()
-        own.step(input_ids=ids, labels=labels)
-        return time.perf_counter() - t
+    one_step = timed(lambda: pipe.step(input_ids=ids, target=labels, loss_fn=logits_fn), clear)
+    own_step = timed(lambda: own.step(input_ids=ids, labels=labels), clear)
+    one_reading = timed(lambda: reading.weights(out0, targets, sizes))
+    own_counts = timed(lambda: own.batching.weights(flat, micro))
 
-    def one_reading() -> float:
-        t = time.perf_counter()
-        reading.weights(out0, targets, sizes)
-        return time.perf_counter() - t
-
-    def own_counts() -> float:
-        t = time.perf_counter()
-        own.batching.weights(flat, micro)
-        return time.perf_counter() - t
-
-    def first_shape() -> float:
+    def first_shape() -> float:  # a fresh reading each time: a new shape's cost
         fresh = LossFnReading(logits_fn, out_dims_of(pipe.batching.merges), pipe.capture.unflatten_output)
-        t = time.perf_counter()
-        fresh.weights(out0, targets, sizes)
-        return time.perf_counter() - t
+        return timed(lambda: fresh.weights(out0, targets, sizes))()
 
     one_step(), one_reading(), first_shape()  # warm up (the first fake-tensor trace of the process)
     own_step()
