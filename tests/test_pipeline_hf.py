@@ -151,10 +151,12 @@ def test_bert_masked_lm_tied_decoder_matches_eager():
     assert list(pipe.state_dict()) == list(ref.state_dict())
 
 
-def test_export_capture_refuses_another_sequence_length_before_running():
-    """torch.export fixes every dim but the split one: a call with another sequence length is
-    refused up front, naming the argument and the dim, instead of failing inside a stage; the
-    batch may vary, and keywords may come in any order (they bind by name)."""
+def test_export_capture_takes_another_sequence_length_and_refuses_what_its_guards_exclude():
+    """torch.export keeps the sequence length symbolic (issue #31): another length runs on the
+    same pipeline, exact. What the capture assumed is checked up front, naming the arguments,
+    instead of failing inside a stage: lengths the model needs equal, a length of 1 (export
+    treats sizes 0 and 1 apart), another number of dims. The batch may vary, and keywords may
+    come in any order (they bind by name)."""
     from fxpipe.errors import InputMismatchError
 
     model = gpt2()
@@ -162,17 +164,22 @@ def test_export_capture_refuses_another_sequence_length_before_running():
     ids, mask = inputs()
     pipe = fxpipe.pipeline(model, (), 2, sample_kwargs={"input_ids": ids, "attention_mask": mask, "labels": ids},
                            chunks=2, balance_by="params", output_merge={"loss": "mean"})
-    assert pipe.capture.method == "export"
-    assert pipe.capture.fixed == {0: (None, SEQ), 1: (None, SEQ), 2: (None, SEQ)}
+    assert pipe.capture.method == "export" and pipe.capture.fixed == {}
     longer = torch.randint(0, VOCAB, (BATCH, SEQ + 2))
+    out = pipe(input_ids=longer, attention_mask=torch.ones_like(longer), labels=longer)
+    want = ref(input_ids=longer, attention_mask=torch.ones_like(longer), labels=longer)
+    torch.testing.assert_close(out.logits, want.logits)
     with pytest.raises(InputMismatchError) as info:
-        pipe(input_ids=longer, attention_mask=torch.ones_like(longer), labels=longer)
+        pipe(input_ids=longer, attention_mask=mask, labels=longer)
     msg = str(info.value)
     assert msg.startswith("GPT2LMHeadModel: this call does not match the sample")
-    for word in (f"dim 1 of input_ids is {SEQ + 2}, but it was fixed at {SEQ}", "dim 1 of attention_mask",
-                 "dim 1 of labels", "only dim 0 of it may vary", "build one pipeline per size",
-                 f"pad or trim input_ids to {SEQ} along dim 1"):
+    for word in (f"dim 1 of attention_mask is {SEQ}, but dim 1 of input_ids is {SEQ + 2}",
+                 "the model's graph has them equal"):
         assert word in msg, msg
+    one = torch.randint(0, VOCAB, (BATCH, 1))
+    with pytest.raises(InputMismatchError, match="dim 1 of input_ids is 1, but the captured graph holds for sizes "
+                                                 "2 or more only.*sizes 0 and 1 apart.*build a pipeline from a sample"):
+        pipe(input_ids=one, attention_mask=torch.ones_like(one), labels=one)
     with pytest.raises(InputMismatchError, match="input_ids has 3 dims but the sample's had 2"):
         pipe(input_ids=ids[None], attention_mask=mask, labels=ids)
     # another batch size, keywords in another order: runs, and equals eager

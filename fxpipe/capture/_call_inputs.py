@@ -157,8 +157,9 @@ def fixed_dims(gm: torch.fx.GraphModule, flat: Sequence[Any],
     the graph takes any size (the split dim, which micro-batches change).
 
     Read from the placeholders' ``meta['val']``, which torch.export leaves on them: a plain int
-    is a size export specialised (every dim not declared dynamic: fxpipe declares only the
-    split dim), a SymInt one it kept symbolic. An fx graph records no sizes: its ops take
+    is a size export specialised (fxpipe declares every dim ``Dim.AUTO``: export fixes a size
+    of 1 in the sample and the sizes the model's code depends on), a SymInt one it kept
+    symbolic (its guards: :mod:`fxpipe.capture._shape_guards`). An fx graph records no sizes: its ops take
     their shapes from their inputs, so it has nothing fixed (an empty dict).
     """
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -169,10 +170,15 @@ def fixed_dims(gm: torch.fx.GraphModule, flat: Sequence[Any],
             continue
         split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
         split = split % v.dim() if split is not None and v.dim() else None
-        sizes = tuple(None if d == split or not isinstance(s, int) else int(s) for d, s in enumerate(val.shape))
+        sizes = tuple(None if d == split or _symbolic(s) else int(s) for d, s in enumerate(val.shape))
         if any(s is not None for s in sizes):
             out[i] = sizes
     return out
+
+
+def _symbolic(size: Any) -> bool:
+    """A size export kept symbolic (a SymInt of a constant, as export may leave one, is fixed)."""
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
 
 
 def fixed_batch(gm: torch.fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[int | None] | None) -> bool:
@@ -185,7 +191,7 @@ def fixed_batch(gm: torch.fx.GraphModule, flat: Sequence[Any], split_dims: Seque
         if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim() or not v.dim():
             continue
         split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-        if split is not None and isinstance(val.shape[split % v.dim()], int):
+        if split is not None and isinstance(val.shape[split % v.dim()], int):  # 0/1-specialised
             return True
     return False
 
@@ -193,7 +199,8 @@ def fixed_batch(gm: torch.fx.GraphModule, flat: Sequence[Any], split_dims: Seque
 def _shape_problems(v: torch.Tensor, want: tuple[int | None, ...], name: str) -> list[tuple[str, str]]:
     free = [str(d) for d, s in enumerate(want) if s is None]
     may = f"only dim {' and '.join(free)} of it may vary" if free else "none of its dims may vary"
-    why = f"(torch.export captured the model with the sample's sizes: {may})"
+    why = (f"(torch.export fixed the sample's size there: the model's code depends on it, it was 1, or a size "
+           f"regroups the batch's rows with it; {may})")
     if v.dim() != len(want):
         return [(f"{name} has {v.dim()} dims but the sample's had {len(want)} {why}",
                  f"pass {name} with {len(want)} dims, as in the sample, or build another pipeline from a sample "
@@ -231,10 +238,11 @@ def flatten_call(c: Capture, args: tuple, kwargs: dict) -> list[Any]:
     if spec == c.in_spec and all(
             (same_plain(v, c.specialized[i]) if i in c.specialized else isinstance(v, torch.Tensor))
             for i, v in enumerate(flat)):
-        if not c.fixed:  # an fx capture: every size may vary
+        if not c.fixed and not c.guards.dims:  # an fx capture: every size may vary
             return flat
         names = _leaf_names(c, args, kwargs)
         problems = [p for i, want in c.fixed.items() for p in _shape_problems(flat[i], want, names[i])]
+        problems = problems or c.guards.problems(flat, names)
         if not problems:
             return flat
         raise InputMismatchError(_mismatch_message(_model_name(c), problems))

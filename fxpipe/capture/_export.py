@@ -31,6 +31,7 @@ from ._export_leaves import collapse_leaf_calls
 from ._export_hops import hop_error, keep_body, unsupported_hop
 from ._export_outputs import encoding_root
 from ._meta import exported_as_cpu
+from ._shape_guards import entangled_size
 
 __all__ = ["export_graph", "Exported"]
 
@@ -61,6 +62,8 @@ class Exported:
     leaf_specs: list[pytree.TreeSpec | None]
     #: modules kept opaque (``leaf_modules`` honoured: one call_module node per call)
     leaves: list[str] = field(default_factory=list)
+    #: each symbol's range of values, as export found it (``ep.range_constraints``)
+    ranges: dict[Any, Any] = field(default_factory=dict)
 
     def __iter__(self) -> Any:  # ``graph, table = export_graph(...)``, as before leaf_specs
         return iter((self.graph, self.table))
@@ -85,21 +88,20 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
 
     record: dict[str, Any] = {}
     target = encoding_root(root, names, record)
-    # The dim each input is split along (the batch) is dynamic: micro-batches are smaller.
-    dims = split_dims if split_dims is not None else [0] * len(flat)
-    dyn = tuple({d % v.dim(): torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() and d is not None
-                else None for v, d in zip(flat, dims))
     ep, err = None, None
     quiet = logging.getLogger("torch")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # export logs/prints failed graphs at length
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            for shapes in (dyn, None):  # dynamic batch first: micro-batches are smaller than the sample
+            for sample, shapes in _attempts(flat, split_dims):
                 try:
-                    with exported_as_cpu(model, flat) as inputs:  # a meta model: the CPU graph
+                    with exported_as_cpu(model, sample) as inputs:  # a meta model: the CPU graph
                         ep = torch.export.export(target, tuple(inputs), dynamic_shapes=shapes, strict=False,
                                                 preserve_module_call_signature=tuple(leaves))
+                    if shapes is not None and len(shapes) and entangled_size(ep, flat, split_dims) is not None:
+                        ep = None  # the batch's rows regrouped by another size: that size fixed (next attempt)
+                        continue
                     break
                 except Exception as e:  # noqa: BLE001
                     err = err or e
@@ -172,7 +174,27 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
         return _Failure(refusal.module, refusal, refusal=refusal)
     table = {**_attr_table(model, g, ep.constants, bodies), **bodies}
     table.update({n.target: model.get_submodule(n.target) for n in g.nodes if n.op == "call_module"})
-    return Exported(g, table, list(record.get("specs") or []), used)
+    return Exported(g, table, list(record.get("specs") or []), used, dict(ep.range_constraints))
+
+
+def _attempts(flat: list[Any], split_dims: list[int | None] | None) -> list[tuple[list[Any], Any]]:
+    """The exports tried, most general first: every dim of every tensor input dynamic
+    (``Dim.AUTO``: export keeps symbolic what the code allows, and specialises the rest), then
+    the split dim alone (micro-batches are smaller than the sample), then every size fixed.
+
+    An input that is not split (``chunk_dims`` None) is dynamic too: a mask shared by the
+    samples follows the sequence's length. A sample of one along the split dim would have export fix it (sizes 0 and 1 are
+    specialised), so the dynamic exports trace it doubled, each input concatenated with itself
+    along the split dim: the same values, a batch of two, which keeps the batch symbolic."""
+    dims = split_dims if split_dims is not None else [0] * len(flat)
+    split = [d % v.dim() if isinstance(v, torch.Tensor) and v.dim() and d is not None else None
+             for v, d in zip(flat, dims)]
+    single = any(d is not None and flat[i].shape[d] == 1 for i, d in enumerate(split))
+    traced = [torch.cat([v, v], dim=d) if d is not None and single else v for v, d in zip(flat, split)]
+    every = tuple({k: torch.export.Dim.AUTO for k in range(v.dim())} if isinstance(v, torch.Tensor) and v.dim()
+                  else None for v in flat)
+    batch = tuple({d: torch.export.Dim.AUTO} if d is not None else None for d in split)
+    return [(traced, every), (traced, batch), (flat, None)]
 
 
 def _body_name(model: nn.Module, name: str, taken: dict[str, Any]) -> str:

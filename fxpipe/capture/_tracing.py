@@ -34,6 +34,7 @@ from ._custom_functions import applying_as_nodes, autograd_function_in, refusing
 from ._call_inputs import call_signature, fixed_batch, fixed_dims, flatten_call
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
+from ._shape_guards import ShapeGuards
 from ._trace_errors import describe, lost_records_error, output_error, reason_of, trace_error, user_frame
 from ._export_leaves import leaf_paths
 from ..errors import TraceError
@@ -73,7 +74,10 @@ class Capture:
       ``leaf_modules`` and automatic fallbacks; for ``'export'`` the user's leaves called).
     - ``signature``: the model's forward signature, to name arguments in call errors.
     - ``fixed``: flat input index -> its size per dim where the graph is specialised on it
-      (``None``: any size). torch.export fixes every dim but the split dim; fx none (empty).
+      (``None``: any size). torch.export fixes the sizes the model's code depends on; fx none
+      (empty).
+    - ``guards``: what torch.export assumed of the sizes it kept symbolic (equal lengths, a
+      range), checked at each call (:mod:`fxpipe.capture._shape_guards`); fx none.
     - ``reads``: the plain attributes the traced code read, baked into the graph
       (:mod:`fxpipe.capture._attr_reads`); :mod:`fxpipe.capture._model_check` checks them at each call.
     """
@@ -89,6 +93,7 @@ class Capture:
     reads: list[AttrRead] = field(default_factory=list, repr=False, compare=False)
     #: torch.export fixed the split dim (a batch-1 sample): every micro-batch holds one sample
     batch_fixed: bool = False
+    guards: ShapeGuards = field(default_factory=ShapeGuards)
 
     def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
         """Flatten a call's inputs, checking them against the captured sample.
@@ -322,7 +327,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         # caches in the output (past_key_values) come out as their tensors; the spec rebuilds them
         out_spec = compose_out_spec(out_specs[-1], ex_res.leaf_specs)
         return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model),
-                       fixed_dims(gm, flat, split_dims), reads, fixed_batch(gm, flat, split_dims))
+                       fixed_dims(gm, flat, split_dims), reads, fixed_batch(gm, flat, split_dims),
+                       ShapeGuards.of(gm, flat, split_dims, ex_res.ranges))
     if ex_res.bad_output:
         # The fx graph returns the same object, from an opaque node: each micro-batch would
         # make one and only the first could be returned. Refuse rather than mislead.

@@ -1,0 +1,171 @@
+"""What a dynamic torch.export capture assumed of the sizes it kept symbolic, checked per call.
+
+fxpipe exports with every dim of every tensor input declared ``Dim.AUTO``
+(:mod:`fxpipe.capture._export`): torch.export keeps a size symbolic where the model's code works
+for any value of it, and specialises it where the code depends on it (a size of 1 in the sample,
+a reshape to a fixed width), which :attr:`Capture.fixed <fxpipe.capture._tracing.Capture>` then
+checks. What export keeps symbolic still comes with guards: sizes that must be equal (one
+symbol for ``input_ids``' and ``attention_mask``'s length), a range per symbol (at least 2,
+since export treats sizes 0 and 1 apart), sizes derived from others (``s0 + 1``). The graph is
+exact at every size that meets them -- torch.export's contract -- and only there, so
+:meth:`ShapeGuards.problems` checks each call against them, as ``ExportedProgram.module()``
+checks its inputs, and names the arguments that break one. The split dim (the batch) is left
+out: micro-batches of one sample are split off any batch, and the build's check runs them.
+
+Why the build's micro-batch check, run at the sample's sizes, stays proven at every other size
+the guards admit (the argument, instead of the check run again at each new shape, which a
+model whose stages sit on several devices, or ranks that hold only their stages, cannot run):
+the graph is one program over symbolic sizes, so each op combines the same elements at every
+size; a sample's rows can come to be combined at another size only where a size mixes the
+batch with another size other than as a product -- ``view(b * t // 2, 2, d)`` pairs up rows
+within each sample when ``t`` is even, across samples when it is odd. :func:`entangled_size`
+looks for such a size (``s0 * s1`` is a product: the flattened rows of each sample stay
+together; ``(s0 * s1) // 2`` or ``s0 + s1`` are not), and the capture then keeps every size
+but the batch fixed, as before any length varied. The argument rests on torch.export's own
+contract (one graph, exact wherever the guards hold) and on that scan; nothing runs per call
+but the guards' check (a few integer comparisons per input).
+
+Kept as plain values (names, ints, expression strings), so that a capture deep-copies and
+pickles without the export's shape environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import sympy
+import torch
+from torch import fx
+
+__all__ = ["ShapeGuards", "entangled_size"]
+
+
+@dataclass(frozen=True)
+class ShapeGuards:
+    """Per flat input index, per dim: the symbolic size the graph assumes (a symbol's name or
+    an expression in the symbols, as text), or None (a fixed size, the split dim, any size);
+    ``ranges``: each symbol's least and greatest value (None: no bound)."""
+
+    dims: dict[int, tuple[str | None, ...]] = field(default_factory=dict)
+    ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[int | None] | None,
+           range_constraints: Mapping[Any, Any]) -> "ShapeGuards":
+        """The guards of an exported graph whose placeholders hold the export's fake values."""
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        batch: set[str] = set()  # symbols of split dims: not checked, nor anything made from them
+        dims: dict[int, tuple[str | None, ...]] = {}
+        for i, (node, v) in enumerate(zip(phs, flat)):
+            val = node.meta.get("val")
+            if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim():
+                continue
+            split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+            split = split % v.dim() if split is not None and v.dim() else None
+            exprs = [str(s.node.expr) if isinstance(s, torch.SymInt) and not s.node.expr.is_number else None
+                     for s in val.shape]  # fixed sizes: Capture.fixed
+            if split is not None and exprs[split] is not None:
+                batch |= {str(x) for x in sympy.sympify(exprs[split]).free_symbols}
+                exprs[split] = None
+            dims[i] = tuple(exprs)
+        for i, exprs in list(dims.items()):
+            dims[i] = tuple(None if e is None or {str(x) for x in sympy.sympify(e).free_symbols} & batch else e
+                            for e in exprs)
+            if all(e is None for e in dims[i]):
+                del dims[i]
+        ranges = {str(sym): (_bound(vr.lower) or 0, _bound(vr.upper)) for sym, vr in range_constraints.items()}
+        return cls(dims, ranges)
+
+    def problems(self, flat: Sequence[Any], names: Sequence[str]) -> list[tuple[str, str]]:
+        """``(what differs, what to do)`` for each size of this call that breaks a guard."""
+        if not self.dims:
+            return []
+        bound: dict[str, tuple[int, str]] = {}  # symbol -> (size, 'dim d of name') that set it
+        derived: list[tuple[str, int, str]] = []
+        out: list[tuple[str, str]] = []
+        for i, exprs in self.dims.items():
+            v = flat[i]
+            if not isinstance(v, torch.Tensor):
+                continue
+            if v.dim() != len(exprs):
+                out.append((f"{names[i]} has {v.dim()} dims but the sample's had {len(exprs)}",
+                            f"pass {names[i]} with {len(exprs)} dims, as in the sample"))
+                continue
+            for d, e in enumerate(exprs):
+                if e is None:
+                    continue
+                where, size = f"dim {d} of {names[i]}", int(v.shape[d])
+                if e not in self.ranges and not e.isidentifier():
+                    derived.append((e, size, where))
+                elif e in bound and bound[e][0] != size:
+                    size0, where0 = bound[e]
+                    out.append((f"{where} is {size}, but {where0} is {size0}, and the model's graph has them equal "
+                                "(torch.export found the model's code needs them equal)",
+                                "pass sizes that agree, as the model itself needs"))
+                elif e not in bound:
+                    bound[e] = (size, where)
+                    out += self._out_of_range(e, size, where)
+        for e, size, where in derived:
+            values = {s: bound[s][0] for s in map(str, sympy.sympify(e).free_symbols) if s in bound}
+            want = sympy.sympify(e).subs(values)
+            if want.is_number and int(want) != size:
+                out.append((f"{where} is {size}, but the model's graph has it equal to {e} = {int(want)} here",
+                            "pass sizes related as the model needs"))
+        return out
+
+    def _out_of_range(self, sym: str, size: int, where: str) -> list[tuple[str, str]]:
+        lo, hi = self.ranges.get(sym, (0, None))
+        if lo <= size and (hi is None or size <= hi):
+            return []
+        span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+        why = " (torch.export treats sizes 0 and 1 apart, and the sample's was larger)" if size < 2 <= lo else ""
+        return [(f"{where} is {size}, but the captured graph holds for sizes {span} only{why}",
+                 f"build a pipeline from a sample with {size} there (pipelines of one model share its parameters)")]
+
+
+def _bound(value: Any) -> int | None:
+    """A range's bound as an int; None for an infinite one (torch's ``int_oo``)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+
+
+def entangled_size(ep: Any, flat: Sequence[Any], split_dims: Sequence[int | None] | None) -> str | None:
+    """The first size of an exported program that combines the batch's symbol with another
+    symbol other than as a product (see the module docstring), as text; None when there is none."""
+    users = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(flat):] if flat else []
+    batch: set[Any] = set()
+    for i, (node, v) in enumerate(zip(users, flat)):
+        val = node.meta.get("val")
+        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+        if isinstance(v, torch.Tensor) and isinstance(val, torch.Tensor) and v.dim() and split is not None \
+                and val.dim() == v.dim() and isinstance(val.shape[split % v.dim()], torch.SymInt):
+            batch |= val.shape[split % v.dim()].node.expr.free_symbols
+    if not batch:
+        return None
+    seen: set[Any] = set()
+    for node in ep.graph.nodes:
+        for size in _sizes(node.meta.get("val")):
+            expr = size.node.expr
+            if expr in seen:
+                continue
+            seen.add(expr)
+            symbols = expr.free_symbols
+            if not symbols & batch or not symbols - batch:
+                continue  # the batch alone is the build's check's; no batch: the same rows
+            for b in symbols & batch:
+                rest, factor = expr.as_independent(b, as_Add=False)  # b * rest, or not a product
+                if factor != b or not rest.is_polynomial():
+                    return f"{node.name}: {expr}"
+    return None
+
+
+def _sizes(val: Any) -> list[torch.SymInt]:
+    """The symbolic sizes a node's value holds: its own (a SymInt) or its tensor's shape."""
+    if isinstance(val, torch.SymInt):
+        return [val]
+    if isinstance(val, torch.Tensor):
+        return [s for s in val.shape if isinstance(s, torch.SymInt)]
+    return []

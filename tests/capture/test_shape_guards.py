@@ -1,0 +1,86 @@
+"""A torch.export capture keeps each size symbolic where the model's code allows (issue #31):
+one graph for every length, checked at each call against what export assumed (equal lengths,
+a size of at least 2), and a size that regroups the batch's rows with another size keeps that
+other size fixed, so that the build's micro-batch check stays proven at every size it admits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.capture._shape_guards import ShapeGuards
+from fxpipe.errors import InputMismatchError
+
+
+class _Pairs(nn.Module):
+    """Rows of token pairs: ``reshape(b * t // 2, 2 * d)``. At an even length each pair lies in
+    one sample; at an odd one, pairs cross samples and a micro-batch regroups them (silently
+    other values), so the length may not vary. The dim check keeps torch.fx out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError("expected 3 dims")
+        b, t, d = x.shape
+        return self.b(self.a(x).reshape(b * t // 2, 2 * d)).reshape(b, -1)
+
+
+class _Tokens(nn.Module):
+    """Per-token work and a mask of the same length: the length stays symbolic, equal in both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError("expected 3 dims")
+        return self.b(torch.relu(self.a(x)) * mask.unsqueeze(-1))
+
+
+def test_a_size_that_regroups_the_batchs_rows_is_kept_fixed():
+    torch.manual_seed(0)
+    model = _Pairs()
+    pipe = fxpipe.pipeline(model, torch.randn(4, 8, 4), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    assert pipe.capture.method == "export" and pipe.capture.fixed == {0: (None, 8, 4)}
+    x = torch.randn(6, 8, 4)  # the batch still varies
+    torch.testing.assert_close(pipe(x), model(x))
+    with pytest.raises(InputMismatchError, match="dim 1 of x is 7, but it was fixed at 8.*regroups the batch's rows"):
+        pipe(torch.randn(4, 7, 4))
+
+
+def test_lengths_vary_and_the_guards_name_what_breaks_them():
+    torch.manual_seed(0)
+    model = _Tokens()
+    pipe = fxpipe.pipeline(model, (torch.randn(4, 8, 4), torch.ones(4, 8)), 2, chunks=2, devices=["cpu"] * 2,
+                           progress=False)
+    assert pipe.capture.method == "export" and pipe.capture.fixed == {0: (None, None, 4)}  # the width: Linear's
+    for b, t in ((4, 3), (2, 17), (3, 8)):
+        x, mask = torch.randn(b, t, 4), (torch.rand(b, t) > 0.3).float()
+        out = pipe(x, mask)
+        torch.testing.assert_close(out, model(x, mask))
+    with pytest.raises(InputMismatchError, match="dim 1 of mask is 6, but dim 1 of x is 5"):
+        pipe(torch.randn(4, 5, 4), torch.ones(4, 6))
+    with pytest.raises(InputMismatchError, match="dim 1 of x is 1, but the captured graph holds for sizes 2 or more"):
+        pipe(torch.randn(4, 1, 4), torch.ones(4, 1))
+
+
+def test_guards_check_equal_symbols_ranges_and_derived_sizes():
+    guards = ShapeGuards({0: (None, "s1"), 1: (None, "s1", "s1 + 1"), 2: (None, "s2")},
+                         {"s1": (2, 64), "s2": (2, None)})
+    names = ["a", "b", "c"]
+    t = torch.zeros
+    assert guards.problems([t(4, 5), t(4, 5, 6), t(4, 9)], names) == []
+    [(what, _)] = guards.problems([t(4, 5), t(4, 6, 6), t(4, 9)], names)
+    assert what.startswith("dim 1 of b is 6, but dim 1 of a is 5"), what
+    [(what, _)] = guards.problems([t(4, 5), t(4, 5, 5), t(4, 9)], names)
+    assert what.startswith("dim 2 of b is 5, but the model's graph has it equal to s1 + 1 = 6"), what
+    [(what, todo)] = guards.problems([t(4, 70), t(4, 70, 71), t(4, 9)], names)
+    assert "holds for sizes 2 to 64 only" in what and "build a pipeline from a sample" in todo
+    [(what, _)] = guards.problems([t(4, 5, 1), t(4, 5, 6), t(4, 9)], names)
+    assert what == "a has 3 dims but the sample's had 2"
