@@ -39,7 +39,7 @@ from .checks._modes import check_modes
 from .emit._placement import place_stages
 from .emit._stage_state import mutable_state
 from .emit._stages import Stages, emit_stages
-from .errors import ArgumentError, FxpipeError, PlanModelError, SplitPointsError, TraceError
+from .errors import ArgumentError, FxpipeError, MicroBatchError, PlanModelError, SplitPointsError, TraceError
 from .plan._carry_over import CarryError, carry_assignment
 from .plan._make import make_plan
 from .plan._op_graph import build_opgraph
@@ -196,6 +196,13 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
         raise
     with report.phase("checking micro-batches against the whole batch"):
         batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge)
+    if options.chunks > 1 and batching.batch_size(prepared.capture.flatten_inputs(args, kwargs)) == 1:
+        raise MicroBatchError(
+            f"the sample holds one sample along {batching.dims_text()}, and chunks={options.chunks} splits every batch "
+            "into micro-batches: a sample of one cannot show that micro-batches give the whole batch's result (a "
+            "module that mixes the samples would train a silently different model). Build from a sample of 2 or "
+            "more samples (two rows of your data); the pipeline then takes any batch size, and any length "
+            "the capture allows. With chunks=1 (no micro-batches) a sample of one is enough.")
     return Checked(prepared, batching, args, kwargs, meta)
 
 

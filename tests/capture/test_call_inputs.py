@@ -22,7 +22,7 @@ import fxpipe
 from fxpipe.capture._call_inputs import fixed_dims, in_sample_order
 from fxpipe.capture._values import same_plain as same_value
 from fxpipe.capture._tracing import Capture, capture
-from fxpipe.errors import FxpipeError, InputMismatchError
+from fxpipe.errors import FxpipeError, InputMismatchError, MicroBatchError
 
 Pt = collections.namedtuple("Pt", "a b")
 Other = collections.namedtuple("Other", "a b")
@@ -248,18 +248,18 @@ class _FlattensTheBatch(nn.Module):
         return self.b(self.a(x).reshape(-1, 8)).reshape(x.shape[0], -1)
 
 
-def test_a_batch_of_one_under_export_fixes_the_micro_batch_at_one_sample():
-    """torch.export specialises a size of 1: from a batch-1 sample, micro-batches of 2 ended in
-    a bare RuntimeError (or, with other reshapes, were silently off). Refused by name; micro-
-    batches of one sample stay exact."""
+@pytest.mark.parametrize("model", [_FlattensTheBatch, lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))],
+                         ids=["export", "fx"])
+def test_a_batch_of_one_takes_any_batch_without_micro_batches_and_is_refused_with_them(model):
+    """A batch-1 sample (issue #31): torch.export would fix the batch at 1 (it specialises a
+    size of 1), so the capture traces it doubled and the batch stays symbolic; with chunks=1
+    the pipeline takes any batch, exact. With chunks > 1 the build is refused with advice: one
+    sample cannot show that micro-batches give the whole batch's result."""
     torch.manual_seed(0)
-    model = _FlattensTheBatch()
-    x = torch.randn(4, 3, 4)
-    pipe = fxpipe.pipeline(model, torch.randn(1, 3, 4), 2, chunks=4, devices=["cpu"] * 2, progress=False)
-    assert pipe.capture.method == "export" and pipe.capture.batch_fixed
-    torch.testing.assert_close(pipe(x), model(x))  # four micro-batches of one
-    with pytest.raises(InputMismatchError, match="micro-batches hold 2 samples.*batch-1 sample.*2 or more"):
-        pipe(torch.randn(8, 3, 4))
-    wide = fxpipe.pipeline(model, torch.randn(2, 3, 4), 2, chunks=2, devices=["cpu"] * 2, progress=False)
-    assert not wide.capture.batch_fixed
-    torch.testing.assert_close(wide(torch.randn(8, 3, 4)).shape, torch.Size([8, 6]))
+    model = model()
+    with pytest.raises(MicroBatchError, match="one sample.*chunks=4.*Build from a sample of 2 or more"):
+        fxpipe.pipeline(model, torch.randn(1, 3, 4), 2, chunks=4, devices=["cpu"] * 2, progress=False)
+    pipe = fxpipe.pipeline(model, torch.randn(1, 3, 4), 2, chunks=1, devices=["cpu"] * 2, progress=False)
+    assert not pipe.capture.batch_fixed
+    for x in (torch.randn(4, 3, 4), torch.randn(1, 3, 4), torch.randn(8, 5, 4)):
+        torch.testing.assert_close(pipe(x), model(x))
