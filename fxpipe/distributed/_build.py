@@ -28,7 +28,7 @@ from fxpipe.emit._compiling import CompileOption, check_compile_option, compile_
 from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
 from fxpipe.checks._batching import OutputMerge
-from fxpipe.errors import BatchShapeError, MicroBatchError, StepError
+from fxpipe.errors import MicroBatchError, StepError
 from fxpipe.runtime._frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
 from fxpipe.capture._mutation import check_kept_together
 from fxpipe.plan._value import Plan
@@ -46,6 +46,7 @@ from ._materialise import InitBuffers, check_sample, local_weights
 from ._meta import stage_metas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
+from ._shape_runs import ShapeRuns, TrainRun, micro_batch
 from ._sources import StateDictSource
 from ._split_backward import backward_pass
 from ._ties import TiedGradients
@@ -120,19 +121,6 @@ def _own_loss_default(capture: Callable[[], Any], defaulted: bool) -> Any:
         raise
 
 
-def _micro_batch(flat: Sequence[Any], chunks: int) -> list[Any]:
-    """The sample's flat inputs cut to one micro-batch; refuses a batch ``chunks`` does not divide."""
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    sizes = {x.shape[0] if x.dim() else None for x in tensors}
-    if len(sizes) != 1 or None in sizes or next(iter(sizes)) % chunks:
-        shapes = [tuple(x.shape) for x in tensors]
-        raise BatchShapeError(f"every tensor input must have the same batch size along dim 0, a multiple of "
-                              f"chunks={chunks} (micro-batches of equal size keep a mean loss exact); the sample's "
-                              f"tensor inputs have shapes {shapes}")
-    size = next(iter(sizes)) // chunks
-    return [x[:size] if isinstance(x, torch.Tensor) else x for x in flat]
-
-
 def pipeline(
     model: nn.Module,
     sample: Any,
@@ -171,7 +159,10 @@ def pipeline(
 
     Args:
         model, sample, sample_kwargs, leaf_modules, split_points: as for :func:`fxpipe.pipeline`.
-        chunks: micro-batches per mini-batch; must divide the batch size.
+        chunks: micro-batches per mini-batch; must divide the batch size of the sample and of
+            each batch. Any length the capture takes and any such batch size run on this one
+            pipeline: torch's stages are made per micro-batch shape and cached
+            (:mod:`fxpipe.distributed._shape_runs`).
         loss_fn: ``loss_fn(output, target)`` on one micro-batch; ``output`` has the model's
             structure. It is read, not trusted: a sum over samples is summed, a mean is weighted
             by what it divides by (samples, the labels it counts after its own shift, a mask's
@@ -252,7 +243,7 @@ def pipeline(
             checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
             captured = checked.capture
             flat = captured.flatten_inputs(args, kwargs)
-            micro = _micro_batch(captured.flatten_inputs(checked.args, checked.kwargs), chunks)
+            micro = micro_batch(captured.flatten_inputs(checked.args, checked.kwargs), chunks, "the sample")
 
         # on rank 0; profiled on one micro-batch (fxpipe.plan._make.profiled_inputs)
         agreed = broadcast_plan(lambda: choose_plan(checked, options), group)
@@ -276,8 +267,6 @@ def pipeline(
         counted = checked.batching.counted  # and the code counting a loss's labels (labels.to(logits.device))
         for count in (counted.counts.values() if counted is not None else ()):
             retarget_devices(count.program, where)
-    metas = stage_metas(stages.modules, micro, stages.input_names, where)
-
     rank = dist.get_rank(group)
     placement = rank_of_stage(schedule, world, stages_per_rank)
     local = stages_of_rank(schedule, world, stages_per_rank, rank)
@@ -288,31 +277,36 @@ def pipeline(
             move_in_place(t, where)
     also = [found_eval[2].modules] if found_eval is not None else []
     release_others(model, stages.modules, local, also)  # the other ranks' stages: no stale copy kept here
-    evaluation = (eval_run(found_eval, model, flat, micro, local, placement, chunks, group, where, CheckpointedStage)
+    evaluation = (eval_run(found_eval, model, flat, local, placement, chunks, group, where, CheckpointedStage)
                   if found_eval is not None else None)
-    pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, where, group,
-                                         CheckpointedStage, checkpoint_stop=checkpoint_stop(checkpoint, chunks, True),
-                                         training_of=model, clone_outputs=SCHEDULES[schedule].split_backward)
-
-    output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
-
     reading = (LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output)
                if loss_fn is not None else None)
-    step_loss = StepLoss(loss_fn, reading, metas[n_stages - 1].outputs, checked.batching, chunks, where)
+    step_loss = StepLoss(loss_fn, reading, (), checked.batching, chunks, where)
 
-    def scaled_loss(tensors: Any, target: torch.Tensor) -> torch.Tensor:
-        # the model's outputs as the model returns them, weighted as the loss counts; scale_grads=False
-        return step_loss(lambda: output.flat(tensors), lambda: output.structured(tensors),  # type: ignore
-                         target)
+    def make_run(micro_flat: Sequence[Any]) -> TrainRun:
+        """This rank's torch stages and schedules for one micro-batch shape (._shape_runs)."""
+        metas = stage_metas(stages.modules, micro_flat, stages.input_names, where)
+        pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, where, group,
+                                             CheckpointedStage, checkpoint_stop=checkpoint_stop(checkpoint, chunks, True),
+                                             training_of=model, clone_outputs=SCHEDULES[schedule].split_backward)
+        output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
 
-    runner_schedule, forward_only = make_schedules(schedule, pipe_stages, chunks, scaled_loss, placement)
+        def scaled_loss(tensors: Any, target: torch.Tensor) -> torch.Tensor:
+            # the model's outputs as the model returns them, weighted as the loss counts; scale_grads=False
+            return step_loss(lambda: output.flat(tensors), lambda: output.structured(tensors),  # type: ignore
+                             target)
+
+        train, forward_only = make_schedules(schedule, pipe_stages, chunks, scaled_loss, placement)
+        return TrainRun(train, forward_only, output, metas[n_stages - 1].outputs)
+
+    runs: ShapeRuns[TrainRun] = ShapeRuns(make_run)
+    runs.get(micro)  # the sample's shape, made at the build: a shape the stages cannot take fails here
     if compile_options is not None:  # after the fake metadata runs, which must see the plain stages
         compile_stages([stages[k] for k in local], compile_options)
         if evaluation is not None:
             compile_stages([evaluation.variant.stages[k] for k in local], compile_options)
     ties = TiedGradients(model, stages.modules, placement, group, wait)
-    shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
-    return DistributedPipeline(model, captured, agreed, stages, placement, (runner_schedule, forward_only), group,
-                               chunks, shapes, ties, [group, *ties.groups.values()], output=output, device=where,
-                               step_loss=step_loss, mode_sensitive=checked.prepared.mode_sensitive,
-                               batching=checked.batching, evaluation=evaluation, no_eval=no_eval)
+    return DistributedPipeline(model, captured, agreed, stages, placement, runs, group, chunks, ties,
+                               [group, *ties.groups.values()], device=where, step_loss=step_loss,
+                               mode_sensitive=checked.prepared.mode_sensitive, batching=checked.batching,
+                               evaluation=evaluation, no_eval=no_eval)

@@ -39,6 +39,7 @@ from ._carry import carried_plan
 from ._failures import Failures
 from ._meta import stage_metas
 from ._schedules import forward_schedule
+from ._shape_runs import ShapeRuns
 from ._values import StageRunner, stage_runners
 
 __all__ = ["EvalRun", "capture_eval", "eval_run"]
@@ -51,13 +52,13 @@ Found = tuple[tuple[bool, ...], Checked, Stages, Plan]
 class EvalRun:
     """What ``eval_step`` runs in eval mode: the capture with its batching, stages and checks of
     what they hold (a :class:`~fxpipe._mode_variants.Variant`, as one process keeps per set of
-    flags), this rank's forward-only schedule over the stages, the last stage's runner where
-    this rank holds it, and the flags it is for."""
+    flags), this rank's forward-only schedule over the stages and the last stage's runner
+    where this rank holds it, per micro-batch shape (:mod:`._shape_runs`), and the flags it
+    is for."""
 
     flags: tuple[bool, ...]
     variant: Variant
-    schedule: Any
-    output: Optional[StageRunner]
+    runs: ShapeRuns[tuple[Any, Optional[StageRunner]]]
 
 
 def capture_eval(model: nn.Module, checked: Checked, plan: Plan, options: BuildOptions, group: dist.ProcessGroup,
@@ -90,11 +91,11 @@ def capture_eval(model: nn.Module, checked: Checked, plan: Plan, options: BuildO
     return (flags, other, *built[0]), ""
 
 
-def eval_run(found: Found, model: nn.Module, flat: Sequence[Any],
-             micro: Sequence[Any], local: Sequence[int], placement: Sequence[int], chunks: int,
-             group: dist.ProcessGroup, device: torch.device, stage_class: type = PipelineStage) -> EvalRun:
+def eval_run(found: Found, model: nn.Module, flat: Sequence[Any], local: Sequence[int], placement: Sequence[int],
+             chunks: int, group: dist.ProcessGroup, device: torch.device,
+             stage_class: type = PipelineStage) -> EvalRun:
     """This rank's stages of the eval capture as a forward-only schedule on ``device`` (the
-    weights already local, :mod:`._materialise`)."""
+    weights already local, :mod:`._materialise`), made per micro-batch shape."""
     flags, checked, stages, plan = found
     captured, n_stages = checked.capture, len(stages)
     if captured.method == "export":
@@ -103,8 +104,11 @@ def eval_run(found: Found, model: nn.Module, flat: Sequence[Any],
     for k in local:
         for t in stage_tensors(stages[k]):
             move_in_place(t, device)
-    metas = stage_metas(stages.modules, micro, stages.input_names, device)
-    pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, device, group, stage_class,
-                                         training_of=model)
-    return EvalRun(flags, Variant.of(model, captured, checked.batching, plan, stages),
-                   forward_schedule(pipe_stages, chunks, placement), runners.get(n_stages - 1))
+
+    def make(micro_flat: Sequence[Any]) -> tuple[Any, Optional[StageRunner]]:
+        metas = stage_metas(stages.modules, micro_flat, stages.input_names, device)
+        pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, device, group,
+                                             stage_class, training_of=model)
+        return forward_schedule(pipe_stages, chunks, placement), runners.get(n_stages - 1)
+
+    return EvalRun(flags, Variant.of(model, captured, checked.batching, plan, stages), ShapeRuns(make))

@@ -308,12 +308,18 @@ def _refuse_different_batches(prints: List[tuple], call: str) -> None:
     for rank, p in enumerate(prints):
         groups.setdefault(p, []).append(rank)
     listed = "; ".join(f"ranks {', '.join(map(str, g))}" if len(g) > 1 else f"rank {g[0]}" for g in groups.values())
+    sizes = ""
+    if len({p[0] for p in groups}) > 1:  # each fingerprint's first number counts the batch's elements
+        sizes = "; their batches hold " + ", ".join(f"{p[0]} elements on rank{'s' if len(g) > 1 else ''} "
+                                                    f"{', '.join(map(str, g))}" for p, g in groups.items()) \
+            + ": another length or batch size"
     raise BatchMismatchError(
-        f"the ranks were given different batches in {call or 'this call'} ({listed} each got another one). "
+        f"the ranks were given different batches in {call or 'this call'} ({listed} each got another one{sizes}). "
         "fxpipe.distributed runs one pipeline over all its ranks: the first stage's rank reads the inputs and the "
         "last stage's rank the targets, so different batches would train one rank's inputs against another's "
         "targets. Nothing was sent. Pass the same batch (inputs and targets) on every rank: give every rank the "
-        "same data loader order (the same seed and no DistributedSampler across the pipeline's ranks).",
+        "same data loader order (the same seed and no DistributedSampler across the pipeline's ranks); batches of "
+        "another length on one rank come from a loader that pads each rank's batch on its own.",
         groups=list(groups.values()))
 
 

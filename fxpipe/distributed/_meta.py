@@ -84,13 +84,29 @@ def _on_device(stages: Sequence[nn.Module], device: torch.device) -> Iterator[No
             table[key] = value
 
 
+@contextmanager
+def _uncompiled(stages: Sequence[nn.Module]) -> Iterator[None]:
+    """The stages' own code for the block, not their ``stage.compile()``-d forward: a new
+    shape's metadata run comes after the build compiled them, and a compiled forward would be
+    traced again under the fake mode for one fake run (``nn.Module.compile`` keeps the
+    compiled call in ``_compiled_call_impl``)."""
+    kept = [(stage, stage._compiled_call_impl) for stage in stages]
+    try:
+        for stage, _ in kept:
+            stage._compiled_call_impl = None
+        yield
+    finally:
+        for stage, call in kept:
+            stage._compiled_call_impl = call
+
+
 def stage_metas(stages: Sequence[torch.fx.GraphModule], micro_flat: Sequence[Any],
                 input_names: Sequence[Sequence[str]], device: torch.device) -> list[StageMeta]:
     """Runs ``stages`` in turn under ``FakeTensorMode`` on ``device``, on one micro-batch's
     flat inputs (``micro_flat``: the model's flat inputs, tensors cut to the micro-batch size),
     and returns each stage's :class:`StageMeta`. ``input_names[k]`` name stage ``k``'s values
     in errors."""
-    with FakeTensorMode(allow_non_fake_inputs=True), _on_device(stages, device):
+    with FakeTensorMode(allow_non_fake_inputs=True), _on_device(stages, device), _uncompiled(stages):
         values = [_fake(x, device) if isinstance(x, torch.Tensor) else x for x in micro_flat]
         runs: list[tuple[list[Any], list[Any]]] = []
         for k, stage in enumerate(stages):

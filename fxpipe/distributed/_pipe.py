@@ -3,9 +3,11 @@
 Built by :func:`fxpipe.distributed.pipeline`. torch's ``PipelineStage`` and schedule do the
 sending and the scheduling; this class adds what makes a step exact against eager and safe:
 
-* the batch is checked on every rank before anything is sent (:class:`BatchShapeError`):
-  the stages exchange fixed-size buffers, and another shape made gloo abort the process;
-  a batch refused on one rank is refused on every rank, which names it (:mod:`._failures`);
+* the batch is checked on every rank before anything is sent: its tensors share a batch
+  size that ``chunks`` divides (:class:`BatchShapeError`), and every rank has the same batch
+  (its fingerprint, :mod:`._failures`); a batch refused on one rank is refused on every rank,
+  which names it. Any length and any such batch size run: torch's stages, whose buffers
+  are made for one shape, are made per micro-batch shape and cached (:mod:`._shape_runs`);
 * an error in the middle of a step on one rank (in ``loss_fn``, in a stage) is named by
   every rank (:class:`~fxpipe.errors.PeerFailedError`, through the store, :mod:`._failures`);
 * each micro-batch's loss is scaled by its weight in the whole batch's loss, read from
@@ -47,6 +49,7 @@ from ._clip import clip_grad_norm_
 from ._eval_mode import EvalRun
 from ._failures import Failures
 from ._loss import StepLoss
+from ._shape_runs import ShapeRuns, TrainRun, micro_batch
 from ._ties import TiedGradients, parameters_of
 from ._weights import load_local_state_dict, local_state_dict
 
@@ -78,9 +81,8 @@ class DistributedPipeline:
     """
 
     def __init__(self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages, placement: Sequence[int],
-                 schedule: tuple[Any, Any], group: dist.ProcessGroup, chunks: int,
-                 sample_shapes: list[tuple[int, ...]], ties: TiedGradients, groups: list[dist.ProcessGroup],
-                 output: Any = None, device: torch.device = torch.device("cpu"),
+                 runs: ShapeRuns[TrainRun], group: dist.ProcessGroup, chunks: int,
+                 ties: TiedGradients, groups: list[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
                  step_loss: Optional[StepLoss] = None, mode_sensitive: str = "", batching: Any = None,
                  evaluation: Optional[EvalRun] = None, no_eval: str = "") -> None:
         self.module = model
@@ -93,10 +95,11 @@ class DistributedPipeline:
         self.rank = dist.get_rank(group)
         self.local = [k for k, r in enumerate(self.placement) if r == self.rank]
         self.world_size = dist.get_world_size(group)
-        self._schedule, self._forward_only = schedule
+        self._runs = runs  # torch's stages and schedules per micro-batch shape (._shape_runs)
+        self._run: Optional[TrainRun] = runs.latest  # the run used last
+        self._batch = 0  # the latest step's batch size
         self._group = group
         self._last_rank = dist.get_global_rank(group, self.placement[-1])  # of the last stage
-        self._sample_shapes = sample_shapes
         self._ties = ties
         self._copies = ties.copies(group)  # compared at each call (fxpipe.distributed._failures)
         self._groups = groups
@@ -104,7 +107,6 @@ class DistributedPipeline:
         self._broken: Optional[str] = None  # the error that stopped a step midway (peers then gone or waiting)
         self._failures = Failures(group, device)  # one rank's error named by every rank
         self._failures.watch()  # and an uncaught error between steps too
-        self._output = output  # the last stage's StageRunner on its rank: rebuilds the model's outputs
         self._step_loss = step_loss  # loss_fn per micro-batch, weighted as it counts (._loss)
         self._batching = batching  # how outputs merge (step(return_outputs=True))
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
@@ -125,8 +127,9 @@ class DistributedPipeline:
 
     @property
     def schedule(self) -> Any:
-        """The torch.distributed.pipelining schedule :meth:`step` runs (read by :mod:`.trace`)."""
-        return self._schedule
+        """The torch.distributed.pipelining schedule :meth:`step` ran last (the build's sample's
+        shape before any step; read by :mod:`.trace`)."""
+        return self._run.schedule if self._run is not None else None
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -188,9 +191,10 @@ class DistributedPipeline:
                                    self._group, self.device, error_if_nonfinite)
 
     # -- running -------------------------------------------------------------------------
-    def _inputs(self, args: tuple, kwargs: dict, run: Optional[EvalRun] = None) -> tuple[list[Any], list[torch.Tensor]]:
-        """The flat inputs of a call and their tensors, checked against the sample's shapes on
-        every rank, after checking that the model did not change since the build
+    def _inputs(self, args: tuple, kwargs: dict, run: Optional[EvalRun] = None) -> tuple[list[Any], list[Any]]:
+        """The flat inputs of a call and one micro-batch of them, checked against the capture
+        (structure, the sizes it fixed, its shape guards) and for a batch size ``chunks``
+        divides, after checking that the model did not change since the build
         (:mod:`fxpipe.capture._model_check`). ``run``: the eval capture ``eval_step`` runs in
         eval mode (:mod:`._eval_mode`), None for the build's."""
         if run is not None:
@@ -219,15 +223,7 @@ class DistributedPipeline:
                 f"{_autocast_text(self._autocast, kind)}: its stages exchange buffers of the dtypes found at build. "
                 "Build the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
         flat = (run.variant.capture if run is not None else self.capture).flatten_inputs(args, kwargs)  # names it
-        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        for i, (t, want) in enumerate(zip(tensors, self._sample_shapes)):
-            if tuple(t.shape) != want:
-                raise BatchShapeError(
-                    f"input tensor {i} has shape {tuple(t.shape)}, but this distributed pipeline was built for "
-                    f"{want}: its stages exchange buffers of the sample's micro-batch shapes. Pass batches "
-                    f"shaped like the sample (batch size {want[0] if want else '-'}, split into {self.chunks} "
-                    "micro-batches), or build another pipeline with a sample of the new shape.")
-        return flat, tensors
+        return flat, micro_batch(flat, self.chunks)
 
     def _sent(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """What this rank feeds its schedule: the inputs on its device when it runs the first
@@ -271,9 +267,11 @@ class DistributedPipeline:
                 raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
                                 f"got {type(return_outputs).__name__}")
             agreement.copies = self._copies  # tied parameters: equal on the ranks holding them
-            flat, tensors = self._inputs(args, kwargs)
-            agreement.batch = (tensors, target)  # every rank must have this step's batch
-            batch = self._sample_shapes[0][0] if self._sample_shapes and self._sample_shapes[0] else self.chunks
+            flat, micro = self._inputs(args, kwargs)
+            tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+            agreement.batch = (tensors, target)  # every rank must have this step's batch, of one shape
+            batch = tensors[0].shape[0] if tensors else self.chunks
+            run = self._runs.get(micro)  # torch's stages for this shape (made on its first step)
             targets = None
             if own and target is not None:
                 raise BatchShapeError("target= is given, but this pipeline trains the model's own loss (built with "
@@ -288,16 +286,18 @@ class DistributedPipeline:
                 targets = split_target(target, [batch // self.chunks] * self.chunks)
             last = self.n_stages - 1 in self.local
             if last and self._step_loss is not None:  # the loss weighed before anything is sent
+                self._step_loss.outputs = list(run.outputs)  # one micro-batch's, of this shape
                 self._step_loss.begin(targets, flat)
                 self._step_loss.keep = return_outputs
         # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
         # takes the real one from StepLoss: a stand-in, split alike
         stand_in = torch.zeros(batch, device=self.device) if last else None
         losses: list[torch.Tensor] = []
+        self._run, self._batch = run, batch
         self._ties.before_step()
         with self._exchanging():
             try:
-                self._schedule.step(*self._sent(tensors), target=stand_in,
+                run.schedule.step(*self._sent(tensors), target=stand_in,
                                     losses=losses if last else None, return_outputs=False)
             except BaseException:
                 self._ties.restore()
@@ -315,7 +315,7 @@ class DistributedPipeline:
         kept, self._step_loss.kept = self._step_loss.kept, []
         if how is not True:
             return kept
-        sizes = [self._sample_shapes[0][0] // self.chunks] * self.chunks if self._sample_shapes else [1] * len(kept)
+        sizes = [self._batch // self.chunks] * self.chunks if self._batch else [1] * len(kept)
         return self.capture.unflatten_output(self._batching.merge(kept, sizes))
 
     def _broadcast_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
@@ -343,7 +343,8 @@ class DistributedPipeline:
         with self._failures.agreed("check its batch", call="eval_step()") as agreement:
             agreement.copies = self._copies
             run = self._evaluation if self._in_eval_capture() else None  # the build's eval-mode capture
-            flat, tensors = self._inputs(args, kwargs, run)
+            flat, micro_flat = self._inputs(args, kwargs, run)
+            tensors = [x for x in flat if isinstance(x, torch.Tensor)]
             agreement.batch = (tensors, target)
             if target is not None and (self._step_loss is None or self._step_loss.own is not None):
                 raise BatchShapeError("target= is given, but this pipeline has no loss_fn to compute a loss with (built "
@@ -353,7 +354,11 @@ class DistributedPipeline:
                                  else (run.variant.capture, run.variant.batching))
             micro, sizes = batching.split(flat, self.chunks)
             weights = batching.weights(flat, micro)  # a loss over counted labels: each micro-batch's count
-        schedule, output = (self._forward_only, self._output) if run is None else (run.schedule, run.output)
+            if run is None:
+                train = self._run = self._runs.get(micro_flat)
+                schedule, output = train.forward_only, train.output
+            else:
+                schedule, output = run.runs.get(micro_flat)
         with self._exchanging():
             chunks = schedule.step(*self._sent(tensors))
         outputs, loss = None, None
@@ -395,7 +400,10 @@ class DistributedPipeline:
             return
         self._closed = True
         self._failures.forget()
-        self._schedule = self._forward_only = None
+        self._runs.clear()
+        self._run = None
+        if self._evaluation is not None:
+            self._evaluation.runs.clear()
         for g in self._groups:
             dist.destroy_process_group(g)
         self._groups = []

@@ -1,0 +1,101 @@
+"""``fxpipe.distributed``: one pipeline for every sequence length and every batch size that
+``chunks`` divides (issue #31). Two gloo ranks on 127.0.0.1 train a transformers GPT-2 (a
+torch.export capture, its own ``labels=`` loss with ``-100`` padding) on batches of another
+length each step and a smaller last batch, under three schedules; the parent compares every
+loss and every parameter after 3 AdamW steps with eager's run of the same batches. Ranks given
+different lengths are refused on both, and the pipeline goes on."""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from dist_harness import run_ranks  # noqa: E402
+from exact import assert_close_scaled  # noqa: E402
+from hf_families import VOCAB, no_dropout  # noqa: E402
+
+#: (batch, length) of each step: another length each time, the last batch smaller
+SHAPES = ((4, 8), (4, 13), (2, 6))
+ADAM = {"lr": 1e-2, "eps": 1e-6}
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(no_dropout(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64))).train()
+
+
+def _batch(step: int, batch: int, length: int) -> dict:
+    """Right-padded rows: the mask's zeros, and ``-100`` labels there, at a length per row."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(1, batch, 2):
+        mask[row, length - 1 - row:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _worker(rank: int, world: int, port: int, schedule: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    from fxpipe.errors import BatchMismatchError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    stages_per_rank = 2 if schedule == "zbv" else 1
+    pipe = fpd.pipeline(_gpt2(), (), sample_kwargs=_batch(99, 4, 8), chunks=2, schedule=schedule,
+                        stages_per_rank=stages_per_rank, timeout=60, progress=False)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    losses = []
+    for step, (batch, length) in enumerate(SHAPES):
+        losses.append(pipe.step(**_batch(step, batch, length)))
+        opt.step()
+        opt.zero_grad()
+    result = {"losses": losses, "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+              "runs": pipe._runs.made}
+    try:  # each rank another length: refused on both before anything is sent
+        pipe.step(**_batch(7, 4, 9 + rank))
+        result["mismatch"] = "ran"
+    except BatchMismatchError as e:
+        result["mismatch"] = str(e)
+    result["after"] = pipe.eval_step(**_batch(8, 2, 11))  # the pipeline still runs
+    pipe.close()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbv"])
+def test_a_length_per_step_and_a_smaller_last_batch_train_as_eager(tmp_path: Path, schedule: str) -> None:
+    ranks = run_ranks(_worker, 2, (schedule,), tmp_path)
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    losses = []
+    for step, (batch, length) in enumerate(SHAPES):
+        loss = model(**_batch(step, batch, length)).loss
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    want = dict(model.named_parameters())
+    with torch.no_grad():
+        after = copy.deepcopy(model).eval()(**_batch(8, 2, 11)).loss  # no dropout: eval as train
+    for r in ranks:
+        for got, expected in zip(r["losses"], losses):
+            assert_close_scaled(got, expected, what="loss")
+        assert r["params"], "each rank trains some parameters"
+        for name, value in r["params"].items():  # Adam's update where a gradient is ~0: a share of lr
+            assert_close_scaled(value, want[name].detach(), {"atol": 1e-2 * ADAM["lr"]}, what=name)
+        assert r["runs"] == len(SHAPES), "one set of torch stages per micro-batch shape, nothing else rebuilt"
+        assert "different batches" in r["mismatch"] and "their batches hold 108 elements on rank 0, " \
+            "120 elements on rank 1: another length" in r["mismatch"], r["mismatch"]
+        assert_close_scaled(r["after"], after, what="eval loss")
