@@ -174,22 +174,27 @@ def assert_grads_equal(model: nn.Module, ref: nn.Module, tol: TolLike = None, *,
 def assert_exact(
     model: nn.Module, args: tuple, n_stages: int, *, kwargs: Optional[dict] = None,
     loss: Callable[[Any], torch.Tensor] = weighted_loss, context: Callable[[], Any] = torch.enable_grad,
-    tol: TolLike = None, **options: Any,
+    tol: TolLike = None, later: Iterable[tuple[tuple, dict]] = (), **options: Any,
 ) -> fxpipe.Pipeline:
-    """Pipeline of a copy of ``model`` vs ``model`` itself: outputs and every gradient."""
+    """Pipeline of a copy of ``model`` vs ``model`` itself: outputs and every gradient, on the
+    sample and then on each ``(args, kwargs)`` of ``later`` (other lengths, a smaller batch),
+    the gradients of each call alone."""
     kwargs = dict(kwargs or {})
     ref = copy.deepcopy(model)
     piped = copy.deepcopy(model)
     options.setdefault("devices", ["cpu"] * n_stages)
     pipe = fxpipe.pipeline(piped, args, n_stages, sample_kwargs=kwargs or None, **options)
-    with context():
-        expected = ref(*args, **kwargs)
-        got = pipe(*args, **kwargs)
-        ref_loss, pipe_loss = loss(expected), loss(got)
-    assert_same(got, expected, tol)
-    ref_loss.backward()
-    pipe_loss.backward()
-    assert_grads_equal(piped, ref, tol)
+    for call_args, call_kwargs in [(args, kwargs), *later]:
+        ref.zero_grad()
+        piped.zero_grad()
+        with context():
+            expected = ref(*call_args, **call_kwargs)
+            got = pipe(*call_args, **call_kwargs)
+            ref_loss, pipe_loss = loss(expected), loss(got)
+        assert_same(got, expected, tol)
+        ref_loss.backward()
+        pipe_loss.backward()
+        assert_grads_equal(piped, ref, tol)
     return pipe
 
 

@@ -33,21 +33,30 @@ def no_dropout(config: Any) -> Any:
     return config
 
 
-def ids(seed: int = 0, low: int = 3) -> torch.Tensor:
+def ids(seed: int = 0, low: int = 3, batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(low, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(low, VOCAB, (batch, seq), generator=g)
 
 
-def padding_mask() -> torch.Tensor:
-    """Right padding of different lengths in both micro-batches (rows 1 and 3)."""
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[1, 5:] = 0
-    mask[3, 3:] = 0
+def padding_mask(batch: int = BATCH, seq: int = SEQ, left: bool = False) -> torch.Tensor:
+    """Padding of different lengths in both micro-batches (rows 1 and 3 keep 5/8 and 3/8 of
+    the length), on the right (or the left)."""
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    positions = torch.arange(seq)
+    for row, keep in ((1, 5), (3, 3)):
+        if row < batch:
+            kept = max(1, keep * seq // 8)
+            mask[row] = (positions >= seq - kept if left else positions < kept).long()
     return mask
 
 
-def pixels(seed: int = 0) -> torch.Tensor:
-    return torch.randn(BATCH, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(seed))
+def padded_labels(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` as labels, ``-100`` where the mask pads: as a collator makes them."""
+    return input_ids.masked_fill(mask == 0, -100)
+
+
+def pixels(seed: int = 0, batch: int = BATCH) -> torch.Tensor:
+    return torch.randn(batch, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(seed))
 
 
 @dataclass
@@ -56,9 +65,16 @@ class Family:
 
     name: str
     build: Callable[[], torch.nn.Module]
-    inputs: Callable[[], dict[str, torch.Tensor]]
-    #: labels for ``labels=`` (the model then returns its own 0-dim loss); None: no labels
-    labels: Callable[[], torch.Tensor] | None = None
+    #: ``inputs(batch=BATCH, seq=SEQ)``: the keyword inputs of a batch
+    inputs: Callable[..., dict[str, torch.Tensor]]
+    #: ``labels(batch=BATCH, seq=SEQ)`` for ``labels=`` (the model then returns its own 0-dim
+    #: loss); None: no labels
+    labels: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def lengths(self) -> bool:
+        """Whether the inputs have a sequence length (images have none)."""
+        return "pixel_values" not in self.inputs()
 
     def model(self) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -72,22 +88,25 @@ _ENC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention
 
 
 def _causal(model: Callable[[], torch.nn.Module]) -> tuple[Callable, Callable, Callable]:
-    return model, lambda: {"input_ids": ids(), "attention_mask": padding_mask()}, lambda: ids()
+    def inputs(batch: int = BATCH, seq: int = SEQ) -> dict[str, torch.Tensor]:
+        return {"input_ids": ids(0, batch=batch, seq=seq), "attention_mask": padding_mask(batch, seq)}
+    return model, inputs, lambda batch=BATCH, seq=SEQ: ids(0, batch=batch, seq=seq)
 
 
 def _masked(model: Callable[[], torch.nn.Module], token_types: bool) -> tuple[Callable, Callable, Callable]:
-    def inputs() -> dict[str, torch.Tensor]:
-        out = {"input_ids": ids(1), "attention_mask": padding_mask()}
+    def inputs(batch: int = BATCH, seq: int = SEQ) -> dict[str, torch.Tensor]:
+        out = {"input_ids": ids(1, batch=batch, seq=seq), "attention_mask": padding_mask(batch, seq)}
         if token_types:
-            out["token_type_ids"] = (torch.arange(SEQ) >= SEQ // 2).long().expand(BATCH, SEQ).contiguous()
+            out["token_type_ids"] = (torch.arange(seq) >= seq // 2).long().expand(batch, seq).contiguous()
         return out
-    return model, inputs, lambda: ids(2)
+    return model, inputs, lambda batch=BATCH, seq=SEQ: ids(2, batch=batch, seq=seq)
 
 
 def _seq2seq(model: Callable[[], torch.nn.Module]) -> tuple[Callable, Callable, Callable]:
-    def inputs() -> dict[str, torch.Tensor]:
-        return {"input_ids": ids(3), "attention_mask": padding_mask(), "decoder_input_ids": ids(4)}
-    return model, inputs, lambda: ids(4)
+    def inputs(batch: int = BATCH, seq: int = SEQ) -> dict[str, torch.Tensor]:
+        return {"input_ids": ids(3, batch=batch, seq=seq), "attention_mask": padding_mask(batch, seq),
+                "decoder_input_ids": ids(4, batch=batch, seq=seq)}
+    return model, inputs, lambda batch=BATCH, seq=SEQ: ids(4, batch=batch, seq=seq)
 
 
 FAMILIES: list[Family] = [
@@ -128,15 +147,17 @@ FAMILIES: list[Family] = [
     Family("vit", lambda: T.ViTForImageClassification(no_dropout(T.ViTConfig(
         image_size=IMAGE, patch_size=PATCH, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
         intermediate_size=64, num_labels=5))),
-        lambda: {"pixel_values": pixels()}, lambda: torch.tensor([0, 3, 1, 4])),
+        lambda batch=BATCH, seq=SEQ: {"pixel_values": pixels(batch=batch)},
+        lambda batch=BATCH, seq=SEQ: torch.tensor([0, 3, 1, 4])[:batch]),
     Family("clip_text", lambda: T.CLIPTextModelWithProjection(no_dropout(T.CLIPTextConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=64, projection_dim=16))),
-        lambda: {"input_ids": ids(5), "attention_mask": padding_mask()}),
+        lambda batch=BATCH, seq=SEQ: {"input_ids": ids(5, batch=batch, seq=seq),
+                                      "attention_mask": padding_mask(batch, seq)}),
     Family("clip_vision", lambda: T.CLIPVisionModelWithProjection(no_dropout(T.CLIPVisionConfig(
         image_size=IMAGE, patch_size=PATCH, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
         intermediate_size=64, projection_dim=16))),
-        lambda: {"pixel_values": pixels(1)}),
+        lambda batch=BATCH, seq=SEQ: {"pixel_values": pixels(1, batch=batch)}),
 ]
 
 BY_NAME = {f.name: f for f in FAMILIES}
