@@ -16,8 +16,10 @@ over ``--steps`` steps), trained with ``pipe.step(**batch)`` (the model's own ``
   on two lengths and its median used);
 * **memory of shapes**: a one-process pipeline keeps nothing per shape (one graph); each rank of
   ``fxpipe.distributed`` keeps torch's stages for the last ``LIMIT`` shapes
-  (:mod:`fxpipe.distributed._shape_runs`), reported from its receive buffers by
-  ``benchmarks/distributed.py``'s runs -- here the bound and the one-process figure.
+  (:mod:`fxpipe.distributed._shape_runs`): with ``--distributed`` two gloo ranks train the same
+  run, and each reports the receive-buffer bytes its kept shapes hold after each step (the
+  largest, and one shape's at the longest length), the first step at a new length against
+  the later ones, and how many shapes it made.
 
 Models: ``gpt2`` (transformers ``GPT2LMHeadModel`` at GPT-2's width 768 and 12 heads, ``--layers``
 layers, default 4 to fit a CPU run) and ``llama`` (a tiny ``LlamaForCausalLM``). Batch 4,
@@ -27,6 +29,7 @@ Usage::
 
     .venv/bin/python benchmarks/any_length.py                      # both models, results/any_length.json
     .venv/bin/python benchmarks/any_length.py --models llama --steps 30 --distinct 10
+    .venv/bin/python benchmarks/any_length.py --distributed    # also on two gloo ranks
 """
 
 from __future__ import annotations
@@ -165,6 +168,74 @@ def run_model(name: str, layers: int, steps: int, distinct: int, alone: int, rep
     }
 
 
+def _rank(rank: int, world: int, port: int, name: str, layers: int, steps: int, distinct: int, out: str) -> None:
+    """One gloo rank of the distributed run: step times, shapes made, receive-buffer bytes."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    from fxpipe.distributed._shape_runs import receive_buffer_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    plan = lengths(steps, distinct)
+    pipe = fpd.pipeline(make_model(name, layers), (), sample_kwargs=batch(plan[0], 10_000), chunks=CHUNKS,
+                        timeout=120, progress=False)
+    times, held = [], []
+    for step, length in enumerate(plan):
+        b = batch(length, step)
+        t = time.perf_counter()
+        pipe.step(**b)
+        times.append(time.perf_counter() - t)
+        pipe.module.zero_grad(set_to_none=True)
+        held.append(sum(receive_buffer_bytes(run.stages) for run in pipe._runs._runs.values()))
+    longest = max(plan)
+    one = next(receive_buffer_bytes(r.stages) for k, r in pipe._runs._runs.items() if k[0][0][1] == longest) \
+        if any(k[0][0][1] == longest for k in pipe._runs._runs) else None
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "held": held, "made": pipe._runs.made,
+                                                         "kept": len(pipe._runs), "one_shape_longest": one}))
+    pipe.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_distributed(name: str, layers: int, steps: int, distinct: int) -> Dict[str, Any]:
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from fxpipe.distributed._launch import free_port
+
+    plan = lengths(steps, distinct)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(2, free_port(), name, layers, steps, distinct, tmp), nprocs=2,
+                           start_method="spawn")
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
+    rows = []
+    for r, got in enumerate(ranks):
+        firsts, later, seen = [], {}, set()
+        for length, t in zip(plan, got["times"]):
+            later.setdefault(length, []).append(t)
+        for i, length in enumerate(plan):
+            if length not in seen and i > 0:  # the first step (the sample's shape) was made at the build
+                seen.add(length)
+                rest = later[length][1:]
+                if rest:
+                    firsts.append(got["times"][i] / statistics.median(rest))
+            seen.add(length)
+        rows.append({"rank": r, "shapes_made": got["made"], "shapes_kept": got["kept"],
+                     "receive_buffer_bytes_max": max(got["held"]), "receive_buffer_bytes_last": got["held"][-1],
+                     "one_shape_at_longest_bytes": got["one_shape_longest"],
+                     "first_call_over_normal": {"median": statistics.median(firsts) if firsts else None,
+                                                "max": max(firsts) if firsts else None, "n": len(firsts)},
+                     "step_s": got["times"]})
+    return {"model": name, "ranks": rows, "limit": LIMIT, "lengths": plan}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
@@ -173,6 +244,7 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=20)
     parser.add_argument("--alone", type=int, default=3, help="lengths compared with a pipeline built for them alone")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--distributed", action="store_true", help="also two gloo ranks (fxpipe.distributed)")
     parser.add_argument("--out", default="benchmarks/results/any_length.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -188,6 +260,18 @@ def main() -> None:
               + ", ".join(f"{r['ratio']:.3f}x" for r in row["later_over_built_alone"])
               + f" a pipeline built for the length; run {row['total']['one_pipeline_over_eager']:.2f}x eager, "
               f"{row['total']['one_pipeline_over_rebuilding']:.2f}x rebuilding per length", flush=True)
+    if args.distributed:
+        result["distributed"] = []
+        for name in args.models:
+            row = run_distributed(name, args.layers, args.steps, args.distinct)
+            result["distributed"].append(row)
+            for r in row["ranks"]:
+                print(f"{name} distributed rank {r['rank']}: first step at a new length "
+                      f"{r['first_call_over_normal']['median']:.2f}x a normal step (max "
+                      f"{r['first_call_over_normal']['max']:.2f}); {r['shapes_made']} shapes made, {r['shapes_kept']} "
+                      f"kept, receive buffers at most {r['receive_buffer_bytes_max'] / 2**20:.1f} MiB "
+                      f"(one shape at the longest length: {(r['one_shape_at_longest_bytes'] or 0) / 2**20:.2f} MiB)",
+                      flush=True)
     write_json(args.out, result)
 
 

@@ -267,6 +267,7 @@ class Pipeline(PlacedModule):
         self._active.model_check.check()  # a submodule, parameter or traced attribute replaced since the build
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
         micro, sizes = self.batching.split(flat, self.chunks)
+        self.capture.check_micro_batches(args, kwargs, micro)  # export's guards on the batch's size
         if self.capture.batch_fixed and max(sizes, default=1) > 1:
             raise InputMismatchError(
                 f"this call's micro-batches hold {max(sizes)} samples, but torch.export captured the model on a "

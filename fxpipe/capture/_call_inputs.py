@@ -23,7 +23,8 @@ from ._values import same_plain
 if TYPE_CHECKING:
     from ._tracing import Capture
 
-__all__ = ["call_signature", "fixed_dims", "fixed_batch", "flatten_call", "in_sample_order", "mismatch_error"]
+__all__ = ["call_signature", "fixed_dims", "fixed_batch", "flatten_call", "check_micro_batches", "in_sample_order",
+           "mismatch_error"]
 
 
 # -- a call vs the captured sample (Capture.flatten_inputs) -----------------------------------
@@ -238,7 +239,7 @@ def flatten_call(c: Capture, args: tuple, kwargs: dict) -> list[Any]:
     if spec == c.in_spec and all(
             (same_plain(v, c.specialized[i]) if i in c.specialized else isinstance(v, torch.Tensor))
             for i, v in enumerate(flat)):
-        if not c.fixed and not c.guards.dims:  # an fx capture: every size may vary
+        if not c.fixed and not c.guards.dims and not c.guards.conditions:  # fx: every size may vary
             return flat
         names = _leaf_names(c, args, kwargs)
         problems = [p for i, want in c.fixed.items() for p in _shape_problems(flat[i], want, names[i])]
@@ -247,6 +248,23 @@ def flatten_call(c: Capture, args: tuple, kwargs: dict) -> list[Any]:
             return flat
         raise InputMismatchError(_mismatch_message(_model_name(c), problems))
     raise mismatch_error(c, args, kwargs, flat, spec)
+
+
+def check_micro_batches(c: Capture, args: tuple, kwargs: dict, micro: Sequence[Sequence[Any]]) -> None:
+    """The capture's guards on the batch (a branch on its size) at each micro-batch's sizes,
+    or :class:`InputMismatchError` naming them (:mod:`fxpipe.capture._shape_guards`)."""
+    if not c.guards.batch:
+        return
+    seen: set = set()
+    for leaves in micro:
+        key = tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor))
+        if key in seen:
+            continue
+        seen.add(key)
+        problems = c.guards.micro_problems(leaves, _leaf_names(c, args, in_sample_order(c, kwargs)))
+        if problems:
+            raise InputMismatchError(_mismatch_message(_model_name(c), [
+                (f"a micro-batch of this call: {what}", todo) for what, todo in problems]))
 
 
 class _CallCheck:

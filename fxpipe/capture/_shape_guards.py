@@ -45,10 +45,16 @@ __all__ = ["ShapeGuards", "entangled_size"]
 class ShapeGuards:
     """Per flat input index, per dim: the symbolic size the graph assumes (a symbol's name or
     an expression in the symbols, as text), or None (a fixed size, the split dim, any size);
-    ``ranges``: each symbol's least and greatest value (None: no bound)."""
+    ``ranges``: each symbol's least and greatest value (None: no bound); ``conditions``: the
+    other guards export recorded (the model's code branched on ``t % 2 == 0``: the graph holds
+    that branch only), as sympy expressions; ``places``: where each symbol is read, ``(flat
+    index, dim)``; ``batch``: the split dims' symbols, bound per micro-batch."""
 
     dims: dict[int, tuple[str | None, ...]] = field(default_factory=dict)
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    conditions: tuple[Any, ...] = ()
+    places: dict[str, tuple[int, int]] = field(default_factory=dict)
+    batch: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, gm: fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[int | None] | None,
@@ -57,10 +63,16 @@ class ShapeGuards:
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         batch: set[str] = set()  # symbols of split dims: not checked, nor anything made from them
         dims: dict[int, tuple[str | None, ...]] = {}
+        places: dict[str, tuple[int, int]] = {}
+        env = None
         for i, (node, v) in enumerate(zip(phs, flat)):
             val = node.meta.get("val")
             if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim():
                 continue
+            env = env or getattr(getattr(val, "fake_mode", None), "shape_env", None)
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    places.setdefault(str(size.node.expr), (i, d))
             split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
             split = split % v.dim() if split is not None and v.dim() else None
             exprs = [str(s.node.expr) if isinstance(s, torch.SymInt) and not s.node.expr.is_number else None
@@ -75,11 +87,12 @@ class ShapeGuards:
             if all(e is None for e in dims[i]):
                 del dims[i]
         ranges = {str(sym): (_bound(vr.lower) or 0, _bound(vr.upper)) for sym, vr in range_constraints.items()}
-        return cls(dims, ranges)
+        return cls(dims, ranges, _conditions(env, set(places)), places, frozenset(batch))
 
     def problems(self, flat: Sequence[Any], names: Sequence[str]) -> list[tuple[str, str]]:
-        """``(what differs, what to do)`` for each size of this call that breaks a guard."""
-        if not self.dims:
+        """``(what differs, what to do)`` for each size of this call that breaks a guard (those
+        on the batch: :meth:`micro_problems`)."""
+        if not self.dims and not self.conditions:
             return []
         bound: dict[str, tuple[int, str]] = {}  # symbol -> (size, 'dim d of name') that set it
         derived: list[tuple[str, int, str]] = []
@@ -112,6 +125,33 @@ class ShapeGuards:
             if want.is_number and int(want) != size:
                 out.append((f"{where} is {size}, but the model's graph has it equal to {e} = {int(want)} here",
                             "pass sizes related as the model needs"))
+        return out or self._broken(flat, names, batch=False)
+
+    def micro_problems(self, micro: Sequence[Any], names: Sequence[str]) -> list[tuple[str, str]]:
+        """The guards on the batch's symbols, at one micro-batch's sizes (the graph runs each
+        micro-batch, so each must take the sample's branch)."""
+        return self._broken(micro, names, batch=True) if self.batch else []
+
+    def _broken(self, flat: Sequence[Any], names: Sequence[str], batch: bool) -> list[tuple[str, str]]:
+        """The conditions that fail at ``flat``'s sizes: those without the batch's symbols, or
+        (``batch``) those with them."""
+        by_name = {sym: sympy.Integer(int(flat[i].shape[d])) for sym, (i, d) in self.places.items()
+                   if isinstance(flat[i], torch.Tensor) and flat[i].dim() > d}
+        out = []
+        for cond in self.conditions:
+            symbols = {str(x) for x in cond.free_symbols}
+            if bool(symbols & self.batch) != batch or not symbols <= set(by_name):
+                continue
+            held = cond.xreplace({x: by_name[str(x)] for x in cond.free_symbols})
+            if held is sympy.false:
+                named = {x: sympy.Symbol(f"{names[self.places[str(x)][0]]}.shape[{self.places[str(x)][1]}]")
+                         for x in cond.free_symbols}
+                sizes = ", ".join(f"{named[x]} = {by_name[str(x)]}" for x in sorted(cond.free_symbols, key=str))
+                out.append((f"the model's code took a branch on its sizes when it was captured, and torch.export "
+                            f"kept that branch only: its guard {_text(cond.xreplace(named))} does not hold with "
+                            f"{sizes} (eager would run other code)",
+                            "build a pipeline from a sample whose sizes take this branch, or pass sizes that take the "
+                            "sample's"))
         return out
 
     def _out_of_range(self, sym: str, size: int, where: str) -> list[tuple[str, str]]:
@@ -119,6 +159,10 @@ class ShapeGuards:
         if lo <= size and (hi is None or size <= hi):
             return []
         span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+        if hi is not None and size > hi:  # an upper bound comes from the model's code: a table's size
+            return [(f"{where} is {size}, but the captured graph holds for sizes {span} only: the model's code bounds "
+                     f"it at {hi} (a position table of {hi} entries, say), and eager fails or runs other code past it",
+                     f"pass at most {hi} there, the model's own limit")]
         why = " (torch.export treats sizes 0 and 1 apart, and the sample's was larger)" if size < 2 <= lo else ""
         return [(f"{where} is {size}, but the captured graph holds for sizes {span} only{why}",
                  f"build a pipeline from a sample with {size} there (pipelines of one model share its parameters)")]
@@ -169,3 +213,29 @@ def _sizes(val: Any) -> list[torch.SymInt]:
     if isinstance(val, torch.Tensor):
         return [s for s in val.shape if isinstance(s, torch.SymInt)]
     return []
+
+
+def _text(cond: Any) -> str:
+    """A guard as Python reads it: ``Mod(x.shape[1], 2) == 0``."""
+    if isinstance(cond, sympy.Eq):
+        return f"{cond.lhs} == {cond.rhs}"
+    if isinstance(cond, sympy.Ne):
+        return f"{cond.lhs} != {cond.rhs}"
+    return str(cond)
+
+
+def _conditions(env: Any, symbols: set[str]) -> tuple[Any, ...]:
+    """The guards export's shape environment recorded on the inputs' symbols, beyond a symbol's
+    range (checked on its own): equalities, divisibility, relations between sizes."""
+    if env is None:
+        return ()
+    out = []
+    for guard in env.guards:
+        expr = env.replace(guard.expr)
+        if expr in (sympy.true, sympy.false) or not {str(x) for x in expr.free_symbols} <= symbols:
+            continue
+        if expr.is_Relational and len(expr.free_symbols) == 1 and not isinstance(expr, (sympy.Eq, sympy.Ne)) \
+                and (expr.lhs.is_Symbol or expr.rhs.is_Symbol) and (expr.lhs.is_number or expr.rhs.is_number):
+            continue  # a bound of one symbol: ShapeGuards.ranges
+        out.append(expr)
+    return tuple(out)

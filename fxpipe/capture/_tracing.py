@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ._attr_reads import AttrRead, AttributeReads, plain_attributes
 from ._augmented import AugmentedProxy
 from ._custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
-from ._call_inputs import call_signature, fixed_batch, fixed_dims, flatten_call
+from ._call_inputs import call_signature, check_micro_batches, fixed_batch, fixed_dims, flatten_call
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
 from ._shape_guards import ShapeGuards
@@ -105,6 +105,11 @@ class Capture:
         argument and says what to do (:func:`fxpipe.capture._call_inputs.flatten_call`).
         """
         return flatten_call(self, tuple(args), dict(kwargs or {}))
+
+    def check_micro_batches(self, args: tuple, kwargs: dict | None, micro: Sequence[Sequence[Any]]) -> None:
+        """The guards torch.export recorded on the batch's size, at each micro-batch's sizes
+        (:class:`~fxpipe.errors.InputMismatchError` naming them)."""
+        check_micro_batches(self, tuple(args), dict(kwargs or {}), micro)
 
     def unflatten_output(self, leaves: Sequence[Any]) -> Any:
         return pytree.tree_unflatten(list(leaves), self.out_spec)

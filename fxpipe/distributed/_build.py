@@ -43,7 +43,7 @@ from ._eval_mode import capture_eval, eval_run
 from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
-from ._meta import stage_metas
+from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
 from ._shape_runs import ShapeRuns, TrainRun, micro_batch
@@ -283,9 +283,11 @@ def pipeline(
                if loss_fn is not None else None)
     step_loss = StepLoss(loss_fn, reading, (), checked.batching, chunks, where)
 
+    metas_at = ShapeMetas(stages.modules, stages.input_names, where)
+
     def make_run(micro_flat: Sequence[Any]) -> TrainRun:
         """This rank's torch stages and schedules for one micro-batch shape (._shape_runs)."""
-        metas = stage_metas(stages.modules, micro_flat, stages.input_names, where)
+        metas = metas_at(micro_flat)
         pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, where, group,
                                              CheckpointedStage, checkpoint_stop=checkpoint_stop(checkpoint, chunks, True),
                                              training_of=model, clone_outputs=SCHEDULES[schedule].split_backward)
@@ -297,7 +299,7 @@ def pipeline(
                              target)
 
         train, forward_only = make_schedules(schedule, pipe_stages, chunks, scaled_loss, placement)
-        return TrainRun(train, forward_only, output, metas[n_stages - 1].outputs)
+        return TrainRun(train, forward_only, output, metas[n_stages - 1].outputs, pipe_stages)
 
     runs: ShapeRuns[TrainRun] = ShapeRuns(make_run)
     runs.get(micro)  # the sample's shape, made at the build: a shape the stages cannot take fails here

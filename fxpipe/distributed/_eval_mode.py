@@ -37,7 +37,7 @@ from torch.distributed.pipelining import PipelineStage
 from ._agree import agree_on_stages
 from ._carry import carried_plan
 from ._failures import Failures
-from ._meta import stage_metas
+from ._symbolic_meta import ShapeMetas
 from ._schedules import forward_schedule
 from ._shape_runs import ShapeRuns
 from ._values import StageRunner, stage_runners
@@ -105,8 +105,10 @@ def eval_run(found: Found, model: nn.Module, flat: Sequence[Any], local: Sequenc
         for t in stage_tensors(stages[k]):
             move_in_place(t, device)
 
+    metas_at = ShapeMetas(stages.modules, stages.input_names, device)
+
     def make(micro_flat: Sequence[Any]) -> tuple[Any, Optional[StageRunner]]:
-        metas = stage_metas(stages.modules, micro_flat, stages.input_names, device)
+        metas = metas_at(micro_flat)
         pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, device, group,
                                              stage_class, training_of=model)
         return forward_schedule(pipe_stages, chunks, placement), runners.get(n_stages - 1)

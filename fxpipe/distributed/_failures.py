@@ -269,6 +269,9 @@ class Failures:
         except Exception as e:
             if not _from_transport(e):
                 self._write(failure_line(self.rank, e))
+                own = _own_error(e)
+                if own is not e:  # torch's "[Stage 0] failed to run forward", whose first line is empty
+                    raise own.with_traceback(own.__traceback__) from None
                 raise
             try:
                 line = self._read()

@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._values import Kind, kind_of, meta_of
 
-__all__ = ["StageMeta", "stage_metas"]
+__all__ = ["StageMeta", "stage_metas", "fake_of", "fake_runs", "metas_of", "on_device", "uncompiled"]
 
 
 @dataclass
@@ -47,7 +47,7 @@ class StageMeta:
     outputs: tuple[Any, ...] = ()
 
 
-def _fake(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def fake_of(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A fake of ``t`` on ``device`` (made inside the fake mode): same shape, strides, dtype,
     ``requires_grad``, and class for a Parameter."""
     fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
@@ -57,7 +57,7 @@ def _fake(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @contextmanager
-def _on_device(stages: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+def on_device(stages: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
     """Every tensor the stages' modules hold -- ``_parameters``, ``_buffers`` and plain tensor
     attributes -- replaced by a fake on ``device`` (one fake per tensor object, so tied weights
     stay tied), and put back afterwards. Call inside the fake mode."""
@@ -75,7 +75,7 @@ def _on_device(stages: Sequence[nn.Module], device: torch.device) -> Iterator[No
                         if isinstance(value, torch.Tensor):
                             fake = fakes.get(id(value))
                             if fake is None:
-                                fake = fakes[id(value)] = _fake(value, device)
+                                fake = fakes[id(value)] = fake_of(value, device)
                             undo.append((table, key, value))
                             table[key] = fake
         yield
@@ -85,7 +85,7 @@ def _on_device(stages: Sequence[nn.Module], device: torch.device) -> Iterator[No
 
 
 @contextmanager
-def _uncompiled(stages: Sequence[nn.Module]) -> Iterator[None]:
+def uncompiled(stages: Sequence[nn.Module]) -> Iterator[None]:
     """The stages' own code for the block, not their ``stage.compile()``-d forward: a new
     shape's metadata run comes after the build compiled them, and a compiled forward would be
     traced again under the fake mode for one fake run (``nn.Module.compile`` keeps the
@@ -106,13 +106,29 @@ def stage_metas(stages: Sequence[torch.fx.GraphModule], micro_flat: Sequence[Any
     flat inputs (``micro_flat``: the model's flat inputs, tensors cut to the micro-batch size),
     and returns each stage's :class:`StageMeta`. ``input_names[k]`` name stage ``k``'s values
     in errors."""
-    with FakeTensorMode(allow_non_fake_inputs=True), _on_device(stages, device), _uncompiled(stages):
-        values = [_fake(x, device) if isinstance(x, torch.Tensor) else x for x in micro_flat]
-        runs: list[tuple[list[Any], list[Any]]] = []
-        for k, stage in enumerate(stages):
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        values = [fake_of(x, device) if isinstance(x, torch.Tensor) else x for x in micro_flat]
+        runs = fake_runs(stages, values, device, mode)
+    return metas_of(runs, input_names)
+
+
+Runs = list[tuple[list[Any], list[Any]]]
+
+
+def fake_runs(stages: Sequence[torch.fx.GraphModule], values: list[Any], device: torch.device, mode: Any) -> Runs:
+    """Each stage's fake inputs and outputs, the stages run in turn on ``values`` (fakes of
+    ``mode``) with their own tensors swapped for fakes on ``device``."""
+    with mode, on_device(stages, device), uncompiled(stages):
+        runs: Runs = []
+        for stage in stages:
             out = list(stage(*values))
             runs.append((values, out))
             values = out
+    return runs
+
+
+def metas_of(runs: Runs, input_names: Sequence[Sequence[str]]) -> list[StageMeta]:
+    """The :class:`StageMeta` of each stage from its run's inputs and outputs."""
     metas = []
     for k, (ins, outs) in enumerate(runs):
         if k == 0:
@@ -122,7 +138,7 @@ def stage_metas(stages: Sequence[torch.fx.GraphModule], micro_flat: Sequence[Any
             in_kinds = [kind_of(v, name) for v, name in zip(ins, input_names[k])]
             in_args = [m for v, kd in zip(ins, in_kinds) for m in meta_of(v, kd)]
         outputs: tuple[Any, ...] = ()
-        if k == len(stages) - 1:
+        if k == len(runs) - 1:
             out_kinds: list[Kind] = []
             out_args = [m for v in outs if isinstance(v, torch.Tensor) for m in meta_of(v, "tensor")]
             outputs = tuple(torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=v.requires_grad)

@@ -222,8 +222,11 @@ class DistributedPipeline:
                 f"this call runs under {_autocast_text(_autocast(kind), kind)}, but the pipeline was built under "
                 f"{_autocast_text(self._autocast, kind)}: its stages exchange buffers of the dtypes found at build. "
                 "Build the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
-        flat = (run.variant.capture if run is not None else self.capture).flatten_inputs(args, kwargs)  # names it
-        return flat, micro_batch(flat, self.chunks)
+        capture = run.variant.capture if run is not None else self.capture
+        flat = capture.flatten_inputs(args, kwargs)  # names what differs
+        micro = micro_batch(flat, self.chunks)
+        capture.check_micro_batches(args, kwargs, [micro])  # export's guards on the batch's size
+        return flat, micro
 
     def _sent(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """What this rank feeds its schedule: the inputs on its device when it runs the first

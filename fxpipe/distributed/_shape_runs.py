@@ -26,7 +26,7 @@ import torch
 
 from fxpipe.errors import BatchShapeError
 
-__all__ = ["LIMIT", "ShapeRuns", "TrainRun", "micro_batch", "shape_key"]
+__all__ = ["LIMIT", "ShapeRuns", "TrainRun", "micro_batch", "shape_key", "receive_buffer_bytes"]
 
 #: micro-batch shapes whose stages and schedules each rank keeps (the least recently used dropped)
 LIMIT = 8
@@ -44,6 +44,8 @@ class TrainRun:
     forward_only: Any
     output: Any
     outputs: tuple[Any, ...]
+    #: this rank's torch PipelineStages for the shape (their receive buffers: :func:`receive_buffer_bytes`)
+    stages: list[Any]
 
 
 def micro_batch(flat: Sequence[Any], chunks: int, what: str = "the batch") -> list[Any]:
@@ -98,3 +100,20 @@ class ShapeRuns(Generic[Run]):
 
     def clear(self) -> None:
         self._runs.clear()
+
+
+def receive_buffer_bytes(stages: Sequence[Any]) -> int:
+    """The bytes of the receive buffers torch's ``PipelineStage``\\ s hold (activations and
+    gradients, every micro-batch; allocated at a shape's first step): what one cached shape
+    costs."""
+    seen: set[int] = set()
+    total = 0
+    for stage in stages:
+        for table in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+            for infos in table.values():
+                for info in infos if isinstance(infos, (tuple, list)) else (infos,):
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor) and id(buffer) not in seen:
+                        seen.add(id(buffer))
+                        total += buffer.numel() * buffer.element_size()
+    return total

@@ -3,7 +3,8 @@
 torch.export capture, its own ``labels=`` loss with ``-100`` padding) on batches of another
 length each step and a smaller last batch, under three schedules; the parent compares every
 loss and every parameter after 3 AdamW steps with eager's run of the same batches. Ranks given
-different lengths are refused on both, and the pipeline goes on."""
+different lengths are refused on both, and the pipeline goes on; a length past the model's
+``n_positions`` fails with the model's own error, named on every rank."""
 
 from __future__ import annotations
 
@@ -68,10 +69,11 @@ def _worker(rank: int, world: int, port: int, schedule: str, out: str) -> None:
     except BatchMismatchError as e:
         result["mismatch"] = str(e)
     result["after"] = pipe.eval_step(**_batch(8, 2, 11))  # the pipeline still runs
-    pipe.close()
-    torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    try:  # past n_positions: the model's own error, by its own type on the failing rank
+        pipe.step(**_batch(9, 2, 70))
+    except Exception as e:  # noqa: BLE001 - recorded, compared by the parent
+        result["too_long"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    torch.save(result, Path(out) / f"rank{rank}.pt")  # the step that failed midway left no group to leave
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbv"])
@@ -99,3 +101,6 @@ def test_a_length_per_step_and_a_smaller_last_batch_train_as_eager(tmp_path: Pat
         assert "different batches" in r["mismatch"] and "their batches hold 108 elements on rank 0, " \
             "120 elements on rank 1: another length" in r["mismatch"], r["mismatch"]
         assert_close_scaled(r["after"], after, what="eval loss")
+    assert ranks[0]["too_long"].startswith("IndexError: index out of range"), ranks[0]["too_long"]
+    assert ranks[1]["too_long"].startswith("PeerFailedError: stopped because another rank failed: rank 0: "
+                                           "IndexError"), ranks[1]["too_long"]
