@@ -200,7 +200,7 @@ def fixed_batch(gm: torch.fx.GraphModule, flat: Sequence[Any], split_dims: Seque
 def _shape_problems(v: torch.Tensor, want: tuple[int | None, ...], name: str) -> list[tuple[str, str]]:
     free = [str(d) for d, s in enumerate(want) if s is None]
     may = f"only dim {' and '.join(free)} of it may vary" if free else "none of its dims may vary"
-    why = (f"(torch.export fixed the sample's size there: the model's code depends on it, it was 1, or a size "
+    why = (f"(the capture fixed the sample's size there: the model's code depends on it, it was 1, or a size "
            f"regroups the batch's rows with it; {may})")
     if v.dim() != len(want):
         return [(f"{name} has {v.dim()} dims but the sample's had {len(want)} {why}",

@@ -31,14 +31,17 @@ pickles without the export's shape environment.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
-__all__ = ["ShapeGuards", "entangled_size"]
+__all__ = ["ShapeGuards", "entangled_size", "fx_entangled_size", "symbolic_inputs"]
 
 
 @dataclass(frozen=True)
@@ -187,11 +190,17 @@ def entangled_size(ep: Any, flat: Sequence[Any], split_dims: Sequence[int | None
         if isinstance(v, torch.Tensor) and isinstance(val, torch.Tensor) and v.dim() and split is not None \
                 and val.dim() == v.dim() and isinstance(val.shape[split % v.dim()], torch.SymInt):
             batch |= val.shape[split % v.dim()].node.expr.free_symbols
+    return _entangled(((node.name, node.meta.get("val")) for node in ep.graph.nodes), batch)
+
+
+def _entangled(values: Iterable[tuple[str, Any]], batch: set[Any]) -> str | None:
+    """The first of ``values`` (name, value) holding a size that combines a symbol of ``batch``
+    with another symbol other than as a product, as text."""
     if not batch:
         return None
     seen: set[Any] = set()
-    for node in ep.graph.nodes:
-        for size in _sizes(node.meta.get("val")):
+    for name, value in values:
+        for size in _sizes(value):
             expr = size.node.expr
             if expr in seen:
                 continue
@@ -202,8 +211,90 @@ def entangled_size(ep: Any, flat: Sequence[Any], split_dims: Sequence[int | None
             for b in symbols & batch:
                 rest, factor = expr.as_independent(b, as_Add=False)  # b * rest, or not a product
                 if factor != b or not rest.is_polynomial():
-                    return f"{node.name}: {expr}"
+                    return f"{name}: {expr}"
     return None
+
+
+def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[int | None] | None) -> str | None:
+    """:func:`entangled_size` for a torch.fx capture, which records no sizes: the graph run once
+    under a ``FakeTensorMode`` over symbolic input sizes (each its own symbol, at least 2), every
+    node's sizes scanned. None also when the graph cannot run so (no claim made: the build's
+    check at the sample's sizes stands alone, as before)."""
+    if not any(_regroups(n) for n in gm.graph.nodes):
+        return None  # no op that could lay rows out anew: nothing to scan (most fx graphs: no cost)
+    from torch._dispatch.python import enable_python_dispatcher
+
+    mode, values, slots = symbolic_inputs(flat)
+    batch: set[Any] = set()
+    for i, dims in slots.items():
+        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+        if split is not None and dims and not isinstance(dims[split % len(dims)], int):
+            batch |= dims[split % len(dims)].free_symbols
+    seen: list[tuple[str, Any]] = []
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            seen.append((n.name, out))
+            return out
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # logs each op that needs concrete sizes
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        for dispatcher in (contextlib.nullcontext, enable_python_dispatcher):
+            # again through the python dispatcher where an op needs it (F.pad over symbols), as export runs
+            seen.clear()
+            try:
+                with mode, torch.no_grad(), dispatcher():
+                    _Recorder(gm).run(*values)
+                break
+            except Exception:  # noqa: BLE001 - code that needs concrete sizes: no symbolic claim
+                if dispatcher is enable_python_dispatcher:
+                    return None
+    finally:
+        quiet.setLevel(level)
+    return _entangled(((name, v) for name, out in seen for v in pytree.tree_leaves(out)), batch)
+
+
+#: ops that can lay out a tensor's rows anew, or read sizes to compute with: a graph without any
+#: has no size that could regroup the batch's rows
+_REGROUPING = {"view", "reshape", "unflatten", "pad", "view_as", "reshape_as", "narrow", "unfold", "split",
+               "chunk", "as_strided", "repeat", "size", "shape", "numel", "tensor_split", "getattr"}
+
+
+def symbolic_inputs(flat: Sequence[Any], device: torch.device | None = None) -> tuple[Any, list[Any], dict[int, list[Any]]]:
+    """A ``FakeTensorMode`` over a fresh ``ShapeEnv``, ``flat`` with each tensor a fake of it whose
+    every size is a symbol of its own, and per tensor's index each dim's symbol (the int where
+    torch fixed it). No duck sizing: two sizes equal in the sample may differ later, so what
+    the code needs equal becomes a guard. Each size is made at least 2 (torch specialises 0 and
+    1). Guards that cannot be decided become deferred runtime asserts rather than fixing a size.
+    ``device``: where the fakes are (default: each tensor's own)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False, prefer_deferred_runtime_asserts_over_guards=True),
+                          allow_non_fake_inputs=True)
+    values: list[Any] = []
+    slots: dict[int, list[Any]] = {}
+    for i, x in enumerate(flat):  # real (small) tensors made fake: outside the mode
+        if not isinstance(x, torch.Tensor) or not x.dim():
+            values.append(x)
+            continue
+        where = device if device is not None else x.device
+        hint = torch.empty([max(n, 2) for n in x.shape], dtype=x.dtype, device=where)
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * x.dim())
+        fake = mode.from_tensor(hint, symbolic_context=context)
+        slots[i] = [sympy.sympify(n.node._expr) if isinstance(n, torch.SymInt) else int(n) for n in fake.shape]
+        values.append(fake)
+    return mode, values, slots
+
+
+def _regroups(node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in _REGROUPING
 
 
 def _sizes(val: Any) -> list[torch.SymInt]:

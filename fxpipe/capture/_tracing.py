@@ -34,7 +34,7 @@ from ._custom_functions import applying_as_nodes, autograd_function_in, refusing
 from ._call_inputs import call_signature, check_micro_batches, fixed_batch, fixed_dims, flatten_call
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
-from ._shape_guards import ShapeGuards
+from ._shape_guards import ShapeGuards, fx_entangled_size
 from ._trace_errors import describe, lost_records_error, output_error, reason_of, trace_error, user_frame
 from ._export_leaves import leaf_paths
 from ..errors import TraceError
@@ -310,7 +310,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         fx_out_spec = out_specs[-1]
         # lost records: the graph would lack what their hooks record; torch.export runs a kept module's hooks
         if not lost_records and (not auto or _opaque_share(model, [f.module for f in auto]) <= _EXPORT_IF_OPAQUE_SHARE):
-            return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
+            return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads, flat,
+                              split_dims)
     kept = leaf_paths(model, [*leaf_types, *leaf_names])  # export traces them too: their reads are their own
     kept_modules = [model.get_submodule(p) for p in kept]
     with OpaqueCalls(kept_modules) as in_kept, refusing_reentrant_checkpoint(), refusing_in_export(in_kept), \
@@ -341,7 +342,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if lost_records:
         raise lost_records_error(lost_records, ex_res.error) from ex_res.error
     if not isinstance(fx_res, _Failure):  # export failed too: a coarse fx graph is still correct
-        return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads)
+        return _finish_fx(model, root, graph, in_spec, fx_out_spec, specialized, opaque, auto, fx_reads, flat,
+                          split_dims)
     for failure in (ex_res, fx_res):  # said plainly rather than as a capture failure
         refusal = reentrant_checkpoint_in(failure.error) or autograd_function_in(failure.error)
         if refusal is not None:
@@ -373,7 +375,7 @@ def _unaliased(flat: list[Any]) -> list[Any]:
 
 def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytree.TreeSpec,
                out_spec: pytree.TreeSpec, specialized: dict[int, object], opaque: list[str], auto: list[_Failure],
-               reads: list[AttrRead]) -> Capture:
+               reads: list[AttrRead], flat: list[Any], split_dims: Sequence[int | None] | None) -> Capture:
     for f in auto:
         warnings.warn(f"fxpipe: {describe(model, f.module)} could not be traced by torch.fx "
                       f"({reason_of(f.error)} at {user_frame(f.error) or '?'}); kept opaque", stacklevel=3)
@@ -390,7 +392,20 @@ def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytr
     # running it enters the grad-mode/autocast regions recorded on its nodes
     gm = RegionGraphModule(root, graph, class_name=type(model).__name__)
     gm.training = model.training
-    return Capture(gm, in_spec, out_spec, "fx", specialized, list(opaque), call_signature(model), reads=reads)
+    # fx fixes no size, unless one regroups the batch's rows with another (fxpipe.capture._shape_guards)
+    fixed = _every_size_but_the_batch(flat, split_dims) if fx_entangled_size(gm, flat, split_dims) else {}
+    return Capture(gm, in_spec, out_spec, "fx", specialized, list(opaque), call_signature(model), fixed, reads=reads)
+
+
+def _every_size_but_the_batch(flat: list[Any], split_dims: Sequence[int | None] | None
+                              ) -> dict[int, tuple[int | None, ...]]:
+    out = {}
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor) and x.dim():
+            split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+            split = split % x.dim() if split is not None else None
+            out[i] = tuple(None if d == split else int(n) for d, n in enumerate(x.shape))
+    return out
 
 
 def _opaque_share(model: nn.Module, names: list[str]) -> float:

@@ -25,7 +25,8 @@ from typing import Any, Optional, Sequence
 import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+from fxpipe.capture._shape_guards import symbolic_inputs
 
 from ._meta import Runs, StageMeta, fake_of, fake_runs, metas_of, on_device, stage_metas, uncompiled
 
@@ -51,22 +52,11 @@ class SymbolicMetas:
               input_names: Sequence[Sequence[str]], device: torch.device) -> Optional["SymbolicMetas"]:
         """The symbolic run, or None when the stages cannot run symbolically (every shape then
         has its own fake run)."""
-        env = ShapeEnv(duck_shape=False, prefer_deferred_runtime_asserts_over_guards=True)
-        mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-        slots: dict[int, list[Any]] = {}
-        values: list[Any] = []
         runs: Runs = []
         conditions: list[list[Any]] = []
         try:
-            for i, x in enumerate(micro_flat):  # real (small) tensors made fake: outside the mode
-                if not isinstance(x, torch.Tensor):
-                    values.append(x)
-                    continue
-                hint = torch.empty([max(n, 2) for n in x.shape], dtype=x.dtype, device=device)
-                context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * x.dim())
-                fake = mode.from_tensor(hint, symbolic_context=context)
-                slots[i] = [_raw(s) for s in fake.shape]
-                values.append(fake)
+            mode, values, slots = symbolic_inputs(micro_flat, device)
+            env = mode.shape_env
             # each symbol's range as made (at least 2); what a stage narrows is in its conditions
             ranges = {sym: (_bound(vr.lower, 0), _bound(vr.upper, None)) for sym, vr in env.var_to_range.items()}
             with mode, on_device(stages, device), uncompiled(stages):
