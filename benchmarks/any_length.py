@@ -184,7 +184,7 @@ def _rank(rank: int, world: int, port: int, name: str, layers: int, steps: int, 
     plan = lengths(steps, distinct)
     pipe = fpd.pipeline(make_model(name, layers), (), sample_kwargs=batch(plan[0], 10_000), chunks=CHUNKS,
                         timeout=120, progress=False)
-    times, held = [], []
+    times, held, one = [], [], []
     for step, length in enumerate(plan):
         b = batch(length, step)
         t = time.perf_counter()
@@ -192,11 +192,9 @@ def _rank(rank: int, world: int, port: int, name: str, layers: int, steps: int, 
         times.append(time.perf_counter() - t)
         pipe.module.zero_grad(set_to_none=True)
         held.append(sum(receive_buffer_bytes(run.stages) for run in pipe._runs._runs.values()))
-    longest = max(plan)
-    one = next(receive_buffer_bytes(r.stages) for k, r in pipe._runs._runs.items() if k[0][0][1] == longest) \
-        if any(k[0][0][1] == longest for k in pipe._runs._runs) else None
+        one.append(receive_buffer_bytes(pipe._run.stages))  # the shape this step ran
     Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "held": held, "made": pipe._runs.made,
-                                                         "kept": len(pipe._runs), "one_shape_longest": one}))
+                                                         "kept": len(pipe._runs), "one_shape_longest": max(one)}))
     pipe.close()
     dist.barrier()
     dist.destroy_process_group()
