@@ -76,7 +76,8 @@ def _worker(rank: int, world: int, port: int, schedule: str, out: str) -> None:
     torch.save(result, Path(out) / f"rank{rank}.pt")  # the step that failed midway left no group to leave
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbv"])
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow),
+                                      pytest.param("zbv", marks=pytest.mark.slow)])  # 30 s each on 2 cores
 def test_a_length_per_step_and_a_smaller_last_batch_train_as_eager(tmp_path: Path, schedule: str) -> None:
     ranks = run_ranks(_worker, 2, (schedule,), tmp_path)
     model = _gpt2()
