@@ -227,8 +227,9 @@ class MaterialiseError(DistributedError):
 
 
 class BatchShapeError(FxpipeError, ValueError):
-    """A batch given to a distributed pipeline does not have the sample's shapes (its stages
-    exchange fixed-size buffers), or its batch size is not a multiple of ``chunks``."""
+    """A batch given to a distributed pipeline whose batch size is not a multiple of ``chunks``
+    (torch's schedules run micro-batches of one size; any length runs), whose tensors differ in
+    batch size, or a ``target`` without the batch's samples."""
 
 
 class ModeError(FxpipeError, RuntimeError):

@@ -23,8 +23,7 @@ from ._values import same_plain
 if TYPE_CHECKING:
     from ._tracing import Capture
 
-__all__ = ["call_signature", "fixed_dims", "fixed_batch", "flatten_call", "check_micro_batches", "in_sample_order",
-           "mismatch_error"]
+__all__ = ["call_signature", "flatten_call", "check_micro_batches", "in_sample_order", "mismatch_error"]
 
 
 # -- a call vs the captured sample (Capture.flatten_inputs) -----------------------------------
@@ -151,52 +150,7 @@ def in_sample_order(c: Capture, kwargs: dict) -> dict:
     return {k: kwargs[k] for k in sorted(kwargs, key=lambda k: rank.get(k, len(sample)))}
 
 
-# -- tensor shapes a torch.export capture specialised ------------------------------------------
-def fixed_dims(gm: torch.fx.GraphModule, flat: Sequence[Any],
-               split_dims: Sequence[int | None] | None) -> dict[int, tuple[int | None, ...]]:
-    """Per flat tensor input: its size in each dim the graph was specialised on, ``None`` where
-    the graph takes any size (the split dim, which micro-batches change).
-
-    Read from the placeholders' ``meta['val']``, which torch.export leaves on them: a plain int
-    is a size export specialised (fxpipe declares every dim ``Dim.AUTO``: export fixes a size
-    of 1 in the sample and the sizes the model's code depends on), a SymInt one it kept
-    symbolic (its guards: :mod:`fxpipe.capture._shape_guards`). An fx graph records no sizes: its ops take
-    their shapes from their inputs, so it has nothing fixed (an empty dict).
-    """
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out: dict[int, tuple[int | None, ...]] = {}
-    for i, (node, v) in enumerate(zip(phs, flat)):
-        val = node.meta.get("val")
-        if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim():
-            continue
-        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-        split = split % v.dim() if split is not None and v.dim() else None
-        sizes = tuple(None if d == split or _symbolic(s) else int(s) for d, s in enumerate(val.shape))
-        if any(s is not None for s in sizes):
-            out[i] = sizes
-    return out
-
-
-def _symbolic(size: Any) -> bool:
-    """A size export kept symbolic (a SymInt of a constant, as export may leave one, is fixed)."""
-    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
-
-
-def fixed_batch(gm: torch.fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[int | None] | None) -> bool:
-    """Whether torch.export specialised the split dim itself: it does for a batch of one (its
-    0/1 specialisation), and then every micro-batch must hold one sample. (A larger sample
-    with a fixed batch cannot be split at all and is refused by the build's check.)"""
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, (node, v) in enumerate(zip(phs, flat)):
-        val = node.meta.get("val")
-        if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim() or not v.dim():
-            continue
-        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-        if split is not None and isinstance(val.shape[split % v.dim()], int):  # 0/1-specialised
-            return True
-    return False
-
-
+# -- tensor shapes a capture fixed (fxpipe.capture._shape_guards) ------------------------------
 def _shape_problems(v: torch.Tensor, want: tuple[int | None, ...], name: str) -> list[tuple[str, str]]:
     free = [str(d) for d, s in enumerate(want) if s is None]
     may = f"only dim {' and '.join(free)} of it may vary" if free else "none of its dims may vary"

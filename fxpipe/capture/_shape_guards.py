@@ -25,8 +25,9 @@ but the batch fixed, as before any length varied. The argument rests on torch.ex
 contract (one graph, exact wherever the guards hold) and on that scan; nothing runs per call
 but the guards' check (a few integer comparisons per input).
 
-Kept as plain values (names, ints, expression strings), so that a capture deep-copies and
-pickles without the export's shape environment.
+The sizes a capture fixed (:func:`fixed_dims`, :func:`fixed_batch`) are read here too. The
+ranges and sizes are kept as plain values (names, ints, expression strings); the other
+guards as sympy expressions, without the export's shape environment.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["ShapeGuards", "entangled_size", "fx_entangled_size", "symbolic_inputs"]
+__all__ = ["ShapeGuards", "entangled_size", "fx_entangled_size", "symbolic_inputs", "fixed_dims", "fixed_batch"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,52 @@ class ShapeGuards:
         why = " (torch.export treats sizes 0 and 1 apart, and the sample's was larger)" if size < 2 <= lo else ""
         return [(f"{where} is {size}, but the captured graph holds for sizes {span} only{why}",
                  f"build a pipeline from a sample with {size} there (pipelines of one model share its parameters)")]
+
+
+def fixed_dims(gm: torch.fx.GraphModule, flat: Sequence[Any],
+               split_dims: Sequence[int | None] | None) -> dict[int, tuple[int | None, ...]]:
+    """Per flat tensor input: its size in each dim the graph was specialised on, ``None`` where
+    the graph takes any size (the split dim, which micro-batches change).
+
+    Read from the placeholders' ``meta['val']``, which torch.export leaves on them: a plain int
+    is a size export specialised (fxpipe declares every dim ``Dim.AUTO``: export fixes a size
+    of 1 in the sample and the sizes the model's code depends on), a SymInt one it kept
+    symbolic (its guards: :class:`ShapeGuards`). An fx graph records no sizes: its ops take
+    their shapes from their inputs, so it has nothing fixed here (the capture fixes every size
+    but the batch's where :func:`fx_entangled_size` finds a size regrouping the batch).
+    """
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: dict[int, tuple[int | None, ...]] = {}
+    for i, (node, v) in enumerate(zip(phs, flat)):
+        val = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim():
+            continue
+        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+        split = split % v.dim() if split is not None and v.dim() else None
+        sizes = tuple(None if d == split or _symbolic(s) else int(s) for d, s in enumerate(val.shape))
+        if any(s is not None for s in sizes):
+            out[i] = sizes
+    return out
+
+
+def _symbolic(size: Any) -> bool:
+    """A size export kept symbolic (a SymInt of a constant, as export may leave one, is fixed)."""
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+
+
+def fixed_batch(gm: torch.fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[int | None] | None) -> bool:
+    """Whether torch.export specialised the split dim itself: it does for a batch of one (its
+    0/1 specialisation), and then every micro-batch must hold one sample. (A larger sample
+    with a fixed batch cannot be split at all and is refused by the build's check.)"""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, (node, v) in enumerate(zip(phs, flat)):
+        val = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim() or not v.dim():
+            continue
+        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+        if split is not None and isinstance(val.shape[split % v.dim()], int):  # 0/1-specialised
+            return True
+    return False
 
 
 def _bound(value: Any) -> int | None:

@@ -31,10 +31,10 @@ from torch.utils import _pytree as pytree
 from ._attr_reads import AttrRead, AttributeReads, plain_attributes
 from ._augmented import AugmentedProxy
 from ._custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
-from ._call_inputs import call_signature, check_micro_batches, fixed_batch, fixed_dims, flatten_call
+from ._call_inputs import call_signature, check_micro_batches, flatten_call
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
-from ._shape_guards import ShapeGuards, fx_entangled_size
+from ._shape_guards import ShapeGuards, fixed_batch, fixed_dims, fx_entangled_size
 from ._trace_errors import describe, lost_records_error, output_error, reason_of, trace_error, user_frame
 from ._export_leaves import leaf_paths
 from ..errors import TraceError

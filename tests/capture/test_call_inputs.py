@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.capture._call_inputs import fixed_dims, in_sample_order
+from fxpipe.capture._call_inputs import in_sample_order
+from fxpipe.capture._shape_guards import fixed_dims
 from fxpipe.capture._values import same_plain as same_value
 from fxpipe.capture._tracing import Capture, capture
 from fxpipe.errors import FxpipeError, InputMismatchError, MicroBatchError
