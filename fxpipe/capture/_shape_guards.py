@@ -293,7 +293,7 @@ def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Seque
             # again through the python dispatcher where an op needs it (F.pad over symbols), as export runs
             seen.clear()
             try:
-                with mode, torch.no_grad(), dispatcher():
+                with mode, torch.no_grad(), dispatcher(), _fake_state(gm, mode):
                     _Recorder(gm).run(*values)
                 break
             except Exception:  # noqa: BLE001 - code that needs concrete sizes: no symbolic claim
@@ -335,6 +335,16 @@ def symbolic_inputs(flat: Sequence[Any], device: torch.device | None = None) -> 
         slots[i] = [sympy.sympify(n.node._expr) if isinstance(n, torch.SymInt) else int(n) for n in fake.shape]
         values.append(fake)
     return mode, values, slots
+
+
+def _fake_state(gm: fx.GraphModule, mode: Any) -> Any:
+    """The graph module's parameters and buffers swapped for fakes for the block: a symbolic run
+    must not touch the model's state (BatchNorm's ``num_batches_tracked += 1`` bumped the real
+    buffer's version, which the capture's in-place search then took for an update)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    tensors = {**dict(gm.named_parameters(remove_duplicate=False)), **dict(gm.named_buffers(remove_duplicate=False))}
+    return _reparametrize_module(gm, {k: mode.from_tensor(v) for k, v in tensors.items()}, tie_weights=True)
 
 
 def _regroups(node: fx.Node) -> bool:
