@@ -31,7 +31,7 @@ from ._export_leaves import collapse_leaf_calls
 from ._export_hops import hop_error, keep_body, unsupported_hop
 from ._export_outputs import encoding_root
 from ._meta import exported_as_cpu
-from ._shape_guards import entangled_size
+from ._shape_guards import entangled_size, split_dim
 
 __all__ = ["export_graph", "Exported"]
 
@@ -186,9 +186,7 @@ def _attempts(flat: list[Any], split_dims: list[int | None] | None) -> list[tupl
     samples follows the sequence's length. A sample of one along the split dim would have export fix it (sizes 0 and 1 are
     specialised), so the dynamic exports trace it doubled, each input concatenated with itself
     along the split dim: the same values, a batch of two, which keeps the batch symbolic."""
-    dims = split_dims if split_dims is not None else [0] * len(flat)
-    split = [d % v.dim() if isinstance(v, torch.Tensor) and v.dim() and d is not None else None
-             for v, d in zip(flat, dims)]
+    split = [split_dim(split_dims, i, v) for i, v in enumerate(flat)]
     single = any(d is not None and flat[i].shape[d] == 1 for i, d in enumerate(split))
     traced = [torch.cat([v, v], dim=d) if d is not None and single else v for v, d in zip(flat, split)]
     every = tuple({k: torch.export.Dim.AUTO for k in range(v.dim())} if isinstance(v, torch.Tensor) and v.dim()

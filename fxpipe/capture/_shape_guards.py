@@ -42,7 +42,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["ShapeGuards", "entangled_size", "fx_entangled_size", "symbolic_inputs", "fixed_dims", "fixed_batch"]
+__all__ = ["ShapeGuards", "entangled_size", "fx_entangled_size", "symbolic_inputs", "fixed_dims", "fixed_batch",
+           "split_dim", "size_expr", "bound"]
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,7 @@ class ShapeGuards:
             for d, size in enumerate(val.shape):
                 if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                     places.setdefault(str(size.node.expr), (i, d))
-            split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-            split = split % v.dim() if split is not None and v.dim() else None
+            split = split_dim(split_dims, i, v)
             exprs = [str(s.node.expr) if isinstance(s, torch.SymInt) and not s.node.expr.is_number else None
                      for s in val.shape]  # fixed sizes: Capture.fixed
             if split is not None and exprs[split] is not None:
@@ -90,7 +90,7 @@ class ShapeGuards:
                             for e in exprs)
             if all(e is None for e in dims[i]):
                 del dims[i]
-        ranges = {str(sym): (_bound(vr.lower) or 0, _bound(vr.upper)) for sym, vr in range_constraints.items()}
+        ranges = {str(sym): (bound(vr.lower) or 0, bound(vr.upper)) for sym, vr in range_constraints.items()}
         return cls(dims, ranges, _conditions(env, set(places)), places, frozenset(batch))
 
     def problems(self, flat: Sequence[Any], names: Sequence[str]) -> list[tuple[str, str]]:
@@ -172,6 +172,21 @@ class ShapeGuards:
                  f"build a pipeline from a sample with {size} there (pipelines of one model share its parameters)")]
 
 
+def split_dim(split_dims: Sequence[int | None] | None, i: int, x: Any) -> int | None:
+    """The dim flat input ``i`` (``x``) is split along, made non-negative; None for one that is
+    not split (a non-tensor, a 0-dim tensor, ``chunk_dims`` None). Default: dim 0."""
+    if not isinstance(x, torch.Tensor) or not x.dim():
+        return None
+    split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
+    return split % x.dim() if split is not None else None
+
+
+def size_expr(size: Any) -> Any:
+    """A size as it was made: a SymInt's expression before later replacements (``SymNode.expr``
+    applies those a later op made), an int as it is."""
+    return sympy.sympify(size.node._expr) if isinstance(size, torch.SymInt) else int(size)
+
+
 def fixed_dims(gm: torch.fx.GraphModule, flat: Sequence[Any],
                split_dims: Sequence[int | None] | None) -> dict[int, tuple[int | None, ...]]:
     """Per flat tensor input: its size in each dim the graph was specialised on, ``None`` where
@@ -190,8 +205,7 @@ def fixed_dims(gm: torch.fx.GraphModule, flat: Sequence[Any],
         val = node.meta.get("val")
         if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim():
             continue
-        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-        split = split % v.dim() if split is not None and v.dim() else None
+        split = split_dim(split_dims, i, v)
         sizes = tuple(None if d == split or _symbolic(s) else int(s) for d, s in enumerate(val.shape))
         if any(s is not None for s in sizes):
             out[i] = sizes
@@ -212,13 +226,13 @@ def fixed_batch(gm: torch.fx.GraphModule, flat: Sequence[Any], split_dims: Seque
         val = node.meta.get("val")
         if not isinstance(v, torch.Tensor) or not isinstance(val, torch.Tensor) or val.dim() != v.dim() or not v.dim():
             continue
-        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-        if split is not None and isinstance(val.shape[split % v.dim()], int):  # 0/1-specialised
+        split = split_dim(split_dims, i, v)
+        if split is not None and isinstance(val.shape[split], int):  # 0/1-specialised
             return True
     return False
 
 
-def _bound(value: Any) -> int | None:
+def bound(value: Any) -> int | None:
     """A range's bound as an int; None for an infinite one (torch's ``int_oo``)."""
     try:
         return int(value)
@@ -233,10 +247,10 @@ def entangled_size(ep: Any, flat: Sequence[Any], split_dims: Sequence[int | None
     batch: set[Any] = set()
     for i, (node, v) in enumerate(zip(users, flat)):
         val = node.meta.get("val")
-        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-        if isinstance(v, torch.Tensor) and isinstance(val, torch.Tensor) and v.dim() and split is not None \
-                and val.dim() == v.dim() and isinstance(val.shape[split % v.dim()], torch.SymInt):
-            batch |= val.shape[split % v.dim()].node.expr.free_symbols
+        split = split_dim(split_dims, i, v)
+        if split is not None and isinstance(val, torch.Tensor) and val.dim() == v.dim() \
+                and isinstance(val.shape[split], torch.SymInt):
+            batch |= val.shape[split].node.expr.free_symbols
     return _entangled(((node.name, node.meta.get("val")) for node in ep.graph.nodes), batch)
 
 
@@ -274,9 +288,9 @@ def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Seque
     mode, values, slots = symbolic_inputs(flat)
     batch: set[Any] = set()
     for i, dims in slots.items():
-        split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-        if split is not None and dims and not isinstance(dims[split % len(dims)], int):
-            batch |= dims[split % len(dims)].free_symbols
+        split = split_dim(split_dims, i, flat[i])
+        if split is not None and not isinstance(dims[split], int):
+            batch |= dims[split].free_symbols
     seen: list[tuple[str, Any]] = []
 
     class _Recorder(fx.Interpreter):
@@ -332,7 +346,7 @@ def symbolic_inputs(flat: Sequence[Any], device: torch.device | None = None) -> 
         hint = torch.empty([max(n, 2) for n in x.shape], dtype=x.dtype, device=where)
         context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * x.dim())
         fake = mode.from_tensor(hint, symbolic_context=context)
-        slots[i] = [sympy.sympify(n.node._expr) if isinstance(n, torch.SymInt) else int(n) for n in fake.shape]
+        slots[i] = [size_expr(n) for n in fake.shape]
         values.append(fake)
     return mode, values, slots
 

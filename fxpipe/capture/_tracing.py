@@ -34,7 +34,7 @@ from ._custom_functions import applying_as_nodes, autograd_function_in, refusing
 from ._call_inputs import call_signature, check_micro_batches, flatten_call
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
-from ._shape_guards import ShapeGuards, fixed_batch, fixed_dims, fx_entangled_size
+from ._shape_guards import ShapeGuards, fixed_batch, fixed_dims, fx_entangled_size, split_dim
 from ._trace_errors import describe, lost_records_error, output_error, reason_of, trace_error, user_frame
 from ._export_leaves import leaf_paths
 from ..errors import TraceError
@@ -402,8 +402,7 @@ def _every_size_but_the_batch(flat: list[Any], split_dims: Sequence[int | None] 
     out = {}
     for i, x in enumerate(flat):
         if isinstance(x, torch.Tensor) and x.dim():
-            split = split_dims[i] if split_dims is not None and i < len(split_dims) else 0
-            split = split % x.dim() if split is not None else None
+            split = split_dim(split_dims, i, x)
             out[i] = tuple(None if d == split else int(n) for d, n in enumerate(x.shape))
     return out
 

@@ -5,9 +5,10 @@ its inputs and outputs (:mod:`._meta`) sizes the receive buffers it allocates at
 fxpipe's stage code takes any shape its capture allows (a torch.export capture keeps the sizes
 symbolic where the model's code does, :mod:`fxpipe.capture._shape_guards`), so only that torch
 layer is per shape: for each micro-batch shape a call brings (a new sequence length, a smaller
-last batch), this rank makes it anew from the same stage modules -- one fake run of the stages
-for the metadata, new ``PipelineStage`` objects and schedules, nothing captured, checked or
-planned again -- and keeps the :data:`LIMIT` most recently used. Memory stays bounded by that:
+last batch), this rank makes it anew from the same stage modules -- the metadata evaluated from
+one symbolic fake run of the stages (:mod:`._symbolic_meta`), new ``PipelineStage`` objects
+and schedules, nothing captured, checked or planned again -- and keeps the :data:`LIMIT` most
+recently used. Memory stays bounded by that:
 each kept shape holds its stages' receive buffers (``chunks`` micro-batches of each boundary
 value), allocated by torch at the shape's first step and freed with it.
 

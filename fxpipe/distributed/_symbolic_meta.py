@@ -2,19 +2,20 @@
 
 Each new micro-batch shape needs its ``PipelineStage`` metadata (:mod:`._shape_runs`). A fake
 run of every stage (:func:`fxpipe.distributed._meta.stage_metas`) costs about 1 ms per graph
-node -- 0.8 s on two busy CPU ranks for a 4-layer Llama, several times its step. So the build
-runs the stages once more under a ``FakeTensorMode`` with a ``ShapeEnv``, every size of every
-input a symbol of its own (no duck sizing: two sizes equal in the sample may differ later), the
-sample's sizes raised to at least 2 (torch specialises 0 and 1). Every value crossing a stage
-boundary then has its shape as an expression in those symbols, and a new shape's metadata is
-those expressions evaluated at its sizes: microseconds.
+node -- 0.8 s on two busy CPU ranks for a 4-layer Llama, several times its step. So at the
+first new shape (the build's own has its fake run) the stages run once more under a
+``FakeTensorMode`` with a ``ShapeEnv``, every size of every input a symbol of its own
+(:func:`fxpipe.capture._shape_guards.symbolic_inputs`). Every value crossing a stage boundary
+then has its shape as an expression in those symbols, and each later shape's metadata is
+those expressions evaluated at its sizes.
 
-What the symbolic run assumed is checked per shape, and any doubt falls back to the fake run
-of that shape (:meth:`SymbolicMetas.at` returns None): a size the run fixed (it specialised
-it) that differs, a size below a symbol's range (sizes of 1: a micro-batch of one sample), a
-guard the run recorded (a branch on a size, an equality the ops needed, a replacement of one
-symbol by another) that fails at the new sizes, or an expression that does not evaluate to a
-number. Metadata from here equals the fake run's (``tests/distributed/test_symbolic_meta.py``).
+What the symbolic run assumed is checked per shape and per stage (:meth:`SymbolicMetas.at`):
+a size it fixed that differs, or a size below a symbol's range (sizes of 1: a micro-batch of
+one sample), leaves the whole shape to a fake run of its own; a guard a stage's run recorded
+(a branch on a size, an equality the ops needed, a replacement of one symbol by another, a
+pad that fixed the labels' size) that fails at the new sizes, or an expression left with a
+symbol, leaves that stage and the ones after it to a fake run from the last evaluated stage's
+outputs. Metadata from here equals the fake run's (``tests/distributed/test_symbolic_meta.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpipe.capture._shape_guards import symbolic_inputs
+from fxpipe.capture._shape_guards import bound, size_expr, symbolic_inputs
 
 from ._meta import Runs, StageMeta, fake_of, fake_runs, metas_of, on_device, stage_metas, uncompiled
 
@@ -58,7 +59,7 @@ class SymbolicMetas:
             mode, values, slots = symbolic_inputs(micro_flat, device)
             env = mode.shape_env
             # each symbol's range as made (at least 2); what a stage narrows is in its conditions
-            ranges = {sym: (_bound(vr.lower, 0), _bound(vr.upper, None)) for sym, vr in env.var_to_range.items()}
+            ranges = {sym: (bound(vr.lower) or 0, bound(vr.upper)) for sym, vr in env.var_to_range.items()}
             with mode, on_device(stages, device), uncompiled(stages):
                 for stage in stages:
                     out = list(stage(*values))
@@ -136,25 +137,10 @@ class ShapeMetas:
 _NOT_SYMBOLIC: Any = object()  # the stages could not run symbolically: a fake run per shape
 
 
-def _raw(n: Any) -> Any:
-    """A size's expression as it was made: ``SymNode.expr`` applies the replacements the run made
-    since (a later stage that fixed a size would show in an earlier stage's values)."""
-    if isinstance(n, torch.SymInt):
-        return sympy.sympify(n.node._expr)
-    return int(n)
-
-
-def _bound(value: Any, default: Optional[int]) -> Optional[int]:
-    try:
-        return int(value)
-    except (TypeError, ValueError, AttributeError, OverflowError):
-        return default
-
-
 def _size(n: Any, bindings: dict[Any, Any]) -> int:
     """A size, evaluated: a SymInt's expression at ``bindings`` (TypeError if a symbol is left)."""
     if isinstance(n, torch.SymInt):
-        value = _raw(n).xreplace(bindings)
+        value = size_expr(n).xreplace(bindings)
         if not value.is_number:
             raise TypeError(f"size {n.node.expr} is not determined by the inputs' sizes")
         return int(value)
