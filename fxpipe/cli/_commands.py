@@ -17,6 +17,7 @@ import time
 from typing import Any, List, Tuple
 
 from ..progress import clear_status_line, status_line
+from ._gpus import GPUS
 from ._model_loader import UsageError, load_model
 
 __all__ = ["cmd_plan", "cmd_render", "cmd_code", "cmd_timeline", "cmd_tune", "cmd_env", "cmd_demo",
@@ -371,6 +372,13 @@ def cmd_tune(ns: argparse.Namespace) -> int:
             except ValueError:
                 raise UsageError(f"--batch {ns.batch}: expected a number of samples (64), or BxSEQ (64x2048) for an "
                                  "hf: language model") from None
+    if ns.gpu is not None:  # a named kind: its figures where the user gave none
+        kind = GPUS[ns.gpu]
+        ns.device_flops = ns.device_flops or kind.device_flops
+        ns.bandwidth = ns.bandwidth or kind.bandwidth
+        ns.memory = ns.memory or kind.memory
+        ns.link = ns.link or kind.link
+    ns.link = ns.link or "450GB/s"
     model, args, kwargs = load_model_and_sample(ns)
     if ns.devices is not None and ns.device is None:
         devices: Any = ns.devices

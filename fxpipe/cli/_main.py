@@ -22,6 +22,7 @@ from typing import Callable, List, Optional
 
 from . import _commands as commands
 from ..progress import set_enabled
+from ._gpus import GPUS
 from ._model_loader import UsageError, exit_text, load_factory, parse_input
 
 __all__ = ["main", "UsageError", "load_factory", "parse_input", "build_parser", "error_line"]
@@ -127,11 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default=None, metavar="SIZE", help="memory per device: 80GiB, 24GB, bytes")
     p.add_argument("--batch", default=None, metavar="B[xSEQ]",
                    help="the mini-batch: B samples; BxSEQ for hf: language models (token ids of that shape)")
+    p.add_argument("--gpu", default=None, choices=sorted(GPUS), type=str.lower,
+                   help="a named GPU kind: its data-sheet peak FLOP/s, bandwidth, memory and link stand in for "
+                        "--device-flops, --bandwidth, --memory and --link where those are not given")
     p.add_argument("--device-flops", default=None, metavar="FLOP/S", help="peak FLOP/s of one device (790e12)")
     p.add_argument("--bandwidth", default=None, metavar="BYTES/S", help="memory bandwidth of one device (4.8e12)")
     p.add_argument("--efficiency", type=_positive_float("--efficiency"), default=None,
                    help="share of that peak reached (default 1)")
-    p.add_argument("--link", default="450GB/s", metavar="BYTES/S", help="bandwidth between devices (450GB/s)")
+    p.add_argument("--link", default=None, metavar="BYTES/S",
+                   help="bandwidth between devices (default: the --gpu kind's, else 450GB/s)")
     p.add_argument("--latency", default="0", metavar="TIME",
                    help="of every send between devices, whatever its size (20us; default 0)")
     p.add_argument("--send-overhead", default="0", metavar="TIME",
