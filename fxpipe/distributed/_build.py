@@ -43,6 +43,7 @@ from ._eval_mode import capture_eval, eval_run
 from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
+from ._mesh import layout_of
 from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
@@ -94,14 +95,14 @@ def _check_timeout(timeout: float) -> timedelta:
 
 
 def _check_args(model: nn.Module, chunks: int, loss_fn: Any, schedule: str, stages_per_rank: int,
-                balance_by: str, checkpoint: str) -> None:
+                balance_by: str, checkpoint: str, pipeline_ranks: int) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     chunks = check_chunks(chunks)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), or None for the model's own loss, "
                         f"got {type(loss_fn).__name__}")
-    check_schedule(schedule, stages_per_rank, chunks, dist.get_world_size())
+    check_schedule(schedule, stages_per_rank, chunks, pipeline_ranks)
     if balance_by not in BALANCE_BY:
         raise ValueError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got {balance_by!r}")
     if checkpoint not in CHECKPOINT_MODES:
@@ -142,8 +143,11 @@ def pipeline(
     device: DeviceOption = None,
     progress: ProgressOption = True,
     compile: CompileOption = False,
+    mesh: Any = None,
+    data_parallel: Optional[str] = None,
 ) -> DistributedPipeline:
-    """This rank's part of ``model`` run as a pipeline of ``world_size * stages_per_rank`` stages.
+    """This rank's part of ``model`` run as a pipeline of ``world_size * stages_per_rank`` stages
+    (with ``mesh=``: ``pp * stages_per_rank`` stages, ``dp`` replicas of that pipeline).
 
     Call it on every rank, with the same model (same class, config and seed) and the same
     arguments. Under torchrun with no process group yet, it starts one: NCCL with each rank
@@ -201,6 +205,15 @@ def pipeline(
         compile: as for :func:`fxpipe.pipeline`: ``True`` or torch.compile's keyword arguments
             compiles this rank's stages (lazily, at their first call; after the build's fake
             metadata run); the schedule, sends and recomputation stay eager around them.
+        mesh: a ``DeviceMesh`` over every rank with dims named ``'dp'`` and ``'pp'``
+            (``init_device_mesh(kind, (dp, pp), mesh_dim_names=('dp', 'pp'))``): the pipeline runs
+            over ``'pp'``, and ``dp`` replicas of it each step on their own shard of the global
+            batch (:meth:`DistributedPipeline.shard`); None: one pipeline over every rank.
+        data_parallel: with a mesh of ``dp > 1``, ``'ddp'``: each replica holds its stages
+            whole, and the step's gradients are summed over the replicas once per step, with
+            the loss weighed over the global batch, so ``step`` gives eager's loss and
+            gradients on the global batch (:mod:`fxpipe.distributed._replicas`). ``'fsdp'`` is
+            not supported yet (``NotImplementedError``).
 
     Raises:
         fxpipe.errors.DistributedError: no process group and no torchrun environment; a
@@ -217,14 +230,14 @@ def pipeline(
     wait = _check_timeout(timeout)
     compile_options = check_compile_option(compile)  # before any collective: a bad option on every rank alike
     ensure_process_group(wait, device)
-    _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, checkpoint)
+    layout = layout_of(mesh, data_parallel, wait)  # collective: every rank, before any other check can differ
+    _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, checkpoint, layout.pp)
     chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
     check_split_points(split_points, plan)
     where = rank_device(device)
     check_one_gpu_per_rank(where, wait)  # before NCCL's first collective, which would stop on it
     report = as_progress(progress) if dist.get_rank() == 0 else Progress(enabled=False)
-    world = dist.get_world_size()
-    group = dist.new_group(list(range(world)), timeout=wait)
+    world, group, pipe_group = layout.pp, layout.world, layout.pipe
     agree_on_arguments({"schedule": schedule, "chunks": chunks}, group)  # else a hang or an abort in a step
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
@@ -267,7 +280,7 @@ def pipeline(
         counted = checked.batching.counted  # and the code counting a loss's labels (labels.to(logits.device))
         for count in (counted.counts.values() if counted is not None else ()):
             retarget_devices(count.program, where)
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(pipe_group)
     placement = rank_of_stage(schedule, world, stages_per_rank)
     local = stages_of_rank(schedule, world, stages_per_rank, rank)
     local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
@@ -277,7 +290,7 @@ def pipeline(
             move_in_place(t, where)
     also = [found_eval[2].modules] if found_eval is not None else []
     release_others(model, stages.modules, local, also)  # the other ranks' stages: no stale copy kept here
-    evaluation = (eval_run(found_eval, model, flat, local, placement, chunks, group, where, CheckpointedStage)
+    evaluation = (eval_run(found_eval, model, flat, local, placement, chunks, pipe_group, where, CheckpointedStage)
                   if found_eval is not None else None)
     reading = (LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output)
                if loss_fn is not None else None)
@@ -288,7 +301,7 @@ def pipeline(
     def make_run(micro_flat: Sequence[Any]) -> TrainRun:
         """This rank's torch stages and schedules for one micro-batch shape (._shape_runs)."""
         metas = metas_at(micro_flat)
-        pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, where, group,
+        pipe_stages, runners = stage_runners(stages, metas, flat, local, captured.out_spec, where, pipe_group,
                                              CheckpointedStage, checkpoint_stop=checkpoint_stop(checkpoint, chunks, True),
                                              training_of=model, clone_outputs=SCHEDULES[schedule].split_backward)
         output = runners.get(n_stages - 1)  # this rank's last stage, if it holds it
@@ -307,8 +320,8 @@ def pipeline(
         compile_stages([stages[k] for k in local], compile_options)
         if evaluation is not None:
             compile_stages([evaluation.variant.stages[k] for k in local], compile_options)
-    ties = TiedGradients(model, stages.modules, placement, group, wait)
-    return DistributedPipeline(model, captured, agreed, stages, placement, runs, group, chunks, ties,
-                               [group, *ties.groups.values()], device=where, step_loss=step_loss,
+    ties = TiedGradients(model, stages.modules, placement, layout.rows, wait)
+    return DistributedPipeline(model, captured, agreed, stages, placement, runs, layout, chunks, ties,
+                               list(ties.groups.values()), device=where, step_loss=step_loss,
                                mode_sensitive=checked.prepared.mode_sensitive, batching=checked.batching,
                                evaluation=evaluation, no_eval=no_eval)

@@ -178,8 +178,12 @@ def _uncaught(kind: type, error: BaseException, tb: Any) -> None:
 class Failures:
     """The failure reporting of one pipeline's process group (both ways, see the module)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device = torch.device("cpu"),
+                 rows: Optional[List[List[int]]] = None) -> None:
         self.group = group
+        #: the ranks (in ``group``) of each replica's pipeline, which must share a batch; replicas
+        #: given the same batch in ``step()`` are refused (:mod:`._mesh`)
+        self.rows = rows
         self.device = device  # where the flags of :meth:`agreed` live: the group's backend must accept it
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -245,7 +249,11 @@ class Failures:
                 "the same batch.")
         failed = [r for r, flag in enumerate(values[:world]) if flag]
         if not failed:
-            _refuse_different_batches([tuple(prints[_PRINT * r:_PRINT * (r + 1)]) for r in range(world)], call)
+            every = [tuple(prints[_PRINT * r:_PRINT * (r + 1)]) for r in range(world)]
+            for row in self.rows or [list(range(world))]:
+                _refuse_different_batches([every[r] for r in row], call, row)
+            if self.rows is not None and len(self.rows) > 1 and call == "step()":
+                _refuse_same_batches([every[row[0]] for row in self.rows], self.rows)
             _refuse_different_copies(agreement.copies, held, world)
             return
         with self.reported():
@@ -301,14 +309,14 @@ class Failures:
         return store.get(self.key).decode("utf-8", "replace")
 
 
-def _refuse_different_batches(prints: List[tuple], call: str) -> None:
+def _refuse_different_batches(prints: List[tuple], call: str, ranks: List[int]) -> None:
     """Every rank's fingerprint of its batch (all zeros: none given) the same, else
-    :class:`BatchMismatchError` naming which ranks got which batch."""
+    :class:`BatchMismatchError` naming which ranks (``ranks``, of ``prints`` in order) got which batch."""
     given = [p for p in prints if any(p)]
     if len(set(given)) <= 1:
         return
     groups: dict = {}
-    for rank, p in enumerate(prints):
+    for rank, p in zip(ranks, prints):
         groups.setdefault(p, []).append(rank)
     listed = "; ".join(f"ranks {', '.join(map(str, g))}" if len(g) > 1 else f"rank {g[0]}" for g in groups.values())
     sizes = ""
@@ -318,12 +326,26 @@ def _refuse_different_batches(prints: List[tuple], call: str) -> None:
             + ": another length or batch size"
     raise BatchMismatchError(
         f"the ranks were given different batches in {call or 'this call'} ({listed} each got another one{sizes}). "
-        "fxpipe.distributed runs one pipeline over all its ranks: the first stage's rank reads the inputs and the "
-        "last stage's rank the targets, so different batches would train one rank's inputs against another's "
-        "targets. Nothing was sent. Pass the same batch (inputs and targets) on every rank: give every rank the "
-        "same data loader order (the same seed and no DistributedSampler across the pipeline's ranks); batches of "
-        "another length on one rank come from a loader that pads each rank's batch on its own.",
+        "A pipeline's first stage's rank reads the inputs and its last stage's rank the targets, so different "
+        "batches would train one rank's inputs against another's targets. Nothing was sent. Pass the same batch "
+        "(inputs and targets) on every rank of the pipeline: give them the same data loader order (the same seed, "
+        "and a DistributedSampler over the data-parallel replicas only: num_replicas=pipe.dp_size, "
+        "rank=pipe.dp_rank); batches of another length on one rank come from a loader that pads each rank's batch "
+        "on its own.",
         groups=list(groups.values()))
+
+
+def _refuse_same_batches(prints: List[tuple], rows: List[List[int]]) -> None:
+    """Replicas given the same batch in a step are refused: each would compute the same
+    gradient, and the sum over replicas would train on ``dp`` copies of one shard."""
+    if len(set(prints)) > 1 or not any(prints[0]):
+        return
+    raise BatchMismatchError(
+        f"every one of the {len(prints)} data-parallel replicas was given the same batch in step(): the replicas would "
+        "compute the same gradient, and their sum would train on that one batch counted once per replica, not on a "
+        "global batch. Nothing was sent. Give each replica its own shard: pipe.shard(global_batch) on every rank, or "
+        "DistributedSampler(dataset, num_replicas=pipe.dp_size, rank=pipe.dp_rank).",
+        groups=[sorted(r for row in rows for r in row)])
 
 
 def _refuse_different_copies(copies: List[tuple], held: List[int], world: int) -> None:

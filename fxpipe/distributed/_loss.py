@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
@@ -56,6 +57,7 @@ class StepLoss:
         self.chunks = chunks
         self.device = device
         self.own = own_loss_output(batching, "loss_fn=None", "Pass loss_fn=...") if loss_fn is None else None
+        self._counts: Optional[Tensor] = None  # what each micro-batch counts (float64); None: a sum
         self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
         self._targets: List[Any] = []  # this step's, per micro-batch
         self._next = 0
@@ -78,11 +80,12 @@ class StepLoss:
             micro, _ = self.batching.split(flat, self.chunks)
             counts = self.batching.weights(flat, micro).get(self.own)  # refuses what it cannot weigh
             if merge == "sum":
-                self._shares = None
+                self._counts = None
             elif counts is not None:
-                self._shares = _shares(counts)
-            else:
-                self._shares = [torch.tensor(1.0 / self.chunks, dtype=torch.float64)] * self.chunks
+                self._counts = _counted(counts)
+            else:  # a plain mean of the micro-batches' means: each counts alike
+                self._counts = torch.ones(self.chunks, dtype=torch.float64)
+            self._shares = _shares(self._counts)
             return
         assert targets is not None and self.reading is not None
         self._targets = [pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, part)
@@ -95,7 +98,19 @@ class StepLoss:
                 f"{weights.why}. Nothing was sent. Write the loss as a sum over samples, or such a sum divided by a "
                 "count of the target (a mask's sum, the labels that are not ignore_index), or compute a loss that "
                 "mixes the samples outside the pipeline (eval_step gives the outputs)")
-        self._shares = None if weights.kind == "sum" else _shares(weights.counts or [])
+        self._counts = None if weights.kind == "sum" else _counted(weights.counts or [])
+        self._shares = _shares(self._counts)
+
+    def over_replicas(self, replicas: dist.ProcessGroup) -> None:
+        """Each micro-batch's share of the *global* batch's count: this step's counts summed
+        over the replicas (:mod:`._replicas`; one all-reduce among the last stages' ranks, after
+        every rank agreed on the batch). A sum needs none, but takes part alike."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self._counts is not None:
+            total += self._counts.sum().to(self.device)
+        dist.all_reduce(total, group=replicas)
+        if self._counts is not None:
+            self._shares = list(self._counts / total.to(self._counts.device))
 
     def __call__(self, flat_output: Callable[[], List[Any]], structured: Callable[[], Any], target: Any) -> Tensor:
         """Micro-batch ``i``'s scaled loss (the schedule asks in order 0, 1, ...); the output
@@ -129,6 +144,10 @@ class StepLoss:
         return torch.where(share > 0, loss * share.to(loss.dtype), torch.zeros_like(loss))
 
 
-def _shares(counts: Sequence[Tensor]) -> List[Tensor]:
-    n = torch.stack([torch.as_tensor(c).to(torch.float64) for c in counts])
-    return list(n / n.sum())
+def _counted(counts: Sequence[Tensor]) -> Tensor:
+    return torch.stack([torch.as_tensor(c).detach().to(torch.float64) for c in counts])
+
+
+def _shares(counts: Optional[Tensor]) -> Optional[List[Tensor]]:
+    """Each micro-batch's share of the step's count; None: a sum, each loss as it is."""
+    return None if counts is None else list(counts / counts.sum())

@@ -17,7 +17,11 @@ sending and the scheduling; this class adds what makes a step exact against eage
   so ``step`` gives eager's loss and gradients; a loss that cannot be split is refused before
   anything is sent;
 * tied parameters used on several ranks have their gradients summed (:mod:`._ties`);
-* ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank);
+* with data-parallel replicas (``mesh=``), the loss is weighed over the global batch and the
+  step's gradients are summed over the replicas once per step (:mod:`._replicas`); replicas
+  given the same batch are refused;
+* ``step`` returns the mini-batch loss on every rank (broadcast from the last stage's rank;
+  with replicas, the global batch's);
 * a step after the model changed in a way the stages cannot see (a submodule or parameter
   replaced, a traced attribute set anew) is refused on every rank
   (:class:`~fxpipe.errors.ModelChangedError`, :mod:`fxpipe.capture._model_check`);
@@ -29,7 +33,7 @@ sending and the scheduling; this class adds what makes a step exact against eage
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,9 +53,11 @@ from ._clip import clip_grad_norm_
 from ._eval_mode import EvalRun
 from ._failures import Failures
 from ._loss import StepLoss
+from ._mesh import Layout
+from ._pipe_state import PipelineState
+from ._replicas import ReplicaGradients
 from ._shape_runs import ShapeRuns, TrainRun, micro_batch
-from ._ties import TiedGradients, parameters_of
-from ._weights import load_local_state_dict, local_state_dict
+from ._ties import TiedGradients
 
 __all__ = ["DistributedPipeline"]
 
@@ -67,7 +73,7 @@ def _autocast_text(dtype: Optional[torch.dtype], device_type: str) -> str:
     return "no autocast" if dtype is None else f"torch.autocast({device_type!r}, dtype={dtype})"
 
 
-class DistributedPipeline:
+class DistributedPipeline(PipelineState):
     """The part of a pipeline this rank runs; every rank calls :meth:`step` together.
 
     Attributes:
@@ -77,11 +83,13 @@ class DistributedPipeline:
         placement: the rank of each stage, as the schedule places them
             (:func:`fxpipe.distributed._schedules.rank_of_stage`).
         rank, world_size: this process in the pipeline's process group.
+        dp_rank, dp_size: this rank's replica and the number of replicas (``mesh=``; 0 and 1
+            without data parallel), e.g. for ``DistributedSampler(num_replicas=dp_size, rank=dp_rank)``.
         device: where this rank's stages run (a GPU over NCCL, the CPU over gloo).
     """
 
     def __init__(self, model: nn.Module, captured: Capture, plan: Plan, stages: Stages, placement: Sequence[int],
-                 runs: ShapeRuns[TrainRun], group: dist.ProcessGroup, chunks: int,
+                 runs: ShapeRuns[TrainRun], layout: Layout, chunks: int,
                  ties: TiedGradients, groups: list[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
                  step_loss: Optional[StepLoss] = None, mode_sensitive: str = "", batching: Any = None,
                  evaluation: Optional[EvalRun] = None, no_eval: str = "") -> None:
@@ -92,20 +100,27 @@ class DistributedPipeline:
         self.stages = stages
         self.placement = list(placement)
         self.chunks = chunks
+        group = layout.pipe
         self.rank = dist.get_rank(group)
         self.local = [k for k, r in enumerate(self.placement) if r == self.rank]
         self.world_size = dist.get_world_size(group)
+        self.layout = layout
+        self.dp_rank, self.dp_size = layout.replica, layout.dp
         self._runs = runs  # torch's stages and schedules per micro-batch shape (._shape_runs)
         self._run: Optional[TrainRun] = runs.latest  # the run used last
         self._batch = 0  # the latest step's batch size
         self._group = group
         self._last_rank = dist.get_global_rank(group, self.placement[-1])  # of the last stage
         self._ties = ties
-        self._copies = ties.copies(group)  # compared at each call (fxpipe.distributed._failures)
-        self._groups = groups
+        self._copies = ties.copies(layout.world)  # compared at each call (fxpipe.distributed._failures)
+        # the step's gradients summed over the replicas of this rank's stages, once (._replicas)
+        self._replicas = ReplicaGradients(list(self.parameters()), layout.replicas)
+        self._groups = [layout.world, *([layout.pipe] if layout.pipe is not layout.world else []),
+                        *([layout.replicas] if layout.replicas is not None else []), *groups]
         self._closed = False
         self._broken: Optional[str] = None  # the error that stopped a step midway (peers then gone or waiting)
-        self._failures = Failures(group, device)  # one rank's error named by every rank
+        # one rank's error named by every rank of every replica
+        self._failures = Failures(layout.world, device, layout.rows if layout.dp > 1 else None)
         self._failures.watch()  # and an uncaught error between steps too
         self._step_loss = step_loss  # loss_fn per micro-batch, weighted as it counts (._loss)
         self._batching = batching  # how outputs merge (step(return_outputs=True))
@@ -139,46 +154,6 @@ class DistributedPipeline:
     def stage_code(self, k: int) -> str:
         """Readable code of stage ``k`` (any stage, local or not), with source-line comments."""
         return self.stages.stage_code(k)
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters (those its stages use), by the model's names and in its order."""
-        mine = {id(p) for k in self.local for p in parameters_of(self.stages[k])}
-        return ((n, p) for n, p in self.module.named_parameters() if id(p) in mine)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters: give them to this rank's optimizer."""
-        return (p for _, p in self.named_parameters())
-
-    # -- checkpoints (fxpipe.distributed._weights) -----------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors under the model's own keys (a tied weight under each name; the
-        other ranks' stages are released, so absent): each rank's part of a
-        ``torch.distributed.checkpoint`` save, which any layout, or the plain model, loads."""
-        return local_state_dict(self.module)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> list[str]:
-        """Loads this rank's tensors from ``state_dict`` (the model's keys; other ranks' keys
-        are ignored). ``strict``: a key of this rank missing, or a key the model lacks, is a
-        ``KeyError``. Returns the keys loaded."""
-        return load_local_state_dict(self.module, state_dict, strict)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``optimizer``'s state keyed by the model's parameter names (torch's
-        ``get_optimizer_state_dict`` conventions): this rank's part of a checkpoint."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        # flattened ('state.<name>.exp_avg', 'param_groups.<name>.lr'): each rank's own keys, which any
-        # other layout's ranks find by name (nested param_groups would list each rank's own parameters)
-        return get_optimizer_state_dict(self.module, optimizer,
-                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        """Loads into ``optimizer`` (over this rank's parameters) the state saved by
-        :meth:`optimizer_state_dict` under any layout (torch's ``set_optimizer_state_dict``)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.module, optimizer, state_dict,
-                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every rank's
@@ -297,16 +272,26 @@ class DistributedPipeline:
         stand_in = torch.zeros(batch, device=self.device) if last else None
         losses: list[torch.Tensor] = []
         self._run, self._batch = run, batch
+        replicas = self.layout.replicas
+        self._replicas.before_step()
         self._ties.before_step()
         with self._exchanging():
             try:
+                if last and replicas is not None and self._step_loss is not None:
+                    self._step_loss.over_replicas(replicas)  # each micro-batch's share of the global batch
                 run.schedule.step(*self._sent(tensors), target=stand_in,
                                     losses=losses if last else None, return_outputs=False)
             except BaseException:
                 self._ties.restore()
+                self._replicas.restore()
                 raise
             self._ties.after_step()
+            self._replicas.after_step()
             loss = self._broadcast_loss(torch.stack([x.detach() for x in losses]).sum() if last else None)
+            if replicas is not None:  # each replica's part of the global batch's loss, summed
+                total = loss.detach().to(torch.float64).reshape(1)
+                dist.all_reduce(total, group=replicas)
+                loss = total[0].to(loss.dtype)
         if return_outputs is False:
             return loss
         return loss, self._kept_outputs(return_outputs) if last else None

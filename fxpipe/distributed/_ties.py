@@ -32,22 +32,25 @@ class TiedGradients:
     (``placement``: the rank of each stage, :func:`fxpipe.distributed._schedules.rank_of_stage`)."""
 
     def __init__(self, model: nn.Module, stages: Sequence[nn.Module], placement: Sequence[int],
-                 group: dist.ProcessGroup, timeout: timedelta) -> None:
+                 rows: Sequence[Sequence[int]], timeout: timedelta) -> None:
+        """``rows``: the global ranks of each replica's pipeline, by pipeline position
+        (:class:`._mesh.Layout`); one row without data parallel."""
         users: dict[int, set[int]] = {}
         for k, stage in enumerate(stages):
             for p in parameters_of(stage):
                 users.setdefault(id(p), set()).add(placement[k])
-        me = dist.get_rank(group)
-        #: (model name, parameter, global ranks using it), in the model's order
+        me = dist.get_rank()
+        #: (model name, parameter, global ranks using it), in the model's order, for each replica
         self.tied: list[tuple[str, nn.Parameter, tuple[int, ...]]] = []
-        for name, p in model.named_parameters():
-            ranks = tuple(sorted(users.get(id(p), ())))
-            if len(ranks) > 1:
-                self.tied.append((name, p, tuple(dist.get_global_rank(group, r) for r in ranks)))
+        for row in rows:
+            for name, p in model.named_parameters():
+                positions = sorted(users.get(id(p), ()))
+                if len(positions) > 1:
+                    self.tied.append((name, p, tuple(row[k] for k in positions)))
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for ranks in sorted({r for _, _, r in self.tied}):  # the same order on every rank
             sub = dist.new_group(list(ranks), timeout=timeout)
-            if dist.get_global_rank(group, me) in ranks:
+            if me in ranks:
                 self.groups[ranks] = sub
         self._saved: dict[int, torch.Tensor | None] = {}
 
@@ -63,9 +66,10 @@ class TiedGradients:
         """Whether this rank counts ``p`` in a norm over all ranks: a tied parameter on the
         lowest rank holding it (its copies hold the same gradient after a step), any other
         parameter where it is."""
+        me = dist.get_rank()
         for _, q, ranks in self.tied:
-            if q is p:
-                return dist.get_rank() == ranks[0]
+            if q is p and me in ranks:
+                return me == ranks[0]
         return True
 
     def local(self) -> list[tuple[str, nn.Parameter, dist.ProcessGroup]]:
