@@ -79,13 +79,21 @@ class Batch:
     def anchor(self) -> int | None:
         """Index of the tensor that carries phony dependencies for this batch.
 
-        The first floating-point (or complex) tensor, the only kind that can carry
-        gradients; None when there is none.
+        The first floating-point (or complex) tensor that requires grad, else the first
+        floating-point one (the only kinds that can carry gradients); None when there is
+        none. One that requires grad is preferred because joining a phony that requires
+        grad onto a tensor that did not would make it require grad: the next stage would
+        see the model's input, or a value made from buffers, needing a gradient that eager
+        never computes (and compute it, and keep it alive, for nothing).
         """
+        first = None
         for i, v in enumerate(self.values):
             if isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex()):
-                return i
-        return None
+                if v.requires_grad:
+                    return i
+                if first is None:
+                    first = i
+        return first
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.values)

@@ -54,9 +54,14 @@ def clock_cycles(m: int, n: int) -> Iterable[Schedule]:
 
 
 def depend(fork_from: Batch, join_to: Batch) -> None:
-    """Makes backward of ``fork_from`` wait for backward of ``join_to`` (reverse order)."""
+    """Makes backward of ``fork_from`` wait for backward of ``join_to`` (reverse order).
+
+    Only between tensors that both require grad: the Fork/Join node would make a tensor that
+    needs none (stage 0's input, a value made from buffers) need one, and the stage would
+    compute its gradient for nothing. Without a gradient path on one side there is no
+    backward to order there; autograd runs the latest-created node first anyway."""
     a, b = fork_from.anchor(), join_to.anchor()
-    if a is None or b is None:
+    if a is None or b is None or not (fork_from[a].requires_grad and join_to[b].requires_grad):
         return
     fork_from[a], join_to[b] = depend_tensors(fork_from[a], join_to[b])
 

@@ -11,6 +11,11 @@ three autograd functions around it:
 * ``PortalOrange`` (pop side) returns the tensor; its backward leaves the gradient in the
   portal for ``PortalBlue``.
 
+A leaf that needed no gradient where it was stashed (the model's input image carried to the
+head, a value computed from buffers alone) comes out of ``PortalOrange`` needing none either,
+as eager hands it to the pop side: otherwise autograd would compute its gradient, throw it
+away, and keep a ``cat``'s whole gradient alive until the stash stage's backward.
+
 "Tensor life" counts the remaining uses so the portal drops its reference as soon as the
 last one happened: 2 without checkpointing (blue, orange), 3 with it (the recomputation's
 orange needs the tensor once more; given up when that partition saved nothing for backward,
@@ -45,8 +50,14 @@ class Portal:
     """
 
     def __init__(self, tensor: Any, tensor_life: int) -> None:
-        self.put_tensor(tensor, tensor_life)
+        self.stash(tensor, tensor_life)
         self.grad: Optional[Tuple[Optional[Tensor], ...]] = None
+
+    def stash(self, value: Any, tensor_life: int) -> None:
+        """Keeps a value the stash side computed (its first forward, or its recomputation),
+        and which of its tensor leaves needed a gradient there, for ``PortalOrange``."""
+        self.needs_grad = tuple(x.requires_grad for x in _split(value)[0])
+        self.put_tensor(value, tensor_life)
 
     def blue(self, value: Any) -> Tensor:
         """Stash side: a phony whose backward delivers the gradients to the stashed tensors.
@@ -182,7 +193,10 @@ class PortalOrange(torch.autograd.Function):
         tensors, _, _ = _split(portal.use_tensor())
         assert tensors
         outputs = tuple(x.detach() for x in tensors)
-        ctx.mark_non_differentiable(*[y for y in outputs if not _differentiable(y)])
+        # What needed no gradient at the stash needs none here (as in eager).
+        needs_grad = portal.needs_grad
+        ctx.mark_non_differentiable(*[y for k, y in enumerate(outputs)
+                                      if not (_differentiable(y) and needs_grad[k])])
         ctx.set_materialize_grads(False)
         return outputs
 

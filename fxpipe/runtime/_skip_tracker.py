@@ -117,7 +117,7 @@ def stash_portal(portals: Dict[Any, Portal], key: Any, value: Any) -> Portal:
     if portal is None:
         portal = portals[key] = Portal(value, 3 if is_checkpointing() else 2)
     else:
-        portal.put_tensor(value, 1)
+        portal.stash(value, 1)
     return portal
 
 
