@@ -24,8 +24,9 @@ buffer of its size from the stage's first backward to its last (``grad_buffers``
 memory where ``.grad`` is kept through the backward; ``fxpipe.distributed``'s one call per
 micro-batch adds straight into ``.grad``.
 
-Static bytes per device (:func:`static_bytes`): each stage's parameters and buffers once, the
-gradients of those it trains once, their optimizer state (``'sgd'``: none; ``'momentum'``:
+Static bytes per device (:func:`static_bytes`): its stages' parameters and buffers, each tensor
+once (a weight tied between two of its stages too: :mod:`._tensors`), the gradients of those it
+trains once, their optimizer state (``'sgd'``: none; ``'momentum'``:
 one copy; ``'adam'``: two copies, in the parameters' dtype), and, for ``fxpipe.distributed``, torch's receive
 buffers: a ``PipelineStage`` allocates one activation buffer and one gradient buffer per
 micro-batch up front (torch 2.x ``_prepare_forward_infra`` / ``_prepare_backward_infra``), for

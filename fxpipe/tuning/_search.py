@@ -20,10 +20,8 @@ tie); a configuration that fits nowhere says why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
-import torch
 
 from ..build import Checked
 from ..capture._prepare import preserved
@@ -44,6 +42,7 @@ from ._result import Choice
 from ._scaling import derive, fit, same
 from ._simulate import send_bytes, simulate
 from ._stage_timing import carried_stages, time_stage_actions
+from ._tensors import StageTensors, once_per_device, stage_tensors
 from ._units import format_bytes
 
 __all__ = ["Settings", "Search"]
@@ -98,7 +97,7 @@ class Search:
         self._plan_errors: Dict[int, StagesError] = {}
         #: chunk counts whose micro-batch the model cannot run, and why (:meth:`refuse_sizes`)
         self.refused: Dict[int, str] = {}
-        self._trainable: Dict[int, List[int]] = {}
+        self._tensors: Dict[int, StageTensors] = {}
         self._timed: Dict[Tuple[int, int, bool], List[StageTimes]] = {}
         #: why stage timing fell back to the profile, if it did (one line each)
         self.untimed: List[str] = []
@@ -143,34 +142,17 @@ class Search:
                     self.refused[chunks] = (f"the model refuses a micro-batch of {self.s.batch // chunks} "
                                             f"(chunks={chunks}): {_first_line(e)}")[:300]
 
+    def tensors(self, plan: Plan) -> StageTensors:
+        """Per stage, the parameters, buffers and constants it reads, by identity
+        (:mod:`._tensors`: a tensor tied between stages on one device counts once there)."""
+        if plan.n_stages not in self._tensors:
+            self._tensors[plan.n_stages] = stage_tensors(self.checked.capture.graph_module, plan)
+        return self._tensors[plan.n_stages]
+
     def trainable(self, plan: Plan) -> List[int]:
         """Per stage, the bytes of the parameters it trains (those needing grad: what has a
-        gradient and optimizer state), each once per stage: a weight tied between two stages
-        counts in both, as each rank of ``fxpipe.distributed`` keeps its own copy (the plan's
-        ``param_bytes`` counts it in both too). The emitted stages' parameters
-        (``distributed._ties.parameters_of``) are the same, but emitting costs 1.5 s of a 7B
-        Llama's tune on meta, where nothing else needs the stages: the graph is walked."""
-        if plan.n_stages not in self._trainable:
-            gm = self.checked.capture.graph_module
-            seen: List[Set[int]] = [set() for _ in range(plan.n_stages)]
-            found = [0] * plan.n_stages
-            for node in gm.graph.nodes:
-                if node.op == "call_module":
-                    params = list(gm.get_submodule(str(node.target)).parameters())
-                elif node.op == "get_attr":
-                    value = attrgetter(str(node.target))(gm)
-                    params = [value] if isinstance(value, torch.nn.Parameter) else []
-                else:
-                    continue
-                stages = {int(plan.assignment[node.name])} if node.name in plan.assignment else {
-                    int(plan.assignment[u.name]) for u in node.users if u.name in plan.assignment}
-                for stage in stages:
-                    for p in params:
-                        if p.requires_grad and id(p) not in seen[stage]:
-                            seen[stage].add(id(p))
-                            found[stage] += p.numel() * p.element_size()
-            self._trainable[plan.n_stages] = found
-        return self._trainable[plan.n_stages]
+        gradient and optimizer state), each once per stage."""
+        return [sum(n for n, grad in found.values() if grad) for found in self.tensors(plan)]
 
     def micro(self, size: int) -> List[Any]:
         return micro_inputs(self.checked.batching, self.flat, size)
@@ -304,7 +286,8 @@ class Search:
 
         timeline = simulate(orders, duration, where, send, self.s.send_overhead,
                             after=self.waits.get((schedule, local, chunks)))
-        params, trained = [st.param_bytes for st in plan.stages], self.trainable(plan)
+        # parameters, buffers, gradients and optimizer state: each tensor once per device
+        params, trained = once_per_device(self.tensors(plan), where)
         # one autograd call over every micro-batch sums each parameter's gradient before .grad:
         # extra memory only where .grad is kept through the backward (set_to_none: the sum becomes it);
         # the one-process 1F1B backwards each micro-batch alone, into .grad
