@@ -202,7 +202,12 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     costs = "a roofline (device_flops, bandwidth)" if flops is not None else "each stage timed on one micro-batch"
     notes = [f"costs from {costs}; "
              f"memory: parameters + gradients + {optimizer} state + activations"
-             + (" + receive buffers (distributed)" if any(c.distributed for c in choices) else "")]
+             + (" + receive buffers (distributed)" if any(c.distributed and c.peak_bytes for c in choices) else "")]
+    shared = sorted({d for d in labels if labels.count(d) > 1})
+    if shared:  # the peak of a device is that of all its stages together; on the CPU, of the process
+        cpu = any(d.split(":")[0] == "cpu" for d in shared)
+        notes.append(f"{' and '.join(shared)} given more than once: its stages share its memory, and 'per device' "
+                     "is all of them together" + ("; for the CPU, the whole process" if cpu else ""))
     if len(set(labels)) > 1:  # sends between devices: what the user assumed, printed beside the times
         per_byte = f" + bytes / {settings.link / 1e9:.3g} GB/s" if math.isfinite(settings.link) else ""
         notes.append(f"a send between devices: {format_seconds(settings.latency)}{per_byte}, costing each of the "
