@@ -394,9 +394,12 @@ def cmd_tune(ns: argparse.Namespace) -> int:
                          send_overhead=ns.send_overhead, optimizer=ns.optimizer,
                          zero_grad=ns.zero_grad, device_flops=ns.device_flops,
                          bandwidth=ns.bandwidth, efficiency=ns.efficiency, leaf_modules=tuple(ns.leaf),
-                         balance_by=ns.balance_by)
+                         balance_by=ns.balance_by, replicas=ns.replicas)
     print(tuning)
     best = tuning.best
-    print(f"best: {best.schedule}, {best.n_stages} stages, chunks={best.chunks}, checkpoint={best.checkpoint!r}"
-          + (" (fxpipe.distributed.pipeline)" if best.distributed else " (fxpipe.pipeline)"))
+    where = " (fxpipe.distributed.pipeline)" if best.distributed else " (fxpipe.pipeline)"
+    if best.replicas > 1:
+        where = " (fxpipe.distributed.pipeline, mesh=('dp', 'pp'), data_parallel='ddp')"
+    print(f"best: {f'{best.replicas} replicas of ' if best.replicas > 1 else ''}{best.schedule}, {best.n_stages} "
+          f"stages, chunks={best.chunks}, checkpoint={best.checkpoint!r}{where}")
     return 0

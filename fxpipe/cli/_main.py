@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how .grad is cleared between steps (in_place: also gradient accumulation)")
     p.add_argument("--balance-by", choices=("time", "memory", "params"), default=None,
                    help="how each stage count is cut (default: time; params on meta)")
+    p.add_argument("--replicas", nargs="*", type=_positive_int("--replicas"), default=None, metavar="DP",
+                   help="data-parallel replica counts to consider beside one pipeline (default: every DP "
+                        "dividing --devices that leaves 2 per pipeline or more; none given: none)")
 
     sub.add_parser("env", parents=[common], help="versions, devices, graphviz and matplotlib availability")
 

@@ -24,8 +24,9 @@ from ..progress import ProgressOption, as_progress
 from ..runtime._frontend import CHECKPOINT_MODES
 from ._memory import OPTIMIZER_STATES, ZERO_GRAD
 from ._orders import DISTRIBUTED_SCHEDULES
+from ._data_parallel import replica_choices, replica_counts, replicas_note
 from ._result import Tuning
-from ._search import Search, Settings
+from ._search import Search, Settings, ranked
 from ._units import Seconds, Size, format_bytes, format_seconds, parse_bytes, parse_rate, parse_seconds
 
 __all__ = ["tune", "SCHEDULES"]
@@ -86,7 +87,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
          device_flops: Optional[Size] = None, bandwidth: Optional[Size] = None, efficiency: Optional[float] = None,
          sample_kwargs: Optional[dict] = None, leaf_modules: Sequence[Union[type, str]] = (),
          chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None,
-         balance_by: Optional[str] = None, progress: ProgressOption = False) -> Tuning:
+         balance_by: Optional[str] = None, replicas: Optional[Sequence[int]] = None,
+         progress: ProgressOption = False) -> Tuning:
     """Predicts and ranks pipeline configurations of ``model`` for ``devices`` with ``memory``
     each (see docs/api.md, "fxpipe.tuning").
 
@@ -124,6 +126,11 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         balance_by: how each stage count is cut, as :func:`fxpipe.pipeline`'s (``'time'``,
             ``'memory'``, ``'params'``). Default: ``'time'`` for a model with weights (profiled, so
             two tunings on a busy machine may cut differently), ``'params'`` on meta.
+        replicas: data-parallel replica counts ``dp`` to consider beside one pipeline over every
+            device: ``dp`` replicas of a pipeline of ``N / dp`` devices, each on ``batch / dp``
+            samples (``fxpipe.distributed`` on a ``('dp', 'pp')`` mesh, ``data_parallel='ddp'``;
+            :mod:`fxpipe.tuning._data_parallel`). Default: every ``dp`` dividing ``N`` and the
+            batch that leaves 2 devices per pipeline or more; ``()``: none.
 
     Returns: a :class:`~fxpipe.tuning._result.Tuning`; ``print`` it, build ``tuning.best.pipeline()``.
 
@@ -199,6 +206,11 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
         choices = search.run()
+        if len(set(labels)) == len(labels) and any(name != "gpipe" for name in schedules):
+            for dp in replica_counts(len(labels), size, replicas):
+                if len(labels) % dp == 0 and size % dp == 0:
+                    choices += replica_choices(model, checked, settings, dp, as_progress(progress))
+            choices = ranked(choices)
     costs = "a roofline (device_flops, bandwidth)" if flops is not None else "each stage timed on one micro-batch"
     notes = [f"costs from {costs}; "
              f"memory: parameters + gradients + {optimizer} state + activations"
@@ -225,6 +237,9 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         notes.append(f"forwards recorded at micro-batch sizes {', '.join(map(str, sorted(search.recorded)))}; "
                      f"sizes {', '.join(map(str, sorted(search.derived)))} derived from them (every shape linear "
                      f"in the size, checked on the largest)")
+    best = next((c for c in choices if c.fits), None)
+    if best is not None and best.replicas > 1:
+        notes.append(replicas_note(best, settings.link))
     tuning = Tuning(choices, budget, model, sample, sample_kwargs, notes, skipped)
     for c in choices:
         c._tuning = tuning

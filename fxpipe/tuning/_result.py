@@ -42,6 +42,10 @@ class Choice:
     plan: Optional[Plan] = None
     #: run by fxpipe.pipeline in one process ('gpipe', and '1f1b' through Pipeline.step)
     one_process: bool = False
+    #: data-parallel replicas of the pipeline (fxpipe.distributed on a ('dp', 'pp') mesh), and
+    #: the seconds their gradients' all-reduce adds to each step (tuning/_data_parallel.py)
+    replicas: int = 1
+    allreduce_s: float = 0.0
     _tuning: Any = field(default=None, repr=False)
 
     @property
@@ -72,6 +76,13 @@ class Choice:
         if self.distributed:
             import fxpipe.distributed as fpd
 
+            if self.replicas > 1 and "mesh" not in kwargs:  # every rank of the job: replicas x pipeline ranks
+                import torch.distributed as dist
+                from torch.distributed.device_mesh import init_device_mesh
+
+                ranks = dist.get_world_size() // self.replicas
+                kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+                kwargs["mesh"] = init_device_mesh(kind, (self.replicas, ranks), mesh_dim_names=("dp", "pp"))
             return fpd.pipeline(tuning.model, tuning.sample, **kwargs)
         from ..api import pipeline
 
@@ -82,13 +93,15 @@ class Choice:
         4-layer GPT-2; a Llama's would be megabytes in a REPL)."""
         kwargs = {k: (f"<Plan: {v.n_stages} stages>" if isinstance(v, Plan) else v) for k, v in self.kwargs.items()}
         return (f"Choice(schedule={self.schedule!r}, one_process={self.one_process}, n_stages={self.n_stages}, "
-                f"chunks={self.chunks}, "
+                f"chunks={self.chunks}, replicas={self.replicas}, "
                 f"checkpoint={self.checkpoint!r}, step_s={self.step_s:.3g}, bubble={self.bubble:.3f}, "
                 f"peak={format_bytes(self.peak)!r}, fits={self.fits}, why={self.why!r}, kwargs={kwargs})")
 
-    def row(self) -> List[str]:
-        return [self.label, str(self.n_stages), str(self.chunks), self.checkpoint,
-                f"{self.step_s * 1e3:.2f} ms", f"{self.bubble:.1%}", format_bytes(self.peak)]
+    def row(self, replicas: bool = False) -> List[str]:
+        """The table's cells; ``replicas``: with a column of them."""
+        head = [self.label, *([str(self.replicas)] if replicas else []), str(self.n_stages)]
+        return [*head, str(self.chunks), self.checkpoint, f"{self.step_s * 1e3:.2f} ms", f"{self.bubble:.1%}",
+                format_bytes(self.peak)]
 
 
 @dataclass
@@ -118,8 +131,10 @@ class Tuning:
         return self.fitting[0]
 
     def __str__(self) -> str:
-        head = ["rank", "schedule", "stages", "chunks", "checkpoint", "step", "bubble", "peak/device"]
-        rows = [[str(i + 1), *c.row()] for i, c in enumerate(self.fitting)]
+        replicas = any(c.replicas > 1 for c in self.choices)  # a column only where some have replicas
+        head = ["rank", "schedule", *(["replicas"] if replicas else []), "stages", "chunks", "checkpoint", "step",
+                "bubble", "peak/device"]
+        rows = [[str(i + 1), *c.row(replicas)] for i, c in enumerate(self.fitting)]
         limit = "no limit" if self.memory is None else format_bytes(self.memory)
         lines = [f"fxpipe.tune: {len(self.fitting)} of {len(self.choices)} configurations fit ({limit} per device)"]
         lines += [f"  {n}" for n in self.notes]
@@ -130,7 +145,8 @@ class Tuning:
         if misfits:
             lines.append(f"do not fit or cannot run ({len(misfits)}), e.g.:")
             shown = sorted(misfits, key=lambda c: c.peak or float("inf"))[:6]
-            lines += [f"  {c.label} stages={c.n_stages} chunks={c.chunks} {c.checkpoint}: {c.why}" for c in shown]
+            lines += [f"  {c.label}{f' replicas={c.replicas}' if c.replicas > 1 else ''} stages={c.n_stages} "
+                      f"chunks={c.chunks} {c.checkpoint}: {c.why}" for c in shown]
         for name, why in self.skipped.items():
             lines.append(f"not considered: {name}{' on ranks' if name == '1f1b' else ''}: {why}")
         return "\n".join(lines)
@@ -138,7 +154,7 @@ class Tuning:
 
 def _table(head: List[str], rows: List[List[str]]) -> List[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    left = {1, 4}
+    left = {i for i, h in enumerate(head) if h in ("schedule", "checkpoint")}
 
     def line(r: List[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()

@@ -45,7 +45,7 @@ from ._stage_timing import carried_stages, time_stage_actions
 from ._tensors import StageTensors, once_per_device, stage_tensors
 from ._units import format_bytes
 
-__all__ = ["Settings", "Search"]
+__all__ = ["Settings", "Search", "ranked"]
 
 
 @dataclass
@@ -365,4 +365,9 @@ class Search:
                    for schedule, local in self.candidates()
                    for chunks in self.s.chunks for mode in self.s.checkpoints
                    if not self._same_as_never(chunks, mode) and not self._same_as_gpipe(schedule, local, chunks)]
-        return sorted(choices, key=lambda c: (not c.fits, c.step_s if c.fits else float("inf"), c.peak))
+        return ranked(choices)
+
+
+def ranked(choices: List[Choice]) -> List[Choice]:
+    """Those that fit first, fastest first; less peak memory breaks a tie."""
+    return sorted(choices, key=lambda c: (not c.fits, c.step_s if c.fits else float("inf"), c.peak))
