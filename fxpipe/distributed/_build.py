@@ -43,7 +43,7 @@ from ._eval_mode import capture_eval, eval_run
 from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
-from ._mesh import layout_of
+from ._mesh import layout_of, refuse_replicated_state
 from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
@@ -254,6 +254,7 @@ def pipeline(
             checked = _own_loss_default(lambda: capture_and_check(model, args, kwargs, options),
                                         loss_fn is None and output_merge is None)
             checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
+            refuse_replicated_state(checked.prepared.mutations.state_names(), layout)
             captured = checked.capture
             flat = captured.flatten_inputs(args, kwargs)
             micro = micro_batch(captured.flatten_inputs(checked.args, checked.kwargs), chunks, "the sample")

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Layout", "layout_of", "DATA_PARALLEL"]
+__all__ = ["Layout", "layout_of", "DATA_PARALLEL", "refuse_replicated_state", "shard"]
 
 #: what ``data_parallel=`` takes
 DATA_PARALLEL = (None, "ddp", "fsdp")
@@ -132,3 +132,21 @@ def shard(value: Any, layout: Layout) -> Any:
         return t[layout.replica * n:(layout.replica + 1) * n]
 
     return pytree.tree_map(cut, value)
+
+
+def refuse_replicated_state(updated: list[str], layout: Layout) -> None:
+    """Buffers the forward updates (BatchNorm's running statistics, a step counter) would
+    drift apart on the replicas, each updating its own copy from its own shard: no replica's,
+    nor their mean, is what one process on the global batch computes. Refused at the build
+    (the same model on every rank: the same refusal everywhere), naming them."""
+    if layout.dp < 2 or not updated:
+        return
+    from fxpipe.errors import MutationError
+
+    shown = ", ".join(map(repr, updated[:4])) + (f" and {len(updated) - 4} more" if len(updated) > 4 else "")
+    raise MutationError(
+        f"the model updates buffers in its forward ({shown}), and with data_parallel={layout.data_parallel!r} each of "
+        f"the {layout.dp} replicas would update its own copy from its own shard: the copies would drift apart, and "
+        "none would hold what one process computes on the global batch. Replace BatchNorm with a norm that keeps no "
+        "running statistics (LayerNorm, GroupNorm), freeze those modules in eval mode before the build, or run one "
+        "pipeline without replicas (mesh=None)")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import SLOW_SPAWN_SECONDS, run_ranks
 from dist_models import case
 from exact import assert_close_scaled
 
@@ -21,14 +21,14 @@ ADAM = {"lr": LR, "eps": 1e-6}  # eps: see test_training_run.ADAM
 CLIP = 0.05
 
 
-def _join(rank: int, world: int, port: int) -> Any:
+def _join(rank: int, world: int, port: int, dp: int = 2) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "pp"))
+    return init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "pp"))
 
 
 def _leave() -> None:
@@ -79,20 +79,20 @@ def _eager() -> dict:
     run = _steps(step, lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m), opt,
                  model.named_parameters, x, y)
     with torch.no_grad():
-        run["eval"] = [model(x[:4]), model(x[4:])]  # each replica's shard, after training
+        run["eval"] = {dp: list(model(x).chunk(dp)) for dp in (2, 4)}  # each replica's shard, after training
     return run
 
 
-def _ddp_worker(rank: int, world: int, port: int, schedules: list, out: str) -> None:
+def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out: str) -> None:
     import fxpipe.distributed as fpd
     from fxpipe.errors import BatchMismatchError, PeerFailedError
 
-    mesh = _join(rank, world, port)
+    mesh = _join(rank, world, port, dp)
     x, y = global_batch()
     result: dict = {}
     for schedule, per_rank in schedules:
         model, _, _, loss_fn, _ = case("gpt", 2)
-        pipe = fpd.pipeline(model, pipe_sample(x), chunks=2, loss_fn=loss_fn, schedule=schedule,
+        pipe = fpd.pipeline(model, pipe_sample(x, dp), chunks=2, loss_fn=loss_fn, schedule=schedule,
                             stages_per_rank=per_rank, mesh=mesh, data_parallel="ddp", timeout=60)
         opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
         run = _steps(lambda xb, yb: pipe.step(pipe.shard(xb), target=pipe.shard(yb)), pipe.clip_grad_norm_, opt,
@@ -101,7 +101,7 @@ def _ddp_worker(rank: int, world: int, port: int, schedules: list, out: str) -> 
         run["eval"] = pipe.eval_step(pipe.shard(x))  # per replica: its own shard's outputs, on its last rank
         if schedule == schedules[0][0]:
             try:  # the same batch on both replicas: refused on every rank
-                pipe.step(x[:4], target=y[:4])
+                pipe.step(x[:8 // dp], target=y[:8 // dp])
                 run["same"] = "ran"
             except BatchMismatchError as e:
                 run["same"] = f"{type(e).__name__}: {e}"
@@ -113,20 +113,32 @@ def _ddp_worker(rank: int, world: int, port: int, schedules: list, out: str) -> 
                 run["failed"] = f"{type(e).__name__}: {e}"
         result[schedule] = run
         pipe.close()
+    if schedules[0][0] == "gpipe":  # BatchNorm's running statistics would drift apart on the replicas
+        import zoo
+        from fxpipe.errors import MutationError
+
+        bn, (xb,), _ = zoo.bn_model()
+        try:
+            fpd.pipeline(bn, xb, chunks=2, loss_fn=torch.nn.functional.mse_loss, mesh=mesh, data_parallel="ddp",
+                         timeout=60)
+            result["bn"] = "built"
+        except MutationError as e:
+            result["bn"] = f"{type(e).__name__}: {e}"
     torch.save(result, Path(out) / f"rank{rank}.pt")
     _leave()
 
 
-def pipe_sample(x: torch.Tensor) -> torch.Tensor:
+def pipe_sample(x: torch.Tensor, dp: int = 2) -> torch.Tensor:
     """The build's sample: one replica's share of the global batch (its shape)."""
-    return x[: x.shape[0] // 2]
+    return x[: x.shape[0] // dp]
 
 
-def _check(ranks: list[dict], schedule: str) -> None:
+def _check(ranks: list[dict], schedule: str, dp: int = 2) -> None:
     want = _eager()
     for r, got in enumerate(ranks):
         run = got[schedule]
-        assert run["dp"] == (r // 2, 2)
+        pp = len(ranks) // dp
+        assert run["dp"] == (r // pp, dp)
         for a, b in zip(run["losses"], want["losses"], strict=True):  # the global batch's loss on every rank
             assert_close_scaled(torch.tensor(a), torch.tensor(b), what="loss")
         assert_close_scaled(torch.tensor(run["norms"]), torch.tensor(want["norms"]), what="global norm")
@@ -137,24 +149,26 @@ def _check(ranks: list[dict], schedule: str) -> None:
         for i, params in enumerate(run["params"]):
             for name, p in params.items():  # Adam near-zero gradients: see test_training_run
                 assert_close_scaled(p, want["params"][i][name], {"atol": 1e-2 * LR}, what=f"step {i} {name}")
-        last = 0 if schedule == "zbv" else 1  # the pipeline position of the last stage's rank (zbv: a V)
-        if r % 2 == last:
-            assert_close_scaled(run["eval"], want["eval"][r // 2], what="eval_step on the replica's shard")
+        last = 0 if schedule == "zbv" else pp - 1  # the pipeline position of the last stage's rank (zbv: a V)
+        if r % pp == last:
+            assert_close_scaled(run["eval"], want["eval"][dp][r // pp], what="eval_step on the replica's shard")
         else:
             assert run["eval"] is None
     # the replicas hold equal weights, tied copies included
-    for r in (2, 3):
+    for r in range(pp, len(ranks)):
         for name, p in ranks[r][schedule]["params"][-1].items():
-            assert torch.equal(p, ranks[r - 2][schedule]["params"][-1][name]), name
+            assert torch.equal(p, ranks[r % pp][schedule]["params"][-1][name]), name
 
 
 def test_two_replicas_of_a_two_rank_pipeline_train_as_eager_on_the_global_batch(tmp_path: Path) -> None:
-    ranks = run_ranks(_ddp_worker, 4, ([("gpipe", 1)],), tmp_path)
+    ranks = run_ranks(_ddp_worker, 4, ([("gpipe", 1)], 2), tmp_path)
     _check(ranks, "gpipe")
     for r, got in enumerate(ranks):
         same = got["gpipe"]["same"]
         assert same.startswith("BatchMismatchError: every one of the 2 data-parallel replicas was given the same "
                                "batch") and "pipe.shard(global_batch)" in same, same
+        assert got["bn"].startswith("MutationError: the model updates buffers in its forward ('net.1.running_mean'"), \
+            got["bn"]
         failed = got["gpipe"]["failed"]
         if r == 3:
             assert failed.startswith("BatchShapeError: target must be a tensor"), failed
@@ -164,9 +178,17 @@ def test_two_replicas_of_a_two_rank_pipeline_train_as_eager_on_the_global_batch(
 
 @pytest.mark.slow
 def test_replicas_under_1f1b_and_zbv(tmp_path: Path) -> None:
-    ranks = run_ranks(_ddp_worker, 4, ([("1f1b", 1), ("zbv", 2)],), tmp_path)
+    ranks = run_ranks(_ddp_worker, 4, ([("1f1b", 1), ("zbv", 2)], 2), tmp_path)
     _check(ranks, "1f1b")
     _check(ranks, "zbv")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [2, 4])
+def test_eight_ranks_as_replicas_of_pipelines(dp: int, tmp_path: Path) -> None:
+    """2 replicas x 4 pipeline ranks and 4 x 2, gpipe: exact on the global batch."""
+    ranks = run_ranks(_ddp_worker, 8, ([("gpipe", 1)], dp), tmp_path, seconds=SLOW_SPAWN_SECONDS)
+    _check(ranks, "gpipe", dp)
 
 
 def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
