@@ -28,7 +28,7 @@ from fxpipe.emit._compiling import CompileOption, check_compile_option, compile_
 from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
 from fxpipe.checks._batching import OutputMerge
-from fxpipe.errors import MicroBatchError, StepError
+from fxpipe.errors import ArgumentError, MicroBatchError, StepError
 from fxpipe.runtime._frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
 from fxpipe.capture._mutation import check_kept_together
 from fxpipe.plan._value import Plan
@@ -44,6 +44,7 @@ from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._mesh import layout_of, refuse_replicated_state
+from ._sharding import shard_stages
 from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
@@ -212,8 +213,10 @@ def pipeline(
         data_parallel: with a mesh of ``dp > 1``, ``'ddp'``: each replica holds its stages
             whole, and the step's gradients are summed over the replicas once per step, with
             the loss weighed over the global batch, so ``step`` gives eager's loss and
-            gradients on the global batch (:mod:`fxpipe.distributed._replicas`). ``'fsdp'`` is
-            not supported yet (``NotImplementedError``).
+            gradients on the global batch (:mod:`fxpipe.distributed._replicas`). ``'fsdp'``:
+            the same, each replica's stages sharded over the replicas with FSDP2, a rank
+            holding ``1/dp`` of its stages' parameters, gradients and optimizer state
+            (:mod:`fxpipe.distributed._sharding`).
 
     Raises:
         fxpipe.errors.DistributedError: no process group and no torchrun environment; a
@@ -232,6 +235,12 @@ def pipeline(
     ensure_process_group(wait, device)
     layout = layout_of(mesh, data_parallel, wait)  # collective: every rank, before any other check can differ
     _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, checkpoint, layout.pp)
+    if layout.data_parallel == "fsdp" and stages_per_rank > 1:
+        raise ArgumentError(
+            f"data_parallel='fsdp' with stages_per_rank={stages_per_rank} (schedule={schedule!r}) is not supported yet: "
+            "FSDP shards one root module per rank, and a rank's two stages would be two roots (a weight they share, "
+            "two owners). Use one stage per rank ('gpipe' or '1f1b'), or data_parallel='ddp'",
+            argument="data_parallel")
     chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
     check_split_points(split_points, plan)
     where = rank_device(device)
@@ -317,6 +326,10 @@ def pipeline(
 
     runs: ShapeRuns[TrainRun] = ShapeRuns(make_run)
     runs.get(micro)  # the sample's shape, made at the build: a shape the stages cannot take fails here
+    if layout.data_parallel == "fsdp":  # after the fake metadata run, which reads the whole parameters
+        shard_stages(model, [stages[k] for k in local], layout.replicas, where)
+        if evaluation is not None:  # its stages would read the sharded parameters without gathering them
+            evaluation, no_eval = None, "data_parallel='fsdp' shards the parameters the eval-mode stages would read"
     if compile_options is not None:  # after the fake metadata runs, which must see the plain stages
         compile_stages([stages[k] for k in local], compile_options)
         if evaluation is not None:

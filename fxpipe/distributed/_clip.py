@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._sharding import local_part
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -38,7 +40,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], counted: Callable[[nn.Pa
     dtype = grads[0].dtype if grads else torch.float32
     share = torch.zeros((), dtype=torch.float64, device=device)
     for g in mine:
-        n = torch.linalg.vector_norm(g.detach(), norm_type).to(device=device, dtype=torch.float64)
+        n = torch.linalg.vector_norm(local_part(g.detach()), norm_type).to(device=device, dtype=torch.float64)
         share = torch.maximum(share, n) if math.isinf(norm_type) else share + n ** norm_type
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     dist.all_reduce(share, op=op, group=group)
@@ -51,5 +53,5 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], counted: Callable[[nn.Pa
             "`error_if_nonfinite=False`")
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # in the gradients' dtype, as torch's
     for g in grads:
-        g.detach().mul_(coef.to(device=g.device, dtype=g.dtype))
+        local_part(g.detach()).mul_(coef.to(device=g.device, dtype=g.dtype))
     return total

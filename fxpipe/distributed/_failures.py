@@ -48,6 +48,8 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError, TiedWeightsError
 
+from ._sharding import local_part
+
 __all__ = ["Failures", "Agreement", "failure_line", "fingerprint"]
 
 #: the longest error message carried to the other ranks (one line of a terminal log)
@@ -140,7 +142,7 @@ def bits_sum(t: torch.Tensor) -> torch.Tensor:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers, flat: a float's (or a complex part's) bits, a bool as 0 or 1."""
-    x = t.detach().reshape(-1)
+    x = local_part(t.detach()).reshape(-1)  # a DTensor ('fsdp'): the shard this rank holds
     if x.is_complex():
         x = torch.view_as_real(x).reshape(-1)
     if x.dtype == torch.bool:

@@ -101,11 +101,8 @@ def layout_of(mesh: Any, data_parallel: Optional[str], wait: timedelta) -> Layou
         if len(rows) > 1 and data_parallel is None:
             raise ValueError(
                 f"the mesh has {len(rows)} replicas along 'dp', and data_parallel=None runs none: pass "
-                "data_parallel='ddp' (each replica whole, the step's gradients summed over the replicas once per step)")
-        if data_parallel == "fsdp":
-            raise NotImplementedError(
-                "data_parallel='fsdp' (parameters, gradients and optimizer state sharded over 'dp') is not supported "
-                "yet: use data_parallel='ddp', which keeps every replica whole and sums the gradients once per step")
+                "data_parallel='ddp' (each replica whole, the step's gradients summed over the replicas once per step) "
+                "or 'fsdp' (each replica's stages sharded over the replicas)")
     me = dist.get_rank()
     replica = next(i for i, row in enumerate(rows) if me in row)
     everyone = list(range(dist.get_world_size()))

@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._values import Kind, kind_of, meta_of
 
-__all__ = ["StageMeta", "stage_metas", "fake_of", "fake_runs", "metas_of", "on_device", "uncompiled"]
+__all__ = ["StageMeta", "stage_metas", "fake_of", "fake_runs", "metas_of", "on_device", "uncompiled", "unhooked"]
 
 
 @dataclass
@@ -84,6 +84,14 @@ def on_device(stages: Sequence[nn.Module], device: torch.device) -> Iterator[Non
             table[key] = value
 
 
+def unhooked(stage: nn.Module) -> Any:
+    """The stage's call for a fake run: its ``forward`` alone for a stage FSDP shards, whose
+    hooks would all-gather real parameters (the fakes stand in for them, whole)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return stage.forward if isinstance(stage, FSDPModule) else stage
+
+
 @contextmanager
 def uncompiled(stages: Sequence[nn.Module]) -> Iterator[None]:
     """The stages' own code for the block, not their ``stage.compile()``-d forward: a new
@@ -121,7 +129,7 @@ def fake_runs(stages: Sequence[torch.fx.GraphModule], values: list[Any], device:
     with mode, on_device(stages, device), uncompiled(stages):
         runs: Runs = []
         for stage in stages:
-            out = list(stage(*values))
+            out = list(unhooked(stage)(*values))
             runs.append((values, out))
             values = out
     return runs

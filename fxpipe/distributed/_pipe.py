@@ -114,7 +114,8 @@ class DistributedPipeline(PipelineState):
         self._ties = ties
         self._copies = ties.copies(layout.world)  # compared at each call (fxpipe.distributed._failures)
         # the step's gradients summed over the replicas of this rank's stages, once (._replicas)
-        self._replicas = ReplicaGradients(list(self.parameters()), layout.replicas)
+        self._replicas = ReplicaGradients(list(self.parameters()),  # 'fsdp': FSDP reduce-scatters them itself
+                                          layout.replicas if layout.data_parallel == "ddp" else None)
         self._groups = [layout.world, *([layout.pipe] if layout.pipe is not layout.world else []),
                         *([layout.replicas] if layout.replicas is not None else []), *groups]
         self._closed = False
@@ -162,8 +163,10 @@ class DistributedPipeline(PipelineState):
         returns the total norm (0-dim) on every rank (:mod:`._clip`)."""
         self._check_open()
         with self._failures.reported():
+            # 'fsdp': each replica holds a shard of every gradient, so the norm sums over every rank
+            group = self.layout.world if self.layout.data_parallel == "fsdp" else self._group
             return clip_grad_norm_(list(self.parameters()), self._ties.counted_here, max_norm, norm_type,
-                                   self._group, self.device, error_if_nonfinite)
+                                   group, self.device, error_if_nonfinite)
 
     # -- running -------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict, run: Optional[EvalRun] = None) -> tuple[list[Any], list[Any]]:

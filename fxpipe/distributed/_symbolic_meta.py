@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.capture._shape_guards import bound, size_expr, symbolic_inputs
 
-from ._meta import Runs, StageMeta, fake_of, fake_runs, metas_of, on_device, stage_metas, uncompiled
+from ._meta import Runs, StageMeta, fake_of, fake_runs, metas_of, on_device, stage_metas, uncompiled, unhooked
 
 __all__ = ["SymbolicMetas", "ShapeMetas"]
 
@@ -62,7 +62,7 @@ class SymbolicMetas:
             ranges = {sym: (bound(vr.lower) or 0, bound(vr.upper)) for sym, vr in env.var_to_range.items()}
             with mode, on_device(stages, device), uncompiled(stages):
                 for stage in stages:
-                    out = list(stage(*values))
+                    out = list(unhooked(stage)(*values))
                     runs.append((values, out))
                     values = out
                     conditions.append([g.expr for g in env.guards]

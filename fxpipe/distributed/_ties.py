@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._sharding import local_part
+
 __all__ = ["TiedGradients", "parameters_of"]
 
 
@@ -95,7 +97,7 @@ class TiedGradients:
             step = torch.zeros_like(p) if g is None else g
             present = torch.tensor([0.0 if g is None else 1.0], device=p.device)  # NCCL: on the GPU
             dist.all_reduce(present, group=group)
-            dist.all_reduce(step, group=group)
+            dist.all_reduce(local_part(step), group=group)  # 'fsdp': each copy holds the same shard
             saved = self._saved.pop(id(p), None)
             if present.item() == 0:
                 p.grad = saved

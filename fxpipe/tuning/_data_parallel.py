@@ -14,7 +14,8 @@ devices), and two things are added:
 * **memory**: each replica holds its stages whole (``'ddp'``), so parameters, gradients and
   optimizer state per device are a ``pp``-stage pipeline's; the all-reduce's flat bucket
   (at most 25 MiB) comes on top of them after the activations are gone. (``'fsdp'``, which
-  would divide the first three by ``dp``, is not supported yet, and not proposed.)
+  divides the first three by ``dp`` and all-gathers each stage's parameters as it runs, is not
+  proposed yet: its gathers and reduce-scatters per micro-batch are not modelled.)
 
 Why replicas can win: a shorter pipeline has a smaller bubble at the same micro-batch count,
 and each replica's micro-batches are ``dp`` times smaller; what they cost is the all-reduce
@@ -94,4 +95,4 @@ def replicas_note(best: Choice, link: float) -> str:
             f"of the batch; the gradients' all-reduce adds {format_seconds(getattr(best, 'allreduce_s', 0.0))} "
             f"per step at {link / 1e9:.3g} GB/s; each device holds its stages whole "
             f"({format_bytes(max(best.static_bytes.values(), default=0.0))} of parameters, gradients and optimizer "
-            "state; 'fsdp' sharding not supported yet)")
+            "state; data_parallel='fsdp' would shard them, and is not predicted here)")

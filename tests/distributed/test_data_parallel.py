@@ -59,11 +59,19 @@ def _steps(step: Any, clip: Any, opt: torch.optim.Optimizer, named: Any, x: torc
             losses.append(float(step(xb, yb)))
         if i == STEPS - 1:
             norms.append(float(clip(CLIP)))
-        grads.append({n: p.grad.clone() for n, p in named() if p.grad is not None})
+        grads.append({n: whole(p.grad) for n, p in named() if p.grad is not None})
         opt.step()
         opt.zero_grad()
-        params.append({n: p.detach().clone() for n, p in named()})
+        params.append({n: whole(p.detach()) for n, p in named()})
     return {"losses": losses, "grads": grads, "params": params, "norms": norms}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``, gathered whole when it is a DTensor (``'fsdp'``: every replica of the
+    stage calls it in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
 
 
 def _eager() -> dict:
@@ -83,21 +91,28 @@ def _eager() -> dict:
     return run
 
 
-def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out: str) -> None:
+def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out: str,
+                data_parallel: str = "ddp") -> None:
     import fxpipe.distributed as fpd
-    from fxpipe.errors import BatchMismatchError, PeerFailedError
+    from fxpipe.errors import ArgumentError, BatchMismatchError, PeerFailedError
 
     mesh = _join(rank, world, port, dp)
     x, y = global_batch()
     result: dict = {}
     for schedule, per_rank in schedules:
         model, _, _, loss_fn, _ = case("gpt", 2)
-        pipe = fpd.pipeline(model, pipe_sample(x, dp), chunks=2, loss_fn=loss_fn, schedule=schedule,
-                            stages_per_rank=per_rank, mesh=mesh, data_parallel="ddp", timeout=60)
+        try:
+            pipe = fpd.pipeline(model, pipe_sample(x, dp), chunks=2, loss_fn=loss_fn, schedule=schedule,
+                                stages_per_rank=per_rank, mesh=mesh, data_parallel=data_parallel, timeout=60)
+        except ArgumentError as e:  # refused on every rank alike
+            result[schedule] = f"{type(e).__name__}: {e}"
+            continue
         opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
         run = _steps(lambda xb, yb: pipe.step(pipe.shard(xb), target=pipe.shard(yb)), pipe.clip_grad_norm_, opt,
                      pipe.named_parameters, x, y)
         run.update(dp=(pipe.dp_rank, pipe.dp_size), local=pipe.local)
+        # what this rank holds of its parameters (a shard of each under 'fsdp') and of the whole stages
+        run["held"] = (sum(sharded(p).numel() for p in pipe.parameters()), sum(p.numel() for p in pipe.parameters()))
         run["eval"] = pipe.eval_step(pipe.shard(x))  # per replica: its own shard's outputs, on its last rank
         if schedule == schedules[0][0]:
             try:  # the same batch on both replicas: refused on every rank
@@ -126,6 +141,12 @@ def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out:
             result["bn"] = f"{type(e).__name__}: {e}"
     torch.save(result, Path(out) / f"rank{rank}.pt")
     _leave()
+
+
+def sharded(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def pipe_sample(x: torch.Tensor, dp: int = 2) -> torch.Tensor:
@@ -183,6 +204,27 @@ def test_replicas_under_1f1b_and_zbv(tmp_path: Path) -> None:
     _check(ranks, "zbv")
 
 
+def _fsdp_worker(rank: int, world: int, port: int, schedules: list, out: str) -> None:
+    _ddp_worker(rank, world, port, schedules, 2, out, data_parallel="fsdp")
+
+
+def test_replicas_sharded_by_fsdp_train_as_eager_on_the_global_batch(tmp_path: Path) -> None:
+    """'fsdp': each rank holds about half of its stages' parameters, and the same trajectory."""
+    ranks = run_ranks(_fsdp_worker, 4, ([("1f1b", 1)],), tmp_path)
+    _check(ranks, "1f1b")
+    for got in ranks:
+        shard, whole_stage = got["1f1b"]["held"]
+        assert shard <= whole_stage // 2 + 64, (shard, whole_stage)  # dim-0 shards: at most one row more
+
+
+@pytest.mark.slow
+def test_fsdp_under_gpipe_and_two_stages_per_rank_refused(tmp_path: Path) -> None:
+    ranks = run_ranks(_fsdp_worker, 4, ([("gpipe", 1), ("zbv", 2)],), tmp_path)
+    _check(ranks, "gpipe")
+    for got in ranks:
+        assert got["zbv"].startswith("ArgumentError: data_parallel='fsdp' with stages_per_rank=2"), got["zbv"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dp", [2, 4])
 def test_eight_ranks_as_replicas_of_pipelines(dp: int, tmp_path: Path) -> None:
@@ -191,7 +233,7 @@ def test_eight_ranks_as_replicas_of_pipelines(dp: int, tmp_path: Path) -> None:
     _check(ranks, "gpipe", dp)
 
 
-def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
+def _resume_worker(rank: int, world: int, port: int, data_parallel: str, out: str) -> None:
     """Two steps on 2 replicas x 2 pipeline ranks, saved with torch.distributed.checkpoint;
     resumed by a fresh model in another layout (one 4-rank pipeline, no replicas) for a third."""
     import torch.distributed.checkpoint as dcp
@@ -201,7 +243,8 @@ def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
     mesh = _join(rank, world, port)
     x, y = global_batch()
     model, _, _, loss_fn, _ = case("gpt", 2)
-    pipe = fpd.pipeline(model, pipe_sample(x), chunks=2, loss_fn=loss_fn, mesh=mesh, data_parallel="ddp", timeout=60)
+    pipe = fpd.pipeline(model, pipe_sample(x), chunks=2, loss_fn=loss_fn, mesh=mesh, data_parallel=data_parallel,
+                        timeout=60)
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
     losses = []
     for _ in range(2):
@@ -226,8 +269,9 @@ def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_replicas_resumes_in_another_layout(tmp_path: Path) -> None:
-    ranks = run_ranks(_resume_worker, 4, (), tmp_path)
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_a_checkpoint_of_replicas_resumes_in_another_layout(data_parallel: str, tmp_path: Path) -> None:
+    ranks = run_ranks(_resume_worker, 4, (data_parallel,), tmp_path)
     model, _, _, loss_fn, _ = case("gpt", 2)
     x, y = global_batch()
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
@@ -261,7 +305,7 @@ def llama_batch() -> tuple[torch.Tensor, dict]:
     return x, {"attention_mask": mask, "labels": padded_labels(x, mask)}
 
 
-def _llama_worker(rank: int, world: int, port: int, weights: str, out: str) -> None:
+def _llama_worker(rank: int, world: int, port: int, weights: str, data_parallel: str, out: str) -> None:
     """The tiny Llama built on meta, each rank loading its stages' keys from ``weights``: 3 SGD
     steps of 2 replicas x 2 pipeline ranks under 1f1b on their shards, what each rank holds."""
     import fxpipe.distributed as fpd
@@ -272,30 +316,32 @@ def _llama_worker(rank: int, world: int, port: int, weights: str, out: str) -> N
     with torch.device("meta"):
         model = LlamaLabels()
     pipe = fpd.pipeline(model, (x[:4],), sample_kwargs={k: v[:4] for k, v in kwargs.items()}, chunks=2,
-                        schedule="1f1b", mesh=mesh, data_parallel="ddp", state_dict=weights, timeout=60)
+                        schedule="1f1b", mesh=mesh, data_parallel=data_parallel, state_dict=weights, timeout=60)
     opt = _optimizer(pipe.parameters())
     steps = []
     for _ in range(3):
         loss = pipe.step(pipe.shard(x), **pipe.shard(kwargs))
-        steps.append({"loss": float(loss), "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}})
+        steps.append({"loss": float(loss), "grads": {n: whole(p.grad) for n, p in pipe.named_parameters()}})
         opt.step()
         opt.zero_grad()
     held = {n for n, p in model.named_parameters() if not p.is_meta}
     torch.save({"steps": steps, "held": held, "mine": {n for n, _ in pipe.named_parameters()},
-                "params": {n: p.detach().clone() for n, p in pipe.named_parameters()}}, Path(out) / f"rank{rank}.pt")
+                "params": {n: whole(p.detach()) for n, p in pipe.named_parameters()}}, Path(out) / f"rank{rank}.pt")
     pipe.close()
     _leave()
 
 
 @pytest.mark.slow
-def test_a_meta_llama_trains_by_its_own_labels_loss_as_eager_on_the_global_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_a_meta_llama_trains_by_its_own_labels_loss_as_eager_on_the_global_batch(data_parallel: str,
+                                                                                  tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from test_distributed_meta import LlamaLabels, _optimizer
 
     torch.manual_seed(0)
     model = LlamaLabels()
     torch.save(model.state_dict(), tmp_path / "weights.pt")
-    ranks = run_ranks(_llama_worker, 4, (str(tmp_path / "weights.pt"),), tmp_path)
+    ranks = run_ranks(_llama_worker, 4, (str(tmp_path / "weights.pt"), data_parallel), tmp_path)
     x, kwargs = llama_batch()
     opt = _optimizer(model.parameters())
     want = []
