@@ -58,7 +58,6 @@ import time  # noqa: E402
 from typing import Any, Callable, Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,6 +67,7 @@ sys.path.insert(0, HERE)
 from _dist_parts import (BusyRecorder, Peer, cuts_of_plan, equal_param_cuts, make_case, stage_inputs,  # noqa: E402
                          stage_seconds)
 from _dist_report import summarise, table  # noqa: E402
+from _spawn import spawn_ranks  # noqa: E402
 from _memory import cpu_peak  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results", "distributed.json")
@@ -335,14 +335,7 @@ def _spawn(a: argparse.Namespace) -> List[Dict[str, Any]]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(a.nproc, port, a, tmp), nprocs=a.nproc, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + a.deadline
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise SystemExit(f"the {a.nproc} ranks did not finish within --deadline {a.deadline} s; killed")
+        spawn_ranks(_worker, (a.nproc, port, a, tmp), a.nproc, a.deadline)
         ranks = []
         for r in range(a.nproc):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:

@@ -44,7 +44,7 @@ from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._mesh import layout_of, refuse_replicated_state
-from ._sharding import shard_stages
+from ._sharding import refuse_sharded_model, shard_stages, sharded_stage
 from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
@@ -72,10 +72,29 @@ class CheckpointedStage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         """Zero bubble's input-gradient pass made exact for every parameter, and the input
-        gradients sent contiguous (:mod:`._split_backward`)."""
+        gradients sent contiguous (:mod:`._split_backward`). A stage FSDP shards
+        (``data_parallel='fsdp'``) keeps its gradients whole until :meth:`perform_reduce_grad`,
+        as torch's stage does for an FSDP submodule (ours is the runner around it)."""
+        sharded = sharded_stage(self.submod)
+        if sharded is not None:
+            sharded.set_is_last_backward(False)
+            sharded.set_reshard_after_backward(False)
+            sharded.set_requires_gradient_sync(False)
         run = super().backward_maybe_with_nosync
         return backward_pass(backward_type, bwd_kwargs, list(self.submod.parameters()),
                              lambda: run(backward_type, bwd_kwargs, last_backward))
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """After the step's last backward: torch's own reduction of an FSDP submodule's
+        gradients (one reduce-scatter per step), run on the sharded stage inside the runner."""
+        sharded = sharded_stage(self.submod)
+        if sharded is None:
+            return super().perform_reduce_grad(grad_scale_factor)
+        runner, self.submod = self.submod, sharded
+        try:
+            return super().perform_reduce_grad(grad_scale_factor)
+        finally:
+            self.submod = runner
 
 
 def capture_sample(model: nn.Module, sample: Any) -> Any:
@@ -251,6 +270,7 @@ def pipeline(
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
+    refuse_sharded_model(model)  # an earlier 'fsdp' pipeline's shards: nothing whole to build from
     if partly_released(model):  # built before: each rank holds its stages' trained weights
         restore_released(model, group, where)
     merge = output_merge if output_merge is not None or loss_fn is not None else {"loss": "mean"}

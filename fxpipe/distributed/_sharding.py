@@ -13,10 +13,12 @@ What makes it exact on the global batch, as with ``'ddp'`` (:mod:`._replicas`):
 * the loss is weighed over the global batch (:mod:`._loss`), so the replicas' gradients are
   **summed**, not averaged: FSDP's gradient divide factor is set to 1, with plain sum
   reductions (gloo has no pre-multiplied sum);
-* torch's ``PipelineStage`` drives FSDP's per-micro-batch sync only when the stage module *is*
-  the FSDP module, and fxpipe's stages run inside their runners: FSDP reduce-scatters after
-  every micro-batch's backward, adding into the sharded ``.grad`` (exact; more traffic than
-  one reduce-scatter per step).
+* torch's ``PipelineStage`` keeps an FSDP submodule's gradients whole over the micro-batches
+  and reduce-scatters them once, at the step's end (``perform_reduce_grad``), only when the
+  stage module *is* the FSDP module; fxpipe's stages run inside their runners, so
+  ``CheckpointedStage`` (:mod:`._build`) sets the same flags on the sharded stage before each
+  backward and runs torch's reduction on it. (Without that, FSDP reduce-scattered after every
+  micro-batch's backward: exact, and 1.9x torch's step, measured.)
 
 The model keeps pointing at what the stages hold: torch.export's stages hold the model's
 parameters in modules of their own, so each sharded parameter is also set where the model
@@ -31,7 +33,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["shard_stages", "local_part"]
+__all__ = ["shard_stages", "local_part", "refuse_sharded_model", "sharded_stage"]
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -39,6 +41,30 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sharded_stage(runner: nn.Module) -> object:
+    """The FSDP-sharded stage module a runner (:class:`._values.StageRunner`) drives, or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    stage = getattr(runner, "stage", None)
+    return stage if isinstance(stage, FSDPModule) else None
+
+
+def refuse_sharded_model(model: nn.Module) -> None:
+    """A model whose parameters an earlier ``'fsdp'`` pipeline sharded holds only this rank's
+    slices (DTensors): no build can capture or run it whole. Refused, saying how to go on."""
+    from torch.distributed.tensor import DTensor
+
+    from fxpipe.errors import DistributedError
+
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise DistributedError(
+            f"the model's parameters ({sharded[0]!r} and {len(sharded) - 1} more) are the shards an earlier pipeline "
+            "with data_parallel='fsdp' made (DTensors): each rank holds only its slice, so the model cannot be "
+            "captured, run or built again. Save pipe.state_dict() with torch.distributed.checkpoint and build a "
+            "fresh model (on meta) with state_dict=<that directory>")
 
 
 def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -94,7 +94,7 @@ def _eager() -> dict:
 def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out: str,
                 data_parallel: str = "ddp") -> None:
     import fxpipe.distributed as fpd
-    from fxpipe.errors import ArgumentError, BatchMismatchError, PeerFailedError
+    from fxpipe.errors import ArgumentError, BatchMismatchError, DistributedError, PeerFailedError
 
     mesh = _join(rank, world, port, dp)
     x, y = global_batch()
@@ -128,6 +128,13 @@ def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out:
                 run["failed"] = f"{type(e).__name__}: {e}"
         result[schedule] = run
         pipe.close()
+        if data_parallel == "fsdp":  # the model holds this rank's shards now: a new build is refused, named
+            try:
+                fpd.pipeline(model, pipe_sample(x, dp), chunks=2, loss_fn=loss_fn, mesh=mesh, data_parallel="fsdp",
+                             timeout=60)
+                run["again"] = "built"
+            except DistributedError as e:
+                run["again"] = f"{type(e).__name__}: {e}"
     if schedules[0][0] == "gpipe":  # BatchNorm's running statistics would drift apart on the replicas
         import zoo
         from fxpipe.errors import MutationError
@@ -215,6 +222,9 @@ def test_replicas_sharded_by_fsdp_train_as_eager_on_the_global_batch(tmp_path: P
     for got in ranks:
         shard, whole_stage = got["1f1b"]["held"]
         assert shard <= whole_stage // 2 + 64, (shard, whole_stage)  # dim-0 shards: at most one row more
+        again = got["1f1b"]["again"]
+        assert again.startswith("DistributedError: the model's parameters (") and "data_parallel='fsdp'" in again, \
+            again
 
 
 @pytest.mark.slow
