@@ -100,6 +100,15 @@ class StageActivations:
     #: buffers) and weight gradient, once the kept gradients of the nodes before it are freed
     #: (torch's ``stage_backward_weight`` frees each parameter group's as it goes); may be < 0
     weight_peak: int = 0
+    #: how much higher the backward's peak (not / checkpointed) is when each parameter gradient
+    #: stays from the node that makes it on: the stage's first backward under
+    #: ``zero_grad='set_to_none'``, where that gradient becomes ``.grad`` instead of being
+    #: added into an existing one (the gradients of the nodes already run are alive at its peak)
+    grads_peak: tuple[int, int] = (0, 0)
+    #: the largest parameter gradient of one of the stage's nodes: one autograd call summing
+    #: two micro-batches' gradients of it holds three copies at once (the first, the second,
+    #: their sum, made out of place; measured on torch 2.13), one more than the peak counts
+    largest_grad: int = 0
 
     @property
     def grads_made(self) -> int:
@@ -179,6 +188,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
         recompute_peak, alive = _recompute(rec, st, nodes, s, mine_ck)
         peak_ck = max(recompute_peak + arriving, _backward_peak(rec, st, nodes, alive, incoming))
         peak_shared = max(recompute_peak + arriving, _backward_peak(rec, st, nodes, alive, incoming, keep_saved=True))
+        made_nc = _backward_peak(rec, st, nodes, mine_nc, incoming, kept=outputs_kept, grads_stay=True)
+        made_ck = max(recompute_peak + arriving, _backward_peak(rec, st, nodes, alive, incoming, grads_stay=True))
         sent = [0, 0]
         for key in _sent(rec, st, nodes, s):
             for ck, attributed in enumerate((attributed_nc, attributed_ck)):
@@ -190,7 +201,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             arriving, _grads_back(rec, st, nodes, s, pool), *crossing[s],
             boundary_grads_kept=grads_kept[s], boundary_grads_storage=grads_storage[s],
             weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared,
-            weight_peak=_weight_pass_peak(rec, nodes)))
+            weight_peak=_weight_pass_peak(rec, nodes), grads_peak=(made_nc - peak_nc, made_ck - peak_ck),
+            largest_grad=max((rec.nodes[i].grad_params for i in nodes), default=0)))
     return result
 
 
@@ -235,10 +247,13 @@ def _sent(rec: Recording, st: Storages, nodes: List[int], s: int) -> Set[int]:
 
 
 def _backward_peak(rec: Recording, st: Storages, nodes: List[int], saved: Set[int],
-                   incoming: Dict[int, int], keep_saved: bool = False, kept: Set[int] = frozenset()) -> int:
+                   incoming: Dict[int, int], keep_saved: bool = False, kept: Set[int] = frozenset(),
+                   grads_stay: bool = False) -> int:
     """Peak bytes while the stage's nodes run backward in reverse, from ``saved`` (storages
     held for it, freed after the last node needing them, or never with ``keep_saved``; those
-    in ``kept`` never either) and the ``incoming`` gradients."""
+    in ``kept`` never either) and the ``incoming`` gradients. Each node's parameter gradients
+    are a temporary (added into ``.grad``), or with ``grads_stay`` stay to the end (they
+    become ``.grad``)."""
     alive: Dict[int, int] = {k: st.bytes[k] for k in saved}
     grads: Dict[int, int] = dict(incoming)
     current = sum(alive.values()) + sum(grads.values())
@@ -261,7 +276,10 @@ def _backward_peak(rec: Recording, st: Storages, nodes: List[int], saved: Set[in
                 else:
                     grads[key] = b
                     current += b
-            temp += node.grad_params
+            if grads_stay:
+                current += node.grad_params
+            else:
+                temp += node.grad_params
             peak = max(peak, current + temp + node.scratch_backward)
             for key in node.grad_out:
                 current -= grads.pop(key, 0)

@@ -24,6 +24,11 @@ buffer of its size from the stage's first backward to its last (``grad_buffers``
 memory where ``.grad`` is kept through the backward; ``fxpipe.distributed``'s one call per
 micro-batch adds straight into ``.grad``.
 
+Under ``zero_grad='set_to_none'`` (torch's default, tune's) no ``.grad`` exists when the step
+starts: a stage's gradients appear during its first backward, node by node, and stay to the
+step's end (``grads_made``); at the activations' peak, the backward's start, most are not
+there yet.
+
 Static bytes per device (:func:`static_bytes`): its stages' parameters and buffers, each tensor
 once (a weight tied between two of its stages too: :mod:`._tensors`), the gradients of those it
 trains once, their optimizer state (``'sgd'``: none; ``'momentum'``:
@@ -68,7 +73,8 @@ def checkpointed(mode: str, chunks: int) -> int:
 def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequence[StageActivations],
                      mode: str, chunks: int, *, merged_output: bool = False,
                      torch_stages: bool | TorchRun = False,
-                     grad_buffers: Optional[Sequence[int]] = None) -> Dict[Hashable, int]:
+                     grad_buffers: Optional[Sequence[int]] = None,
+                     grads_made: Optional[Sequence[int]] = None) -> Dict[Hashable, int]:
     """Peak activation bytes per device along its actions (see the module docstring).
 
     ``merged_output``: the single-process pipeline, whose output all micro-batches share
@@ -80,25 +86,36 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
     node, which sums what they send in a buffer of its size from the first micro-batch's
     backward of the stage to the last, and only then adds it into ``.grad`` (measured: TinyGPT,
     32 micro-batches, every layer's weight gradient alive at the step's peak as such a sum).
-    With ``.grad`` None (``zero_grad(set_to_none=True)``) the sum becomes ``.grad``: counted in
-    the static bytes, not here. Not read for ``torch_stages``, whose one autograd call per
+    With ``.grad`` None (``zero_grad(set_to_none=True)``) the sum becomes ``.grad``
+    (``grads_made``). Either way summing the first two micro-batches' gradient is out of place,
+    three copies at once: the second backward of a stage adds its ``largest_grad``
+    (``merged_output`` only). Not read for ``torch_stages``, whose one autograd call per
     micro-batch adds straight into ``.grad``. ``torch_stages``: ``fxpipe.distributed``, whose
     stages are torch ``PipelineStage`` objects (:func:`_torch_stage_peak`; a
-    :class:`TorchRun` says how torch's schedule keeps sends and gradients)."""
+    :class:`TorchRun` says how torch's schedule keeps sends and gradients). ``grads_made``:
+    per stage, the bytes of the gradients its backward brings into existence
+    (``zero_grad='set_to_none'``: ``.grad`` is None when the step starts), from the stage's
+    first backward that computes weight gradients (``B``, or ``W`` under zero bubble) to the
+    step's end: during that ``B`` node by node (``StageActivations.grads_peak``), all of them
+    during a ``W`` (an upper bound); without it they are static bytes, there before the step.
+    Measured on one process (``tests/tuning/test_peak_measured.py``): counting them all at
+    the activations' peak over-predicted the total by up to 27%."""
     stop = checkpointed(mode, chunks)
     last = len(stages) - 1
     peaks: Dict[Hashable, int] = {}
     if torch_stages:
         run = torch_stages if isinstance(torch_stages, TorchRun) else None
-        return {device: _torch_stage_peak(actions, stages, stop, run) for device, actions in orders.items()}
+        return {device: _torch_stage_peak(actions, stages, stop, run, grads_made)
+                for device, actions in orders.items()}
     for device, actions in orders.items():
         held = peak = 0
         own: Dict[tuple[int, int], int] = {}
         waiting: Dict[tuple[int, int], int] = {}  # gradients made for (stage, micro-batch), not yet used
         last_backwards = sum(1 for a in actions if a.stage == last and a.kind in "BI")
         seen_last = 0
-        backwards = Counter(a.stage for a in actions if a.kind in "BI")  # per stage, for grad_buffers
-        backwards_done: Counter = Counter()
+        backwards = Counter(a.stage for a in actions if a.kind in "BI")  # per stage
+        done: Counter = Counter()  # backwards run so far, per stage
+        made: set = set()  # stages whose parameter gradients exist (grads_made)
         for a in actions:
             st = stages[a.stage]
             ck = 1 if a.mb < stop else 0
@@ -111,10 +128,16 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
                     if a.mb == chunks - 1:
                         peak = max(peak, held)
                 continue
+            # this backward makes the stage's .grad (an input pass I makes input gradients only)
+            first = grads_made is not None and a.kind in "BW" and a.stage not in made
+            if first:
+                made.add(a.stage)
             if a.kind == "W":
                 mine = own.pop((a.stage, a.mb), 0)
-                peak = max(peak, held + (st.peak[ck] - st.held[ck] if ck else 0))
-                held -= mine
+                new = grads_made[a.stage] if first else 0  # conservative: all of them at its peak
+                peak = max(peak, held + new + (st.peak[ck] - st.held[ck] if ck else 0))
+                held += new - mine
+                done[a.stage] += 1
                 continue
             mine = own.get((a.stage, a.mb), 0)
             extra = 0
@@ -124,6 +147,10 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
                     held += chunks * st.outputs  # its gradient, until every micro-batch took its share
                 extra = -st.outputs  # the task's own share of it is in its peak already
                 seen_last += 1
+            if first:  # its gradients come to exist node by node, and stay
+                extra += st.grads_peak[ck]
+            if merged_output and done[a.stage] == 1:  # autograd sums two micro-batches' out of place
+                extra += st.largest_grad
             arrived = waiting.pop((a.stage, a.mb), 0)  # its peak counts them as incoming
             held -= arrived
             peak = max(peak, held - mine + st.peak[ck] + extra)
@@ -137,13 +164,15 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
             else:
                 own.pop((a.stage, a.mb), None)
                 held -= mine
+                if first:
+                    held += grads_made[a.stage]
             if merged_output and a.stage == last and seen_last == last_backwards:
                 held -= chunks * st.outputs
+            done[a.stage] += 1
             if grad_buffers is not None:  # the first backward's weight gradients stay, as the sum
-                backwards_done[a.stage] += 1
-                if backwards_done[a.stage] == 1:
+                if done[a.stage] == 1:
                     held += grad_buffers[a.stage]
-                if backwards_done[a.stage] == backwards[a.stage]:  # the sum goes into .grad
+                if done[a.stage] == backwards[a.stage]:  # the sum goes into .grad
                     held -= grad_buffers[a.stage]
         peaks[device] = peak
     return peaks
@@ -184,7 +213,7 @@ def torch_run(schedule: str, stage_devices: Sequence[Hashable]) -> TorchRun:
 
 
 def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivations], stop: int,
-                      run: Optional[TorchRun] = None) -> int:
+                      run: Optional[TorchRun] = None, grads_made: Optional[Sequence[int]] = None) -> int:
     """One rank's peak under torch's ``PipelineStage`` (torch 2.13 ``stage.py``), which keeps
     more than autograd saves: each micro-batch's outputs until its backward (``fwd_cache``;
     the last stage's until the step ends, ``output_chunks``); between a zero-bubble input pass
@@ -210,6 +239,7 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
         return bool(local) and 0 <= b <= last and local[a] == local[b]
 
     held = peak = 0
+    made: set = set()  # stages whose gradients exist (grads_made)
     own: Dict[tuple[int, int], int] = {}
     warmup_send: Optional[tuple[int, int]] = None
     loop_end, grads_pending, warmup_kept = -1, 0, 0
@@ -239,6 +269,7 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
             grads_kept = made_grads  # in a send's Work, or the receive buffer's .grad
         elif a.stage > 0 and run.split:  # handed on the rank: the copies replace last step's
             grads_kept = st.boundary_grads_storage
+        held += _first_gradients(a, made, grads_made)
         if a.kind == "F":
             own[key] = st.held[ck] + sent
             held += own[key]
@@ -270,6 +301,16 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
                 held -= warmup_kept
         held -= mine - stays
     return peak
+
+
+def _first_gradients(a: Action, made: set, grads_made: Optional[Sequence[int]]) -> int:
+    """The bytes of stage ``a.stage``'s gradients if ``a`` is the first action to make them
+    (a ``B``, or the ``W`` of zero bubble: an ``I`` makes input gradients only); then
+    remembered in ``made``. They are counted in that action's peak and stay to the step's end."""
+    if grads_made is None or a.kind not in "BW" or a.stage in made:
+        return 0
+    made.add(a.stage)
+    return int(grads_made[a.stage])
 
 
 def _input_grads(st: StageActivations, split: bool, remote: bool) -> int:

@@ -33,7 +33,8 @@ from ..plan._value import Plan
 from ._activations import StageActivations, stage_activations
 from ._costs import (StageTimes, action_seconds, first_stage_in_weight_pass, micro_inputs, stage_times_measured,
                      stage_times_roofline)
-from ._memory import activation_peaks, receive_buffers, static_bytes, torch_run
+from ._device_memory import device_memory
+from ._memory import torch_run
 from ._nodes import Recording, record_nodes
 from ..runtime._orders import SCHEDULES as LOCAL_SCHEDULES  # what fxpipe.pipeline runs in one process
 from ._orders import (DISTRIBUTED_SCHEDULES, Action, placement, single_process_1f1b, single_process_order,
@@ -288,24 +289,14 @@ class Search:
                             after=self.waits.get((schedule, local, chunks)))
         # parameters, buffers, gradients and optimizer state: each tensor once per device
         params, trained = once_per_device(self.tensors(plan), where)
-        # one autograd call over every micro-batch sums each parameter's gradient before .grad:
-        # extra memory only where .grad is kept through the backward (set_to_none: the sum becomes it);
-        # the one-process 1F1B backwards each micro-batch alone, into .grad
-        gpipe = local and schedule == "gpipe"
-        sums = trained if gpipe and self.s.zero_grad == "in_place" else None
-        peaks = activation_peaks(orders, acts, mode, chunks, merged_output=gpipe, torch_stages=run,
-                                 grad_buffers=sums)
-        if local:
-            static = static_bytes(params, where, self.s.optimizer, trained=trained)
-        else:
-            static = static_bytes(params, where, self.s.optimizer, receive=receive_buffers(acts, run), chunks=chunks,
-                                  trained=trained)
+        memory = device_memory(orders, acts, mode, chunks, gpipe=local and schedule == "gpipe", run=run,
+                               params=params, trained=trained, where=where, optimizer=self.s.optimizer,
+                               zero_grad=self.s.zero_grad)
         choice.step_s, choice.bubble = timeline.step_s, timeline.bubble
-        for d in orders:
+        for d, (static, above) in memory.items():
             label = str(d)
-            choice.static_bytes[label] = float(static.get(d, 0))
-            choice.activation_bytes[label] = float(peaks.get(d, 0))
-            choice.peak_bytes[label] = choice.static_bytes[label] + choice.activation_bytes[label]
+            choice.static_bytes[label], choice.activation_bytes[label] = static, above
+            choice.peak_bytes[label] = static + above
         choice.plan = plan
         choice.kwargs = self._kwargs(schedule, n_stages, chunks, mode, plan, local)
         if self.s.memory is not None and choice.peak > self.s.memory:
