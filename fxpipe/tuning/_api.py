@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -88,6 +88,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
          sample_kwargs: Optional[dict] = None, leaf_modules: Sequence[Union[type, str]] = (),
          chunk_dims: ChunkDims = 0, output_merge: Optional[OutputMerge] = None,
          balance_by: Optional[str] = None, replicas: Optional[Sequence[int]] = None,
+         loss_fn: Optional[Callable[..., Any]] = None, target: Any = None,
          progress: ProgressOption = False) -> Tuning:
     """Predicts and ranks pipeline configurations of ``model`` for ``devices`` with ``memory``
     each (see docs/api.md, "fxpipe.tuning").
@@ -131,6 +132,9 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
             samples (``fxpipe.distributed`` on a ``('dp', 'pp')`` mesh, ``data_parallel='ddp'``;
             :mod:`fxpipe.tuning._data_parallel`). Default: every ``dp`` dividing ``N`` and the
             batch that leaves 2 devices per pipeline or more; ``()``: none.
+        loss_fn, target: the loss after the model, as for ``Pipeline.step``
+            (``loss_fn(output, target)``, or ``loss_fn(output)`` without a target): timed on one
+            micro-batch's output and counted in the last stage's forward and backward.
 
     Returns: a :class:`~fxpipe.tuning._result.Tuning`; ``print`` it, build ``tuning.best.pipeline()``.
 
@@ -202,7 +206,8 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     settings = Settings(labels, budget, size, list(schedules), list(checkpoint), _chunk_choices(size, chunks),
                         parse_rate(link, "link") or math.inf, parse_seconds(latency, "latency"), optimizer, flops, bw,
                         efficiency, torch_devices, skipped, balance_by, zero_grad,
-                        send_overhead=parse_seconds(send_overhead, "send_overhead"), build=build)
+                        send_overhead=parse_seconds(send_overhead, "send_overhead"), build=build,
+                        loss_fn=loss_fn, target=target)
     search = Search(model, checked, settings, as_progress(progress))
     with torch.inference_mode(False):
         choices = search.run()
@@ -230,6 +235,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         notes.append("BatchNorm in training mode normalises each micro-batch on its own statistics (GPipe's "
                      "semantics): with chunks > 1 the outputs differ from one whole-batch call "
                      "(docs/guide.md, BatchNorm)")
+    notes += _timing_notes(search)
     if search.untimed:
         notes.append("stages the tuner could not time alone, predicted from the node profile instead (which "
                      f"leaves out what runs between nodes): {'; '.join(search.untimed[:3])}")
@@ -246,6 +252,22 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
     if not tuning.fitting:
         raise _nothing_fits(choices, budget, skipped)
     return tuning
+
+
+def _timing_notes(search: Search) -> List[str]:
+    """How far the stage timing moved between its interleaved rounds, and the loss's share."""
+    notes = []
+    if search.spreads:
+        low, high = min(search.spreads.values()), max(search.spreads.values())
+        notes.append(f"stage times: the median of 5 rounds, every micro-batch size timed in each; a round's total "
+                     f"moved by {low:.0%}-{high:.0%} between rounds ((slowest - fastest) / median): what the "
+                     "machine's load may move a predicted time by")
+    if search.loss_s:
+        size = max(search.loss_s)
+        f, b = search.loss_s[size]
+        notes.append(f"loss_fn timed and counted in the last stage: {format_seconds(f + b)} forward and backward "
+                     f"at micro-batch {size}")
+    return notes
 
 
 def _nothing_fits(choices: List[Any], budget: Optional[float], skipped: dict) -> MemoryBudgetError:

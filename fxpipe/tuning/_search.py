@@ -20,7 +20,7 @@ tie); a configuration that fits nowhere says why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 
 from ..build import Checked
@@ -28,12 +28,13 @@ from ..capture._prepare import preserved
 from ..emit._stages import Stages
 from ..errors import FxpipeError, StagesError
 from ..plan._make import make_plan
-from ..plan._profile import profile_graph
+from ..plan._profile import cuda_device_of, profile_graph
 from ..plan._value import Plan
 from ._activations import StageActivations, stage_activations
 from ._costs import (StageTimes, action_seconds, first_stage_in_weight_pass, micro_inputs, stage_times_measured,
                      stage_times_roofline)
 from ._device_memory import device_memory
+from ._loss_timing import first_samples, time_loss
 from ._memory import torch_run
 from ._nodes import Recording, record_nodes
 from ..runtime._orders import SCHEDULES as LOCAL_SCHEDULES  # what fxpipe.pipeline runs in one process
@@ -42,7 +43,7 @@ from ._orders import (DISTRIBUTED_SCHEDULES, Action, placement, single_process_1
 from ._result import Choice
 from ._scaling import derive, fit, same
 from ._simulate import send_bytes, simulate
-from ._stage_timing import carried_stages, time_stage_actions
+from ._stage_timing import carried_stages, time_interleaved, time_stage_actions
 from ._tensors import StageTensors, once_per_device, stage_tensors
 from ._units import format_bytes
 
@@ -73,6 +74,9 @@ class Settings:
     #: build options tune was given, passed on to the front door that builds a choice:
     #: leaf_modules to both, chunk_dims and output_merge to fxpipe.pipeline
     build: Dict[str, Any] = field(default_factory=dict)
+    #: the loss after the model (``tune(loss_fn=, target=)``), timed into the last stage
+    loss_fn: Optional[Callable[..., Any]] = None
+    target: Any = None
 
 
 def _first_line(error: BaseException) -> str:
@@ -110,6 +114,10 @@ class Search:
         #: micro-batch sizes recorded, and derived from two of them (checked on a third)
         self.recorded: List[int] = []
         self.derived: List[int] = []
+        #: per (stages, micro-batch size, split): the spread of its interleaved timing rounds
+        self.spreads: Dict[Tuple[int, int, bool], float] = {}
+        #: per micro-batch size: the loss's (forward, backward) seconds (``loss_fn``)
+        self.loss_s: Dict[int, Tuple[float, float]] = {}
 
     # -- made once -----------------------------------------------------------------------------
     def plan(self, n_stages: int) -> Plan:
@@ -200,8 +208,10 @@ class Search:
 
     def times(self, plan: Plan, size: int, split: bool) -> List[StageTimes]:
         """Per stage, one micro-batch's forward, input- and weight-gradient seconds (``split``:
-        as torch's zero-bubble schedules run them). With weights: the stages timed as they run
-        (:mod:`._stage_timing`), or the profile's sum if that fails; on meta: the roofline."""
+        as torch's zero-bubble schedules run them), the loss's in the last stage's when given.
+        With weights: the stages timed as they run (:mod:`._stage_timing`; interleaved with
+        every other size when :meth:`time_ahead` ran), or the profile's sum if that fails; on
+        meta: the roofline."""
         if self.s.device_flops is not None:
             rec = self.record(size)
             times = stage_times_roofline(rec, plan.assignment, plan.n_stages, self.s.device_flops,
@@ -219,7 +229,47 @@ class Search:
                 self.untimed.append(f"{plan.n_stages} stages, micro-batch {size}: {_first_line(e)}"[:200])
                 times = stage_times_measured(self.record(size), self.seconds(size), plan.assignment, plan.n_stages)
                 self._timed[key] = first_stage_in_weight_pass(times) if split else times
-        return self._timed[key]
+        return self._with_loss(self._timed[key], size)
+
+    def _with_loss(self, times: List[StageTimes], size: int) -> List[StageTimes]:
+        if self.s.loss_fn is None:
+            return times
+        if size not in self.loss_s:
+            args, kwargs = first_samples((self.checked.args, self.checked.kwargs), size)
+            target = first_samples(self.s.target, size)
+            with preserved(self.model):
+                self.loss_s[size] = time_loss(self.model, args, kwargs, self.s.loss_fn, target,
+                                              device=cuda_device_of(self.checked.capture.graph_module, self.micro(size)))
+        f, b = self.loss_s[size]
+        last = times[-1]
+        return [*times[:-1], StageTimes(last.forward + f, last.input_grad + b, last.weight_grad)]
+
+    def time_ahead(self, rounds: int = 5) -> None:
+        """Times every (stage count, micro-batch size, split) the candidates need in one
+        :func:`time_interleaved` call, so that a load changing while tune runs moves every
+        size alike; what fails here is timed alone by :meth:`times` (or falls back)."""
+        if self.s.device_flops is not None:
+            return
+        keys = []
+        for schedule, local in self.candidates():
+            n_stages, where = self.layout(schedule, local)
+            split = not local and torch_run(schedule, where).split
+            keys += [(n_stages, self.s.batch // c, split) for c in self.s.chunks
+                     if self.s.batch % c == 0 and c not in self.refused]
+        keys = list(dict.fromkeys(keys))
+        gm = self.checked.capture.graph_module
+        try:
+            jobs = []
+            for n_stages, size, split in keys:
+                if n_stages not in self._stages:
+                    self._stages[n_stages] = carried_stages(gm, self.plan(n_stages))
+                jobs.append((self._stages[n_stages], self.micro(size), split))
+            with preserved(self.model):
+                got = time_interleaved(jobs, cuda_device_of(gm, self.micro(keys[0][1])) if keys else None, rounds)
+        except (RuntimeError, FxpipeError):
+            return
+        for key, (times, spread) in zip(keys, got):
+            self._timed[key], self.spreads[key] = times, spread
 
     # -- one candidate -------------------------------------------------------------------------
     def layout(self, schedule: str, local: bool = False) -> Tuple[int, List[Hashable]]:
@@ -352,6 +402,7 @@ class Search:
 
     def run(self) -> List[Choice]:
         self.refuse_sizes()
+        self.time_ahead()
         choices = [self.predict(schedule, chunks, mode, local)
                    for schedule, local in self.candidates()
                    for chunks in self.s.chunks for mode in self.s.checkpoints

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Callable, List, Optional, Sequence
+import statistics
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx
@@ -46,7 +47,10 @@ from ..plan._value import Plan
 from ..runtime._stream import synchronize
 from ._costs import StageTimes
 
-__all__ = ["carried_stages", "time_stage_actions"]
+__all__ = ["carried_stages", "time_stage_actions", "time_interleaved", "Job"]
+
+#: one timing job: (the stages, one micro-batch's flat inputs, zero bubble's split backward)
+Job = Tuple[Stages, Sequence[Any], bool]
 
 
 def carried_stages(gm: fx.GraphModule, plan: Plan) -> Stages:
@@ -173,3 +177,37 @@ def time_stage_actions(gm: fx.GraphModule, plan: Plan, micro: Sequence[Any], spl
             p.grad = g
     assert best is not None
     return [StageTimes(*t) for t in best]
+
+
+def time_interleaved(jobs: Sequence[Job], device: Optional[torch.device],
+                     rounds: int = 5) -> List[Tuple[List[StageTimes], float]]:
+    """Each job's stage times (as :func:`time_stage_actions`), robust to a load that changes
+    while tune runs: one warm-up run of every job, then ``rounds`` rounds each running every
+    job once (interleaved: a slow spell falls on every micro-batch size alike, not on the
+    one timed then), and per action the median over the rounds. With each job's times, its
+    spread: (slowest - fastest) / median of a round's total seconds, what the load moved it
+    by (measured on a shared 2-core machine: 3-40%; the fastest of three per size, timed one
+    size after the other, moved predictions by up to 40% between two tunings)."""
+    params = {id(p): p for stages, _, _ in jobs for stage in stages for p in stage.parameters()}.values()
+    grads = [(p, p.grad) for p in params]
+    runs: List[List[List[List[float]]]] = [[] for _ in jobs]
+    try:
+        for r in range(max(1, rounds) + 1):
+            for k, (stages, micro, split) in enumerate(jobs):
+                for p in params:
+                    p.grad = None
+                with torch.enable_grad():
+                    got = _one_run(stages, micro, split, device)
+                if r > 0:  # the first round warms up
+                    runs[k].append(got)
+    finally:
+        for p, g in grads:
+            p.grad = g
+    out = []
+    for got in runs:
+        n = len(got[0])
+        times = [StageTimes(*(statistics.median(run[s][i] for run in got) for i in range(3))) for s in range(n)]
+        totals = [sum(map(sum, run)) for run in got]
+        middle = statistics.median(totals)
+        out.append((times, (max(totals) - min(totals)) / middle if middle > 0 else 0.0))
+    return out
