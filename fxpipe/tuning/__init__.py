@@ -14,7 +14,9 @@ The parts, each a private module with one job:
 * :mod:`._simulate`: an action list timed: step time and bubble;
 * :mod:`._memory`: memory per device along the action list, plus parameters, gradients,
   optimizer state and receive buffers;
-* :mod:`._search`: the candidates, each predicted, and their ranking; :mod:`._result`: the
+* :mod:`._device_memory`: one candidate's memory per device (front door, ``zero_grad``);
+* :mod:`._search`: the candidates, each predicted, and their ranking (its timing half:
+  :mod:`._search_timing`, stages timed interleaved, the loss); :mod:`._result`: the
   :class:`Tuning` it returns; :mod:`._api`: :func:`tune`; :mod:`._units`: ``'80GiB'``.
 
 Sits with the front doors: it uses :mod:`fxpipe.plan` and :mod:`fxpipe.build`.

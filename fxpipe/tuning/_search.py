@@ -26,24 +26,21 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 from ..build import Checked
 from ..capture._prepare import preserved
 from ..emit._stages import Stages
-from ..errors import FxpipeError, StagesError
+from ..errors import StagesError
 from ..plan._make import make_plan
-from ..plan._profile import cuda_device_of, profile_graph
 from ..plan._value import Plan
 from ._activations import StageActivations, stage_activations
-from ._costs import (StageTimes, action_seconds, first_stage_in_weight_pass, micro_inputs, stage_times_measured,
-                     stage_times_roofline)
+from ._costs import StageTimes, action_seconds, micro_inputs
 from ._device_memory import device_memory
-from ._loss_timing import first_samples, time_loss
 from ._memory import torch_run
 from ._nodes import Recording, record_nodes
 from ..runtime._orders import SCHEDULES as LOCAL_SCHEDULES  # what fxpipe.pipeline runs in one process
 from ._orders import (DISTRIBUTED_SCHEDULES, Action, placement, single_process_1f1b, single_process_order,
                       torch_orders)
 from ._result import Choice
+from ._search_timing import Timing, _first_line
 from ._scaling import derive, fit, same
 from ._simulate import send_bytes, simulate
-from ._stage_timing import carried_stages, time_interleaved, time_stage_actions
 from ._tensors import StageTensors, once_per_device, stage_tensors
 from ._units import format_bytes
 
@@ -79,16 +76,7 @@ class Settings:
     target: Any = None
 
 
-def _first_line(error: BaseException) -> str:
-    """The error that started it (torch's stage_backward wraps its cause in a message that
-    begins with a blank line): its type and first line."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
-class Search:
+class Search(Timing):
     """Plans, recordings and profiles, made once each, and the candidates predicted on them."""
 
     def __init__(self, model: Any, checked: Checked, settings: Settings, progress: Any) -> None:
@@ -198,78 +186,6 @@ class Search:
         if got is not None:
             self.derived.append(size)
         return got
-
-    def seconds(self, size: int) -> Dict[str, float]:
-        if size not in self._seconds:
-            with preserved(self.model):
-                costs = profile_graph(self.checked.capture.graph_module, self.micro(size))
-            self._seconds[size] = {name: c.seconds for name, c in costs.items()}
-        return self._seconds[size]
-
-    def times(self, plan: Plan, size: int, split: bool) -> List[StageTimes]:
-        """Per stage, one micro-batch's forward, input- and weight-gradient seconds (``split``:
-        as torch's zero-bubble schedules run them), the loss's in the last stage's when given.
-        With weights: the stages timed as they run (:mod:`._stage_timing`; interleaved with
-        every other size when :meth:`time_ahead` ran), or the profile's sum if that fails; on
-        meta: the roofline."""
-        if self.s.device_flops is not None:
-            rec = self.record(size)
-            times = stage_times_roofline(rec, plan.assignment, plan.n_stages, self.s.device_flops,
-                                         self.s.bandwidth or float("inf"), self.s.efficiency)
-            return first_stage_in_weight_pass(times) if split else times
-        key = (plan.n_stages, size, split)
-        if key not in self._timed:
-            try:
-                if plan.n_stages not in self._stages:
-                    self._stages[plan.n_stages] = carried_stages(self.checked.capture.graph_module, plan)
-                with preserved(self.model):
-                    self._timed[key] = time_stage_actions(self.checked.capture.graph_module, plan, self.micro(size),
-                                                          split, stages=self._stages[plan.n_stages])
-            except (RuntimeError, FxpipeError) as e:  # torch's or fxpipe's refusal: the profile still predicts
-                self.untimed.append(f"{plan.n_stages} stages, micro-batch {size}: {_first_line(e)}"[:200])
-                times = stage_times_measured(self.record(size), self.seconds(size), plan.assignment, plan.n_stages)
-                self._timed[key] = first_stage_in_weight_pass(times) if split else times
-        return self._with_loss(self._timed[key], size)
-
-    def _with_loss(self, times: List[StageTimes], size: int) -> List[StageTimes]:
-        if self.s.loss_fn is None:
-            return times
-        if size not in self.loss_s:
-            args, kwargs = first_samples((self.checked.args, self.checked.kwargs), size)
-            target = first_samples(self.s.target, size)
-            with preserved(self.model):
-                self.loss_s[size] = time_loss(self.model, args, kwargs, self.s.loss_fn, target,
-                                              device=cuda_device_of(self.checked.capture.graph_module, self.micro(size)))
-        f, b = self.loss_s[size]
-        last = times[-1]
-        return [*times[:-1], StageTimes(last.forward + f, last.input_grad + b, last.weight_grad)]
-
-    def time_ahead(self, rounds: int = 5) -> None:
-        """Times every (stage count, micro-batch size, split) the candidates need in one
-        :func:`time_interleaved` call, so that a load changing while tune runs moves every
-        size alike; what fails here is timed alone by :meth:`times` (or falls back)."""
-        if self.s.device_flops is not None:
-            return
-        keys = []
-        for schedule, local in self.candidates():
-            n_stages, where = self.layout(schedule, local)
-            split = not local and torch_run(schedule, where).split
-            keys += [(n_stages, self.s.batch // c, split) for c in self.s.chunks
-                     if self.s.batch % c == 0 and c not in self.refused]
-        keys = list(dict.fromkeys(keys))
-        gm = self.checked.capture.graph_module
-        try:
-            jobs = []
-            for n_stages, size, split in keys:
-                if n_stages not in self._stages:
-                    self._stages[n_stages] = carried_stages(gm, self.plan(n_stages))
-                jobs.append((self._stages[n_stages], self.micro(size), split))
-            with preserved(self.model):
-                got = time_interleaved(jobs, cuda_device_of(gm, self.micro(keys[0][1])) if keys else None, rounds)
-        except (RuntimeError, FxpipeError):
-            return
-        for key, (times, spread) in zip(keys, got):
-            self._timed[key], self.spreads[key] = times, spread
 
     # -- one candidate -------------------------------------------------------------------------
     def layout(self, schedule: str, local: bool = False) -> Tuple[int, List[Hashable]]:

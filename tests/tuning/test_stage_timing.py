@@ -18,7 +18,7 @@ from fxpipe.plan._make import make_plan
 from fxpipe.plan._op_graph import build_opgraph
 from fxpipe.plan._value import Plan
 from fxpipe.progress import as_progress
-from fxpipe.tuning import _search
+from fxpipe.tuning import _search_timing
 from fxpipe.tuning._costs import StageTimes, action_seconds, first_stage_in_weight_pass
 from fxpipe.tuning._orders import Action
 from fxpipe.tuning._stage_timing import _one_run, carried_stages, time_stage_actions
@@ -200,7 +200,8 @@ def test_a_stage_that_cannot_be_timed_falls_back_to_the_profile_and_says_so(monk
     def refuse(*args, **kwargs):
         raise RuntimeError("no such kernel\nmore")
 
-    monkeypatch.setattr(_search, "time_stage_actions", refuse)
+    monkeypatch.setattr(_search_timing, "time_interleaved", refuse)  # every size at once, then
+    monkeypatch.setattr(_search_timing, "time_stage_actions", refuse)  # each alone
     torch.manual_seed(0)
     model, x = Net(), torch.randint(0, 16, (8, 5))
     t = fxpipe.tune(model, x, ["cpu"] * 2, schedules=("gpipe",), chunks=[1, 2], checkpoint=("never",),

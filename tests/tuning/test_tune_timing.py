@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-import fxpipe.tuning._search as search
+import fxpipe.tuning._search_timing as search_timing
 
 
 def _model() -> nn.Module:
@@ -38,7 +38,7 @@ def test_the_loss_is_timed_on_one_micro_batch_and_counted_in_every_micro_batchs_
     def stand_in(*args: Any, **kwargs: Any) -> tuple:
         return 1.0, 2.0  # forward, backward seconds: far above the model's own
 
-    monkeypatch.setattr(search, "time_loss", stand_in)
+    monkeypatch.setattr(search_timing, "time_loss", stand_in)
     with_loss = {c.chunks: c for c in fxpipe.tune(model, x, ["cpu"], loss_fn=loss_fn, target=y, **options).choices}
     for chunks, c in with_loss.items():  # one device: every micro-batch's loss, forward and backward, in turn
         assert 3.0 * chunks <= c.step_s < 3.0 * chunks + 1.0
