@@ -35,7 +35,7 @@ def device_memory(orders: Mapping[Hashable, Sequence[Action]], acts: Sequence[St
     kept = zero_grad == "in_place"
     peaks = activation_peaks(orders, acts, mode, chunks, merged_output=gpipe, torch_stages=run,
                              grad_buffers=trained if gpipe and kept else None,
-                             grads_made=None if kept else trained)
+                             grads_made=None if kept else trained, step_loss=not gpipe and not run)
     if run:
         static = static_bytes(params, where, optimizer, receive=receive_buffers(acts, run), chunks=chunks,
                               trained=trained)

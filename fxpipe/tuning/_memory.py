@@ -74,7 +74,7 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
                      mode: str, chunks: int, *, merged_output: bool = False,
                      torch_stages: bool | TorchRun = False,
                      grad_buffers: Optional[Sequence[int]] = None,
-                     grads_made: Optional[Sequence[int]] = None) -> Dict[Hashable, int]:
+                     grads_made: Optional[Sequence[int]] = None, step_loss: bool = False) -> Dict[Hashable, int]:
     """Peak activation bytes per device along its actions (see the module docstring).
 
     ``merged_output``: the single-process pipeline, whose output all micro-batches share
@@ -99,7 +99,12 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
     step's end: during that ``B`` node by node (``StageActivations.grads_peak``), all of them
     during a ``W`` (an upper bound); without it they are static bytes, there before the step.
     Measured on one process (``tests/tuning/test_peak_measured.py``): counting them all at
-    the activations' peak over-predicted the total by up to 27%."""
+    the activations' peak over-predicted the total by up to 27%. ``step_loss``: one-process
+    1F1B (``Pipeline.step``), whose loss runs on each micro-batch's output as it leaves the
+    last stage, its backward just before that stage's: the output itself (no saved tensor of
+    the stage holds it) and :data:`LOSS_COPIES` of it then (measured on a tiny Qwen3, cross
+    entropy over 1-4 MiB of logits per micro-batch: 0.77-0.85 of the measured peak without
+    them, 0.98-1.0 with them)."""
     stop = checkpointed(mode, chunks)
     last = len(stages) - 1
     peaks: Dict[Hashable, int] = {}
@@ -147,6 +152,8 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
                     held += chunks * st.outputs  # its gradient, until every micro-batch took its share
                 extra = -st.outputs  # the task's own share of it is in its peak already
                 seen_last += 1
+            if step_loss and a.stage == last:  # the micro-batch's loss and its backward, first
+                peak = max(peak, held + (1 + LOSS_COPIES) * st.outputs)
             if first:  # its gradients come to exist node by node, and stay
                 extra += st.grads_peak[ck]
             if merged_output and done[a.stage] == 1:  # autograd sums two micro-batches' out of place
