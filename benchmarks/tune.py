@@ -20,6 +20,12 @@ For each model (``tests/zoo.py``'s ``TinyGPT(vocab=64, d=64, heads=4, layers=8, 
   Budgets filter the one tuning's predictions, as ``fxpipe.tune(..., memory=budget)`` does
   (a second call would profile again, and plan on other timings).
 
+With ``--unseen`` (``benchmarks/_tune_unseen.py``): tune's defaults (Adam, ``set_to_none``,
+every schedule, a real ``memory=``) on three models it was not built on (a ViT, a U-Net-like
+net with an input skip, a tiny Qwen3 with tied embeddings): the **total** peak of full
+training steps (parameters, gradients, Adam's state, activations) against the prediction,
+whether every "fits" fits, and tune's first choice against the best measured.
+
 With ``--distributed`` (``benchmarks/_tune_dist.py``): the distributed schedules on 2 gloo
 ranks (CPU), each rank's predicted activation peak against its measured one, each rank's
 measured action order against the simulated one, step times and tune's first choice.
@@ -29,6 +35,7 @@ Usage::
     .venv/bin/python benchmarks/tune.py                 # both models
     .venv/bin/python benchmarks/tune.py --models gpt --steps 3
     .venv/bin/python benchmarks/tune.py --distributed   # also the gloo ranks
+    .venv/bin/python benchmarks/tune.py --unseen --out benchmarks/results/tune_unseen.json  # issue 33's check
     python benchmarks/tune.py --device cuda --chunks 1 4 8 --out results/gpu/tune_cuda.json   # one GPU
 """
 
@@ -178,7 +185,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    help="one process's device (every stage on it); the gloo ranks stay on the CPU")
     p.add_argument("--balance-by", choices=("time", "memory", "params"), default=None,
                    help="how the stages are cut (default: profiled time, which may cut differently run to run)")
+    p.add_argument("--unseen", nargs="*", default=None, choices=["vit", "unet", "qwen3"],
+                   help="tune's defaults on models it was not built on (all three if none named), then exit")
+    p.add_argument("--unseen-chunks", nargs="+", type=int, default=[1, 2, 4])
     a = p.parse_args(argv)
+    if a.unseen is not None:
+        return unseen(a, argv)
     results = []
     for name in ([] if a.only_distributed else a.models):
         res = run_model(name, a)
@@ -210,6 +222,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
            "worst_memory_error": worst_mem, "worst_choice_ratio": worst_choice, "models": results,
            "distributed": distributed}
     write_json(str(out), doc)
+
+
+def unseen(a: argparse.Namespace, argv: Optional[Sequence[str]]) -> None:
+    import _tune_unseen
+
+    results = []
+    for name in a.unseen or ["vit", "unet", "qwen3"]:
+        res = _tune_unseen.run(name, a.unseen_chunks, a.steps)
+        _tune_unseen.print_table(res)
+        results.append(res)
+    rows = [r for res in results for r in res["rows"]]
+    worst = max(abs(1 - r["memory_ratio"]) for r in rows)
+    within = sum(abs(1 - r["memory_ratio"]) <= 0.10 for r in rows)
+    ratios = [res["choice_ratio"] for res in results if res["choice_ratio"] is not None]
+    print(f"\nmemory within 10% on {within} of {len(rows)} (worst {worst:.1%}); every fits honoured at +2%: "
+          f"{all(res['fits_honoured'] for res in results)}; worst first/best measured time "
+          f"{max(ratios, default=float('nan')):.3f} (goal 1.05)")
+    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "tune_unseen.json"
+    write_json(str(out), {**header("tune --unseen", "cpu"),
+                          "command": " ".join(["benchmarks/tune.py", *(argv if argv is not None else sys.argv[1:])]),
+                          "worst_memory_error": worst, "within_10pct": within, "configurations": len(rows),
+                          "worst_choice_ratio": max(ratios, default=None), "models": results})
 
 
 if __name__ == "__main__":
