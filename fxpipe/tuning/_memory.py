@@ -133,10 +133,7 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
                     if a.mb == chunks - 1:
                         peak = max(peak, held)
                 continue
-            # this backward makes the stage's .grad (an input pass I makes input gradients only)
-            first = grads_made is not None and a.kind in "BW" and a.stage not in made
-            if first:
-                made.add(a.stage)
+            first = _makes_gradients(a, made, grads_made)
             if a.kind == "W":
                 mine = own.pop((a.stage, a.mb), 0)
                 new = grads_made[a.stage] if first else 0  # conservative: all of them at its peak
@@ -276,7 +273,7 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
             grads_kept = made_grads  # in a send's Work, or the receive buffer's .grad
         elif a.stage > 0 and run.split:  # handed on the rank: the copies replace last step's
             grads_kept = st.boundary_grads_storage
-        held += _first_gradients(a, made, grads_made)
+        held += int(grads_made[a.stage]) if grads_made is not None and _makes_gradients(a, made, grads_made) else 0
         if a.kind == "F":
             own[key] = st.held[ck] + sent
             held += own[key]
@@ -310,14 +307,14 @@ def _torch_stage_peak(actions: Sequence[Action], stages: Sequence[StageActivatio
     return peak
 
 
-def _first_gradients(a: Action, made: set, grads_made: Optional[Sequence[int]]) -> int:
-    """The bytes of stage ``a.stage``'s gradients if ``a`` is the first action to make them
-    (a ``B``, or the ``W`` of zero bubble: an ``I`` makes input gradients only); then
-    remembered in ``made``. They are counted in that action's peak and stay to the step's end."""
+def _makes_gradients(a: Action, made: set, grads_made: Optional[Sequence[int]]) -> bool:
+    """Whether ``a`` is the first action to make stage ``a.stage``'s ``.grad`` under
+    ``grads_made`` (a ``B``, or the ``W`` of zero bubble: an ``I`` makes input gradients only);
+    then remembered in ``made``. Those gradients count from that action's peak to the step's end."""
     if grads_made is None or a.kind not in "BW" or a.stage in made:
-        return 0
+        return False
     made.add(a.stage)
-    return int(grads_made[a.stage])
+    return True
 
 
 def _input_grads(st: StageActivations, split: bool, remote: bool) -> int:
