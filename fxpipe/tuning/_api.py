@@ -214,7 +214,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
         if len(set(labels)) == len(labels) and any(name != "gpipe" for name in schedules):
             for dp in replica_counts(len(labels), size, replicas):
                 if len(labels) % dp == 0 and size % dp == 0:
-                    choices += replica_choices(model, checked, settings, dp, as_progress(progress))
+                    choices += replica_choices(model, checked, settings, dp, as_progress(progress), search)
             choices = ranked(choices)
     costs = "a roofline (device_flops, bandwidth)" if flops is not None else "each stage timed on one micro-batch"
     notes = [f"costs from {costs}; "

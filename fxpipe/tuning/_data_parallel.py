@@ -54,8 +54,10 @@ def allreduce_seconds(nbytes: float, dp: int, link: float, latency: float) -> fl
     return 2 * (dp - 1) / dp * nbytes / link + 2 * (dp - 1) * latency * buckets
 
 
-def replica_choices(model: Any, checked: Checked, settings: Settings, dp: int, progress: Any) -> List[Choice]:
-    """The distributed configurations of ``dp`` replicas of a ``N / dp``-device pipeline."""
+def replica_choices(model: Any, checked: Checked, settings: Settings, dp: int, progress: Any,
+                    shared: Search) -> List[Choice]:
+    """The distributed configurations of ``dp`` replicas of a ``N / dp``-device pipeline
+    (``shared``: the search over all ``N`` devices, whose recordings per size are reused)."""
     pp = len(settings.devices) // dp
     batch = settings.batch // dp
     sub = dataclasses.replace(
@@ -63,7 +65,7 @@ def replica_choices(model: Any, checked: Checked, settings: Settings, dp: int, p
         schedules=[s for s in settings.schedules if s != "gpipe"],
         chunks=[c for c in settings.chunks if batch % c == 0] or [1],
         torch_devices=list(settings.torch_devices[:pp]) if settings.torch_devices is not None else None)
-    search = Search(model, checked, sub, progress)
+    search = Search(model, checked, sub, progress, shared=shared)
     choices = [c for c in search.run() if c.distributed]
     for c in choices:
         c.replicas = dp

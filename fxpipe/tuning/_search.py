@@ -79,13 +79,17 @@ class Settings:
 class Search(Timing):
     """Plans, recordings and profiles, made once each, and the candidates predicted on them."""
 
-    def __init__(self, model: Any, checked: Checked, settings: Settings, progress: Any) -> None:
+    def __init__(self, model: Any, checked: Checked, settings: Settings, progress: Any,
+                 shared: Optional["Search"] = None) -> None:
+        """``shared``: a search of the same model and sample (another device count or batch,
+        :mod:`._data_parallel`) whose per-micro-batch-size work this one reuses: recordings,
+        node profiles and loss timings depend on the size alone."""
         self.model, self.checked, self.s, self.progress = model, checked, settings, progress
         self.meta = checked.meta
         self.flat = checked.capture.flatten_inputs(checked.args, checked.kwargs)
         self._plans: Dict[int, Plan] = {}
-        self._records: Dict[int, Recording] = {}
-        self._seconds: Dict[int, Dict[str, float]] = {}
+        self._records: Dict[int, Recording] = shared._records if shared is not None else {}
+        self._seconds: Dict[int, Dict[str, float]] = shared._seconds if shared is not None else {}
         self._stages: Dict[int, Stages] = {}
         self._plan_errors: Dict[int, StagesError] = {}
         #: chunk counts whose micro-batch the model cannot run, and why (:meth:`refuse_sizes`)
@@ -105,7 +109,7 @@ class Search(Timing):
         #: per (stages, micro-batch size, split): the spread of its interleaved timing rounds
         self.spreads: Dict[Tuple[int, int, bool], float] = {}
         #: per micro-batch size: the loss's (forward, backward) seconds (``loss_fn``)
-        self.loss_s: Dict[int, Tuple[float, float]] = {}
+        self.loss_s: Dict[int, Tuple[float, float]] = shared.loss_s if shared is not None else {}
 
     # -- made once -----------------------------------------------------------------------------
     def plan(self, n_stages: int) -> Plan:
@@ -145,11 +149,6 @@ class Search(Timing):
         if plan.n_stages not in self._tensors:
             self._tensors[plan.n_stages] = stage_tensors(self.checked.capture.graph_module, plan)
         return self._tensors[plan.n_stages]
-
-    def trainable(self, plan: Plan) -> List[int]:
-        """Per stage, the bytes of the parameters it trains (those needing grad: what has a
-        gradient and optimizer state), each once per stage."""
-        return [sum(n for n, grad in found.values() if grad) for found in self.tensors(plan)]
 
     def micro(self, size: int) -> List[Any]:
         return micro_inputs(self.checked.batching, self.flat, size)
