@@ -18,8 +18,8 @@ stages run inside their runners (checkpointing, exact zero-bubble passes). One a
 the step's gradients after the schedule is the same sum, sent once per step, not per
 micro-batch, over flat buckets.
 
-Gradient accumulation stays exact as for tied weights (:mod:`._ties`): what ``.grad`` held
-before the step is set aside and added back after the step's own gradient was summed, so
+Gradient accumulation stays exact as for tied weights (:mod:`._set_aside`): what ``.grad``
+held before the step is set aside and added back after the step's own gradient was summed, so
 earlier steps are not summed again. A parameter no replica got a gradient for keeps ``None``;
 one that some replicas did not use gets theirs as zeros.
 """
@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ._set_aside import SetAside
 
 __all__ = ["ReplicaGradients"]
 
@@ -46,21 +48,16 @@ class ReplicaGradients:
     def __init__(self, parameters: Sequence[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
         self.parameters = [p for p in parameters if p.requires_grad]
         self.group = group
-        self._saved: dict[int, Optional[torch.Tensor]] = {}
+        self._aside = SetAside()
 
     def before_step(self) -> None:
         """Sets aside what ``.grad`` holds, so the step's own gradient is what is summed."""
-        if self.group is None:
-            return
-        for p in self.parameters:
-            self._saved[id(p)] = p.grad
-            p.grad = None
+        if self.group is not None:
+            self._aside.take(self.parameters)
 
     def restore(self) -> None:
         """After a failed step: the gradients set aside go back, as they were."""
-        for p in self.parameters:
-            if id(p) in self._saved:
-                p.grad = self._saved.pop(id(p))
+        self._aside.restore(self.parameters)
 
     def after_step(self) -> None:
         """Sums the step's gradients over the replicas (one flag all-reduce, then one per
@@ -80,9 +77,7 @@ class ReplicaGradients:
             for g, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 g.copy_(value)
         for p in self.parameters:
-            saved = self._saved.pop(id(p), None)
-            if saved is not None:
-                p.grad = saved if p.grad is None else saved.add_(p.grad)
+            self._aside.add_back(p)
 
 
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._set_aside import SetAside
 from ._sharding import local_part
 
 __all__ = ["TiedGradients", "parameters_of"]
@@ -54,7 +55,7 @@ class TiedGradients:
             sub = dist.new_group(list(ranks), timeout=timeout)
             if me in ranks:
                 self.groups[ranks] = sub
-        self._saved: dict[int, torch.Tensor | None] = {}
+        self._aside = SetAside()
 
     def copies(self, group: dist.ProcessGroup) -> list[tuple[str, nn.Parameter | None, tuple[int, ...]]]:
         """Every tied parameter as :class:`fxpipe.distributed._failures.Agreement` compares it:
@@ -79,15 +80,11 @@ class TiedGradients:
 
     def before_step(self) -> None:
         """Sets aside the gradient accumulated so far, so the step's own is what is summed."""
-        for _, p, _ in self.local():
-            self._saved[id(p)] = p.grad
-            p.grad = None
+        self._aside.take(p for _, p, _ in self.local())
 
     def restore(self) -> None:
         """After a failed step: the gradients set aside go back, as they were."""
-        for _, p, _ in self.local():
-            if id(p) in self._saved:
-                p.grad = self._saved.pop(id(p))
+        self._aside.restore(p for _, p, _ in self.local())
 
     def after_step(self) -> None:
         """Sums the step's gradient over the ranks using each tied parameter, then adds back
@@ -98,8 +95,6 @@ class TiedGradients:
             present = torch.tensor([0.0 if g is None else 1.0], device=p.device)  # NCCL: on the GPU
             dist.all_reduce(present, group=group)
             dist.all_reduce(local_part(step), group=group)  # 'fsdp': each copy holds the same shard
-            saved = self._saved.pop(id(p), None)
-            if present.item() == 0:
-                p.grad = saved
-            else:
-                p.grad = step if saved is None else saved + step
+            if present.item() > 0:
+                p.grad = step
+            self._aside.add_back(p)
