@@ -55,6 +55,12 @@ class Layout:
     def pp(self) -> int:
         return len(self.rows[0])
 
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The groups this rank belongs to, each once (to destroy when the pipeline closes)."""
+        pipe = self.pipe if self.pipe is not self.world else None  # one replica: the pipeline is the world
+        return [g for g in (self.world, pipe, self.replicas) if g is not None]
+
 
 def _new_groups(rank_lists: list[list[int]], wait: timedelta) -> list[dist.ProcessGroup]:
     """One group per list, made on every rank in the same order (``new_group`` is collective)."""

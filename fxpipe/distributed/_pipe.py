@@ -105,7 +105,6 @@ class DistributedPipeline(PipelineState):
         self.local = [k for k, r in enumerate(self.placement) if r == self.rank]
         self.world_size = dist.get_world_size(group)
         self.layout = layout
-        self.dp_rank, self.dp_size = layout.replica, layout.dp
         self._runs = runs  # torch's stages and schedules per micro-batch shape (._shape_runs)
         self._run: Optional[TrainRun] = runs.latest  # the run used last
         self._batch = 0  # the latest step's batch size
@@ -116,8 +115,7 @@ class DistributedPipeline(PipelineState):
         # the step's gradients summed over the replicas of this rank's stages, once (._replicas)
         self._replicas = ReplicaGradients(list(self.parameters()),  # 'fsdp': FSDP reduce-scatters them itself
                                           layout.replicas if layout.data_parallel == "ddp" else None)
-        self._groups = [layout.world, *([layout.pipe] if layout.pipe is not layout.world else []),
-                        *([layout.replicas] if layout.replicas is not None else []), *groups]
+        self._groups = [*layout.groups, *groups]
         self._closed = False
         self._broken: Optional[str] = None  # the error that stopped a step midway (peers then gone or waiting)
         # one rank's error named by every rank of every replica

@@ -26,6 +26,16 @@ class PipelineState:
     local: list[int]
     layout: Layout
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica (0 without data parallel)."""
+        return self.layout.replica
+
+    @property
+    def dp_size(self) -> int:
+        """The number of replicas (1 without data parallel)."""
+        return self.layout.dp
+
     def shard(self, batch: Any) -> Any:
         """This replica's share of a global batch: every tensor of ``batch`` (any structure)
         cut along dim 0 into ``dp_size`` equal contiguous parts, part ``dp_rank`` kept; the
