@@ -44,7 +44,7 @@ from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._mesh import layout_of, refuse_replicated_state
-from ._sharding import refuse_sharded_model, shard_stages, sharded_stage
+from ._sharding import refuse_sharded_model, shard_stage, sharded_stage
 from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
@@ -347,7 +347,8 @@ def pipeline(
     runs: ShapeRuns[TrainRun] = ShapeRuns(make_run)
     runs.get(micro)  # the sample's shape, made at the build: a shape the stages cannot take fails here
     if layout.data_parallel == "fsdp":  # after the fake metadata run, which reads the whole parameters
-        shard_stages(model, [stages[k] for k in local], layout.replicas, where)
+        (k,) = local  # one stage per rank (stages_per_rank > 1 was refused)
+        shard_stage(model, stages[k], layout.replicas, where)
         if evaluation is not None:  # its stages would read the sharded parameters without gathering them
             evaluation, no_eval = None, "data_parallel='fsdp' shards the parameters the eval-mode stages would read"
     if compile_options is not None:  # after the fake metadata runs, which must see the plain stages

@@ -30,12 +30,10 @@ held the original (``pipe.state_dict()`` then gives DTensors, which
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import nn
 
-__all__ = ["shard_stages", "local_part", "refuse_sharded_model", "sharded_stage"]
+__all__ = ["shard_stage", "local_part", "refuse_sharded_model", "sharded_stage"]
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -79,28 +77,25 @@ def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return found
 
 
-def shard_stages(model: nn.Module, stages: Sequence[nn.Module], replicas: object, device: torch.device) -> None:
-    """``fully_shard`` on this rank's stage (``stages``: one) over the ``replicas`` process
-    group; every place in ``model`` that held one of its parameters then holds the sharded one."""
+def shard_stage(model: nn.Module, stage: nn.Module, replicas: object, device: torch.device) -> None:
+    """``fully_shard`` on this rank's stage (one per rank: the build refuses more, they would
+    be two FSDP roots) over the ``replicas`` process group; every place in ``model`` that held
+    one of its parameters then holds the sharded one."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     holders = _holders(model)
-    before = [[(m, n, p) for m in stage.modules() for n, p in m._parameters.items() if p is not None]
-              for stage in stages]
+    before = [(m, n, p) for m in stage.modules() for n, p in m._parameters.items() if p is not None]
     mesh = DeviceMesh.from_group(replicas, device.type)  # type: ignore[arg-type]
-    (stage,) = stages  # one stage per rank (the build refuses more: they would be two FSDP roots)
     # reshard_after_forward by default: not for a root, as in torch's own composition (its whole
     # parameters stay gathered from the step's first forward to the reduce-scatter at its end;
     # True re-gathered them for every micro-batch's backward: 1.16x torch's step, measured)
     fully_shard(stage, mesh=mesh)
-    for stage in stages:
-        assert isinstance(stage, FSDPModule)
-        stage.set_gradient_divide_factor(1.0)  # summed: the loss is weighed over the global batch
-        stage.set_force_sum_reduction_for_comms(True)
-    for found in before:
-        for module, name, original in found:
-            sharded = module._parameters[name]
-            for owner, attr in holders.get(id(original), ()):
-                if owner._parameters.get(attr) is original:
-                    owner._parameters[attr] = sharded
+    assert isinstance(stage, FSDPModule)
+    stage.set_gradient_divide_factor(1.0)  # summed: the loss is weighed over the global batch
+    stage.set_force_sum_reduction_for_comms(True)
+    for module, name, original in before:
+        sharded = module._parameters[name]
+        for owner, attr in holders.get(id(original), ()):
+            if owner._parameters.get(attr) is original:
+                owner._parameters[attr] = sharded
