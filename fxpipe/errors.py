@@ -214,6 +214,18 @@ class TiedWeightsError(DistributedError):
         self.ranks = tuple(ranks)
 
 
+class ReplicaWeightsError(DistributedError):
+    """The data-parallel replicas (``data_parallel='ddp'``) hold other values of the same
+    stages at the start of a call: weights loaded, changed or stepped on some replicas only.
+    ``.parameter`` names the first tensor found to differ (on the ranks holding it; empty on
+    the others), ``.ranks`` the ranks holding the copies."""
+
+    def __init__(self, message: str, *, parameter: str = "", ranks: "tuple[int, ...]" = ()) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.ranks = tuple(ranks)
+
+
 class PlanMismatchError(DistributedError):
     """The ranks of a distributed pipeline do not run the same stage code: their models or
     fxpipe/torch versions differ. The message lists each rank's stage code hashes."""

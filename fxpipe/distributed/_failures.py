@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError, TiedWeightsError
+from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError
 
-from ._sharding import local_part
+from ._copies import Copies, as_integers, refuse_different_copies
 
 __all__ = ["Failures", "Agreement", "failure_line", "fingerprint"]
 
@@ -98,8 +98,6 @@ _CALLS = ("", "step()", "eval_step()")
 #: numbers in a batch's fingerprint
 _PRINT = 3
 _WEIGHTS: dict = {}  # (numel, device) -> the fixed weights of the second sum
-#: the integer type of each element size: a float's bits are summed as an integer
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
@@ -127,41 +125,22 @@ def fingerprint(values: Any, device: torch.device) -> torch.Tensor:
     for t in pytree.tree_leaves(values):
         if not isinstance(t, torch.Tensor):
             continue
-        x = _bits(t).to(torch.int64)
+        x = as_integers(t).to(torch.int64)
         part = torch.stack([x.sum(), (x * _weights(x.numel(), x.device)).sum()])
         out[0] += x.numel()
         out[1:] += part.to(device, non_blocking=True)
     return out
 
 
-def bits_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum of a tensor's bits as int64: equal for equal tensors whatever the reduction
-    order, different (but by a rare accident) for tensors that differ; one pass."""
-    return _bits(t).sum(dtype=torch.int64)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as integers, flat: a float's (or a complex part's) bits, a bool as 0 or 1."""
-    x = local_part(t.detach()).reshape(-1)  # a DTensor ('fsdp'): the shard this rank holds
-    if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-    if x.dtype == torch.bool:
-        x = x.to(torch.uint8)
-    if x.is_floating_point():
-        x = x.view(_BITS[x.element_size()])
-    return x
-
-
 class Agreement:
     """What a rank adds to :meth:`Failures.agreed`, set inside the block: ``batch``, the values
-    every rank must have been given alike (the call's inputs and targets); ``copies``, one
-    ``(name, tensor or None, group ranks)`` per tensor that those ranks each hold a copy of (a
-    tied parameter), the same list in the same order on every rank, the tensor None on a rank
-    that holds none."""
+    every rank must have been given alike (the call's inputs and targets); ``copies``, the
+    weights several ranks each hold a copy of (:class:`._copies.Copies`: tied parameters, the
+    replicas' stages), the same list in the same order on every rank."""
 
     def __init__(self) -> None:
         self.batch: Any = None
-        self.copies: List[tuple] = []
+        self.copies: List[Copies] = []
 
 
 #: the open pipelines' failure reporting, told of an uncaught exception before the process ends
@@ -235,9 +214,9 @@ class Failures:
                     failure = e
                     flags[self.rank] = 1
             base = (2 + _PRINT) * world
-            for i, (_, tensor, _) in enumerate(agreement.copies):
-                if tensor is not None:
-                    flags[base + i * world + self.rank] = bits_sum(tensor).to(self.device)
+            for i, copy in enumerate(agreement.copies):
+                if copy.held is not None:
+                    flags[base + i * world + self.rank] = copy.bits().to(self.device)
             dist.all_reduce(flags, group=self.group)
             values = flags.tolist()
         values, prints, held = values[:2 * world], values[2 * world:(2 + _PRINT) * world], values[(2 + _PRINT) * world:]
@@ -256,7 +235,7 @@ class Failures:
                 _refuse_different_batches([every[r] for r in row], call, row)
             if self.rows is not None and len(self.rows) > 1 and call == "step()":
                 _refuse_same_batches([every[row[0]] for row in self.rows], self.rows)
-            _refuse_different_copies(agreement.copies, held, world)
+            refuse_different_copies(agreement.copies, held, world)
             return
         with self.reported():
             lines: list[Optional[str]] = [None] * self.world_size
@@ -348,20 +327,3 @@ def _refuse_same_batches(prints: List[tuple], rows: List[List[int]]) -> None:
         "global batch. Nothing was sent. Give each replica its own shard: pipe.shard(global_batch) on every rank, or "
         "DistributedSampler(dataset, num_replicas=pipe.dp_size, rank=pipe.dp_rank).",
         groups=[sorted(r for row in rows for r in row)])
-
-
-def _refuse_different_copies(copies: List[tuple], held: List[int], world: int) -> None:
-    """Every copy of each shared tensor holds the same bits, else :class:`TiedWeightsError`
-    naming the first that does not, on every rank (all see the same reduced numbers)."""
-    for i, (name, _, ranks) in enumerate(copies):
-        sums = {r: held[i * world + r] for r in ranks}
-        if len(set(sums.values())) > 1:
-            raise TiedWeightsError(
-                f"the tied parameter {name!r} holds other values on ranks {', '.join(map(str, ranks))} at the start of "
-                "this step: its copies were updated differently, and the step would train two different weights. "
-                "Likely causes: torch.nn.utils.clip_grad_norm_ on each rank, which clips by that rank's own norm (use "
-                "pipe.clip_grad_norm_(max_norm), the global norm); an optimizer whose update of one parameter reads "
-                "others (a global norm or trust ratio over its whole param group); weights loaded or changed on one "
-                "rank only. Optimizers that update each parameter from its own value, gradient and state (SGD, Adam, "
-                "AdamW, with weight decay) keep the copies equal. Nothing was sent; reload the weights on every rank "
-                "(or build the pipeline again) to go on.", parameter=name, ranks=tuple(ranks))

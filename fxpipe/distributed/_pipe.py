@@ -50,6 +50,7 @@ from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
 
 from ._clip import clip_grad_norm_
+from ._copies import replica_copies
 from ._eval_mode import EvalRun
 from ._failures import Failures
 from ._loss import StepLoss
@@ -111,7 +112,10 @@ class DistributedPipeline(PipelineState):
         self._group = group
         self._last_rank = dist.get_global_rank(group, self.placement[-1])  # of the last stage
         self._ties = ties
-        self._copies = ties.copies(layout.world)  # compared at each call (fxpipe.distributed._failures)
+        # compared at each call (fxpipe.distributed._copies): tied parameters, and 'ddp' replicas' stages
+        self._copies = ties.copies(layout.world) + replica_copies(
+            self._held(), layout.rows, layout.rows[layout.replica].index(dist.get_rank()), layout.world,
+            layout.replicas if layout.data_parallel == "ddp" else None)
         # the step's gradients summed over the replicas of this rank's stages, once (._replicas)
         self._replicas = ReplicaGradients(list(self.parameters()),  # 'fsdp': FSDP reduce-scatters them itself
                                           layout.replicas if layout.data_parallel == "ddp" else None)

@@ -52,6 +52,13 @@ class PipelineState:
         """This rank's parameters: give them to this rank's optimizer."""
         return (p for _, p in self.named_parameters())
 
+    def _held(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's parameters and the buffers its stages hold, by the model's names: what
+        a ``'ddp'`` replica holds a copy of (:mod:`._copies`)."""
+        mine = {id(b) for k in self.local for b in self.stages[k].buffers()}
+        buffers = [(n, b) for n, b in self.module.named_buffers() if id(b) in mine]
+        return [*self.named_parameters(), *buffers]
+
     # -- checkpoints (fxpipe.distributed._weights) -----------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors under the model's own keys (a tied weight under each name; the

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._copies import Copies
 from ._set_aside import SetAside
 from ._sharding import local_part
 
@@ -57,12 +58,11 @@ class TiedGradients:
                 self.groups[ranks] = sub
         self._aside = SetAside()
 
-    def copies(self, group: dist.ProcessGroup) -> list[tuple[str, nn.Parameter | None, tuple[int, ...]]]:
-        """Every tied parameter as :class:`fxpipe.distributed._failures.Agreement` compares it:
-        ``(name, the parameter on a rank holding it else None, the ranks holding it in group)``,
-        the same list on every rank."""
+    def copies(self, group: dist.ProcessGroup) -> list[Copies]:
+        """Every tied parameter as each call's agreement compares it (:mod:`._copies`), held on
+        the ranks using it (their ranks in ``group``), the same list on every rank."""
         me = dist.get_rank()
-        return [(n, p if me in ranks else None, tuple(dist.get_group_rank(group, r) for r in ranks))
+        return [Copies(n, [(n, p)] if me in ranks else None, tuple(dist.get_group_rank(group, r) for r in ranks))
                 for n, p, ranks in self.tied]
 
     def counted_here(self, p: nn.Parameter) -> bool:

@@ -126,6 +126,23 @@ def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out:
                 run["failed"] = "ran"
             except (PeerFailedError, Exception) as e:
                 run["failed"] = f"{type(e).__name__}: {e}"
+            if data_parallel == "ddp":  # a weight changed on replica 1's first rank only: refused on every rank
+                from fxpipe.errors import ReplicaWeightsError
+
+                name, p = list(pipe.named_parameters())[1]  # not the tied embedding, whose copies are checked first
+                with torch.no_grad():
+                    kept = p.clone()
+                    if rank == pp_rank(rank, world, dp, 0, 1):
+                        p.add_(1e-3)
+                try:
+                    pipe.step(pipe.shard(x), target=pipe.shard(y))
+                    run["drift"] = "ran"
+                except ReplicaWeightsError as e:
+                    run["drift"] = (f"{type(e).__name__}: {e}", e.parameter == name, e.ranks)
+                with torch.no_grad():
+                    p.copy_(kept)
+                run["drift_fixed"] = float(pipe.step(pipe.shard(x), target=pipe.shard(y)))
+                opt.zero_grad()
         result[schedule] = run
         pipe.close()
         if data_parallel == "fsdp":  # the model holds this rank's shards now: a new build is refused, named
@@ -148,6 +165,11 @@ def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out:
             result["bn"] = f"{type(e).__name__}: {e}"
     torch.save(result, Path(out) / f"rank{rank}.pt")
     _leave()
+
+
+def pp_rank(rank: int, world: int, dp: int, position: int, replica: int) -> int:
+    """The global rank at pipeline ``position`` of ``replica`` (the mesh's rows are replicas)."""
+    return replica * (world // dp) + position
 
 
 def sharded(t: torch.Tensor) -> torch.Tensor:
@@ -197,6 +219,12 @@ def test_two_replicas_of_a_two_rank_pipeline_train_as_eager_on_the_global_batch(
                                "batch") and "pipe.shard(global_batch)" in same, same
         assert got["bn"].startswith("MutationError: the model updates buffers in its forward ('net.1.running_mean'"), \
             got["bn"]
+        drift, named, held = got["gpipe"]["drift"]
+        assert drift.startswith("ReplicaWeightsError: the weights of pipeline position 0") and \
+            "ranks 0; rank 2" not in drift and "rank 0; rank 2 each hold other values" in drift, drift
+        assert held == (0, 2)
+        assert named == (r in (0, 2)), r  # the ranks holding the copies name the weight
+        assert got["gpipe"]["drift_fixed"] > 0
         failed = got["gpipe"]["failed"]
         if r == 3:
             assert failed.startswith("BatchShapeError: target must be a tensor"), failed
