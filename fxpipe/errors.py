@@ -215,8 +215,9 @@ class TiedWeightsError(DistributedError):
 
 
 class ReplicaWeightsError(DistributedError):
-    """The data-parallel replicas (``data_parallel='ddp'``) hold other values of the same
-    stages at the start of a call: weights loaded, changed or stepped on some replicas only.
+    """The data-parallel replicas hold other values of the same stages (what each holds whole:
+    every weight under ``'ddp'``, buffers under ``'fsdp'``) at the start of a call: weights
+    loaded, changed or stepped on some replicas only.
     ``.parameter`` names the first tensor found to differ (on the ranks holding it; empty on
     the others), ``.ranks`` the ranks holding the copies."""
 

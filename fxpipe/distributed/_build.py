@@ -28,7 +28,7 @@ from fxpipe.emit._compiling import CompileOption, check_compile_option, compile_
 from fxpipe.emit._placement import move_in_place, stage_tensors
 from fxpipe.emit._stages import Stages, emit_stages
 from fxpipe.checks._batching import OutputMerge
-from fxpipe.errors import ArgumentError, MicroBatchError, StepError
+from fxpipe.errors import MicroBatchError, StepError
 from fxpipe.runtime._frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
 from fxpipe.capture._mutation import check_kept_together
 from fxpipe.plan._value import Plan
@@ -44,7 +44,7 @@ from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._mesh import layout_of, refuse_replicated_state
-from ._sharding import refuse_sharded_model, shard_stage, sharded_stage
+from ._sharding import refuse_sharded_model, shard_stages, sharded_here, sharded_stage
 from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
@@ -254,12 +254,6 @@ def pipeline(
     ensure_process_group(wait, device)
     layout = layout_of(mesh, data_parallel, wait)  # collective: every rank, before any other check can differ
     _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, checkpoint, layout.pp)
-    if layout.data_parallel == "fsdp" and stages_per_rank > 1:
-        raise ArgumentError(
-            f"data_parallel='fsdp' with stages_per_rank={stages_per_rank} (schedule={schedule!r}) is not supported yet: "
-            "FSDP shards one root module per rank, and a rank's two stages would be two roots (a weight they share, "
-            "two owners). Use one stage per rank ('gpipe' or '1f1b'), or data_parallel='ddp'",
-            argument="data_parallel")
     chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
     check_split_points(split_points, plan)
     where = rank_device(device)
@@ -313,8 +307,10 @@ def pipeline(
     rank = dist.get_rank(pipe_group)
     placement = rank_of_stage(schedule, world, stages_per_rank)
     local = stages_of_rank(schedule, world, stages_per_rank, rank)
-    local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
-                  device=where)
+    # 'fsdp' on meta: the parameters FSDP shards stay on meta until sharded, then each rank loads its 1/dp
+    later = sharded_here(stages.modules, placement, local) if layout.data_parallel == "fsdp" else set()
+    shards = local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
+                           device=where, later=later)
     for k in local:  # and the constants the stages' code reads
         for t in stage_tensors(stages[k]):
             move_in_place(t, where)
@@ -347,8 +343,8 @@ def pipeline(
     runs: ShapeRuns[TrainRun] = ShapeRuns(make_run)
     runs.get(micro)  # the sample's shape, made at the build: a shape the stages cannot take fails here
     if layout.data_parallel == "fsdp":  # after the fake metadata run, which reads the whole parameters
-        (k,) = local  # one stage per rank (stages_per_rank > 1 was refused)
-        shard_stage(model, stages[k], layout.replicas, where)
+        shard_stages(model, stages.modules, placement, local, layout.replicas, where)
+        shards.load(model, group, where)
         if evaluation is not None:  # its stages would read the sharded parameters without gathering them
             evaluation, no_eval = None, "data_parallel='fsdp' shards the parameters the eval-mode stages would read"
     if compile_options is not None:  # after the fake metadata runs, which must see the plain stages

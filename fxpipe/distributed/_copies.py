@@ -6,12 +6,13 @@ train different models while every number they print looks right:
 * **a tied parameter** (an embedding reused as the LM head) on the ranks whose stages use it
   (:mod:`._ties`): its copies drift when each rank clips by its own norm, or when an optimizer's
   update of one parameter reads others;
-* **a replica's stages** (``data_parallel='ddp'``, :mod:`._replicas`): every replica holds whole
-  copies of the same stages, and they drift when weights are loaded on one replica only
-  (``if pipe.dp_rank == 0: pipe.load_state_dict(...)``), when an optimizer is stepped or
-  built differently on one replica, or when a weight is changed by hand on one rank. The
-  summed gradients then update different weights, the replicas stop computing one model's
-  gradient, and nothing raised. (``'fsdp'`` holds no copies: each replica holds its own shard.)
+* **what the replicas hold whole** (:mod:`._replicas`): under ``data_parallel='ddp'`` every
+  replica holds whole copies of the same stages; under ``'fsdp'`` its buffers and a weight two
+  stages of one rank share (the rest are shards, one per replica, no copies). They drift when
+  weights are loaded on one replica only (``if pipe.dp_rank == 0: pipe.load_state_dict(...)``),
+  when an optimizer is stepped or built differently on one replica, or when a weight is changed
+  by hand on one rank. The summed gradients then update different weights, the replicas stop
+  computing one model's gradient, and nothing raised.
 
 Each rank adds one number per copy it holds to the call's agreement (:meth:`._failures.Failures.agreed`,
 the same all-reduce that carries the batches' fingerprints): the sum of the copy's bits as
@@ -77,9 +78,9 @@ class Copies:
 
 def replica_copies(named: Sequence[tuple[str, torch.Tensor]], rows: Sequence[Sequence[int]], position: int,
                    world: dist.ProcessGroup, replicas: Optional[dist.ProcessGroup]) -> List[Copies]:
-    """The copies ``'ddp'`` replicas hold: one :class:`Copies` per pipeline position, held by
-    the ranks of that column of ``rows``; ``named``: the tensors of this rank's stages (at
-    ``position``) by the model's names. None without replicas."""
+    """The copies the replicas hold: one :class:`Copies` per pipeline position, held by the
+    ranks of that column of ``rows``; ``named``: the tensors of this rank's stages (at
+    ``position``) that each replica holds whole, by the model's names. None without replicas."""
     if replicas is None or len(rows) < 2:
         return []
     out = []

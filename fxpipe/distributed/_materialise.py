@@ -32,6 +32,12 @@ on meta. Then each rank gives real values to exactly the tensors its own stages 
    ``load_state_dict``, values are copied in (dtypes cast) and, when several names of one
    tied tensor are present, the last in ``state_dict()`` order wins.
 
+Under ``data_parallel='fsdp'`` the parameters FSDP will shard skip steps 2 and 4 and stay on
+meta through the build's fake runs (which need only shapes); after ``fully_shard`` made them
+DTensors whose shards are on meta, :meth:`Later.load` gives each shard storage in place and
+reads its slice, so a rank never holds its stages' parameters whole (a checkpoint directory
+reads only the slice's bytes; an in-memory state dict is cut).
+
 Every rank checks its keys, materialises and loads the in-memory forms before any rank goes
 on (:func:`~fxpipe.distributed._agree.on_every_rank`): one rank's missing key is an error on
 every rank, not a wait. Tensors no local stage uses stay on meta, so ``pipe.parameters()`` and
@@ -50,7 +56,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,7 +72,7 @@ from ._agree import on_every_rank
 from ._sources import StateDictSource, missing_message, open_source
 from ._weights import drop_weak_references, swap_in_place
 
-__all__ = ["InitBuffers", "check_sample", "local_weights", "LocalTensors", "local_tensors"]
+__all__ = ["InitBuffers", "Later", "check_sample", "local_weights", "LocalTensors", "local_tensors"]
 
 #: ``init_buffers(name, module)``: writes the non-persistent buffers of ``module`` (its
 #: qualified name in the model), already on the rank's device and uninitialised, in place or by assignment
@@ -131,18 +137,54 @@ def local_tensors(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loca
     return found
 
 
+@dataclass
+class Later:
+    """The parameters :func:`local_weights` left on meta for FSDP to shard first
+    (``data_parallel='fsdp'``): their keys, and the source their values come from."""
+
+    source: Any = None
+    keys: list[str] = field(default_factory=list)
+
+    def load(self, model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+        """Each key's parameter (now a DTensor whose shard is on meta) given an uninitialised
+        shard on ``device`` in place, then its slice of the source's value: a rank holds and
+        reads ``1/dp`` of them, never the whole (a checkpoint directory reads only the slice)."""
+        if not self.keys:
+            return
+        from torch.distributed.tensor import DTensor
+
+        own = model.state_dict(keep_vars=True)
+        targets = {key: own[key] for key in self.keys}
+
+        def prepare() -> None:
+            drop_weak_references()
+            for key, t in targets.items():
+                if isinstance(t, DTensor) and t.to_local().is_meta:
+                    local = torch.empty_like(t.to_local(), device=device)
+                    swap_in_place(t, DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape,
+                                                        stride=t.stride(), run_check=False), key)
+            if not self.source.collective:
+                self.source.read(targets, group)
+
+        on_every_rank(prepare, group, "load the shards of its stages' parameters",
+                      "every rank must pass the same state_dict=")
+        if self.source.collective:
+            self.source.read(targets, group)
+
+
 def local_weights(model: nn.Module, stages: Sequence[torch.fx.GraphModule], local: Sequence[int],
                   group: dist.ProcessGroup, *, state_dict: Optional[StateDictSource],
-                  init_buffers: Optional[InitBuffers], device: torch.device) -> None:
+                  init_buffers: Optional[InitBuffers], device: torch.device, later: Collection[int] = ()) -> Later:
     """Gives this rank's stages (``local``) their values on ``device``: loaded from
     ``state_dict`` (the steps of the module docstring), or, without it, rank 0's broadcast to
-    every rank."""
+    every rank. ``later``: ids of meta parameters to leave on meta for FSDP to shard first; the
+    returned :class:`Later` loads them once sharded."""
     if state_dict is None:
         for t in local_tensors(model, stages, local).tensors.values():
             move_in_place(t, device)
         for t in [*model.parameters(), *model.buffers()]:  # as DDP: rank 0's values everywhere
             _broadcast(t, dist.get_global_rank(group, 0), group, device)
-        return
+        return Later()
     meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     pending: list[Any] = []
 
@@ -150,27 +192,31 @@ def local_weights(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loca
         found = local_tensors(model, stages, local)
         _refuse_unrestorable(model, found)
         source = open_source(state_dict, found.wanted())
-        targets = _choose_keys(found, source)
+        chosen = _choose_keys(found, source)
+        deferred = [k for k, t in chosen.items() if id(t) in later and t.is_meta]
+        targets = {k: t for k, t in chosen.items() if k not in deferred}
+        now = {i: t for i, t in found.tensors.items() if not (i in later and t.is_meta)}
         if meta:
             # The fake runs (capture, stage metadata) left weak references to the meta tensors;
             # swap_tensors refuses a weakly-referenced tensor, so they go first.
             drop_weak_references()
-            for t in found.tensors.values():
+            for i, t in now.items():
                 if t.is_meta:
-                    swap_in_place(t, torch.empty_like(t, device=device), found.where[id(t)],
+                    swap_in_place(t, torch.empty_like(t, device=device), found.where[i],
                                   " Build the pipeline from a model with real weights instead.")
             _init_buffers(model, found, init_buffers, device)
-        for t in found.tensors.values():
+        for t in now.values():
             move_in_place(t, device)
         if not source.collective:
             source.read(targets, group)
-        pending.append((source, targets))
+        pending.append((source, targets, deferred))
 
     on_every_rank(prepare, group, "load the weights of its stages",
                   "every rank must pass the same state_dict= (with every key of the model) and init_buffers=")
-    source, targets = pending[0]
+    source, targets, deferred = pending[0]
     if source.collective:  # torch.distributed.checkpoint: every rank asks for its own keys together
         source.read(targets, group)
+    return Later(source, deferred)
 
 
 def _broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup, device: torch.device) -> None:

@@ -57,6 +57,7 @@ from ._loss import StepLoss
 from ._mesh import Layout
 from ._pipe_state import PipelineState
 from ._replicas import ReplicaGradients
+from ._sharding import is_sharded
 from ._shape_runs import ShapeRuns, TrainRun, micro_batch
 from ._ties import TiedGradients
 
@@ -112,13 +113,13 @@ class DistributedPipeline(PipelineState):
         self._group = group
         self._last_rank = dist.get_global_rank(group, self.placement[-1])  # of the last stage
         self._ties = ties
-        # compared at each call (fxpipe.distributed._copies): tied parameters, and 'ddp' replicas' stages
+        # what each replica holds whole ('ddp': everything; 'fsdp': buffers, a weight two local stages share)
+        whole = [(n, t) for n, t in self._held() if not is_sharded(t)]
+        # compared at each call (fxpipe.distributed._copies): tied parameters, and the replicas' copies
         self._copies = ties.copies(layout.world) + replica_copies(
-            self._held(), layout.rows, layout.rows[layout.replica].index(dist.get_rank()), layout.world,
-            layout.replicas if layout.data_parallel == "ddp" else None)
-        # the step's gradients summed over the replicas of this rank's stages, once (._replicas)
-        self._replicas = ReplicaGradients(list(self.parameters()),  # 'fsdp': FSDP reduce-scatters them itself
-                                          layout.replicas if layout.data_parallel == "ddp" else None)
+            whole, layout.rows, layout.rows[layout.replica].index(dist.get_rank()), layout.world, layout.replicas)
+        # the step's gradients of those summed over the replicas, once (._replicas); FSDP reduce-scatters the shards
+        self._replicas = ReplicaGradients([t for _, t in whole if isinstance(t, nn.Parameter)], layout.replicas)
         self._groups = [*layout.groups, *groups]
         self._closed = False
         self._broken: Optional[str] = None  # the error that stopped a step midway (peers then gone or waiting)
@@ -165,10 +166,16 @@ class DistributedPipeline(PipelineState):
         returns the total norm (0-dim) on every rank (:mod:`._clip`)."""
         self._check_open()
         with self._failures.reported():
-            # 'fsdp': each replica holds a shard of every gradient, so the norm sums over every rank
-            group = self.layout.world if self.layout.data_parallel == "fsdp" else self._group
-            return clip_grad_norm_(list(self.parameters()), self._ties.counted_here, max_norm, norm_type,
-                                   group, self.device, error_if_nonfinite)
+            # 'fsdp': each replica holds a shard of most gradients, so the norm sums over every rank, and a
+            # gradient every replica holds whole (a weight two local stages share) counts on the first replica
+            fsdp = self.layout.data_parallel == "fsdp"
+            group = self.layout.world if fsdp else self._group
+
+            def counted(p: nn.Parameter) -> bool:
+                return self._ties.counted_here(p) and (not fsdp or is_sharded(p) or self.layout.replica == 0)
+
+            return clip_grad_norm_(list(self.parameters()), counted, max_norm, norm_type, group, self.device,
+                                   error_if_nonfinite)
 
     # -- running -------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict, run: Optional[EvalRun] = None) -> tuple[list[Any], list[Any]]:

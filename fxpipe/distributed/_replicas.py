@@ -22,6 +22,10 @@ Gradient accumulation stays exact as for tied weights (:mod:`._set_aside`): what
 held before the step is set aside and added back after the step's own gradient was summed, so
 earlier steps are not summed again. A parameter no replica got a gradient for keeps ``None``;
 one that some replicas did not use gets theirs as zeros.
+
+Under ``'fsdp'`` the same sum runs over what the replicas hold whole, FSDP reduce-scattering
+the rest: a weight two stages of one rank share, which FSDP leaves unsharded
+(:mod:`._sharding`); usually nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class ReplicaGradients:
 
     def before_step(self) -> None:
         """Sets aside what ``.grad`` holds, so the step's own gradient is what is summed."""
-        if self.group is not None:
+        if self.group is not None and self.parameters:
             self._aside.take(self.parameters)
 
     def restore(self) -> None:
@@ -62,7 +66,7 @@ class ReplicaGradients:
     def after_step(self) -> None:
         """Sums the step's gradients over the replicas (one flag all-reduce, then one per
         bucket), then adds back what was set aside."""
-        if self.group is None:
+        if self.group is None or not self.parameters:  # 'fsdp' shards them all: FSDP reduce-scatters
             return
         device = self.parameters[0].device if self.parameters else torch.device("cpu")
         present = torch.tensor([p.grad is not None for p in self.parameters], dtype=torch.int32, device=device)

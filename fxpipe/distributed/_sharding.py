@@ -1,9 +1,9 @@
 """``data_parallel='fsdp'``: each replica's stages sharded over the replicas with FSDP2.
 
-torch's ``fully_shard`` is applied to this rank's stage module over the replica group
-(:mod:`._mesh`), after the build's fake metadata run. One stage per rank: a rank's two stages
-(interleaved and V schedules) would be two FSDP roots, and FSDP's lazy initialisation refuses
-that (measured: "FSDP requires a single root module"); the build refuses it first.
+torch's ``fully_shard`` is applied to each of this rank's stage modules over the replica group
+(:mod:`._mesh`), after the build's fake metadata run: one FSDP root per stage, two on a rank of
+the interleaved and V schedules (one ``fully_shard`` over both would be one root of two
+modules, which FSDP's lazy initialisation refuses: "requires a single root module", measured).
 
 Between steps each rank holds ``1/dp`` of its stage's parameters, their gradients and the
 optimizer state over them (DTensors sharded on dim 0). FSDP all-gathers the parameters at the
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["shard_stage", "local_part", "refuse_sharded_model", "sharded_stage"]
+__all__ = ["shard_stages", "sharded_here", "is_sharded", "placed_like", "local_part", "refuse_sharded_model", "sharded_stage"]
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -41,6 +41,23 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def placed_like(value: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``value`` as ``t`` holds it: a whole tensor cut to this rank's shard when ``t`` is a
+    DTensor (each rank keeps its own slice, nothing sent)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(t, DTensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+    return value
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor: a shard FSDP made, which no other replica holds a copy of."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def sharded_stage(runner: nn.Module) -> object:
@@ -77,23 +94,59 @@ def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return found
 
 
-def shard_stage(model: nn.Module, stage: nn.Module, replicas: object, device: torch.device) -> None:
-    """``fully_shard`` on this rank's stage (one per rank: the build refuses more, they would
-    be two FSDP roots) over the ``replicas`` process group; every place in ``model`` that held
-    one of its parameters then holds the sharded one."""
+def shared_on_a_rank(stages: list[nn.Module], placement: list[int]) -> set[nn.Parameter]:
+    """The parameters two stages of one rank both use (a tied embedding and LM head that a V
+    schedule puts on one rank), over every rank's stages: the same set on every rank, so a
+    weight also tied to another rank's stage is whole on all of them."""
+    by_rank: dict[int, dict[int, int]] = {}  # rank -> id(parameter) -> how many of its stages use it
+    found: dict[int, nn.Parameter] = {}
+    for stage, rank in zip(stages, placement):
+        counts = by_rank.setdefault(rank, {})
+        for p in {id(p): p for p in stage.parameters()}.values():
+            counts[id(p)] = counts.get(id(p), 0) + 1
+            found[id(p)] = p
+    return {found[i] for counts in by_rank.values() for i, n in counts.items() if n > 1}
+
+
+def sharded_here(stages: list[nn.Module], placement: list[int], local: list[int]) -> set[int]:
+    """The ids of the parameters :func:`shard_stages` shards on this rank: its stages' (``local``),
+    less those two stages of one rank share."""
+    shared = {id(p) for p in shared_on_a_rank(stages, placement)}
+    return {id(p) for k in local for p in stages[k].parameters() if id(p) not in shared}
+
+
+def shard_stages(model: nn.Module, stages: list[nn.Module], placement: list[int], local: list[int],
+                 replicas: object, device: torch.device) -> None:
+    """``fully_shard`` on each of this rank's stages (``local``, of all ``stages`` placed on
+    ranks by ``placement``) over the ``replicas`` process group, each its own FSDP root (as
+    torchtitan shards each of a rank's pipeline stages); every place in ``model`` that held one
+    of their parameters then holds the sharded one.
+
+    A parameter two stages of one rank share is left whole on every replica (FSDP's
+    ``ignored_params``): two roots would shard it twice, into two parameters with two gradients.
+    Its gradient is summed over the replicas with the unsharded ones (:mod:`._replicas`), and its
+    copies are compared at each call (:mod:`._copies`)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     holders = _holders(model)
-    before = [(m, n, p) for m in stage.modules() for n, p in m._parameters.items() if p is not None]
-    mesh = DeviceMesh.from_group(replicas, device.type)  # type: ignore[arg-type]
-    # reshard_after_forward by default: not for a root, as in torch's own composition (its whole
-    # parameters stay gathered from the step's first forward to the reduce-scatter at its end;
-    # True re-gathered them for every micro-batch's backward: 1.16x torch's step, measured)
-    fully_shard(stage, mesh=mesh)
-    assert isinstance(stage, FSDPModule)
-    stage.set_gradient_divide_factor(1.0)  # summed: the loss is weighed over the global batch
-    stage.set_force_sum_reduction_for_comms(True)
+    shared = shared_on_a_rank(stages, placement)
+    stages = [stages[k] for k in local]
+    before = [(m, n, p) for stage in stages for m in stage.modules() for n, p in m._parameters.items()
+              if p is not None and p not in shared]
+    # named after its group: torch compares meshes by ranks and names, not groups, and its DTensor
+    # caches then gave a later pipeline's gradients an earlier pipeline's (destroyed) group (measured:
+    # full_tensor() raised "Could not resolve the process group")
+    name = f"dp_{replicas.group_name}"  # type: ignore[attr-defined]
+    mesh = DeviceMesh.from_group(replicas, device.type, mesh_dim_names=(name,))  # type: ignore[arg-type]
+    for stage in stages:
+        # reshard_after_forward by default: not for a root, as in torch's own composition (its whole
+        # parameters stay gathered from the step's first forward to the reduce-scatter at its end;
+        # True re-gathered them for every micro-batch's backward: 1.16x torch's step, measured)
+        fully_shard(stage, mesh=mesh, ignored_params=shared or None)
+        assert isinstance(stage, FSDPModule)
+        stage.set_gradient_divide_factor(1.0)  # summed: the loss is weighed over the global batch
+        stage.set_force_sum_reduction_for_comms(True)
     for module, name, original in before:
         sharded = module._parameters[name]
         for owner, attr in holders.get(id(original), ()):

@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # torch.distributed.checkpoint takes seconds to import: only 
 
 from fxpipe.errors import MaterialiseError
 
+from ._sharding import placed_like
+
 __all__ = ["StateDictSource", "Source", "open_source"]
 
 #: what ``state_dict=`` accepts (see the module docstring)
@@ -64,7 +66,7 @@ class Source:
                 if value.is_meta:
                     raise MaterialiseError(f"{self.where} holds {key!r} on the meta device, with no values: "
                                            "give a state_dict whose tensors are real (on the CPU)")
-                target.copy_(value)
+                target.copy_(placed_like(value, target))  # a DTensor ('fsdp'): this rank's shard of it
 
 
 class Checkpoint(Source):

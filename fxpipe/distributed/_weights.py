@@ -36,6 +36,8 @@ from torch.utils.weak import WeakIdRef
 
 from fxpipe.errors import DistributedError, MaterialiseError
 
+from ._sharding import placed_like
+
 __all__ = ["release_others", "restore_released", "local_state_dict", "load_local_state_dict", "partly_released",
            "swap_in_place", "drop_weak_references"]
 
@@ -191,16 +193,6 @@ def local_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
 
 
-def _placed_like(value: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``value`` as ``t`` holds it: a whole tensor cut to this rank's shard when ``t`` is a
-    DTensor (``data_parallel='fsdp'``; each rank keeps its own slice, nothing sent)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(t, DTensor) and not isinstance(value, DTensor):
-        return distribute_tensor(value.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
-    return value
-
-
 def load_local_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> list[str]:
     """Copies into this rank's tensors their values in ``state_dict`` (keys of the model; the
     other ranks' keys are ignored). ``strict``: a key this rank holds that ``state_dict`` lacks,
@@ -225,6 +217,6 @@ def load_local_state_dict(model: nn.Module, state_dict: Mapping[str, Any], stric
             if tuple(value.shape) != tuple(t.shape):
                 raise ValueError(f"load_state_dict: {present[-1]!r} is {tuple(value.shape)} in the state_dict, "
                                  f"{tuple(t.shape)} in the model")
-            t.copy_(_placed_like(value, t))
+            t.copy_(placed_like(value, t))
             loaded += present
     return loaded

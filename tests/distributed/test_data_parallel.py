@@ -256,11 +256,12 @@ def test_replicas_sharded_by_fsdp_train_as_eager_on_the_global_batch(tmp_path: P
 
 
 @pytest.mark.slow
-def test_fsdp_under_gpipe_and_two_stages_per_rank_refused(tmp_path: Path) -> None:
-    ranks = run_ranks(_fsdp_worker, 4, ([("gpipe", 1), ("zbv", 2)],), tmp_path)
-    _check(ranks, "gpipe")
-    for got in ranks:
-        assert got["zbv"].startswith("ArgumentError: data_parallel='fsdp' with stages_per_rank=2"), got["zbv"]
+def test_fsdp_under_gpipe_and_two_stages_per_rank(tmp_path: Path) -> None:
+    """Two FSDP roots on a rank: zbv puts the tied embedding and LM head on one rank (left whole
+    on every replica, summed over them), interleaved 1F1B on two (each rank's shard summed)."""
+    ranks = run_ranks(_fsdp_worker, 4, ([("gpipe", 1), ("zbv", 2), ("interleaved1f1b", 2)],), tmp_path)
+    for schedule in ("gpipe", "zbv", "interleaved1f1b"):
+        _check(ranks, schedule)
 
 
 @pytest.mark.slow
@@ -353,8 +354,12 @@ def _llama_worker(rank: int, world: int, port: int, weights: str, data_parallel:
     x, kwargs = llama_batch()
     with torch.device("meta"):
         model = LlamaLabels()
+    originals = dict(model.named_parameters())
     pipe = fpd.pipeline(model, (x[:4],), sample_kwargs={k: v[:4] for k, v in kwargs.items()}, chunks=2,
                         schedule="1f1b", mesh=mesh, data_parallel=data_parallel, state_dict=weights, timeout=60)
+    # the model's parameters as built on meta: given whole storage in place ('ddp'), or never ('fsdp': each
+    # rank's shards are new DTensors, each given only its slice)
+    materialised = {n for n, p in originals.items() if not p.is_meta}
     opt = _optimizer(pipe.parameters())
     steps = []
     for _ in range(3):
@@ -363,7 +368,7 @@ def _llama_worker(rank: int, world: int, port: int, weights: str, data_parallel:
         opt.step()
         opt.zero_grad()
     held = {n for n, p in model.named_parameters() if not p.is_meta}
-    torch.save({"steps": steps, "held": held, "mine": {n for n, _ in pipe.named_parameters()},
+    torch.save({"steps": steps, "held": held, "materialised": materialised, "mine": {n for n, _ in pipe.named_parameters()},
                 "params": {n: whole(p.detach()) for n, p in pipe.named_parameters()}}, Path(out) / f"rank{rank}.pt")
     pipe.close()
     _leave()
@@ -378,8 +383,15 @@ def test_a_meta_llama_trains_by_its_own_labels_loss_as_eager_on_the_global_batch
 
     torch.manual_seed(0)
     model = LlamaLabels()
-    torch.save(model.state_dict(), tmp_path / "weights.pt")
-    ranks = run_ranks(_llama_worker, 4, (str(tmp_path / "weights.pt"), data_parallel), tmp_path)
+    if data_parallel == "fsdp":  # a torch.distributed.checkpoint directory: each rank reads only its slices
+        import torch.distributed.checkpoint as dcp
+
+        weights = tmp_path / "weights"
+        dcp.save(model.state_dict(), checkpoint_id=str(weights), no_dist=True)
+    else:
+        weights = tmp_path / "weights.pt"
+        torch.save(model.state_dict(), weights)
+    ranks = run_ranks(_llama_worker, 4, (str(weights), data_parallel), tmp_path)
     x, kwargs = llama_batch()
     opt = _optimizer(model.parameters())
     want = []
@@ -391,6 +403,7 @@ def test_a_meta_llama_trains_by_its_own_labels_loss_as_eager_on_the_global_batch
         opt.zero_grad()
     for r, got in enumerate(ranks):
         assert got["held"] == got["mine"], "a rank materialised more than its stages"
+        assert got["materialised"] == (got["mine"] if data_parallel == "ddp" else set()), got["materialised"]
         assert got["mine"] == ranks[r ^ 2]["mine"]  # the replica of a rank holds the same stages
         for i, (a, b) in enumerate(zip(got["steps"], want, strict=True)):
             assert_close_scaled(torch.tensor(a["loss"]), torch.tensor(b["loss"]), what=f"loss {i}")
