@@ -252,17 +252,11 @@ class Search(Timing):
 
         timeline = simulate(orders, duration, where, send, self.s.send_overhead,
                             after=self.waits.get((schedule, local, chunks)))
-        # parameters, buffers, gradients and optimizer state: each tensor once per device
-        params, trained = once_per_device(self.tensors(plan), where)
-        memory = device_memory(orders, acts, mode, chunks, gpipe=local and schedule == "gpipe", run=run,
-                               params=params, trained=trained, where=where, optimizer=self.s.optimizer,
-                               zero_grad=self.s.zero_grad)
         choice.step_s, choice.bubble = timeline.step_s, timeline.bubble
-        for d, (static, above) in memory.items():
-            label = str(d)
+        choice.plan = plan
+        for label, (static, above) in self.memory(choice, self.s.zero_grad).items():
             choice.static_bytes[label], choice.activation_bytes[label] = static, above
             choice.peak_bytes[label] = static + above
-        choice.plan = plan
         choice.kwargs = self._kwargs(schedule, n_stages, chunks, mode, plan, local)
         if self.s.memory is not None and choice.peak > self.s.memory:
             worst = max(choice.peak_bytes, key=choice.peak_bytes.__getitem__)
@@ -271,6 +265,26 @@ class Search(Timing):
                           f"(parameters, gradients and optimizer state {format_bytes(choice.static_bytes[worst])}, "
                           f"activations {format_bytes(choice.activation_bytes[worst])})")
         return choice
+
+    def memory(self, choice: Choice, zero_grad: str) -> Dict[str, Tuple[float, float]]:
+        """Per device label: (static bytes, activation bytes above them at the peak) of a
+        predicted ``choice`` (:mod:`._device_memory`), with ``.grad`` cleared as ``zero_grad``
+        says: the search's own setting, or ``'set_to_none'`` for a stage whose gradients are
+        made anew every step whatever the optimizer does (FSDP's whole gradients,
+        :mod:`._sharded`). Cheap: the orders and activations are made once."""
+        assert choice.plan is not None
+        local, schedule, chunks, plan = choice.one_process, choice.schedule, choice.chunks, choice.plan
+        n_stages, where = self.layout(schedule, local)
+        orders = self.orders(schedule, n_stages, chunks, where, local)
+        pools = [list(dict.fromkeys(where)).index(d) for d in where]
+        acts = self._activations(plan, self.s.batch // chunks, tuple(pools), received_static=not local)
+        run = False if local else torch_run(schedule, where)
+        # parameters, buffers, gradients and optimizer state: each tensor once per device
+        params, trained = once_per_device(self.tensors(plan), where)
+        memory = device_memory(orders, acts, choice.checkpoint, chunks, gpipe=local and schedule == "gpipe", run=run,
+                               params=params, trained=trained, where=where, optimizer=self.s.optimizer,
+                               zero_grad=zero_grad)
+        return {str(d): parts for d, parts in memory.items()}
 
     def _activations(self, plan: Plan, size: int, pools: Tuple[int, ...],
                      received_static: bool) -> List[StageActivations]:
