@@ -399,7 +399,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     best = tuning.best
     where = " (fxpipe.distributed.pipeline)" if best.distributed else " (fxpipe.pipeline)"
     if best.replicas > 1:
-        where = " (fxpipe.distributed.pipeline, mesh=('dp', 'pp'), data_parallel='ddp')"
+        where = f" (fxpipe.distributed.pipeline, mesh=('dp', 'pp'), data_parallel={best.kwargs['data_parallel']!r})"
     print(f"best: {f'{best.replicas} replicas of ' if best.replicas > 1 else ''}{best.schedule}, {best.n_stages} "
           f"stages, chunks={best.chunks}, checkpoint={best.checkpoint!r}{where}")
     return 0

@@ -245,7 +245,7 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
                      f"in the size, checked on the largest)")
     best = next((c for c in choices if c.fits), None)
     if best is not None and best.replicas > 1:
-        notes.append(replicas_note(best, settings.link))
+        notes.append(replicas_note(best, choices, settings.link))
     tuning = Tuning(choices, budget, model, sample, sample_kwargs, notes, skipped)
     for c in choices:
         c._tuning = tuning

@@ -1,25 +1,33 @@
 """``dp x pp`` for ``N`` devices: replicas of a shorter pipeline, each on its share of the batch.
 
 ``fxpipe.distributed`` runs ``dp`` replicas of a ``pp``-rank pipeline on a ``('dp', 'pp')``
-mesh with ``data_parallel='ddp'`` (:mod:`fxpipe.distributed._replicas`). A replica is an
-ordinary pipeline of ``N / dp`` devices stepping on ``batch / dp`` samples, so its time and
-memory are predicted by the same search (:class:`._search.Search`, on the first ``pp``
-devices), and two things are added:
+mesh, each replica's stages whole (``data_parallel='ddp'``) or sharded over the replicas
+(``'fsdp'``). A replica is an ordinary pipeline of ``N / dp`` devices stepping on
+``batch / dp`` samples, so its time and memory are predicted by the same search
+(:class:`._search.Search`, on the first ``pp`` devices), and each configuration is proposed
+twice, once per ``data_parallel``, with what that adds:
 
-* **time**: after the schedule, each device's gradients are all-reduced over the replicas
-  once, not overlapped with compute. A ring all-reduce sends ``2 (dp - 1) / dp`` times the
-  bytes over the link, plus ``2 (dp - 1)`` latencies per 25 MiB bucket; the step ends when the
-  slowest device is done. The link is ``link=``: between replicas on other hosts it is the
-  network's, usually slower than the one between a host's devices.
-* **memory**: each replica holds its stages whole (``'ddp'``), so parameters, gradients and
-  optimizer state per device are a ``pp``-stage pipeline's; the all-reduce's flat bucket
-  (at most 25 MiB) comes on top of them after the activations are gone. (``'fsdp'``, which
-  divides the first three by ``dp`` and all-gathers each stage's parameters as it runs, is not
-  proposed yet: its gathers and reduce-scatters per micro-batch are not modelled.)
+* ``'ddp'`` (:mod:`fxpipe.distributed._replicas`): after the schedule, each device's gradients
+  are all-reduced over the replicas once, not overlapped with compute. A ring all-reduce sends
+  ``2 (dp - 1) / dp`` times the bytes over the link, plus ``2 (dp - 1)`` latencies per 25 MiB
+  bucket; the step ends when the slowest device is done. Memory: each device holds its stages
+  whole (parameters, gradients and optimizer state of a ``pp``-stage pipeline); the
+  all-reduce's flat bucket (at most 25 MiB) comes on top of them after the activations are gone.
+* ``'fsdp'`` (:mod:`._sharded`): one all-gather of the parameters at the step's first forward
+  and one reduce-scatter of the gradients at its end, the same bytes over the link as the
+  all-reduce, the gathers on the pipeline's fill; a device holds ``1/dp`` of its parameters
+  and optimizer state between steps, and the whole parameters and gradients during the step.
+  Proposed only for the schedules ``fxpipe.distributed`` shards
+  (:func:`fxpipe.distributed._sharding.fsdp_allows`: one stage per rank today).
+
+The link is ``link=``: between replicas on other hosts it is the network's, usually slower
+than the one between a host's devices.
 
 Why replicas can win: a shorter pipeline has a smaller bubble at the same micro-batch count,
-and each replica's micro-batches are ``dp`` times smaller; what they cost is the all-reduce
-and whole copies of the stages.
+and each replica's micro-batches are ``dp`` times smaller; what they cost is the collectives
+and, under ``'ddp'``, whole copies of the stages. ``'fsdp'`` is slower by its gathers on the
+fill and lighter where the optimizer's state outweighs a shard of the parameters: it is
+ranked first only where it fits and ``'ddp'`` does not, or runs as fast.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ from typing import Any, List, Optional, Sequence
 
 from ..build import Checked
 from ..distributed._replicas import BUCKET_BYTES
+from ..distributed._sharding import fsdp_allows
 from ._result import Choice
 from ._search import Search, Settings
+from ._sharded import sharded_memory, sharded_seconds
 from ._tensors import once_per_device
 from ._units import format_bytes, format_seconds
 
@@ -56,8 +66,9 @@ def allreduce_seconds(nbytes: float, dp: int, link: float, latency: float) -> fl
 
 def replica_choices(model: Any, checked: Checked, settings: Settings, dp: int, progress: Any,
                     shared: Search) -> List[Choice]:
-    """The distributed configurations of ``dp`` replicas of a ``N / dp``-device pipeline
-    (``shared``: the search over all ``N`` devices, whose recordings per size are reused)."""
+    """The distributed configurations of ``dp`` replicas of a ``N / dp``-device pipeline, each
+    with ``data_parallel='ddp'`` and, where the schedule allows it, ``'fsdp'`` (``shared``: the
+    search over all ``N`` devices, whose recordings per size are reused)."""
     pp = len(settings.devices) // dp
     batch = settings.batch // dp
     sub = dataclasses.replace(
@@ -66,35 +77,109 @@ def replica_choices(model: Any, checked: Checked, settings: Settings, dp: int, p
         chunks=[c for c in settings.chunks if batch % c == 0] or [1],
         torch_devices=list(settings.torch_devices[:pp]) if settings.torch_devices is not None else None)
     search = Search(model, checked, sub, progress, shared=shared)
-    choices = [c for c in search.run() if c.distributed]
-    for c in choices:
-        c.replicas = dp
-        c.kwargs["data_parallel"] = "ddp"
-        if not c.peak_bytes or c.plan is None:  # refused before it was predicted: nothing to add
+    choices = []
+    for c in search.run():
+        if not c.distributed:
             continue
-        _, where = search.layout(c.schedule)
-        _, trained = once_per_device(search.tensors(c.plan), where)
-        grads: dict = {}
-        for stage, device in enumerate(where):
-            grads[str(device)] = grads.get(str(device), 0) + trained[stage]
-        reduce_s = max(allreduce_seconds(b, dp, settings.link, settings.latency) for b in grads.values())
-        c.step_s += reduce_s
-        c.allreduce_s = reduce_s
-        for device, nbytes in grads.items():
-            after = c.static_bytes.get(device, 0.0) + min(BUCKET_BYTES, nbytes)
-            c.peak_bytes[device] = max(c.peak_bytes.get(device, 0.0), after)
-        if settings.memory is not None:
-            c.fits = c.peak <= settings.memory
-            if not c.fits and not c.why:
-                c.why = f"needs {format_bytes(c.peak)} on one device ({dp} replicas, each holding its stages whole)"
+        c.replicas = dp
+        if fsdp_allows(c.kwargs.get("stages_per_rank", 1)):
+            choices.append(_fsdp(search, c, dp))
+        _ddp(search, c, dp)
+        choices.append(c)
     return choices
 
 
-def replicas_note(best: Choice, link: float) -> str:
-    """Why the best configuration has replicas: its all-reduce and what each device holds."""
-    return (f"{best.replicas} replicas x {best.n_stages // max(1, best.kwargs.get('stages_per_rank', 1))} ranks "
-            f"(fxpipe.distributed, mesh=('dp', 'pp'), data_parallel='ddp'): each replica steps on 1/{best.replicas} "
-            f"of the batch; the gradients' all-reduce adds {format_seconds(getattr(best, 'allreduce_s', 0.0))} "
-            f"per step at {link / 1e9:.3g} GB/s; each device holds its stages whole "
-            f"({format_bytes(max(best.static_bytes.values(), default=0.0))} of parameters, gradients and optimizer "
-            "state; data_parallel='fsdp' would shard them, and is not predicted here)")
+def _fits(c: Choice, memory: Optional[float], held: str) -> None:
+    """Whether ``c`` fits ``memory`` now that its replicas' memory is added, and if not, why."""
+    if memory is None or not c.peak_bytes:
+        return
+    c.fits = c.peak <= memory
+    c.why = ""
+    if not c.fits:
+        worst = max(c.peak_bytes, key=c.peak_bytes.__getitem__)
+        c.why = (f"needs {format_bytes(c.peak)} on device {worst} ({c.replicas} replicas, {held}: parameters, "
+                 f"gradients and optimizer state {format_bytes(c.static_bytes[worst])}, activations "
+                 f"{format_bytes(c.activation_bytes[worst])})")
+
+
+def _ddp(search: Search, c: Choice, dp: int) -> None:
+    """``'ddp'``: the all-reduce after the schedule, and its bucket after the activations."""
+    c.kwargs["data_parallel"] = "ddp"
+    if not c.peak_bytes or c.plan is None:  # refused before it was predicted: nothing to add
+        return
+    _, where = search.layout(c.schedule)
+    _, trained = once_per_device(search.tensors(c.plan), where)
+    grads: dict = {}
+    for stage, device in enumerate(where):
+        grads[str(device)] = grads.get(str(device), 0) + trained[stage]
+    reduce_s = max(allreduce_seconds(b, dp, search.s.link, search.s.latency) for b in grads.values())
+    c.step_s += reduce_s
+    c.allreduce_s = reduce_s
+    for device, nbytes in grads.items():
+        after = c.static_bytes.get(device, 0.0) + min(BUCKET_BYTES, nbytes)
+        c.peak_bytes[device] = max(c.peak_bytes.get(device, 0.0), after)
+    _fits(c, search.s.memory, "data_parallel='ddp': each device holding its stages whole")
+
+
+def _fsdp(search: Search, whole: Choice, dp: int) -> Choice:
+    """The ``'fsdp'`` twin of a predicted replica configuration (:mod:`._sharded`)."""
+    c = dataclasses.replace(whole, kwargs={**whole.kwargs, "data_parallel": "fsdp"},
+                            peak_bytes={}, static_bytes={}, activation_bytes={})
+    if not whole.peak_bytes or whole.plan is None:  # refused before it was predicted
+        c.peak_bytes, c.static_bytes, c.activation_bytes = (dict(whole.peak_bytes), dict(whole.static_bytes),
+                                                            dict(whole.activation_bytes))
+        return c
+    _, where = search.layout(c.schedule)
+    tensors = search.tensors(whole.plan)
+    parameters = {id(p) for p in search.checked.capture.graph_module.parameters()}
+    params, trained = once_per_device(tensors, where, only=parameters)
+    per_device: dict = {}
+    for stage, device in enumerate(where):
+        p, t = per_device.get(str(device), (0, 0))
+        per_device[str(device)] = (p + params[stage], t + trained[stage])
+    gathers, reduce = sharded_seconds(params, [t for _, t in per_device.values()], dp, search.s.link,
+                                      search.s.latency)
+    c.step_s = whole.step_s + gathers + reduce
+    c.allreduce_s = gathers + reduce
+    walked = search.memory(c, "set_to_none")  # the whole gradients are made anew every step
+    for device, (p, t) in per_device.items():
+        static, peak = sharded_memory(whole.static_bytes[device], walked[device][1], p, t, dp, search.s.optimizer,
+                                      search.s.zero_grad)
+        c.static_bytes[device], c.activation_bytes[device] = static, walked[device][1]
+        c.peak_bytes[device] = peak
+    _fits(c, search.s.memory, f"data_parallel='fsdp': 1/{dp} of the stages between steps, whole during one")
+    return c
+
+
+def replicas_note(best: Choice, choices: Sequence[Choice], link: float) -> str:
+    """Why the best configuration has replicas, and why this ``data_parallel``: its collectives,
+    what each device holds, and the other kind's prediction for the same configuration."""
+    mode = best.kwargs.get("data_parallel", "ddp")
+    ranks = best.n_stages // max(1, best.kwargs.get("stages_per_rank", 1))
+    head = (f"{best.replicas} replicas x {ranks} ranks (fxpipe.distributed, mesh=('dp', 'pp'), "
+            f"data_parallel={mode!r}): each replica steps on 1/{best.replicas} of the batch; ")
+    if mode == "fsdp":
+        head += (f"the parameters' all-gather and the gradients' reduce-scatter add "
+                 f"{format_seconds(best.allreduce_s)} per step at {link / 1e9:.3g} GB/s; each device holds 1/"
+                 f"{best.replicas} of its stages' parameters and optimizer state, and the whole parameters and "
+                 f"gradients during the step ({format_bytes(best.peak)} at its peak)")
+    else:
+        head += (f"the gradients' all-reduce adds {format_seconds(best.allreduce_s)} per step at "
+                 f"{link / 1e9:.3g} GB/s; each device holds its stages whole "
+                 f"({format_bytes(max(best.static_bytes.values(), default=0.0))} of parameters, gradients and "
+                 "optimizer state)")
+    other = next((c for c in choices if c is not best and c.replicas == best.replicas
+                  and c.schedule == best.schedule and c.chunks == best.chunks and c.checkpoint == best.checkpoint
+                  and c.kwargs.get("data_parallel") not in (None, mode)), None)
+    if other is None:
+        return head + (f"; data_parallel='fsdp' is not proposed with {best.schedule!r}: fxpipe.distributed does "
+                       f"not shard {best.kwargs.get('stages_per_rank', 1)} stages per rank" if mode == "ddp" else "")
+    name = other.kwargs["data_parallel"]
+    if not other.fits:
+        why = f"needs {format_bytes(other.peak)} per device, more than the memory given"
+    elif other.step_s > best.step_s:
+        why = (f"{format_bytes(other.peak)} per device, and slower: "
+               f"{format_seconds(other.step_s - best.step_s)} more per step")
+    else:
+        why = f"as fast, {format_bytes(other.peak)} per device"
+    return f"{head}; data_parallel={name!r} instead: {why}"

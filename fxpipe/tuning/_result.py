@@ -42,8 +42,10 @@ class Choice:
     plan: Optional[Plan] = None
     #: run by fxpipe.pipeline in one process ('gpipe', and '1f1b' through Pipeline.step)
     one_process: bool = False
-    #: data-parallel replicas of the pipeline (fxpipe.distributed on a ('dp', 'pp') mesh), and
-    #: the seconds their gradients' all-reduce adds to each step (tuning/_data_parallel.py)
+    #: data-parallel replicas of the pipeline (fxpipe.distributed on a ('dp', 'pp') mesh,
+    #: ``kwargs['data_parallel']`` 'ddp' or 'fsdp'), and the seconds their collectives add to
+    #: each step: the gradients' all-reduce, or FSDP's all-gather and reduce-scatter
+    #: (tuning/_data_parallel.py)
     replicas: int = 1
     allreduce_s: float = 0.0
     _tuning: Any = field(default=None, repr=False)
@@ -57,6 +59,12 @@ class Choice:
     def label(self) -> str:
         """The schedule as the table shows it: ``1f1b`` on ranks, ``1f1b (1 process)`` in one."""
         return f"{self.schedule} (1 process)" if self.one_process and self.schedule != "gpipe" else self.schedule
+
+    @property
+    def replica_label(self) -> str:
+        """The replicas as the table shows them: ``2 ddp``, ``2 fsdp``; ``1`` without."""
+        mode = self.kwargs.get("data_parallel")
+        return f"{self.replicas} {mode}" if self.replicas > 1 and mode else str(self.replicas)
 
     @property
     def peak(self) -> float:
@@ -99,7 +107,7 @@ class Choice:
 
     def row(self, replicas: bool = False) -> List[str]:
         """The table's cells; ``replicas``: with a column of them."""
-        head = [self.label, *([str(self.replicas)] if replicas else []), str(self.n_stages)]
+        head = [self.label, *([self.replica_label] if replicas else []), str(self.n_stages)]
         return [*head, str(self.chunks), self.checkpoint, f"{self.step_s * 1e3:.2f} ms", f"{self.bubble:.1%}",
                 format_bytes(self.peak)]
 
@@ -145,7 +153,7 @@ class Tuning:
         if misfits:
             lines.append(f"do not fit or cannot run ({len(misfits)}), e.g.:")
             shown = sorted(misfits, key=lambda c: c.peak or float("inf"))[:6]
-            lines += [f"  {c.label}{f' replicas={c.replicas}' if c.replicas > 1 else ''} stages={c.n_stages} "
+            lines += [f"  {c.label}{f' replicas={c.replica_label}' if c.replicas > 1 else ''} stages={c.n_stages} "
                       f"chunks={c.chunks} {c.checkpoint}: {c.why}" for c in shown]
         for name, why in self.skipped.items():
             lines.append(f"not considered: {name}{' on ranks' if name == '1f1b' else ''}: {why}")

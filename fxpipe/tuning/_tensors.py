@@ -13,7 +13,7 @@ emitting the stages costs seconds on a 7B model on meta.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Dict, Hashable, List, Sequence, Tuple
+from typing import Collection, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
@@ -49,16 +49,18 @@ def stage_tensors(gm: torch.fx.GraphModule, plan: Plan) -> StageTensors:
     return found
 
 
-def once_per_device(tensors: StageTensors, stage_devices: Sequence[Hashable]) -> Tuple[List[int], List[int]]:
+def once_per_device(tensors: StageTensors, stage_devices: Sequence[Hashable],
+                    only: Optional[Collection[int]] = None) -> Tuple[List[int], List[int]]:
     """Per stage, the bytes of what it holds and of what it trains, leaving out each tensor an
     earlier stage on the same device already counted; the sums over a device's stages are
-    then its tensors once each."""
+    then its tensors once each. ``only``: the ids of the tensors to count (the parameters,
+    which FSDP shards, and not the buffers, which it leaves whole)."""
     seen: Dict[Hashable, set] = {}
     held, trained = [0] * len(tensors), [0] * len(tensors)
     for s, (found, device) in enumerate(zip(tensors, stage_devices)):
         mine = seen.setdefault(device, set())
         for key, (nbytes, grad) in found.items():
-            if key in mine:
+            if key in mine or (only is not None and key not in only):
                 continue
             mine.add(key)
             held[s] += nbytes
