@@ -13,6 +13,8 @@ twice, once per ``data_parallel``, with what that adds:
   bucket; the step ends when the slowest device is done. Memory: each device holds its stages
   whole (parameters, gradients and optimizer state of a ``pp``-stage pipeline); the
   all-reduce's flat bucket (at most 25 MiB) comes on top of them after the activations are gone.
+  Under ``zero_grad='in_place'`` the ``.grad`` held before the step is set aside
+  (:mod:`fxpipe.distributed._set_aside`) and the step's own gradients are made beside it.
 * ``'fsdp'`` (:mod:`._sharded`): one all-gather of the parameters at the step's first forward
   and one reduce-scatter of the gradients at its end, the same bytes over the link as the
   all-reduce, the gathers on the pipeline's fill; a device holds ``1/dp`` of its parameters
@@ -115,8 +117,17 @@ def _ddp(search: Search, c: Choice, dp: int) -> None:
     reduce_s = max(allreduce_seconds(b, dp, search.s.link, search.s.latency) for b in grads.values())
     c.step_s += reduce_s
     c.allreduce_s = reduce_s
+    # zero_grad='in_place': the .grad held before the step is set aside (ReplicaGradients), and
+    # the step's own gradients are made beside it, as under 'set_to_none' (measured: 'ddp' held
+    # one more copy of the gradients than the walk with .grad kept through the step)
+    aside = search.s.zero_grad == "in_place"
+    walked = search.memory(c, "set_to_none") if aside else {}
     for device, nbytes in grads.items():
-        after = c.static_bytes.get(device, 0.0) + min(BUCKET_BYTES, nbytes)
+        fresh = nbytes if aside else 0
+        if aside:
+            c.activation_bytes[device] = fresh + walked[device][1]
+            c.peak_bytes[device] = c.static_bytes[device] + c.activation_bytes[device]
+        after = c.static_bytes.get(device, 0.0) + fresh + min(BUCKET_BYTES, nbytes)
         c.peak_bytes[device] = max(c.peak_bytes.get(device, 0.0), after)
     _fits(c, search.s.memory, "data_parallel='ddp': each device holding its stages whole")
 

@@ -264,7 +264,7 @@ def _measure_worker(rank: int, world: int, port: int, kwargs: dict, zero_grad: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_grad", ["set_to_none"])
+@pytest.mark.parametrize("zero_grad", ["set_to_none", "in_place"])
 def test_the_fsdp_peak_is_the_measured_one(tmp_path, zero_grad: str) -> None:
     """4 gloo ranks, 2 replicas x 2 stages of four Linear(512) under Adam: each rank's peak over
     one step, 'ddp' and 'fsdp', against tune's prediction for its device (measured: within
