@@ -15,6 +15,8 @@ The parts, each a private module with one job:
 * :mod:`._memory`: memory per device along the action list, plus parameters, gradients,
   optimizer state and receive buffers;
 * :mod:`._device_memory`: one candidate's memory per device (front door, ``zero_grad``);
+* :mod:`._data_parallel`: ``dp x pp`` replicas, ``'ddp'`` and ``'fsdp'``; :mod:`._sharded`:
+  what ``'fsdp'`` holds per device and what its collectives cost;
 * :mod:`._search`: the candidates, each predicted, and their ranking (its timing half:
   :mod:`._search_timing`, stages timed interleaved, the loss); :mod:`._result`: the
   :class:`Tuning` it returns; :mod:`._api`: :func:`tune`; :mod:`._units`: ``'80GiB'``.

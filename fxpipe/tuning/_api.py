@@ -129,8 +129,10 @@ def tune(model: nn.Module, sample: Any, devices: Union[int, Sequence[Any], None]
             two tunings on a busy machine may cut differently), ``'params'`` on meta.
         replicas: data-parallel replica counts ``dp`` to consider beside one pipeline over every
             device: ``dp`` replicas of a pipeline of ``N / dp`` devices, each on ``batch / dp``
-            samples (``fxpipe.distributed`` on a ``('dp', 'pp')`` mesh, ``data_parallel='ddp'``;
-            :mod:`fxpipe.tuning._data_parallel`). Default: every ``dp`` dividing ``N`` and the
+            samples (``fxpipe.distributed`` on a ``('dp', 'pp')`` mesh), each with
+            ``data_parallel='ddp'`` and, for the schedules ``fxpipe.distributed`` shards,
+            ``'fsdp'`` (:mod:`fxpipe.tuning._data_parallel`, :mod:`fxpipe.tuning._sharded`);
+            ``choice.kwargs['data_parallel']`` says which. Default: every ``dp`` dividing ``N`` and the
             batch that leaves 2 devices per pipeline or more; ``()``: none.
         loss_fn, target: the loss after the model, as for ``Pipeline.step``
             (``loss_fn(output, target)``, or ``loss_fn(output)`` without a target): timed on one
