@@ -84,8 +84,8 @@ def replica_choices(model: Any, checked: Checked, settings: Settings, dp: int, p
         if not c.distributed:
             continue
         c.replicas = dp
-        if fsdp_allows(c.kwargs.get("stages_per_rank", 1)):
-            choices.append(_fsdp(search, c, dp))
+        if c.peak_bytes and c.plan is not None and fsdp_allows(c.kwargs.get("stages_per_rank", 1)):
+            choices.append(_fsdp(search, c, dp))  # (one refused before it was predicted is listed once)
         _ddp(search, c, dp)
         choices.append(c)
     return choices
@@ -134,12 +134,9 @@ def _ddp(search: Search, c: Choice, dp: int) -> None:
 
 def _fsdp(search: Search, whole: Choice, dp: int) -> Choice:
     """The ``'fsdp'`` twin of a predicted replica configuration (:mod:`._sharded`)."""
+    assert whole.plan is not None
     c = dataclasses.replace(whole, kwargs={**whole.kwargs, "data_parallel": "fsdp"},
                             peak_bytes={}, static_bytes={}, activation_bytes={})
-    if not whole.peak_bytes or whole.plan is None:  # refused before it was predicted
-        c.peak_bytes, c.static_bytes, c.activation_bytes = (dict(whole.peak_bytes), dict(whole.static_bytes),
-                                                            dict(whole.activation_bytes))
-        return c
     _, where = search.layout(c.schedule)
     tensors = search.tensors(whole.plan)
     parameters = {id(p) for p in search.checked.capture.graph_module.parameters()}

@@ -105,7 +105,7 @@ def _twins(tuning):
     """(the 'ddp' choice, its 'fsdp' twin) for each replicated configuration."""
     by = {(c.schedule, c.chunks, c.checkpoint, c.kwargs.get("data_parallel")): c for c in tuning.choices
           if c.replicas > 1}
-    return [(c, by[key[:3] + ("fsdp",)]) for key, c in by.items() if key[3] == "ddp"]
+    return [(c, by[key[:3] + ("fsdp",)]) for key, c in by.items() if key[3] == "ddp" and key[:3] + ("fsdp",) in by]
 
 
 def _stage_bytes(c):
@@ -170,6 +170,9 @@ def test_fsdp_follows_the_schedules_fxpipe_distributed_shards() -> None:
             twin = [o for o in t.choices if o.replicas > 1 and o.kwargs["data_parallel"] == "fsdp"
                     and (o.schedule, o.chunks, o.checkpoint) == (c.schedule, c.chunks, c.checkpoint)]
             assert len(twin) == (1 if fsdp_allows(c.kwargs["stages_per_rank"]) else 0), c.schedule
+    # one refused before it was predicted (1f1b's chunks < stages) is listed once, not as a twin
+    refused = [c for c in _tune(4, 16, chunks=[1]).choices if c.replicas > 1]
+    assert len(refused) == 1 and not refused[0].fits and "refuses" in refused[0].why
     assert any(c.kwargs.get("data_parallel") == "fsdp" for c in t.choices)
 
 
