@@ -85,7 +85,8 @@ def replica_choices(model: Any, checked: Checked, settings: Settings, dp: int, p
             continue
         c.replicas = dp
         if c.peak_bytes and c.plan is not None and fsdp_allows(c.kwargs.get("stages_per_rank", 1)):
-            choices.append(_fsdp(search, c, dp))  # (one refused before it was predicted is listed once)
+            # (one refused before it was predicted is listed once); made before _ddp adds its all-reduce to c
+            choices.append(_fsdp(search, c, dp))
         _ddp(search, c, dp)
         choices.append(c)
     return choices
