@@ -19,8 +19,8 @@ twice, once per ``data_parallel``, with what that adds:
   and one reduce-scatter of the gradients at its end, the same bytes over the link as the
   all-reduce, the gathers on the pipeline's fill; a device holds ``1/dp`` of its parameters
   and optimizer state between steps, and the whole parameters and gradients during the step.
-  Proposed only for the schedules ``fxpipe.distributed`` shards
-  (:func:`fxpipe.distributed._sharding.fsdp_allows`: one stage per rank today).
+  (A weight two stages of one rank share, which ``fxpipe.distributed`` leaves whole, is
+  predicted sharded like the rest: under by ``(dp - 1) / dp`` of it on that rank.)
 
 The link is ``link=``: between replicas on other hosts it is the network's, usually slower
 than the one between a host's devices.
@@ -40,7 +40,6 @@ from typing import Any, List, Optional, Sequence
 
 from ..build import Checked
 from ..distributed._replicas import BUCKET_BYTES
-from ..distributed._sharding import fsdp_allows
 from ._result import Choice
 from ._search import Search, Settings
 from ._sharded import sharded_memory, sharded_seconds
@@ -84,7 +83,7 @@ def replica_choices(model: Any, checked: Checked, settings: Settings, dp: int, p
         if not c.distributed:
             continue
         c.replicas = dp
-        if c.peak_bytes and c.plan is not None and fsdp_allows(c.kwargs.get("stages_per_rank", 1)):
+        if c.peak_bytes and c.plan is not None:
             # (one refused before it was predicted is listed once); made before _ddp adds its all-reduce to c
             choices.append(_fsdp(search, c, dp))
         _ddp(search, c, dp)
