@@ -237,7 +237,8 @@ def run(model: Any, x: torch.Tensor, world: int, chunks: List[int], tmp: Path, w
     tuning = fxpipe.tune(model, x, world, None, schedules=SCHEDULES, chunks=chunks, optimizer="sgd",
                          balance_by=balance_by, link=link["bytes_per_s"], latency=link["latency_s"],
                          send_overhead=link["send_overhead_s"],
-                         zero_grad="in_place")  # the ranks zero .grad in place between steps
+                         zero_grad="in_place",  # the ranks zero .grad in place between steps
+                         replicas=())  # one pipeline over every rank: the ranks below build without mesh=
     tune_s = time.perf_counter() - t0
     print(f"\n{what}, {world} gloo ranks: gloo link measured {link['latency_s'] * 1e3:.2f} ms + bytes / "
           f"{link['bytes_per_s'] / 1e9:.2f} GB/s, a send costing each busy rank "
