@@ -24,7 +24,7 @@ from torch import nn
 
 from ..errors import TraceError
 
-__all__ = ["HOOK_DICTS", "has_hooks", "hooked_modules", "holds_live_hook", "records_now"]
+__all__ = ["FXPIPE_GUARD", "HOOK_DICTS", "has_hooks", "hooked_modules", "holds_live_hook", "records_now"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -64,9 +64,15 @@ def records_now(module: nn.Module) -> bool:
     return False
 
 
+#: set on a hook of fxpipe's own that only guards eager calls (``fxpipe.distributed``'s refusal
+#: of a model whose weights a rank released): nothing a stage should run, so not a user's hook
+FXPIPE_GUARD = "_fxpipe_guard"
+
+
 def holds_live_hook(hooks: Dict[Any, Any]) -> bool:
     """Whether one of a module's hook dicts holds a hook that tracing would lose."""
-    return any(not _records_while_tracing(h) for h in hooks.values()) if hooks else False
+    return any(not _records_while_tracing(h) and not getattr(h, FXPIPE_GUARD, False)
+               for h in hooks.values()) if hooks else False
 
 
 def has_hooks(module: nn.Module) -> bool:

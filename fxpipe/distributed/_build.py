@@ -40,6 +40,7 @@ from ._agree import agree_on_arguments, agree_on_stages, broadcast_plan
 from ._carry import carried_plan
 from ._device import DeviceOption, check_one_gpu_per_rank, ensure_process_group, rank_device
 from ._eval_mode import capture_eval, eval_run
+from ._eager_guard import guard_eager, unguard_eager
 from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
@@ -265,6 +266,7 @@ def pipeline(
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})
     refuse_sharded_model(model)  # an earlier 'fsdp' pipeline's shards: nothing whole to build from
+    unguard_eager(model)  # an earlier build's hook: the capture below must not trace it
     if partly_released(model):  # built before: each rank holds its stages' trained weights
         restore_released(model, group, where)
     merge = output_merge if output_merge is not None or loss_fn is not None else {"loss": "mean"}
@@ -352,6 +354,7 @@ def pipeline(
         if evaluation is not None:
             compile_stages([evaluation.variant.stages[k] for k in local], compile_options)
     ties = TiedGradients(model, stages.modules, placement, layout.rows, wait)
+    guard_eager(model)  # model(x) on this rank alone: refused by name while it is not whole
     return DistributedPipeline(model, captured, agreed, stages, placement, runs, layout, chunks, ties,
                                list(ties.groups.values()), device=where, step_loss=step_loss,
                                mode_sensitive=checked.prepared.mode_sensitive, batching=checked.batching,

@@ -144,6 +144,11 @@ def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out:
                 run["drift_fixed"] = float(pipe.step(pipe.shard(x), target=pipe.shard(y)))
                 opt.zero_grad()
         result[schedule] = run
+        try:  # the model eagerly on this rank, which holds only its stages (its shards under 'fsdp')
+            model(x[:2])
+            run["eager"] = "ran"
+        except DistributedError as e:
+            run["eager"] = f"{type(e).__name__}: {e}"
         pipe.close()
         if data_parallel == "fsdp":  # the model holds this rank's shards now: a new build is refused, named
             try:
@@ -219,6 +224,9 @@ def test_two_replicas_of_a_two_rank_pipeline_train_as_eager_on_the_global_batch(
                                "batch") and "pipe.shard(global_batch)" in same, same
         assert got["bn"].startswith("MutationError: the model updates buffers in its forward ('net.1.running_mean'"), \
             got["bn"]
+        eager = got["gpipe"]["eager"]
+        assert eager.startswith("DistributedError: TinyGPT was called eagerly on this rank") and \
+            "was released to the meta device" in eager, eager
         drift, named, held = got["gpipe"]["drift"]
         assert drift.startswith("ReplicaWeightsError: the weights of pipeline position 0") and \
             "ranks 0; rank 2" not in drift and "rank 0; rank 2 each hold other values" in drift, drift
@@ -248,6 +256,9 @@ def test_replicas_sharded_by_fsdp_train_as_eager_on_the_global_batch(tmp_path: P
     ranks = run_ranks(_fsdp_worker, 4, ([("1f1b", 1)],), tmp_path)
     _check(ranks, "1f1b")
     for got in ranks:
+        eager = got["1f1b"]["eager"]
+        assert eager.startswith("DistributedError: TinyGPT was called eagerly on this rank") and \
+            "data_parallel='fsdp'" in eager and "pipe.eval_step" in eager, eager
         shard, whole_stage = got["1f1b"]["held"]
         assert shard <= whole_stage // 2 + 64, (shard, whole_stage)  # dim-0 shards: at most one row more
         again = got["1f1b"]["again"]
