@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Dict, Hashable, List, Mapping, Sequence, Tuple, Union
 
 from ._activations import StageActivations
+from ._loss_memory import DEFAULT as DEFAULT_LOSS
+from ._loss_memory import LossMemory
 from ._memory import TorchRun, activation_peaks, receive_buffers, static_bytes
 from ._orders import Action
 
@@ -27,15 +29,17 @@ __all__ = ["device_memory"]
 def device_memory(orders: Mapping[Hashable, Sequence[Action]], acts: Sequence[StageActivations], mode: str,
                   chunks: int, *, gpipe: bool, run: Union[bool, TorchRun], params: Sequence[int],
                   trained: Sequence[int], where: List[Hashable], optimizer: str,
-                  zero_grad: str) -> Dict[Hashable, Tuple[float, float]]:
+                  zero_grad: str, loss: LossMemory = DEFAULT_LOSS) -> Dict[Hashable, Tuple[float, float]]:
     """Per device: (static bytes, activation bytes above them at the peak). ``gpipe``:
     ``fxpipe.pipeline``'s GPipe (merged output, one backward); ``run``: False in one process,
     else how torch runs the stages (:func:`._memory.torch_run`); ``params``, ``trained``: per
-    stage, each tensor once per device (:func:`._tensors.once_per_device`)."""
+    stage, each tensor once per device (:func:`._tensors.once_per_device`); ``loss``: the
+    loss after the model, measured on one micro-batch (:mod:`._loss_memory`)."""
     kept = zero_grad == "in_place"
     peaks = activation_peaks(orders, acts, mode, chunks, merged_output=gpipe, torch_stages=run,
                              grad_buffers=trained if gpipe and kept else None,
-                             grads_made=None if kept else trained, step_loss=not gpipe and not run)
+                             grads_made=None if kept else trained, step_loss=not gpipe and not run,
+                             loss=loss)
     if run:
         static = static_bytes(params, where, optimizer, receive=receive_buffers(acts, run), chunks=chunks,
                               trained=trained)

@@ -48,14 +48,16 @@ from dataclasses import dataclass
 from typing import Dict, Hashable, List, Mapping, Optional, Sequence
 
 from ._activations import StageActivations
+from ._loss_memory import DEFAULT as DEFAULT_LOSS
+from ._loss_memory import LossMemory
 from ._orders import DISTRIBUTED_SCHEDULES, Action
 
 __all__ = ["LOSS_COPIES", "OPTIMIZER_STATES", "TorchRun", "torch_run", "checkpointed", "activation_peaks", "receive_buffers",
            "static_bytes", "ZERO_GRAD"]
 
-#: the loss's backward over the merged output, in copies of it: its gradient and one temporary
-#: (an elementwise or softmax loss: ``2 * out * grad``, ``softmax - onehot``)
-LOSS_COPIES = 3
+#: the loss's peak above the output, in copies of it, where it is not measured (no ``loss_fn``,
+#: or on meta): its gradient and temporaries (:mod:`._loss_memory` measures it per loss)
+LOSS_COPIES = DEFAULT_LOSS.copies
 
 #: how ``.grad`` is cleared between steps (``tune(zero_grad=)``): to None, torch's default, or
 #: zeroed in place (also: gradients accumulated over several backwards)
@@ -74,7 +76,8 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
                      mode: str, chunks: int, *, merged_output: bool = False,
                      torch_stages: bool | TorchRun = False,
                      grad_buffers: Optional[Sequence[int]] = None,
-                     grads_made: Optional[Sequence[int]] = None, step_loss: bool = False) -> Dict[Hashable, int]:
+                     grads_made: Optional[Sequence[int]] = None, step_loss: bool = False,
+                     loss: LossMemory = DEFAULT_LOSS) -> Dict[Hashable, int]:
     """Peak activation bytes per device along its actions (see the module docstring).
 
     ``merged_output``: the single-process pipeline, whose output all micro-batches share
@@ -104,8 +107,15 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
     last stage, its backward just before that stage's: the output itself (no saved tensor of
     the stage holds it) and :data:`LOSS_COPIES` of it then (measured on a tiny Qwen3, cross
     entropy over 1-4 MiB of logits per micro-batch: 0.77-0.85 of the measured peak without
-    them, 0.98-1.0 with them)."""
+    them, 0.98-1.0 with them). ``loss``: the loss's peak above the output in copies of it, and
+    whether its graph keeps the output (:mod:`._loss_memory`, measured on one micro-batch; the
+    merged output's loss scaled by ``chunks``). Under GPipe a loss that does not keep it frees
+    the merged output when its forward returns, as in ``loss_fn(pipe(x), y).backward()``
+    (a cross entropy over Qwen3's logits: one copy of them less, 1.14-1.24 of the measured
+    peak before); a caller keeping ``out = pipe(x)`` through the backward holds that copy
+    more."""
     stop = checkpointed(mode, chunks)
+    copies = loss.copies
     last = len(stages) - 1
     peaks: Dict[Hashable, int] = {}
     if torch_stages:
@@ -145,12 +155,14 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
             extra = 0
             if merged_output and a.stage == last:
                 if seen_last == 0:  # the loss's backward over the whole merged output
-                    peak = max(peak, held + LOSS_COPIES * chunks * st.outputs)
+                    if not loss.saves_output:  # freed as the loss's forward returns
+                        held -= chunks * st.outputs
+                    peak = max(peak, held + int(copies * chunks * st.outputs))
                     held += chunks * st.outputs  # its gradient, until every micro-batch took its share
                 extra = -st.outputs  # the task's own share of it is in its peak already
                 seen_last += 1
             if step_loss and a.stage == last:  # the micro-batch's loss and its backward, first
-                peak = max(peak, held + (1 + LOSS_COPIES) * st.outputs)
+                peak = max(peak, held + int((1 + copies) * st.outputs))
             if first:  # its gradients come to exist node by node, and stay
                 extra += st.grads_peak[ck]
             if merged_output and done[a.stage] == 1:  # autograd sums two micro-batches' out of place

@@ -32,6 +32,7 @@ from ..plan._value import Plan
 from ._activations import StageActivations, stage_activations
 from ._costs import StageTimes, action_seconds, micro_inputs
 from ._device_memory import device_memory
+from ._loss_memory import LossMemory
 from ._memory import torch_run
 from ._nodes import Recording, record_nodes
 from ..runtime._orders import SCHEDULES as LOCAL_SCHEDULES  # what fxpipe.pipeline runs in one process
@@ -110,6 +111,8 @@ class Search(Timing):
         self.spreads: Dict[Tuple[int, int, bool], float] = {}
         #: per micro-batch size: the loss's (forward, backward) seconds (``loss_fn``)
         self.loss_s: Dict[int, Tuple[float, float]] = shared.loss_s if shared is not None else {}
+        #: per micro-batch size: the loss's memory above the output (``loss_fn``, with weights)
+        self.loss_mem: Dict[int, LossMemory] = shared.loss_mem if shared is not None else {}
 
     # -- made once -----------------------------------------------------------------------------
     def plan(self, n_stages: int) -> Plan:
@@ -283,7 +286,7 @@ class Search(Timing):
         params, trained = once_per_device(self.tensors(plan), where)
         memory = device_memory(orders, acts, choice.checkpoint, chunks, gpipe=local and schedule == "gpipe", run=run,
                                params=params, trained=trained, where=where, optimizer=self.s.optimizer,
-                               zero_grad=zero_grad)
+                               zero_grad=zero_grad, loss=self.loss_memory(self.s.batch // chunks))
         return {str(d): parts for d, parts in memory.items()}
 
     def _activations(self, plan: Plan, size: int, pools: Tuple[int, ...],

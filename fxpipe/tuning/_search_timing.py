@@ -16,6 +16,8 @@ from ..errors import FxpipeError
 from ..plan._profile import cuda_device_of, profile_graph
 from ..plan._value import Plan
 from ._costs import StageTimes, first_stage_in_weight_pass, stage_times_measured, stage_times_roofline
+from ._loss_memory import DEFAULT as DEFAULT_LOSS
+from ._loss_memory import LossMemory, measure_loss_memory
 from ._loss_timing import first_samples, time_loss
 from ._memory import torch_run
 from ._stage_timing import carried_stages, time_interleaved, time_stage_actions
@@ -45,6 +47,8 @@ class Timing:
     untimed: List[str]
     spreads: Dict[Tuple[int, int, bool], float]
     loss_s: Dict[int, Tuple[float, float]]
+    loss_mem: Dict[int, LossMemory]
+    meta: bool
     refused: Dict[int, str]
 
     def seconds(self, size: int) -> Dict[str, float]:
@@ -91,6 +95,21 @@ class Timing:
         f, b = self.loss_s[size]
         last = times[-1]
         return [*times[:-1], StageTimes(last.forward + f, last.input_grad + b, last.weight_grad)]
+
+    def loss_memory(self, size: int) -> LossMemory:
+        """The loss's memory above a micro-batch of ``size`` samples' output, measured
+        (:mod:`._loss_memory`) where there are weights and a ``loss_fn``; else the constant."""
+        if self.s.loss_fn is None or self.s.device_flops is not None or self.meta:
+            return DEFAULT_LOSS
+        if size not in self.loss_mem:
+            args, kwargs = first_samples((self.checked.args, self.checked.kwargs), size)
+            try:
+                with preserved(self.model):
+                    self.loss_mem[size] = measure_loss_memory(self.model, args, kwargs, self.s.loss_fn,
+                                                              first_samples(self.s.target, size))
+            except (RuntimeError, FxpipeError):  # the timing reports a loss that fails
+                self.loss_mem[size] = DEFAULT_LOSS
+        return self.loss_mem[size]
 
     def time_ahead(self, rounds: int = 5) -> None:
         """Times every (stage count, micro-batch size, split) the candidates need in one
