@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Sequence, Set
 
 from ._boundaries import Storages, boundaries, kept_input_grads
+from ._in_flight import in_flight
 from ._nodes import Recording
 
 __all__ = ["StageActivations", "stage_activations"]
@@ -109,6 +110,9 @@ class StageActivations:
     #: two micro-batches' gradients of it holds three copies at once (the first, the second,
     #: their sum, made out of place; measured on torch 2.13), one more than the peak counts
     largest_grad: int = 0
+    #: (not / checkpointed) ``(t, bytes)``: what this stage makes that is alive, held by no
+    #: stage yet, from its forward to stage ``t``'s (:mod:`._in_flight`)
+    in_flight: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] = ((), ())
 
     @property
     def grads_made(self) -> int:
@@ -173,6 +177,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             by_stage_ck.setdefault(s, set()).add(key)
     per_stage: List[List[int]] = [[] for _ in range(n_stages)]
     crossing = boundaries(rec, st, n_stages)
+    flight = ([()] * n_stages, [()] * n_stages) if received_static else (
+        in_flight(st, pool, n_stages, attributed_nc), in_flight(st, pool, n_stages, attributed_ck))
     grads_kept, grads_storage = kept_input_grads(rec, st, n_stages)
     for i, s in enumerate(stage_of):
         per_stage[s].append(i)
@@ -202,7 +208,8 @@ def stage_activations(rec: Recording, assignment: Mapping[str, int], n_stages: i
             boundary_grads_kept=grads_kept[s], boundary_grads_storage=grads_storage[s],
             weight_grads=sum(_weight_grads(rec, nodes).values()), peak_shared=peak_shared,
             weight_peak=_weight_pass_peak(rec, nodes), grads_peak=(made_nc - peak_nc, made_ck - peak_ck),
-            largest_grad=max((rec.nodes[i].grad_params for i in nodes), default=0)))
+            largest_grad=max((rec.nodes[i].grad_params for i in nodes), default=0),
+            in_flight=(flight[0][s], flight[1][s])))
     return result
 
 

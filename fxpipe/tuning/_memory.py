@@ -131,13 +131,17 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
         backwards = Counter(a.stage for a in actions if a.kind in "BI")  # per stage
         done: Counter = Counter()  # backwards run so far, per stage
         made: set = set()  # stages whose parameter gradients exist (grads_made)
+        flying: Counter = Counter()  # (stage, micro-batch): bytes alive until that forward
         for a in actions:
             st = stages[a.stage]
             ck = 1 if a.mb < stop else 0
             if a.kind == "F":
-                held += st.held[ck]
+                held += st.held[ck] - flying.pop((a.stage, a.mb), 0)
                 own[(a.stage, a.mb)] = st.held[ck]
                 peak = max(peak, held + st.forward)
+                for t, nbytes in st.in_flight[ck]:  # sent on, held by no stage until t's forward
+                    flying[(t, a.mb)] += nbytes
+                    held += nbytes
                 if merged_output and a.stage == last:
                     held += st.outputs
                     if a.mb == chunks - 1:
