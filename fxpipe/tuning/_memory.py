@@ -16,9 +16,13 @@ sends kept to the step's end by the multi-stage runtime, zero bubble's clones an
 input gradients. The peak is the largest of those moments. Which micro-batches are checkpointed follows
 ``checkpoint_stop``: ``'always'`` all, ``'except_last'`` all but the last, ``'never'`` none.
 
-In one process (``fxpipe.pipeline``) the model's output is merged over all micro-batches
-and held by the caller through the step, and the loss's gradient for all of it arrives
-at once, when the backward begins: both are counted, ``chunks`` micro-batches' worth. And one
+In one process (``fxpipe.pipeline``) the model's output is merged over all micro-batches,
+held until the loss's forward (through the backward where the loss keeps it, measured per
+``loss_fn``: :mod:`._loss_memory`), and the loss's gradient for all of it arrives at once,
+when the backward begins: both are counted, ``chunks`` micro-batches' worth. A value a
+stage sends is alive from its forward to the forward of the stage that holds it
+(``StageActivations.in_flight``): one-process 1F1B's first backward runs while later
+micro-batches' are on their way. And one
 autograd call runs every micro-batch's backward: each parameter's gradient is summed in a
 buffer of its size from the stage's first backward to its last (``grad_buffers``), extra
 memory where ``.grad`` is kept through the backward; ``fxpipe.distributed``'s one call per
