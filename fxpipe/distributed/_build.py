@@ -85,6 +85,20 @@ class CheckpointedStage(PipelineStage):
         return backward_pass(backward_type, bwd_kwargs, list(self.submod.parameters()),
                              lambda: run(backward_type, bwd_kwargs, last_backward))
 
+    def _post_metadata_inference_cleanup(self) -> None:
+        """torch's schedule calls this at a stage's first step (torch 2.13): it reshards FSDP
+        modules and sets every one of their parameters' ``.grad`` to None, dropping the stale
+        gradients of a *dynamic* metadata inference. fxpipe's stages take static metadata (no
+        such run), so the gradients there are those earlier steps accumulated: a new shape's
+        stage (a new sequence length) or the first ``eval_step`` between two accumulated steps
+        under ``'fsdp'`` would drop them. Kept as they were."""
+        kept = [(p, p.grad) for p in self.submod.parameters() if p.grad is not None]
+        cleanup = getattr(super(), "_post_metadata_inference_cleanup", None)
+        if cleanup is not None:
+            cleanup()
+        for p, grad in kept:
+            p.grad = grad
+
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         """After the step's last backward: torch's own reduction of an FSDP submodule's
         gradients (one reduce-scatter per step), run on the sharded stage inside the runner."""

@@ -153,7 +153,7 @@ class PlacedLoopedBFS(_Unmerged, ScheduleLoopedBFS):
 
     def __init__(self, stages: Sequence[Any], n_microbatches: int, placement: Sequence[int]) -> None:
         self._placement = list(placement)
-        super().__init__(list(stages), n_microbatches)
+        super().__init__(list(stages), n_microbatches, scale_grads=False)
         self.register_custom_function(_ComputationType.FULL_BACKWARD, lambda action, ctx: None)  # forward only
 
     def _calculate_single_rank_operations(self, rank: int) -> list[Optional[_Action]]:
@@ -172,7 +172,7 @@ def forward_schedule(stages: Sequence[Any], chunks: int, placement: Sequence[int
     :func:`make_schedules`): on the last stage's rank, ``step()`` returns each micro-batch's
     output, unmerged."""
     if len(stages) == 1:
-        return ForwardGPipe(stages[0], chunks)
+        return ForwardGPipe(stages[0], chunks, scale_grads=False)
     return PlacedLoopedBFS(stages, chunks, placement)
 
 

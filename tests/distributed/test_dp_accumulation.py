@@ -1,0 +1,103 @@
+"""Gradient accumulation over several ``step()`` calls stays exact on a dp x pp mesh when
+something between them makes torch run a schedule for the first time or run a forward-only one:
+
+* ``eval_step`` between two accumulated steps: torch's forward-only schedule still calls
+  ``perform_reduce_grad(n_microbatches)`` at its end, which divided every accumulated ``.grad``
+  by ``chunks`` (any layout, measured: 1.5x one step's gradient after step, eval_step, step);
+* a new micro-batch shape (a new sequence length) under ``'fsdp'``: torch's schedule calls
+  ``_post_metadata_inference_cleanup`` at a new stage's first step, which set every FSDP
+  parameter's ``.grad`` to None (the earlier steps' sharded gradients dropped).
+
+4 gloo ranks (2 replicas x 2 pipeline ranks); the parent compares with eager on the global batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_harness import run_ranks
+from exact import assert_close_scaled
+from test_data_parallel import _join, _leave, whole
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.l1, self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(self.emb(x)))
+        return self.head(torch.tanh(self.l3(torch.tanh(self.l2(h)))))
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two global batches of 8 sequences, of lengths 6 and 9; replica 1 ignores more labels."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for length in (6, 9):
+        x = torch.randint(0, 11, (8, length), generator=g)
+        y = torch.randint(0, 11, (8, length), generator=g)
+        y[4:, 2:] = -100
+        out.append((x, y))
+    return out
+
+
+#: the calls of each case: ("step", batch) or ("eval", batch), no zero_grad in between
+CASES = {
+    "ddp eval_step between": ("ddp", [("step", 0), ("eval", 0), ("step", 0)]),
+    "fsdp eval_step between": ("fsdp", [("step", 0), ("eval", 0), ("step", 0)]),
+    "fsdp new length": ("fsdp", [("step", 0), ("step", 1)]),
+}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import fxpipe.distributed as fpd
+
+    mesh = _join(rank, world, port)
+    batches = _batches()
+    result = {}
+    for name, (data_parallel, calls) in CASES.items():
+        torch.manual_seed(0)
+        pipe = fpd.pipeline(Tokens(), batches[0][0][:4], chunks=2, loss_fn=_loss, schedule="1f1b", mesh=mesh,
+                            data_parallel=data_parallel, timeout=60)
+        for kind, b in calls:
+            x, y = batches[b]
+            if kind == "step":
+                pipe.step(pipe.shard(x), target=pipe.shard(y))
+            else:
+                pipe.eval_step(pipe.shard(x))
+        result[name] = {n: whole(p.grad) for n, p in pipe.named_parameters()}
+        pipe.close()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    _leave()
+
+
+def _eager(calls: list) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Tokens()
+    batches = _batches()
+    for kind, b in calls:
+        if kind == "step":
+            x, y = batches[b]
+            _loss(model(x), y).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_accumulated_gradients_survive_eval_step_and_a_new_length(tmp_path: Path) -> None:
+    ranks: list[Any] = run_ranks(_worker, 4, (), tmp_path)
+    for name, (_, calls) in CASES.items():
+        want = _eager(calls)
+        for r, got in enumerate(ranks):
+            assert got[name], f"{name}: no gradient on rank {r}"
+            for n, g in got[name].items():
+                assert_close_scaled(g, want[n], what=f"{name}: grad {n} on rank {r}")
