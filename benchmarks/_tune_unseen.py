@@ -55,7 +55,8 @@ def measure(c: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lo
     try:
         def step() -> None:
             if c.schedule == "gpipe":
-                loss_fn(pipe(x), y).backward()
+                out = pipe(x)  # kept through the backward, as the guide's loop keeps it
+                loss_fn(out, y).backward()
             else:
                 pipe.step(x, loss_fn=loss_fn, target=y)
             opt.step()

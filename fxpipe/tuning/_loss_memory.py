@@ -4,24 +4,20 @@ Why: a constant did not fit every loss (issue 33). The peak of ``loss_fn(output,
 target).backward()`` above the output depends on the loss and the output's dtype: ``pow(2).mean()``
 keeps the output (saved for its backward) and makes about three copies of it; a cross entropy
 over a vocabulary keeps its ``log_softmax`` (one copy), not the logits, and its backward makes
-two more. Whether the output is saved decides whether GPipe's merged output outlives the loss's
-forward in ``loss_fn(pipe(x), y).backward()``: a tiny Qwen3 under one-process GPipe was
-over-predicted by one copy of its merged logits (1.14-1.24 of the measured peak) while
-``LOSS_COPIES = 3`` and the output counted through the backward fitted ``pow(2).mean()``.
+two more.
 
 How: the model runs one micro-batch without gradients; its output (each floating tensor a
 leaf needing grad, allocated before the measurement) goes through ``loss_fn`` and
 ``backward()``; ``copies`` is the most bytes allocated at once above the output, over the
 output's floating bytes (CPU: the allocator's records under ``torch.profiler``; CUDA:
-``max_memory_allocated``). ``saves_output``: whether the loss's graph saved a tensor sharing
-the output's storage (``saved_tensors_hooks``). A loss that cannot be measured keeps the
-constant (:data:`DEFAULT`).
+``max_memory_allocated``). A loss that cannot be measured keeps the constant (:data:`DEFAULT`).
+The output itself is counted by the caller (:mod:`._memory`), as the training loop keeps it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Set
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -32,16 +28,14 @@ __all__ = ["LossMemory", "DEFAULT", "measure_loss_memory"]
 @dataclass(frozen=True)
 class LossMemory:
     """``copies``: the loss's peak over its forward and backward above the output, in copies
-    of the output; ``saves_output``: its graph keeps the output until the backward (else a
-    caller that keeps no reference frees it when the loss's forward returns)."""
+    of the output."""
 
     copies: float
-    saves_output: bool
 
 
 #: without a measurement (no ``loss_fn``, on meta): an elementwise loss's backward over the
-#: output, its gradient and one temporary (``2 * out * grad``), the output kept
-DEFAULT = LossMemory(3.0, True)
+#: output, its gradient and one temporary (``2 * out * grad``)
+DEFAULT = LossMemory(3.0)
 
 
 def _leaves(value: Any) -> Any:
@@ -82,15 +76,9 @@ def measure_loss_memory(model: torch.nn.Module, args: tuple, kwargs: dict, loss_
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
     if not nbytes:
         return DEFAULT
-    storages = {t.untyped_storage().data_ptr() for t in tensors}
-    saved: Set[int] = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.add(t.untyped_storage().data_ptr())
-        return t
 
     def step() -> None:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad():
             loss = loss_fn(out, target) if target is not None else loss_fn(out)
         loss.backward()
 
@@ -99,4 +87,4 @@ def measure_loss_memory(model: torch.nn.Module, args: tuple, kwargs: dict, loss_
         t.grad = None
     cuda = tensors[0].device.type == "cuda"
     rise = _rise_cuda(step, tensors[0].device) if cuda else _rise_cpu(step)
-    return LossMemory(copies=rise / nbytes, saves_output=bool(saved & storages))
+    return LossMemory(copies=rise / nbytes)

@@ -112,12 +112,12 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
     the stage holds it) and :data:`LOSS_COPIES` of it then (measured on a tiny Qwen3, cross
     entropy over 1-4 MiB of logits per micro-batch: 0.77-0.85 of the measured peak without
     them, 0.98-1.0 with them). ``loss``: the loss's peak above the output in copies of it, and
-    whether its graph keeps the output (:mod:`._loss_memory`, measured on one micro-batch; the
-    merged output's loss scaled by ``chunks``). Under GPipe a loss that does not keep it frees
-    the merged output when its forward returns, as in ``loss_fn(pipe(x), y).backward()``
-    (a cross entropy over Qwen3's logits: one copy of them less, 1.14-1.24 of the measured
-    peak before); a caller keeping ``out = pipe(x)`` through the backward holds that copy
-    more."""
+    (:mod:`._loss_memory`, measured on one micro-batch; the merged output's loss scaled by
+    ``chunks``). Under GPipe the merged output is counted through the loss's backward, as a
+    caller holding ``out = pipe(x)`` (the guide's loop, transformers' ``outputs``) keeps it; a
+    caller writing ``loss_fn(pipe(x), y).backward()`` with a loss that does not save it (a
+    cross entropy keeps its ``log_softmax``) frees it at the loss's forward, one copy of the
+    output less than predicted: on the safe side."""
     stop = checkpointed(mode, chunks)
     copies = loss.copies
     last = len(stages) - 1
@@ -162,9 +162,7 @@ def activation_peaks(orders: Mapping[Hashable, Sequence[Action]], stages: Sequen
             mine = own.get((a.stage, a.mb), 0)
             extra = 0
             if merged_output and a.stage == last:
-                if seen_last == 0:  # the loss's backward over the whole merged output
-                    if not loss.saves_output:  # freed as the loss's forward returns
-                        held -= chunks * st.outputs
+                if seen_last == 0:  # the loss's backward over the whole merged output, the caller's `out`
                     peak = max(peak, held + int(copies * chunks * st.outputs))
                     held += chunks * st.outputs  # its gradient, until every micro-batch took its share
                 extra = -st.outputs  # the task's own share of it is in its peak already
