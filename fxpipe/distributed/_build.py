@@ -45,7 +45,7 @@ from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._mesh import layout_of, refuse_replicated_state
-from ._sharding import refuse_sharded_model, shard_stages, sharded_here, sharded_stage
+from ._sharding import refuse_sharded_model, refuse_tied_across_ranks, shard_stages, sharded_here, sharded_stage
 from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
@@ -323,6 +323,8 @@ def pipeline(
     rank = dist.get_rank(pipe_group)
     placement = rank_of_stage(schedule, world, stages_per_rank)
     local = stages_of_rank(schedule, world, stages_per_rank, rank)
+    if layout.data_parallel == "fsdp":
+        refuse_tied_across_ranks(model, stages.modules, placement)
     # 'fsdp' on meta: the parameters FSDP shards stay on meta until sharded, then each rank loads its 1/dp
     later = sharded_here(stages.modules, placement, local) if layout.data_parallel == "fsdp" else set()
     shards = local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
