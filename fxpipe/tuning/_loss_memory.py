@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["LossMemory", "DEFAULT", "measure_loss_memory"]
+__all__ = ["LossMemory", "DEFAULT", "measure_loss_memory", "cpu_rise"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ def _leaves(value: Any) -> Any:
         torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point() or t.is_complex()), value)
 
 
-def _rise_cpu(fn: Callable[[], None]) -> int:
+def cpu_rise(fn: Callable[[], None]) -> int:
+    """The most bytes ``fn()`` had allocated at once on the CPU, above what existed before (the
+    allocator's records under ``torch.profiler``; the tests measure peaks with it too)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -86,5 +88,5 @@ def measure_loss_memory(model: torch.nn.Module, args: tuple, kwargs: dict, loss_
     for t in tensors:
         t.grad = None
     cuda = tensors[0].device.type == "cuda"
-    rise = _rise_cuda(step, tensors[0].device) if cuda else _rise_cpu(step)
+    rise = _rise_cuda(step, tensors[0].device) if cuda else cpu_rise(step)
     return LossMemory(copies=rise / nbytes)

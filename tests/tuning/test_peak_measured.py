@@ -22,22 +22,14 @@ from typing import Callable
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import fxpipe
+from fxpipe.tuning._loss_memory import cpu_rise
 
 
 def _rise(fn: Callable[[], None]) -> int:
     """The most bytes ``fn()`` had allocated at once on the CPU, above what existed before."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU and e.nbytes())
-    running = peak = 0
-    for _, nbytes in records:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    return cpu_rise(fn)
 
 
 @pytest.mark.parametrize("zero_grad", ["set_to_none", "in_place"])

@@ -213,18 +213,9 @@ def _held_bytes(skip: list) -> int:
 def _rise(fn) -> int:
     """The most bytes ``fn()`` had allocated at once, above what existed before (the CPU
     allocator's records under the profiler, as tests/tuning/test_peak_measured.py reads them)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from fxpipe.tuning._loss_memory import cpu_rise
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU and e.nbytes())
-    running = peak = 0
-    for _, nbytes in records:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    return cpu_rise(fn)
 
 
 def _measure_worker(rank: int, world: int, port: int, kwargs: dict, zero_grad: str, out: str) -> None:
