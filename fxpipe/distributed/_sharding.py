@@ -26,6 +26,9 @@ The model keeps pointing at what the stages hold: torch.export's stages hold the
 parameters in modules of their own, so each sharded parameter is also set where the model
 held the original (``pipe.state_dict()`` then gives DTensors, which
 ``torch.distributed.checkpoint`` saves and loads across layouts).
+
+A weight tied across pipeline ranks is refused (:func:`refuse_tied_across_ranks`); one two
+stages of a rank share is left whole (:func:`shard_stages`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["shard_stages", "refuse_tied_across_ranks", "sharded_here", "is_sharded", "placed_like", "local_part", "refuse_sharded_model", "sharded_stage"]
+__all__ = ["shard_stages", "refuse_tied_across_ranks", "sharded_here", "is_sharded", "placed_like", "local_part",
+           "refuse_sharded_model", "sharded_stage"]
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
