@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["shard_stages", "refuse_tied_across_ranks", "sharded_here", "is_sharded", "placed_like", "local_part",
+__all__ = ["shard_stages", "ranks_using", "refuse_tied_across_ranks", "sharded_here", "is_sharded", "placed_like", "local_part",
            "refuse_sharded_model", "sharded_stage"]
 
 
@@ -119,6 +119,15 @@ def sharded_here(stages: list[nn.Module], placement: list[int], local: list[int]
     return {id(p) for k in local for p in stages[k].parameters() if id(p) not in shared}
 
 
+def ranks_using(stages: list[nn.Module], placement: list[int]) -> dict[int, set[int]]:
+    """id of each parameter the stages use -> the ranks (``placement[k]``: stage ``k``'s) using it."""
+    ranks: dict[int, set[int]] = {}
+    for stage, rank in zip(stages, placement):
+        for p in stage.parameters():
+            ranks.setdefault(id(p), set()).add(rank)
+    return ranks
+
+
 def refuse_tied_across_ranks(model: nn.Module, stages: list[nn.Module], placement: list[int]) -> None:
     """A weight used by stages on two ranks (a tied embedding and LM head on the first and last
     rank) is refused under ``'fsdp'``: each rank shards its copy, the ranks sum the shards'
@@ -129,10 +138,7 @@ def refuse_tied_across_ranks(model: nn.Module, stages: list[nn.Module], placemen
     Two stages of one rank sharing it (``zbv``'s V) are not refused: it is left whole there."""
     from fxpipe.errors import ArgumentError
 
-    ranks: dict[int, set[int]] = {}
-    for stage, rank in zip(stages, placement):
-        for p in stage.parameters():
-            ranks.setdefault(id(p), set()).add(rank)
+    ranks = ranks_using(stages, placement)
     for name, p in model.named_parameters():
         if len(ranks.get(id(p), ())) > 1:
             raise ArgumentError(

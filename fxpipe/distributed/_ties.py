@@ -20,7 +20,7 @@ from torch import nn
 
 from ._copies import Copies
 from ._set_aside import SetAside
-from ._sharding import local_part
+from ._sharding import local_part, ranks_using
 
 __all__ = ["TiedGradients", "parameters_of"]
 
@@ -39,10 +39,7 @@ class TiedGradients:
                  rows: Sequence[Sequence[int]], timeout: timedelta) -> None:
         """``rows``: the global ranks of each replica's pipeline, by pipeline position
         (:class:`._mesh.Layout`); one row without data parallel."""
-        users: dict[int, set[int]] = {}
-        for k, stage in enumerate(stages):
-            for p in parameters_of(stage):
-                users.setdefault(id(p), set()).add(placement[k])
+        users = ranks_using(list(stages), list(placement))
         me = dist.get_rank()
         #: (model name, parameter, global ranks using it), in the model's order, for each replica
         self.tied: list[tuple[str, nn.Parameter, tuple[int, ...]]] = []
