@@ -122,6 +122,14 @@ class ShapeMetas:
         self.evaluated = self.fake_runs = 0
 
     def __call__(self, micro_flat: Sequence[Any]) -> list[StageMeta]:
+        # the metadata is made once per shape and kept for step() too: its requires_grad must be
+        # training's, also when eval_step (under no_grad) brings the shape first (else the shape's
+        # receive buffers, and the symbolic run's every later shape, took no gradient: measured,
+        # "grad can be implicitly created only for scalar outputs" at the next step)
+        with torch.enable_grad():
+            return self._metas(micro_flat)
+
+    def _metas(self, micro_flat: Sequence[Any]) -> list[StageMeta]:
         if not self._first and self._symbolic is None:
             self._symbolic = SymbolicMetas.trace(self.stages, micro_flat, self.input_names, self.device) \
                 or _NOT_SYMBOLIC

@@ -56,13 +56,15 @@ def _worker(rank: int, world: int, port: int, schedule: str, out: str) -> None:
     pipe = fpd.pipeline(_gpt2(), (), sample_kwargs=_batch(99, 4, 8), chunks=2, schedule=schedule,
                         stages_per_rank=stages_per_rank, timeout=60, progress=False)
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
-    losses = []
+    losses, evaluated = [], None
     for step, (batch, length) in enumerate(SHAPES):
+        if step == 1:  # eval_step brings this shape first (under no_grad): step() must still train at it
+            evaluated = pipe.eval_step(**_batch(step, batch, length))
         losses.append(pipe.step(**_batch(step, batch, length)))
         opt.step()
         opt.zero_grad()
     result = {"losses": losses, "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
-              "runs": pipe._runs.made}
+              "runs": pipe._runs.made, "evaluated": evaluated}
     try:  # each rank another length: refused on both before anything is sent
         pipe.step(**_batch(7, 4, 9 + rank))
         result["mismatch"] = "ran"
@@ -86,15 +88,16 @@ def test_a_length_per_step_and_a_smaller_last_batch_train_as_eager(tmp_path: Pat
     for step, (batch, length) in enumerate(SHAPES):
         loss = model(**_batch(step, batch, length)).loss
         loss.backward()
-        losses.append(loss.detach())
+        losses.append(loss.detach())  # no dropout: eval_step's loss before the step is this one
         opt.step()
         opt.zero_grad()
     want = dict(model.named_parameters())
     with torch.no_grad():
         after = copy.deepcopy(model).eval()(**_batch(8, 2, 11)).loss  # no dropout: eval as train
     for r in ranks:
-        for got, expected in zip(r["losses"], losses):
+        for got, expected in zip(r["losses"], losses, strict=True):
             assert_close_scaled(got, expected, what="loss")
+        assert_close_scaled(r["evaluated"], losses[1], what="eval_step's loss at a shape it brought first")
         assert r["params"], "each rank trains some parameters"
         for name, value in r["params"].items():  # Adam's update where a gradient is ~0: a share of lr
             assert_close_scaled(value, want[name].detach(), {"atol": 1e-2 * ADAM["lr"]}, what=name)
@@ -105,3 +108,51 @@ def test_a_length_per_step_and_a_smaller_last_batch_train_as_eager(tmp_path: Pat
     assert ranks[0]["too_long"].startswith("IndexError: index out of range"), ranks[0]["too_long"]
     assert ranks[1]["too_long"].startswith("PeerFailedError: stopped because another rank failed: rank 0: "
                                            "IndexError"), ranks[1]["too_long"]
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    """2 replicas x 2 pipeline ranks, 'fsdp', the tied GPT-2 (embedding on the first rank, head
+    on the last): each replica steps on its half of each global batch, an eval_step between."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    pipe = fpd.pipeline(_gpt2(), (), sample_kwargs=_batch(99, 4, 8), chunks=2, schedule="1f1b", mesh=mesh,
+                        data_parallel="fsdp", timeout=60, progress=False)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    losses = []
+    for step, (batch, length) in enumerate(FSDP_SHAPES):
+        losses.append(pipe.step(**pipe.shard(_batch(step, batch, length))))
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            pipe.eval_step(**pipe.shard(_batch(8, 4, 11)))
+    torch.save({"losses": losses}, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+#: global batches of the sharded replicas: another length each step, the last batch smaller
+FSDP_SHAPES = ((8, 8), (8, 13), (4, 6))
+
+
+@pytest.mark.slow
+def test_a_tied_gpt2_sharded_over_replicas_trains_as_eager_at_each_length(tmp_path: Path) -> None:
+    """The tied weight's gradient summed over the two pipeline ranks of each replica under
+    'fsdp' (it was not, once sharding had replaced the parameters: from the second step on the
+    loss was another)."""
+    ranks = run_ranks(_fsdp_worker, 4, (), tmp_path)
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    for step, (batch, length) in enumerate(FSDP_SHAPES):
+        loss = model(**_batch(step, batch, length)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for r in ranks:
+            assert_close_scaled(r["losses"][step], loss.detach(), what=f"loss of step {step}")
