@@ -45,14 +45,14 @@ from ._failures import Failures
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._mesh import layout_of, refuse_replicated_state
-from ._sharding import refuse_sharded_model, refuse_tied_across_ranks, shard_stages, sharded_here, sharded_stage
+from ._sharding import refuse_sharded_model, shard_stages, sharded_here, sharded_stage
 from ._symbolic_meta import ShapeMetas
 from ._pipe import DistributedPipeline
 from ._schedules import SCHEDULES, check_schedule, make_schedules, rank_of_stage, stages_of_rank
 from ._shape_runs import ShapeRuns, TrainRun, micro_batch
 from ._sources import StateDictSource
 from ._split_backward import backward_pass
-from ._ties import TiedGradients
+from ._ties import TiedGradients, tied_across_ranks
 from ._values import stage_runners
 from ._weights import partly_released, release_others, restore_released
 
@@ -323,8 +323,7 @@ def pipeline(
     rank = dist.get_rank(pipe_group)
     placement = rank_of_stage(schedule, world, stages_per_rank)
     local = stages_of_rank(schedule, world, stages_per_rank, rank)
-    if layout.data_parallel == "fsdp":
-        refuse_tied_across_ranks(model, stages.modules, placement)
+    tied = tied_across_ranks(model, stages.modules, placement)  # by identity: before 'fsdp' replaces any
     # 'fsdp' on meta: the parameters FSDP shards stay on meta until sharded, then each rank loads its 1/dp
     later = sharded_here(stages.modules, placement, local) if layout.data_parallel == "fsdp" else set()
     shards = local_weights(model, stages.modules, local, group, state_dict=state_dict, init_buffers=init_buffers,
@@ -369,7 +368,7 @@ def pipeline(
         compile_stages([stages[k] for k in local], compile_options)
         if evaluation is not None:
             compile_stages([evaluation.variant.stages[k] for k in local], compile_options)
-    ties = TiedGradients(model, stages.modules, placement, layout.rows, wait)
+    ties = TiedGradients(model, tied, layout.rows, wait)
     guard_eager(model)  # model(x) on this rank alone: refused by name while it is not whole
     return DistributedPipeline(model, captured, agreed, stages, placement, runs, layout, chunks, ties,
                                list(ties.groups.values()), device=where, step_loss=step_loss,

@@ -27,8 +27,9 @@ parameters in modules of their own, so each sharded parameter is also set where 
 held the original (``pipe.state_dict()`` then gives DTensors, which
 ``torch.distributed.checkpoint`` saves and loads across layouts).
 
-A weight tied across pipeline ranks is refused (:func:`refuse_tied_across_ranks`); one two
-stages of a rank share is left whole (:func:`shard_stages`).
+A weight tied across pipeline ranks is sharded on each rank using it (each holds the same
+shard) and its gradient summed over those ranks (:mod:`._ties`); one two stages of a rank share
+is left whole (:func:`shard_stages`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["shard_stages", "ranks_using", "refuse_tied_across_ranks", "sharded_here", "is_sharded", "placed_like", "local_part",
+__all__ = ["shard_stages", "sharded_here", "is_sharded", "placed_like", "local_part",
            "refuse_sharded_model", "sharded_stage"]
 
 
@@ -117,36 +118,6 @@ def sharded_here(stages: list[nn.Module], placement: list[int], local: list[int]
     less those two stages of one rank share."""
     shared = {id(p) for p in shared_on_a_rank(stages, placement)}
     return {id(p) for k in local for p in stages[k].parameters() if id(p) not in shared}
-
-
-def ranks_using(stages: list[nn.Module], placement: list[int]) -> dict[int, set[int]]:
-    """id of each parameter the stages use -> the ranks (``placement[k]``: stage ``k``'s) using it."""
-    ranks: dict[int, set[int]] = {}
-    for stage, rank in zip(stages, placement):
-        for p in stage.parameters():
-            ranks.setdefault(id(p), set()).add(rank)
-    return ranks
-
-
-def refuse_tied_across_ranks(model: nn.Module, stages: list[nn.Module], placement: list[int]) -> None:
-    """A weight used by stages on two ranks (a tied embedding and LM head on the first and last
-    rank) is refused under ``'fsdp'``: each rank shards its copy, the ranks sum the shards'
-    gradients, and that was exact at the build's micro-batch shape, but a tiny tied GPT-2 (its
-    own ``labels=`` loss) computed another loss at the first step of a new sequence length, or
-    after an ``eval_step``, once an optimizer step had run (measured; an untied one is exact).
-    Until that is understood, refused on every rank alike (the same plan), naming the weight.
-    Two stages of one rank sharing it (``zbv``'s V) are not refused: it is left whole there."""
-    from fxpipe.errors import ArgumentError
-
-    ranks = ranks_using(stages, placement)
-    for name, p in model.named_parameters():
-        if len(ranks.get(id(p), ())) > 1:
-            raise ArgumentError(
-                f"data_parallel='fsdp' with a weight tied across pipeline ranks ({name!r}, used by stages on ranks "
-                f"{sorted(ranks[id(p)])}) is refused: a tied GPT-2 trained to another loss than eager's at a new "
-                "sequence length or after an eval_step (measured), and the cause is not found yet. Use "
-                "data_parallel='ddp', untie the weight, or schedule='zbv' (stages_per_rank=2), which puts the first "
-                "and last stages on one rank", argument="data_parallel")
 
 
 def shard_stages(model: nn.Module, stages: list[nn.Module], placement: list[int], local: list[int],

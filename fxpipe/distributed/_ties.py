@@ -7,12 +7,19 @@ over exactly the ranks that use it (``all_reduce`` on a subgroup), then added to
 ``.grad`` held before the step, so gradient accumulation stays exact (summing the whole
 accumulated ``.grad`` would count earlier steps once per rank). The subgroups are created
 once, in the same order on every rank (``new_group`` is collective), when the pipeline is built.
+
+Which parameters are tied is found by identity (:func:`tied_across_ranks`) before
+``data_parallel='fsdp'`` shards the stages: sharding gives this rank's stages new parameter
+objects, while the other ranks' stages, released here, keep the originals, so found after it a
+tied weight looked used by one rank only, and its gradient was never summed (measured: a tied
+GPT-2 trained to another loss from its second step on). :class:`TiedGradients` then finds each
+by its name in the model, which holds the sharded one.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,9 +27,9 @@ from torch import nn
 
 from ._copies import Copies
 from ._set_aside import SetAside
-from ._sharding import local_part, ranks_using
+from ._sharding import local_part
 
-__all__ = ["TiedGradients", "parameters_of"]
+__all__ = ["TiedGradients", "parameters_of", "ranks_using", "tied_across_ranks"]
 
 
 def parameters_of(stage: nn.Module) -> list[nn.Parameter]:
@@ -31,23 +38,38 @@ def parameters_of(stage: nn.Module) -> list[nn.Parameter]:
     return list(stage.parameters())
 
 
-class TiedGradients:
-    """The parameters of ``model`` used by stages of more than one rank, and their subgroups
-    (``placement``: the rank of each stage, :func:`fxpipe.distributed._schedules.rank_of_stage`)."""
+def ranks_using(stages: Sequence[nn.Module], placement: Sequence[int]) -> dict[int, set[int]]:
+    """id of each parameter the stages use -> the ranks (``placement[k]``: stage ``k``'s) using it."""
+    ranks: dict[int, set[int]] = {}
+    for stage, rank in zip(stages, placement):
+        for p in stage.parameters():
+            ranks.setdefault(id(p), set()).add(rank)
+    return ranks
 
-    def __init__(self, model: nn.Module, stages: Sequence[nn.Module], placement: Sequence[int],
-                 rows: Sequence[Sequence[int]], timeout: timedelta) -> None:
-        """``rows``: the global ranks of each replica's pipeline, by pipeline position
+
+def tied_across_ranks(model: nn.Module, stages: Sequence[nn.Module], placement: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The model's name of each parameter used by stages of more than one rank -> those
+    pipeline ranks, in the model's order: the same on every rank. Called before anything
+    replaces the stages' parameters (``'fsdp'``'s sharding)."""
+    users = ranks_using(stages, placement)
+    return {name: tuple(sorted(users[id(p)])) for name, p in model.named_parameters()
+            if len(users.get(id(p), ())) > 1}
+
+
+class TiedGradients:
+    """The parameters of ``model`` used by stages of more than one rank, and their subgroups."""
+
+    def __init__(self, model: nn.Module, tied: Mapping[str, Sequence[int]], rows: Sequence[Sequence[int]],
+                 timeout: timedelta) -> None:
+        """``tied``: :func:`tied_across_ranks`, found before the build replaced any parameter;
+        ``rows``: the global ranks of each replica's pipeline, by pipeline position
         (:class:`._mesh.Layout`); one row without data parallel."""
-        users = ranks_using(list(stages), list(placement))
         me = dist.get_rank()
         #: (model name, parameter, global ranks using it), in the model's order, for each replica
         self.tied: list[tuple[str, nn.Parameter, tuple[int, ...]]] = []
         for row in rows:
-            for name, p in model.named_parameters():
-                positions = sorted(users.get(id(p), ()))
-                if len(positions) > 1:
-                    self.tied.append((name, p, tuple(row[k] for k in positions)))
+            for name, positions in tied.items():
+                self.tied.append((name, model.get_parameter(name), tuple(row[k] for k in positions)))
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for ranks in sorted({r for _, _, r in self.tied}):  # the same order on every rank
             sub = dist.new_group(list(ranks), timeout=timeout)

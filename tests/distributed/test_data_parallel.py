@@ -74,22 +74,8 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.clone()
 
 
-def untied(model: torch.nn.Module) -> torch.nn.Module:
-    """The tied GPT with a head of its own (same values): 'fsdp' refuses a weight tied across
-    pipeline ranks (fxpipe.distributed._sharding.refuse_tied_across_ranks)."""
-    model.head.weight = torch.nn.Parameter(model.tok.weight.detach().clone())
-    return model
-
-
-def tied_here(data_parallel: str, schedule: str) -> bool:
-    """Whether the test runs the tied GPT: not under 'fsdp', except zbv, whose V puts the
-    embedding and the head on one rank (the weight left whole there)."""
-    return data_parallel != "fsdp" or schedule == "zbv"
-
-
-def _eager(tied: bool = True) -> dict:
+def _eager() -> dict:
     model, _, _, loss_fn, _ = case("gpt", 2)
-    model = model if tied else untied(model)
     x, y = global_batch()
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
 
@@ -108,28 +94,15 @@ def _eager(tied: bool = True) -> dict:
 def _ddp_worker(rank: int, world: int, port: int, schedules: list, dp: int, out: str,
                 data_parallel: str = "ddp") -> None:
     import fxpipe.distributed as fpd
-    from fxpipe.errors import ArgumentError, BatchMismatchError, DistributedError, PeerFailedError
+    from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError
 
     mesh = _join(rank, world, port, dp)
     x, y = global_batch()
     result: dict = {}
-    if data_parallel == "fsdp":  # the tied GPT under 1f1b: refused on every rank, naming the weight
-        model, _, _, loss_fn, _ = case("gpt", 2)
-        try:
-            fpd.pipeline(model, pipe_sample(x, dp), chunks=2, loss_fn=loss_fn, mesh=mesh, data_parallel="fsdp",
-                         timeout=60)
-            result["tied"] = "built"
-        except ArgumentError as e:
-            result["tied"] = f"{type(e).__name__}: {e}"
     for schedule, per_rank in schedules:
-        model, _, _, loss_fn, _ = case("gpt", 2)
-        model = model if tied_here(data_parallel, schedule) else untied(model)
-        try:
-            pipe = fpd.pipeline(model, pipe_sample(x, dp), chunks=2, loss_fn=loss_fn, schedule=schedule,
-                                stages_per_rank=per_rank, mesh=mesh, data_parallel=data_parallel, timeout=60)
-        except ArgumentError as e:  # refused on every rank alike
-            result[schedule] = f"{type(e).__name__}: {e}"
-            continue
+        model, _, _, loss_fn, _ = case("gpt", 2)  # its embedding tied to its head: on the first and last rank
+        pipe = fpd.pipeline(model, pipe_sample(x, dp), chunks=2, loss_fn=loss_fn, schedule=schedule,
+                            stages_per_rank=per_rank, mesh=mesh, data_parallel=data_parallel, timeout=60)
         opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
         run = _steps(lambda xb, yb: pipe.step(pipe.shard(xb), target=pipe.shard(yb)), pipe.clip_grad_norm_, opt,
                      pipe.named_parameters, x, y)
@@ -212,7 +185,7 @@ def pipe_sample(x: torch.Tensor, dp: int = 2) -> torch.Tensor:
 
 
 def _check(ranks: list[dict], schedule: str, dp: int = 2, data_parallel: str = "ddp") -> None:
-    want = _eager(tied_here(data_parallel, schedule))
+    want = _eager()
     for r, got in enumerate(ranks):
         run = got[schedule]
         pp = len(ranks) // dp
@@ -279,8 +252,6 @@ def test_replicas_sharded_by_fsdp_train_as_eager_on_the_global_batch(tmp_path: P
     ranks = run_ranks(_fsdp_worker, 4, ([("1f1b", 1)],), tmp_path)
     _check(ranks, "1f1b", data_parallel="fsdp")
     for got in ranks:
-        assert got["tied"].startswith("ArgumentError: data_parallel='fsdp' with a weight tied across pipeline ranks "
-                                      "('tok.weight'"), got["tied"]
         eager = got["1f1b"]["eager"]
         assert eager.startswith("DistributedError: TinyGPT was called eagerly on this rank") and \
             ("is this rank's shard of it (data_parallel='fsdp')" in eager or "released to the meta device" in eager) \
@@ -319,7 +290,6 @@ def _resume_worker(rank: int, world: int, port: int, data_parallel: str, out: st
     mesh = _join(rank, world, port)
     x, y = global_batch()
     model, _, _, loss_fn, _ = case("gpt", 2)
-    model = model if tied_here(data_parallel, "1f1b") else untied(model)
     pipe = fpd.pipeline(model, pipe_sample(x), chunks=2, loss_fn=loss_fn, mesh=mesh, data_parallel=data_parallel,
                         timeout=60)
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
@@ -331,7 +301,6 @@ def _resume_worker(rank: int, world: int, port: int, data_parallel: str, out: st
     dcp.save({"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)}, checkpoint_id=str(Path(out) / "ckpt"))
     pipe.close()
     fresh, *_ = case("gpt", 2)
-    fresh = fresh if tied_here(data_parallel, "1f1b") else untied(fresh)
     again = fpd.pipeline(fresh, x, chunks=2, loss_fn=loss_fn, timeout=60)  # 4 stages, the global batch on each rank
     opt = torch.optim.AdamW(again.parameters(), **ADAM)
     state = {"model": again.state_dict(), "optim": again.optimizer_state_dict(opt)}
@@ -351,7 +320,6 @@ def _resume_worker(rank: int, world: int, port: int, data_parallel: str, out: st
 def test_a_checkpoint_of_replicas_resumes_in_another_layout(data_parallel: str, tmp_path: Path) -> None:
     ranks = run_ranks(_resume_worker, 4, (data_parallel,), tmp_path)
     model, _, _, loss_fn, _ = case("gpt", 2)
-    model = model if tied_here(data_parallel, "1f1b") else untied(model)
     x, y = global_batch()
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
     losses = []
