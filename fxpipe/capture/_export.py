@@ -70,6 +70,34 @@ class Exported:
 
 
 # -- export -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def attribute_objects_kept(root: nn.Module) -> Any:
+    """The modules keep their own container attributes through ``torch.export``.
+
+    Why: torch.export (2.13, ``_detect_attribute_assignment``) puts every module's own
+    attributes back after tracing from a pytree copy, so each dict, list and tuple attribute
+    becomes a new object of equal contents. The model would then hold other objects than the
+    user's, and a traced read of such an attribute kept by identity (the ``_kernel_funcs``
+    dict of modules that transformers >= 5.25 kernelizes, e.g. Llama's attention) looked
+    changed at the pipeline's first call (``ModelChangedError``, measured). The original
+    object goes back wherever torch's copy holds the very same leaves."""
+    before = [(m.__dict__, k, v) for m in root.modules() for k, v in m.__dict__.items()
+              if type(v) in (dict, list, tuple)]
+    try:
+        yield
+    finally:
+        for attrs, key, value in before:
+            now = attrs.get(key, value)
+            if now is not value and type(now) is type(value) and _same_leaves(now, value):
+                attrs[key] = value
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    leaves_a, spec_a = pytree.tree_flatten(a)
+    leaves_b, spec_b = pytree.tree_flatten(b)
+    return spec_a == spec_b and all(x is y for x, y in zip(leaves_a, leaves_b))
+
+
 def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list[str],
                  split_dims: list[int | None] | None = None, leaves: Sequence[str] = ()) -> Exported | _Failure:
     """Export the flat root and rebuild a contract-conforming graph.
@@ -96,7 +124,8 @@ def export_graph(model: nn.Module, root: nn.Module, flat: list[Any], names: list
         with contextlib.redirect_stderr(io.StringIO()):
             for sample, shapes in _attempts(flat, split_dims):
                 try:
-                    with exported_as_cpu(model, sample) as inputs:  # a meta model: the CPU graph
+                    # a meta model: the CPU graph; the model's own attribute objects kept
+                    with exported_as_cpu(model, sample) as inputs, attribute_objects_kept(target):
                         ep = torch.export.export(target, tuple(inputs), dynamic_shapes=shapes, strict=False,
                                                 preserve_module_call_signature=tuple(leaves))
                     if shapes is not None and len(shapes) and entangled_size(ep, flat, split_dims) is not None:

@@ -364,3 +364,49 @@ def test_an_export_that_cannot_be_recorded_checks_every_plain_attribute():
     model.scale = 3.0
     with pytest.raises(ModelChangedError, match="'scale' is 3.0, was 2.0"):
         pipe(x)
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+
+class Kernelized(nn.Module):
+    """Holds a dict of modules outside ``_modules`` and a list of names, as the ``kernels``
+    package gives each layer transformers >= 5.25 kernelizes (``_kernel_funcs``), and reads
+    both in its forward: attributes the capture records by identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.__dict__["_kernel_funcs"] = {"scale": Scale()}
+        self.__dict__["_order"] = ["scale"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self._order:
+            x = self._kernel_funcs[name](x)
+        return x
+
+
+class KernelFuncs(TemperedExport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Kernelized()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.pre(x))
+
+
+def test_an_export_leaves_the_models_own_containers_in_place():
+    """torch.export puts module attributes back from pytree copies (new dicts and lists): the
+    model keeps its own objects, and the first call is not refused as a changed model."""
+    model = KernelFuncs()
+    funcs, order = model.pre.__dict__["_kernel_funcs"], model.pre.__dict__["_order"]
+    ref = copy.deepcopy(model)
+    pipe = build(model, "export")
+    assert model.pre.__dict__["_kernel_funcs"] is funcs and model.pre.__dict__["_order"] is order
+    x = torch.randn(BATCH, 8)
+    out = pipe(x)
+    loss_of(out).backward()
+    assert_same(model, ref, out, eager_step(ref, x))
+    model.pre.__dict__["_kernel_funcs"] = {"scale": Scale()}  # a new object there: still refused
+    assert "pre._kernel_funcs" in str(refused(pipe, x))
