@@ -6,7 +6,13 @@ something between them makes torch run a schedule for the first time or run a fo
   by ``chunks`` (any layout, measured: 1.5x one step's gradient after step, eval_step, step);
 * a new micro-batch shape (a new sequence length) under ``'fsdp'``: torch's schedule calls
   ``_post_metadata_inference_cleanup`` at a new stage's first step, which set every FSDP
-  parameter's ``.grad`` to None (the earlier steps' sharded gradients dropped).
+  parameter's ``.grad`` to None (the earlier steps' sharded gradients dropped);
+* a new shape first run by ``eval_step``: its metadata, made under ``no_grad``, gave the
+  shape's receive buffers no gradient, and the next step there failed inside torch.
+
+The embedding is tied to the head, on the first and last pipeline rank: under ``'fsdp'`` its
+sharded copies' gradients are summed over them (they were not, once sharding had replaced the
+parameters the ties were found by).
 
 4 gloo ranks (2 replicas x 2 pipeline ranks); the parent compares with eager on the global batch."""
 
@@ -30,8 +36,11 @@ class Tokens(nn.Module):
         self.emb = nn.Embedding(11, 8)
         self.l1, self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
         self.head = nn.Linear(8, 11)
+        self.head.weight = self.emb.weight  # tied: on the first and the last pipeline rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # stops torch.fx: a torch.export capture, whose stages hold modules of their own
+            raise ValueError("expected token ids of shape (batch, length)")
         h = torch.tanh(self.l1(self.emb(x)))
         return self.head(torch.tanh(self.l3(torch.tanh(self.l2(h)))))
 
@@ -57,6 +66,8 @@ CASES = {
     "ddp eval_step between": ("ddp", [("step", 0), ("eval", 0), ("step", 0)]),
     "fsdp eval_step between": ("fsdp", [("step", 0), ("eval", 0), ("step", 0)]),
     "fsdp new length": ("fsdp", [("step", 0), ("step", 1)]),
+    # a length eval_step (under no_grad) brings first, then trained at
+    "ddp eval_step at a new length": ("ddp", [("step", 0), ("eval", 1), ("step", 1)]),
 }
 
 
