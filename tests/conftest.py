@@ -12,10 +12,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import ci_budget  # noqa: E402 - from the folder just put on the path
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run the tests marked slow (the full local run; CI skips them)")
+                     help="also run the tests marked slow and those over CI's time budget (the full local run)")
+    parser.addoption("--record-durations", default=None, metavar="PATH",
+                     help="write each test's measured seconds to PATH (tests/durations.json: CI's budget)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-durations")
+    if path:
+        config.pluginmanager.register(ci_budget.Recorder(path), "fxpipe-durations")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,6 +37,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
+    if not run_slow:  # CI: what is over its budget, as if marked slow (tests/ci_budget.py)
+        over = ci_budget.skip_marker()
+        for item in ci_budget.over_budget(items):
+            if "slow" not in item.keywords:
+                item.add_marker(over)
 
 
 @pytest.fixture(autouse=True)
