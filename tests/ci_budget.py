@@ -10,7 +10,7 @@ for a whole file) makes every test using it slow, since whichever runs first pay
 :data:`CORE` keeps one test of each thing a silent error would hide in, whatever it costs, in
 CI: exactness on ranks under every schedule, a failing rank named everywhere, the data-parallel
 mesh (ddp and fsdp, a tied weight, eval_step and new lengths), a length per step, a model's
-own ``labels=`` loss, awkward cuts and tied weights in one process. Their time is counted in
+own ``labels=`` loss, awkward cuts, tied weights and a length per step in one process. Their time is counted in
 the budget. A test not in ``durations.json`` (new, or measured under 0.3 s) runs in CI;
 ``tools/test --runslow --record-durations tests/durations.json`` measures every test again.
 """
@@ -37,6 +37,10 @@ CORE = (
     "tests/test_pipeline.py::test_zoo_matches_eager[2-3-gpt_tied]",
     "tests/test_pipeline.py::test_awkward_cuts_keep_every_gradient[never-cut0]",
     "tests/test_step.py::test_step_with_tied_weights[1f1b]",
+    "tests/test_any_length.py::test_training_on_a_length_per_step_and_a_smaller_last_batch_is_eagers[gpipe]",
+    "tests/test_pipeline_hf.py::test_gpt2_lm_matches_eager_with_tied_weights[3-always]",
+    "tests/test_pipeline_hf.py::test_export_capture_takes_another_sequence_length_and_refuses_what_its_guards_exclude",
+    "tests/distributed/test_schedules.py::test_each_layer_runs_once_per_micro_batch_and_once_per_recomputation[1f1b]",
 )
 
 _FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
