@@ -177,12 +177,13 @@ class Batching:
         return micro, sizes
 
     def weights(self, flat: Sequence[Any], micro: Sequence[Sequence[Any]],
-                where: str = "this call") -> Dict[int, List[Tensor]]:
+                where: str = "this call", alone: bool = True) -> Dict[int, List[Tensor]]:
         """Per 'mean' loss over counted labels, each micro-batch's count of them; refuses ignored
-        labels a 'mean' loss cannot weigh (:mod:`fxpipe.checks._counted_labels`). Call before running."""
+        labels a 'mean' loss cannot weigh (:mod:`fxpipe.checks._counted_labels`). Call before running.
+        ``alone=False``: one part of a larger batch, counted even as one micro-batch."""
         if self.counted is None:
             return {}
-        return self.counted.weights(flat, micro, self.out_names, self.in_names, where)
+        return self.counted.weights(flat, micro, self.out_names, self.in_names, where, alone)
 
     # -- merging ---------------------------------------------------------------------------
     def merge(self, outputs: Sequence[Sequence[Any]], sizes: Sequence[int],

@@ -152,11 +152,13 @@ class CountedLabels:
         return found
 
     def weights(self, leaves: Sequence[Any], micro: Sequence[Sequence[Any]], out_names: Sequence[str],
-                in_names: Sequence[str], where: str = "this call") -> Dict[int, List[Tensor]]:
+                in_names: Sequence[str], where: str = "this call", alone: bool = True) -> Dict[int, List[Tensor]]:
         """Per counted output, each micro-batch's count of counted labels (0-dim tensors, no
         sync); refuses ``where`` (the call, or the sample) before anything runs when an
-        uncounted output would merge micro-batches whose labels hold an ignore index."""
-        if len(micro) < 2:
+        uncounted output would merge micro-batches whose labels hold an ignore index.
+        ``alone=False``: the call is a part of a larger batch (a data-parallel replica's), so
+        even one micro-batch is counted, its count weighed against the others' parts."""
+        if len(micro) < 2 and alone:
             return {}
         if self.uncounted:
             self._refuse_ignored(leaves, out_names, in_names, where)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -48,6 +49,10 @@ class Weights:
     kind: Optional[str]
     counts: Optional[List[Tensor]] = None
     why: str = ""
+    #: a loss adding means over several counts: each further count's sum over the call's
+    #: micro-batches against the first's (proportional in every micro-batch, so one number
+    #: each), which the parts of a larger batch (data-parallel replicas) must share too
+    ratios: Tuple[float, ...] = ()
 
     def merge(self, parts: Sequence[Tensor]) -> Tensor:
         from ._counted_labels import weighted_mean
@@ -238,10 +243,12 @@ class LossFnReading:
         self._cache: "OrderedDict[Tuple[Any, ...], _Read]" = OrderedDict()
 
     def weights(self, outputs: Sequence[Any], targets: Optional[Sequence[Any]], sizes: Sequence[int],
-                device: Optional[torch.device] = None) -> Weights:
+                device: Optional[torch.device] = None, alone: bool = True) -> Weights:
         """The weights of a call whose micro-batches have ``sizes`` samples, ``targets`` (None
         without a target) and, for the first, the flat ``outputs`` (the others' differ only in
-        the samples' dim; meta tensors do, with ``device`` saying where they would be)."""
+        the samples' dim; meta tensors do, with ``device`` saying where they would be).
+        ``alone=False``: the call is one part of a larger batch (a data-parallel replica's):
+        even one micro-batch's count is read, to be weighed against the other parts'."""
         stand_ins = {m: self._resized(outputs, m, device) for m in set(sizes)}
         by_size: dict = {}  # micro-batches of one size are split from one batch: one reading
         for i, m in enumerate(sizes):
@@ -255,7 +262,7 @@ class LossFnReading:
         if len(forms) != 1:
             return Weights(None, why="loss_fn reads differently at the call's micro-batch sizes")
         kind = reads[0].form.kind
-        if kind == "sum" or len(sizes) == 1:
+        if kind == "sum" or (len(sizes) == 1 and alone):
             return Weights("sum" if kind == "sum" else "mean", counts=[torch.ones((), dtype=torch.float64)])
         per_count: List[List[Tensor]] = []  # per count the loss divides by, per micro-batch
         eps = 0.0  # the rounding of the dtype the counts were computed in
@@ -294,7 +301,9 @@ class LossFnReading:
                     "loss_fn adds means over counts that differ between this call's micro-batches (per micro-batch "
                     f"{[round(float(c), 4) for c in counts]} against {[round(float(c), 4) for c in other]}): no "
                     "one weight per micro-batch gives every term its whole-batch mean"))
-        return Weights("mean", counts=counts)
+        first = float(sum(counts))
+        ratios = tuple(float(sum(other)) / first if first else math.inf for other in per_count[1:])
+        return Weights("mean", counts=counts, ratios=ratios)
 
     # -- reading ---------------------------------------------------------------------------
     def _dims(self, n: int) -> List[Optional[int]]:

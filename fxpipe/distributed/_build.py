@@ -337,7 +337,8 @@ def pipeline(
                   if found_eval is not None else None)
     reading = (LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output)
                if loss_fn is not None else None)
-    step_loss = StepLoss(loss_fn, reading, (), checked.batching, chunks, where)
+    step_loss = StepLoss(loss_fn, reading, (), checked.batching, chunks, where,
+                         replicated=layout.replicas is not None)
 
     metas_at = ShapeMetas(stages.modules, stages.input_names, where)
 

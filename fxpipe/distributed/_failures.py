@@ -36,17 +36,18 @@ The failures before anything is sent need no store.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError
+from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError, StepError
 
 from ._copies import Copies, as_integers, refuse_different_copies
 
@@ -97,6 +98,8 @@ _CALLS = ("", "step()", "eval_step()")
 
 #: numbers in a batch's fingerprint
 _PRINT = 3
+#: a loss's further means a replica's last rank may report (:attr:`Agreement.ratios`)
+_RATIOS = 4
 _WEIGHTS: dict = {}  # (numel, device) -> the fixed weights of the second sum
 
 
@@ -141,6 +144,9 @@ class Agreement:
     def __init__(self) -> None:
         self.batch: Any = None
         self.copies: List[Copies] = []
+        #: on a data-parallel replica's last rank: the loss's further counts against its first
+        #: (:class:`fxpipe.checks._loss_fn.Weights`), which every replica must share (None: no loss here)
+        self.ratios: Optional[Sequence[float]] = None
 
 
 #: the open pipelines' failure reporting, told of an uncaught exception before the process ends
@@ -203,7 +209,11 @@ class Failures:
         with self.reported():  # a peer gone before it could agree
             world = self.world_size
             copies = len(agreement.copies) * world
-            flags = torch.zeros((2 + _PRINT) * world + copies, dtype=torch.int64, device=self.device)
+            if failure is None and agreement.ratios is not None and len(agreement.ratios) > _RATIOS:
+                failure = StepError(f"loss_fn adds {len(agreement.ratios) + 1} means over different counts: with "
+                                    f"data-parallel replicas at most {_RATIOS + 1} are weighed. Nothing was sent")
+            flags = torch.zeros((2 + _PRINT) * world + copies + (1 + _RATIOS) * world, dtype=torch.int64,
+                                device=self.device)
             flags[self.rank] = failure is not None
             flags[world + self.rank] = _CALLS.index(call) if call in _CALLS else len(_CALLS)
             if failure is None and agreement.batch is not None:
@@ -217,9 +227,17 @@ class Failures:
             for i, copy in enumerate(agreement.copies):
                 if copy.held is not None:
                     flags[base + i * world + self.rank] = copy.bits().to(self.device)
+            if failure is None and agreement.ratios is not None:
+                at = base + copies + (1 + _RATIOS) * self.rank
+                flags[at] = 1 + len(agreement.ratios)
+                ratios = torch.tensor(list(agreement.ratios) + [0.0] * (_RATIOS - len(agreement.ratios)),
+                                      dtype=torch.float64)
+                flags[at + 1:at + 1 + _RATIOS] = ratios.view(torch.int64).to(self.device)  # bits, summed with zeros
             dist.all_reduce(flags, group=self.group)
             values = flags.tolist()
-        values, prints, held = values[:2 * world], values[2 * world:(2 + _PRINT) * world], values[(2 + _PRINT) * world:]
+        base = (2 + _PRINT) * world
+        values, prints, held = values[:2 * world], values[2 * world:base], values[base:base + copies]
+        reported = flags[base + copies:].cpu().view(world, 1 + _RATIOS)
         calls = values[world:]
         if len(set(calls)) > 1:  # raised outside reported(): not a failure for the store to keep
             named = ", ".join(f"rank {r}: {_CALLS[c] if c < len(_CALLS) else 'another call'}"
@@ -236,6 +254,7 @@ class Failures:
             if self.rows is not None and len(self.rows) > 1 and call == "step()":
                 _refuse_same_batches([every[row[0]] for row in self.rows], self.rows)
             refuse_different_copies(agreement.copies, held, world)
+            _refuse_unshared_ratios(reported)
             return
         with self.reported():
             lines: list[Optional[str]] = [None] * self.world_size
@@ -327,3 +346,25 @@ def _refuse_same_batches(prints: List[tuple], rows: List[List[int]]) -> None:
         "global batch. Nothing was sent. Give each replica its own shard: pipe.shard(global_batch) on every rank, or "
         "DistributedSampler(dataset, num_replicas=pipe.dp_size, rank=pipe.dp_rank).",
         groups=[sorted(r for row in rows for r in row)])
+
+
+def _refuse_unshared_ratios(reported: torch.Tensor) -> None:
+    """The replicas' last ranks (a row each of ``reported``: 1 + how many ratios, then the
+    ratios' bits) must report the same ratios of a loss's further counts to its first: each
+    micro-batch's loss is weighed by its share of the global batch's first count, which gives
+    every further mean its global value only where its count is in the same proportion on every
+    replica (within one replica's micro-batches it is checked when the loss is read). Refused on
+    every rank alike, before anything is sent."""
+    rows = [(r, row[1:int(row[0])].contiguous().view(torch.float64).tolist()) for r, row in enumerate(reported)
+            if int(row[0]) > 0]
+    for r, ratios in rows[1:]:
+        first, mine = rows[0]
+        if len(ratios) != len(mine) or not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(mine, ratios)):
+            raise StepError(
+                "loss_fn adds means over different counts (a token mean and a mean over every position, say), and "
+                f"the data-parallel replicas count them in other proportions: rank {first}'s further counts are "
+                f"{[round(x, 6) for x in mine]} of its first, rank {r}'s {[round(x, 6) for x in ratios]}. Each "
+                "micro-batch's loss is weighed by its share of the global batch's first count, which would give the "
+                "other means another value than eager's on the global batch. Nothing was sent. Divide every term by "
+                "one count (the same mask's sum), return sums and divide after the step, or give each replica "
+                "batches padded alike")

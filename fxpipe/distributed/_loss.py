@@ -46,10 +46,14 @@ class StepLoss:
         batching: how the model's inputs split and outputs merge.
         chunks: micro-batches per step (equal sizes).
         device: where the last stage runs.
+        replicated: each step is one data-parallel replica's part of the global batch: every
+            micro-batch is counted (one alone too), and the loss's further counts are reported
+            in :attr:`ratios` for the replicas to compare (:mod:`._failures`).
     """
 
     def __init__(self, loss_fn: Optional[Callable[..., Tensor]], reading: Optional[LossFnReading],
-                 outputs: Sequence[Any], batching: Batching, chunks: int, device: torch.device) -> None:
+                 outputs: Sequence[Any], batching: Batching, chunks: int, device: torch.device,
+                 replicated: bool = False) -> None:
         self.loss_fn = loss_fn
         self.reading = reading
         self.outputs = list(outputs)
@@ -57,6 +61,9 @@ class StepLoss:
         self.chunks = chunks
         self.device = device
         self.own = own_loss_output(batching, "loss_fn=None", "Pass loss_fn=...") if loss_fn is None else None
+        self.replicated = replicated
+        #: this step's further counts of a loss adding several means, against its first (see Weights)
+        self.ratios: tuple[float, ...] = ()
         self._counts: Optional[Tensor] = None  # what each micro-batch counts (float64); None: a sum
         self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
         self._targets: List[Any] = []  # this step's, per micro-batch
@@ -75,10 +82,12 @@ class StepLoss:
         self._next = 0
         self._targets = []
         self.kept = []
+        self.ratios = ()
         if self.own is not None:
             merge = self.batching.merges[self.own]
             micro, _ = self.batching.split(flat, self.chunks)
-            counts = self.batching.weights(flat, micro).get(self.own)  # refuses what it cannot weigh
+            # refuses what it cannot weigh
+            counts = self.batching.weights(flat, micro, alone=not self.replicated).get(self.own)
             if merge == "sum":
                 self._counts = None
             elif counts is not None:
@@ -90,7 +99,8 @@ class StepLoss:
         assert targets is not None and self.reading is not None
         self._targets = [pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, part)
                          for part in targets]
-        weights = self.reading.weights(self.outputs, self._targets, sizes, device=self.device)
+        weights = self.reading.weights(self.outputs, self._targets, sizes, device=self.device,
+                                       alone=not self.replicated)
         if weights.kind is None:
             raise StepError(
                 "loss_fn cannot be split over micro-batches: torch's schedules compute it on each micro-batch and "
@@ -100,6 +110,7 @@ class StepLoss:
                 "mixes the samples outside the pipeline (eval_step gives the outputs)")
         self._counts = None if weights.kind == "sum" else _counted(weights.counts or [])
         self._shares = _shares(self._counts)
+        self.ratios = weights.ratios
 
     def over_replicas(self, replicas: dist.ProcessGroup) -> None:
         """Each micro-batch's share of the *global* batch's count: this step's counts summed

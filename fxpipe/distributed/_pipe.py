@@ -279,6 +279,8 @@ class DistributedPipeline(PipelineState):
                 self._step_loss.outputs = list(run.outputs)  # one micro-batch's, of this shape
                 self._step_loss.begin(targets, flat)
                 self._step_loss.keep = return_outputs
+                if self.layout.replicas is not None:  # the replicas' further counts must agree
+                    agreement.ratios = self._step_loss.ratios
         # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
         # takes the real one from StepLoss: a stand-in, split alike
         stand_in = torch.zeros(batch, device=self.device) if last else None

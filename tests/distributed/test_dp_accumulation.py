@@ -61,14 +61,21 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-#: the calls of each case: ("step", batch) or ("eval", batch), no zero_grad in between
+#: the calls of each case: ("step", batch) or ("eval", batch), no zero_grad in between; chunks
 CASES = {
-    "ddp eval_step between": ("ddp", [("step", 0), ("eval", 0), ("step", 0)]),
-    "fsdp eval_step between": ("fsdp", [("step", 0), ("eval", 0), ("step", 0)]),
-    "fsdp new length": ("fsdp", [("step", 0), ("step", 1)]),
+    "ddp eval_step between": ("ddp", [("step", 0), ("eval", 0), ("step", 0)], 2),
+    "fsdp eval_step between": ("fsdp", [("step", 0), ("eval", 0), ("step", 0)], 2),
+    "fsdp new length": ("fsdp", [("step", 0), ("step", 1)], 2),
     # a length eval_step (under no_grad) brings first, then trained at
-    "ddp eval_step at a new length": ("ddp", [("step", 0), ("eval", 1), ("step", 1)]),
+    "ddp eval_step at a new length": ("ddp", [("step", 0), ("eval", 1), ("step", 1)], 2),
+    # one micro-batch per replica: still weighed by its count of labels (it was by 1/dp)
+    "ddp one micro-batch": ("ddp", [("step", 0)], 1),
 }
+
+
+def _with_z_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A token mean plus a mean over every position (a z-loss): two means over two counts."""
+    return _loss(out, y) + 1e-2 * out.logsumexp(-1).pow(2).mean()
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -77,10 +84,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     mesh = _join(rank, world, port)
     batches = _batches()
     result = {}
-    for name, (data_parallel, calls) in CASES.items():
+    for name, (data_parallel, calls, chunks) in CASES.items():
         torch.manual_seed(0)
-        pipe = fpd.pipeline(Tokens(), batches[0][0][:4], chunks=2, loss_fn=_loss, schedule="1f1b", mesh=mesh,
-                            data_parallel=data_parallel, timeout=60)
+        pipe = fpd.pipeline(Tokens(), batches[0][0][:4], chunks=chunks, loss_fn=_loss,
+                            schedule="1f1b" if chunks > 1 else "gpipe", mesh=mesh, data_parallel=data_parallel,
+                            timeout=60)
         for kind, b in calls:
             x, y = batches[b]
             if kind == "step":
@@ -88,6 +96,19 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             else:
                 pipe.eval_step(pipe.shard(x))
         result[name] = {n: whole(p.grad) for n, p in pipe.named_parameters()}
+        if name == "ddp one micro-batch":  # the z-loss's count is another share of each replica's labels
+            from fxpipe.errors import StepError
+
+            again = fpd.pipeline(Tokens(), batches[0][0][:4], chunks=2, loss_fn=_with_z_loss, schedule="1f1b",
+                                 mesh=mesh, data_parallel="ddp", timeout=60)
+            try:
+                again.step(again.shard(batches[0][0]), target=again.shard(batches[0][1]))
+                result["z-loss"] = "ran"
+            except StepError as e:  # on every rank, before anything was sent: the pipeline goes on
+                result["z-loss"] = str(e)
+                x, y = batches[0]
+                result["z-loss after"] = float(again.step(again.shard(x), target=again.shard(y.clamp(min=0))))
+            again.close()
         pipe.close()
     torch.save(result, Path(out) / f"rank{rank}.pt")
     _leave()
@@ -106,7 +127,11 @@ def _eager(calls: list) -> dict[str, torch.Tensor]:
 
 def test_accumulated_gradients_survive_eval_step_and_a_new_length(tmp_path: Path) -> None:
     ranks: list[Any] = run_ranks(_worker, 4, (), tmp_path)
-    for name, (_, calls) in CASES.items():
+    for got in ranks:
+        assert got["z-loss"].startswith("loss_fn adds means over different counts") and \
+            "the data-parallel replicas count them in other proportions" in got["z-loss"], got["z-loss"]
+        assert got["z-loss after"] > 0  # without ignored labels the counts agree: it trains
+    for name, (_, calls, _) in CASES.items():
         want = _eager(calls)
         for r, got in enumerate(ranks):
             assert got[name], f"{name}: no gradient on rank {r}"
