@@ -37,7 +37,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["shard_stages", "sharded_here", "is_sharded", "placed_like", "local_part",
+#: set in the ``__dict__`` of a parameter :func:`shard_stages` replaced by its shard: its model
+#: name (an optimizer made over it before the build would update nothing: refused at its step)
+SHARDED_AWAY = "_fxpipe_sharded_away"
+
+__all__ = ["SHARDED_AWAY", "shard_stages", "sharded_here", "is_sharded", "placed_like", "local_part",
            "refuse_sharded_model", "sharded_stage"]
 
 
@@ -135,6 +139,7 @@ def shard_stages(model: nn.Module, stages: list[nn.Module], placement: list[int]
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     holders = _holders(model)
+    names = {id(p): n for n, p in model.named_parameters()}
     shared = shared_on_a_rank(stages, placement)
     stages = [stages[k] for k in local]
     before = [(m, n, p) for stage in stages for m in stage.modules() for n, p in m._parameters.items()
@@ -154,6 +159,8 @@ def shard_stages(model: nn.Module, stages: list[nn.Module], placement: list[int]
         stage.set_force_sum_reduction_for_comms(True)
     for module, name, original in before:
         sharded = module._parameters[name]
+        if sharded is not original:
+            original.__dict__[SHARDED_AWAY] = names.get(id(original), name)
         for owner, attr in holders.get(id(original), ()):
             if owner._parameters.get(attr) is original:
                 owner._parameters[attr] = sharded

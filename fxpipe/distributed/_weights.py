@@ -36,7 +36,7 @@ from torch.utils.weak import WeakIdRef
 
 from fxpipe.errors import DistributedError, MaterialiseError
 
-from ._sharding import placed_like
+from ._sharding import SHARDED_AWAY, placed_like
 
 __all__ = ["release_others", "restore_released", "local_state_dict", "load_local_state_dict", "partly_released",
            "swap_in_place", "drop_weak_references"]
@@ -112,9 +112,21 @@ def refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     under an earlier layout, and a pipeline built since moved its stage to another rank: kept
     across that rebuild, the optimizer would silently never update the parameters this rank holds
     now (they are in no optimizer) while its state for the released ones is useless. An optimizer
-    made before the build holds released parameters too, but no state for them: it runs."""
+    made before the build holds released parameters too, but no state for them: it runs.
+
+    Under ``data_parallel='fsdp'`` the build replaces this rank's parameters by their shards
+    (:data:`._sharding.SHARDED_AWAY`): an optimizer made before it holds the originals, which
+    get no gradient, and would silently update nothing (measured: LayerNorm weights still 1.0
+    after three steps). Refused at its first step, whatever its state."""
     for group in optimizer.param_groups:
         for p in group["params"]:
+            away = p.__dict__.get(SHARDED_AWAY)
+            if away is not None:
+                raise DistributedError(
+                    f"this {type(optimizer).__name__} holds {away!r} as it was before a fxpipe.distributed pipeline "
+                    "with data_parallel='fsdp' sharded it: the pipeline trains its shard, a new parameter, so this "
+                    "optimizer would never update anything. Make the optimizer after the build, over the pipeline's "
+                    "parameters: opt = AdamW(pipe.parameters())")
             name = p.__dict__.get(RELEASED)
             if name is not None and p in optimizer.state and optimizer.state[p]:
                 raise DistributedError(

@@ -80,13 +80,16 @@ def _with_z_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import fxpipe.distributed as fpd
+    from fxpipe.errors import DistributedError
 
     mesh = _join(rank, world, port)
     batches = _batches()
     result = {}
     for name, (data_parallel, calls, chunks) in CASES.items():
         torch.manual_seed(0)
-        pipe = fpd.pipeline(Tokens(), batches[0][0][:4], chunks=chunks, loss_fn=_loss,
+        model = Tokens()
+        early = torch.optim.SGD(model.parameters(), lr=0.1)  # made before the build
+        pipe = fpd.pipeline(model, batches[0][0][:4], chunks=chunks, loss_fn=_loss,
                             schedule="1f1b" if chunks > 1 else "gpipe", mesh=mesh, data_parallel=data_parallel,
                             timeout=60)
         for kind, b in calls:
@@ -96,6 +99,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             else:
                 pipe.eval_step(pipe.shard(x))
         result[name] = {n: whole(p.grad) for n, p in pipe.named_parameters()}
+        try:  # 'ddp' trains the model's own parameters; 'fsdp' replaced them by shards: refused
+            early.step()
+            result[name + ": early optimizer"] = "ran"
+        except DistributedError as e:
+            result[name + ": early optimizer"] = str(e)
         if name == "ddp one micro-batch":  # the z-loss's count is another share of each replica's labels
             from fxpipe.errors import StepError
 
@@ -131,7 +139,14 @@ def test_accumulated_gradients_survive_eval_step_and_a_new_length(tmp_path: Path
         assert got["z-loss"].startswith("loss_fn adds means over different counts") and \
             "the data-parallel replicas count them in other proportions" in got["z-loss"], got["z-loss"]
         assert got["z-loss after"] > 0  # without ignored labels the counts agree: it trains
-    for name, (_, calls, _) in CASES.items():
+    for name, (data_parallel, calls, _) in CASES.items():
+        for got in ranks:
+            early = got.pop(name + ": early optimizer")
+            if data_parallel == "ddp":
+                assert early == "ran", early
+            else:
+                assert "holds 'emb.weight' as it was before a fxpipe.distributed pipeline with data_parallel='fsdp' " \
+                       "sharded it" in early, early
         want = _eager(calls)
         for r, got in enumerate(ranks):
             assert got[name], f"{name}: no gradient on rank {r}"
