@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import pytest
 
 #: seconds (setup + call, on the reference run) over which a test is left to --runslow
-SLOW_SECONDS = 1.0
+SLOW_SECONDS = 0.7
 
 #: node ids, or prefixes of them, that CI runs whatever they cost
 CORE = (
