@@ -140,7 +140,7 @@ class CountedLabels:
             else:
                 found.counts[i] = count
         for i in found.uncounted:
-            _refuse_divisor(gm, returned[i], index, in_dims, i)
+            _refuse_divisor(gm, returned[i], index, in_dims, i, flat)
             _refuse_selection(gm, returned[i], index, in_dims, i, flat)
         if found.uncounted:
             checks = {(k, IGNORE_INDEX) for k, d in enumerate(in_dims) if d is not None}
@@ -180,7 +180,9 @@ class CountedLabels:
                     "labels, the merged loss and its gradients would silently differ from the model's. What to "
                     "do: return the loss's sum and its number of counted labels, merge both with 'sum' (e.g. "
                     "output_merge={'loss_sum': 'sum', 'count': 'sum'}) and divide after the pipeline; or compute "
-                    "the loss outside the pipeline from the logits.")
+                    "the loss outside the pipeline from the logits. A loss already divided by the whole batch's "
+                    "count, given to every micro-batch whole (transformers' num_items_in_batch), is a sum of its "
+                    "micro-batches' parts: merge it with 'sum'.")
 
 
 def weighted_mean(parts: Sequence[Tensor], counts: Sequence[Tensor]) -> Tensor:
@@ -339,19 +341,27 @@ def _fetch(gm: fx.GraphModule, target: str) -> Tensor:
 
 
 def _refuse_divisor(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], in_dims: Sequence[Optional[int]],
-                    i: int) -> None:
+                    i: int, flat: Sequence[Any] = ()) -> None:
     """An uncounted 'mean' loss that divides by a value computed from inputs split into
     micro-batches (a count of the data this could not read as one): refused at the build,
-    since each micro-batch would divide by its own."""
+    since each micro-batch would divide by its own. A divisor every micro-batch gets whole (a
+    0-dim ``num_items_in_batch``, as transformers' Trainer passes; a temperature) is not refused
+    here: whether 'mean' or 'sum' merges the loss exactly is then the split check's to see on
+    the sample (:func:`fxpipe.checks._micro_batches.check_split`)."""
     if not isinstance(node, fx.Node):
         return
+
+    def split(k: int) -> bool:  # Batching.split passes a 0-dim tensor whole
+        x = flat[k] if k < len(flat) else None
+        return in_dims[k] is not None and not (isinstance(x, Tensor) and x.dim() == 0)
+
     for n in ancestors(node):
         divisor = _divisor(n)
         if divisor is None:
             continue
         program = _program(gm, divisor, index)
-        if program is None or not any(in_dims[k] is not None for k in program[1]) or _reads_sizes(divisor):
-            continue  # a constant, or a size (x.size(0): the size-weighted merge is its mean)
+        if program is None or not any(split(k) for k in program[1]) or _reads_sizes(divisor):
+            continue  # a constant, an input given whole, or a size (x.size(0): the size-weighted merge is its mean)
         where = _line(n)
         raise MicroBatchError(
             f"the loss (output {i}, merged with 'mean') divides by {divisor.name}{where}, a value computed from "

@@ -297,3 +297,40 @@ def test_mean_over_a_padding_mask_is_weighed_by_the_mask():
     _exact_step(MaskMean(), (x, targets, mask))
 
 
+
+
+def test_a_loss_divided_by_num_items_in_batch_merges_by_sum():
+    """transformers' Trainer passes ``num_items_in_batch`` (the whole batch's count, a 0-dim
+    tensor every micro-batch gets whole): the loss is then a sum of its micro-batches' parts.
+    'mean' is refused saying so; 'sum' is exact, outputs and every gradient."""
+    from hf_families import no_dropout
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(no_dropout(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64))).train()
+    ref = copy.deepcopy(model)
+
+    def batch(seed: int, length: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, VOCAB, (4, length), generator=g)
+        mask = torch.ones(4, length, dtype=torch.long)
+        mask[1, length - 3:] = 0
+        mask[3, length - 5:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "num_items_in_batch": (labels[:, 1:] != -100).sum()}
+
+    with pytest.raises(MicroBatchError, match="num_items_in_batch\\), is a sum of its micro-batches' parts: merge it "
+                                              "with 'sum'"):
+        fxpipe.pipeline(copy.deepcopy(model), (), 2, sample_kwargs=batch(0, 8), chunks=2, devices=["cpu"] * 2,
+                        progress=False, output_merge={"loss": "mean"})
+    pipe = fxpipe.pipeline(model, (), 2, sample_kwargs=batch(0, 8), chunks=2, devices=["cpu"] * 2, progress=False,
+                           output_merge={"loss": "sum"})
+    b = batch(1, 11)
+    got, want = pipe(**b).loss, ref(**b).loss
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        scale = q.grad.abs().max().item()
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6 * scale + 1e-12, msg=lambda m: f"{name}: {m}")
