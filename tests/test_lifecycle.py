@@ -508,3 +508,28 @@ def test_building_leaves_python_attributes_and_version_counters_as_they_were():
     assert [b._version for b in model.buffers()] == versions
     pending.sum().backward()  # torch raises if a saved buffer was written in place
     assert model[0].weight.grad is not None
+
+
+class _MeanLoss(torch.nn.Module):
+    """Returns its loss as a 0-dim output (the split check then takes its gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, h: torch.Tensor) -> dict:
+        return {"loss": self.b(torch.tanh(self.a(h))).pow(2).mean()}
+
+
+def test_the_build_writes_no_gradient_outside_the_model():
+    """A sample with autograd history (a trainable projection before the model, a leaf with
+    requires_grad): the build's gradient check took .grad into them (twice a step's gradient
+    at the user's next backward, measured)."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(4, 6)
+    x = torch.randn(8, 4, requires_grad=True)
+    model = _MeanLoss()
+    fxpipe.pipeline(model, proj(x), 2, chunks=2, devices=["cpu"] * 2, progress=False,
+                    output_merge={"loss": "mean"})
+    assert proj.weight.grad is None and proj.bias.grad is None and x.grad is None
+    assert all(p.grad is None for p in model.parameters())

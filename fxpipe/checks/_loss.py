@@ -61,6 +61,11 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
     if not named or not indices or any(p.is_meta for _, p in named):  # on meta: no values to compare
         return None
     params = [p for _, p in named]
+    # detached: a sample with autograd history (a trainable projection or soft prompt before the
+    # model, inputs_embeds, a leaf with requires_grad) would take .grad from these backwards into
+    # tensors outside the model, and the user's next step would add them (measured: 2x a step's)
+    flat = [x.detach() if isinstance(x, Tensor) else x for x in flat]
+    micro = [[x.detach() if isinstance(x, Tensor) else x for x in m] for m in micro]
     with torch.enable_grad():
         whole = list(gm(*flat))
         outs = [list(gm(*m)) for m in micro]
