@@ -84,6 +84,7 @@ class StepLosses:
         self.m = m
         self.losses: List[Optional[Tensor]] = [None] * m  # detached, once computed
         self._scales: Optional[List[Tensor]] = None
+        self._weighed: List[bool] = []  # per micro-batch: whether the merge gives its loss any weight
         #: micro-batches whose backward ran (1F1B): gradients are partly accumulated
         self.backwarded = 0
 
@@ -92,6 +93,10 @@ class StepLosses:
         self.losses[i] = loss.detach()
         if self._scales is None:
             self._scales = loss_scales(self.merge, self.m, loss.detach())
+            # a micro-batch the merge weighs 0 (a mean over what it counts, counting nothing) runs
+            # no backward: its loss is sum / 0, whose backward turns even a zero gradient into nan
+            # in every parameter (measured); eager's whole-batch loss gives those terms nothing
+            self._weighed = torch.stack(self._scales).reshape(self.m, -1).ne(0).any(1).tolist()
         return loss
 
     def backward_now(self, i: int, output: Batch) -> Batch:
@@ -99,15 +104,18 @@ class StepLosses:
         loss = self._loss(i, output)
         del output
         assert self._scales is not None
-        torch.autograd.backward(loss, self._scales[i])
+        if self._weighed[i]:
+            torch.autograd.backward(loss, self._scales[i])
         self.backwarded += 1
         return Batch((), atomic=False)
 
     def backward_all(self, outputs: Sequence[Batch]) -> None:
-        """GPipe: every micro-batch's loss, then one backward over all of them."""
+        """GPipe: every micro-batch's loss, then one backward over all of them (those the merge weighs)."""
         losses = [self._loss(i, out) for i, out in enumerate(outputs)]
         assert self._scales is not None
-        torch.autograd.backward(losses, self._scales)
+        kept = [(loss, scale) for loss, scale, weighed in zip(losses, self._scales, self._weighed) if weighed]
+        if kept:
+            torch.autograd.backward([loss for loss, _ in kept], [scale for _, scale in kept])
 
     def merged(self) -> Tensor:
         """The step's loss (no grad): the merge of the micro-batch losses."""
