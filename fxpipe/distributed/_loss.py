@@ -150,9 +150,24 @@ class StepLoss:
             raise StepError(f"{what} for micro-batch {i} must be a 0-dim floating tensor (a loss), got {got}")
         if self._shares is None:
             return loss
+        if not bool(self._shares[i] != 0):
+            return _no_weight(loss, flat_output())
         share = self._shares[i].to(loss.device)
         # a micro-batch counting nothing has the mean 0/0: weight 0, and a zero gradient
         return torch.where(share > 0, loss * share.to(loss.dtype), torch.zeros_like(loss))
+
+
+def _no_weight(loss: Tensor, outputs: Sequence[Any]) -> Tensor:
+    """The loss of a micro-batch the step weighs 0 (a mean counting nothing: ``sum / 0``), as
+    torch's stage backward takes it: 0, reaching the stage's other outputs (its logits) with a
+    zero gradient. Through the loss itself even a zero gradient is 0 * (1 / 0) = nan in every
+    parameter (measured); eager's whole-batch loss gives those terms nothing (their mask or
+    class weight is 0). A stage with no such output keeps that path: ``where``."""
+    others = [v for v in outputs if isinstance(v, Tensor) and v is not loss and v.requires_grad
+              and v.is_floating_point() and v.dim() > 0]  # not a 0-dim loss of the model's: sum / 0 too
+    if not others:
+        return torch.where(torch.zeros((), dtype=torch.bool, device=loss.device), loss, torch.zeros_like(loss))
+    return sum(((v * 0).sum() for v in others), torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
 def _counted(counts: Sequence[Tensor]) -> Tensor:

@@ -1,0 +1,88 @@
+"""A micro-batch whose loss counts nothing (all masked out, or targets whose class weights are
+0) on 2 gloo ranks: its loss is ``sum / 0``, and a zero gradient through it was nan in every
+parameter. Weighed 0, it is backwarded through the stage's other outputs only: the gradients
+equal eager's on the whole batch, for the model's own loss and for a ``loss_fn``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_harness import run_ranks
+from exact import assert_close_scaled
+
+
+class MaskedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.body, self.head = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 20)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        logits = self.head(torch.tanh(self.body(self.embed(ids))))
+        per_token = F.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view_as(mask)
+        return {"loss": (per_token * mask).sum() / mask.sum(), "logits": logits}
+
+
+WEIGHTS = torch.ones(20)
+WEIGHTS[0] = 0  # the pad class
+
+
+def class_weighted(out: dict, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out["logits"].flatten(0, 1), y.flatten(), weight=WEIGHTS)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 20, (4, 5), generator=g)
+    mask = torch.ones(4, 5)
+    mask[2:] = 0  # the second micro-batch counts nothing
+    y = ids.clone()
+    y[2:] = 0
+    return ids, mask, y
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    ids, mask, y = _data()
+    result = {}
+    for kind in ("own", "loss_fn"):
+        torch.manual_seed(1)
+        pipe = fpd.pipeline(MaskedLM(), (ids, mask), chunks=2, loss_fn=class_weighted if kind == "loss_fn" else None,
+                            output_merge={"loss": "mean", "logits": 0}, timeout=60)
+        loss = pipe.step(ids, mask, target=y) if kind == "loss_fn" else pipe.step(ids, mask)
+        result[kind] = (loss, {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
+        pipe.close()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_micro_batch_counting_nothing_gives_eagers_gradients(tmp_path: Path) -> None:
+    ranks = run_ranks(_worker, 2, (), tmp_path)
+    ids, mask, y = _data()
+    for kind in ("own", "loss_fn"):
+        torch.manual_seed(1)
+        model = MaskedLM()
+        out = model(ids, mask)
+        want = class_weighted(out, y) if kind == "loss_fn" else out["loss"]
+        want.backward()
+        eager = dict(model.named_parameters())
+        held = set()
+        for got in ranks:
+            loss, grads = got[kind]
+            assert_close_scaled(loss, want.detach(), what=f"{kind} loss")
+            for name, g in grads.items():
+                assert torch.isfinite(g).all(), f"{kind}: {name}"
+                assert_close_scaled(g, eager[name].grad, what=f"{kind}: grad {name}")
+                held.add(name)
+        assert held == set(eager), kind
