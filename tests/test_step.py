@@ -19,7 +19,7 @@ import fxpipe
 from fxpipe.errors import ArgumentError, InputMismatchError, StepError
 
 from exact import assert_all_close, assert_close_scaled, assert_grads_equal
-from zoo import bn_model, dropout_model, gpt_tied, unet
+from zoo import MaskedMeanLM, bn_model, dropout_model, gpt_tied, unet
 
 MODES = ("never", "except_last", "always")
 SCHEDULES = ("gpipe", "1f1b")
@@ -370,26 +370,13 @@ def test_step_returns_the_outputs_when_asked(schedule):
     assert_grads_equal(model, ref)
 
 
-class _MaskedLM(nn.Module):
-    """Its own loss, a masked mean: ``(l * mask).sum() / mask.sum()``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed, self.body, self.head = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 20)
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
-        logits = self.head(torch.tanh(self.body(self.embed(ids))))
-        per_token = F.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view_as(mask)
-        return {"loss": (per_token * mask).sum() / mask.sum(), "logits": logits}
-
-
 @pytest.mark.parametrize("how", ["gpipe", "1f1b", "call"])
 def test_a_micro_batch_counting_nothing_gives_no_nan_gradient(how):
     """Micro-batch 1 of 2 is all masked out (a mean over what it counts, counting nothing): its
     loss is 0 / 0, and a zero gradient through that division was nan in every parameter. Its
     backward is not run; eager's whole-batch gradients."""
     torch.manual_seed(0)
-    model = _MaskedLM()
+    model = MaskedMeanLM()
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 20, (4, 5))
     mask = torch.ones(4, 5)

@@ -283,3 +283,17 @@ ZOO: dict[str, Callable[..., Sample]] = {
     "dropout_model": dropout_model,
     "dataclass_output_model": dataclass_output_model,
 }
+
+
+class MaskedMeanLM(nn.Module):
+    """Its own loss, a masked mean ``(l * mask).sum() / mask.sum()``, beside its logits: a
+    micro-batch all masked out counts nothing (``sum / 0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.body, self.head = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 20)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        logits = self.head(torch.tanh(self.body(self.embed(ids))))
+        per_token = F.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view_as(mask)
+        return {"loss": (per_token * mask).sum() / mask.sum(), "logits": logits}

@@ -10,21 +10,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from dist_harness import run_ranks
 from exact import assert_close_scaled
-
-
-class MaskedLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed, self.body, self.head = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 20)
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
-        logits = self.head(torch.tanh(self.body(self.embed(ids))))
-        per_token = F.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view_as(mask)
-        return {"loss": (per_token * mask).sum() / mask.sum(), "logits": logits}
+from zoo import MaskedMeanLM
 
 
 WEIGHTS = torch.ones(20)
@@ -57,7 +45,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     result = {}
     for kind in ("own", "loss_fn"):
         torch.manual_seed(1)
-        pipe = fpd.pipeline(MaskedLM(), (ids, mask), chunks=2, loss_fn=class_weighted if kind == "loss_fn" else None,
+        pipe = fpd.pipeline(MaskedMeanLM(), (ids, mask), chunks=2, loss_fn=class_weighted if kind == "loss_fn" else None,
                             output_merge={"loss": "mean", "logits": 0}, timeout=60)
         loss = pipe.step(ids, mask, target=y) if kind == "loss_fn" else pipe.step(ids, mask)
         result[kind] = (loss, {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
@@ -72,7 +60,7 @@ def test_a_micro_batch_counting_nothing_gives_eagers_gradients(tmp_path: Path) -
     ids, mask, y = _data()
     for kind in ("own", "loss_fn"):
         torch.manual_seed(1)
-        model = MaskedLM()
+        model = MaskedMeanLM()
         out = model(ids, mask)
         want = class_weighted(out, y) if kind == "loss_fn" else out["loss"]
         want.backward()
