@@ -55,11 +55,13 @@ def _core(nodeid: str) -> bool:
 
 
 def _shared_fixtures(item: Any) -> set[tuple[str, str]]:
-    """(where it is defined, name) of each module- or session-scoped fixture ``item`` uses."""
+    """(where it is defined, name) of each module- or session-scoped fixture of the tests'
+    own that ``item`` uses (pytest's, such as ``tmp_path_factory`` under ``tmp_path``, cost
+    nothing worth counting and are shared by everything)."""
     info = getattr(item, "_fixtureinfo", None)
     found = set()
     for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
-        if defs and defs[-1].scope in _SHARED:
+        if defs and defs[-1].scope in _SHARED and str(defs[-1].baseid).startswith("tests"):
             found.add((str(defs[-1].baseid), name))
     return found
 
