@@ -66,6 +66,7 @@ class StepLoss:
         self.ratios: tuple[float, ...] = ()
         self._counts: Optional[Tensor] = None  # what each micro-batch counts (float64); None: a sum
         self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
+        self._weighed: List[bool] = []  # per micro-batch: whether it counts anything
         self._targets: List[Any] = []  # this step's, per micro-batch
         self._next = 0
         #: ``step(return_outputs=...)``: False, True (each micro-batch's flat outputs, detached),
@@ -89,12 +90,11 @@ class StepLoss:
             # refuses what it cannot weigh
             counts = self.batching.weights(flat, micro, alone=not self.replicated).get(self.own)
             if merge == "sum":
-                self._counts = None
+                self._weigh(None)
             elif counts is not None:
-                self._counts = _counted(counts)
+                self._weigh(_counted(counts))
             else:  # a plain mean of the micro-batches' means: each counts alike
-                self._counts = torch.ones(self.chunks, dtype=torch.float64)
-            self._shares = _shares(self._counts)
+                self._weigh(torch.ones(self.chunks, dtype=torch.float64))
             return
         assert targets is not None and self.reading is not None
         self._targets = [pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, part)
@@ -108,9 +108,15 @@ class StepLoss:
                 f"{weights.why}. Nothing was sent. Write the loss as a sum over samples, or such a sum divided by a "
                 "count of the target (a mask's sum, the labels that are not ignore_index), or compute a loss that "
                 "mixes the samples outside the pipeline (eval_step gives the outputs)")
-        self._counts = None if weights.kind == "sum" else _counted(weights.counts or [])
-        self._shares = _shares(self._counts)
+        self._weigh(None if weights.kind == "sum" else _counted(weights.counts or []))
         self.ratios = weights.ratios
+
+    def _weigh(self, counts: Optional[Tensor]) -> None:
+        """This step's counts (None: a sum), each micro-batch's share of them, and which count
+        anything (read once per step: one sync, not one per micro-batch)."""
+        self._counts = counts
+        self._shares = _shares(counts)
+        self._weighed = [True] * self.chunks if counts is None else (counts != 0).tolist()
 
     def over_replicas(self, replicas: dist.ProcessGroup) -> None:
         """Each micro-batch's share of the *global* batch's count: this step's counts summed
@@ -150,11 +156,9 @@ class StepLoss:
             raise StepError(f"{what} for micro-batch {i} must be a 0-dim floating tensor (a loss), got {got}")
         if self._shares is None:
             return loss
-        if not bool(self._shares[i] != 0):
+        if not self._weighed[i]:  # a mean counting nothing: 0 / 0
             return _no_weight(loss, flat_output())
-        share = self._shares[i].to(loss.device)
-        # a micro-batch counting nothing has the mean 0/0: weight 0, and a zero gradient
-        return torch.where(share > 0, loss * share.to(loss.dtype), torch.zeros_like(loss))
+        return loss * self._shares[i].to(loss.device, loss.dtype)
 
 
 def _no_weight(loss: Tensor, outputs: Sequence[Any]) -> Tensor:
