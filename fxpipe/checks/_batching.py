@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..capture._tracing import positional_names
-from ._counted_labels import CountedLabels, weighted_mean
+from ._counted_labels import CountedLabels
+from ._weighted_mean import weighted_mean
 from ..errors import MicroBatchError
 from ..runtime._microbatch import split_sizes as _split_sizes
 from ..tree import leaf_names

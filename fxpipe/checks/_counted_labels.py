@@ -23,8 +23,8 @@ So the build decides, once, per 0-dim output merged by ``'mean'`` (:meth:`Counte
   - a sum divided by a sum computed from the inputs alone (``mask.sum()``).
   The graph's own code that makes the target or the divisor from the inputs (transformers'
   pad-and-slice shift, views) is copied out and run on each micro-batch's inputs to count
-  them, and :func:`weighted_mean` merges ``sum_i n_i L_i / sum_i n_i``: the whole batch's sum
-  over its count, in value and, since the counts are constants of the merged loss's graph, in
+  them, and :func:`fxpipe.checks._weighted_mean.weighted_mean` merges
+  ``sum_i n_i L_i / sum_i n_i``: the whole batch's sum over its count, in value and, since the counts are constants of the merged loss's graph, in
   every gradient.
 * **not counted**: any other loss. A loss that divides by a value computed from split inputs
   that is not such a sum (``mask.sum().clamp(min=1)``) is refused at the build. Before
@@ -51,7 +51,7 @@ from ..errors import MicroBatchError
 from ._loss_form import nll_total_weight
 from ._loss_values import ancestors
 
-__all__ = ["CountedLabels", "TokenCount", "counted_part", "weighted_mean", "holds_ignored", "IGNORE_INDEX"]
+__all__ = ["CountedLabels", "TokenCount", "holds_ignored", "IGNORE_INDEX"]
 
 #: the ignore index of torch's losses and of transformers' labels
 IGNORE_INDEX = -100
@@ -183,46 +183,6 @@ class CountedLabels:
                     "the loss outside the pipeline from the logits. A loss already divided by the whole batch's "
                     "count, given to every micro-batch whole (transformers' num_items_in_batch), is a sum of its "
                     "micro-batches' parts: merge it with 'sum'.")
-
-
-class _NoGradientWhenEmpty(torch.autograd.Function):
-    """``part`` as it is; in backward, no gradient at all (None) when its count is 0.
-
-    Why not a zero gradient: the part is ``sum / count`` inside the model (a masked mean, a
-    cross entropy whose targets' class weights sum to 0), and the division's backward turns even
-    a zero gradient into 0 * (1 / 0) = nan in every parameter (measured). With None autograd does
-    not go into that micro-batch's loss at all, as eager's whole-batch loss gives its terms none
-    (each is weighed by its mask or class weight, 0). The count is read in backward, once."""
-
-    @staticmethod
-    def forward(ctx: Any, part: Tensor, count: Tensor) -> Tensor:
-        ctx.save_for_backward(count)
-        return part.view_as(part)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], None]:
-        (count,) = ctx.saved_tensors
-        return (None if not bool(count != 0) else grad), None
-
-
-def counted_part(part: Tensor, count: Tensor) -> Tensor:
-    """A micro-batch's loss as it enters a merge weighed by ``count``: no gradient when it counts nothing."""
-    return _NoGradientWhenEmpty.apply(part, count) if part.requires_grad else part
-
-
-def weighted_mean(parts: Sequence[Tensor], counts: Sequence[Tensor]) -> Tensor:
-    """``sum_i n_i parts_i / sum_i n_i`` in the parts' dtype (weights in float32 at least).
-
-    A micro-batch that counts no label has the mean 0/0 = nan; it enters with weight 0
-    (``torch.where``) and no gradient (:func:`counted_part`). No label counted at all gives
-    nan, as the model does.
-    """
-    first = parts[0]
-    dtype = torch.promote_types(first.dtype, torch.float32)
-    n = torch.stack([c.to(first.device) for c in counts]).to(dtype)
-    values = torch.stack([counted_part(p, c).to(first.device, dtype) for p, c in zip(parts, counts)])
-    values = torch.where(n > 0, values, torch.zeros_like(values))
-    return ((values * n).sum() / n.sum()).to(first.dtype)
 
 
 def _token_count(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int]) -> Optional[TokenCount]:

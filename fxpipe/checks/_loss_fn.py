@@ -55,7 +55,7 @@ class Weights:
     ratios: Tuple[float, ...] = ()
 
     def merge(self, parts: Sequence[Tensor]) -> Tensor:
-        from ._counted_labels import weighted_mean
+        from ._weighted_mean import weighted_mean
         if self.kind == "sum":
             return torch.stack(list(parts)).sum(0)
         assert self.counts is not None
