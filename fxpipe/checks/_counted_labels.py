@@ -97,8 +97,6 @@ class TokenCount:
             if self.ignore_index is None:
                 return value
             weight = self.weight() if self.weight is not None else None
-            if weight is None:
-                return (value != self.ignore_index).sum()
             return nll_total_weight(value, weight, self.ignore_index)
 
 

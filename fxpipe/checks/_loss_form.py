@@ -384,7 +384,12 @@ def read_loss(gm: fx.GraphModule, inputs: Sequence[Tuple[Optional[int], bool]], 
 
 def nll_total_weight(target: Tensor, weight: Optional[Tensor], ignore_index: int) -> Tensor:
     """What a cross entropy / nll_loss with ``reduction='mean'`` divides by: the class weights
-    of the targets that are not ``ignore_index`` (their count without weights)."""
+    of the targets that are not ``ignore_index`` (their count without weights). A cross
+    entropy with class probabilities as targets (a floating target shaped as the logits, class
+    dim 1) divides by its rows whatever the class weights: ``numel / classes``."""
+    if target.is_floating_point():
+        rows = target.numel() // target.shape[1] if target.dim() > 1 else 1
+        return torch.tensor(float(rows), dtype=torch.float64, device=target.device)
     counted = target != ignore_index
     if weight is None:
         return counted.sum().to(torch.float64)
