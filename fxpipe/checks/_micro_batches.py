@@ -91,7 +91,8 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
             i, param, diff, scale = bad
             raise MicroBatchError(
                 f"{_output_label(batching.out_names[i])} merged over {k} micro-batches is close to the full "
-                f"batch's value but its gradient is not the full batch's: the gradient of parameter '{param}' differs by up to "
+                f"batch's value but its gradient is not the full batch's at weights near the model's (as training will "
+                f"move them): the gradient of parameter '{param}' differs by up to "
                 f"{diff:.3g} (largest |gradient| {scale:.3g}). Training the pipeline would silently "
                 f"differ from the model. {_LOSS_NOTE}")
     return deterministic

@@ -160,3 +160,52 @@ def test_sums_of_sums_are_accepted_and_sums_of_means_are_not(k: int) -> None:
     got = gradient_mismatch(gm, flat, micro, [1], add)
     assert got is not None and got[0] == 1
     assert got[1] == "lin.weight" and got[2] == pytest.approx((k - 1) * got[3], rel=1e-4)  # k times the gradient
+
+
+class ZeroRouter(nn.Module):
+    """A Switch-style load-balancing loss, ``(p.mean((0, 1)) ** 2).sum()``: a nonlinear function
+    of a mean over the batch. With the router's weight at zero (a common init) every token is
+    routed alike, so the micro-batches agree with the batch in value and gradient at these
+    weights, and nowhere else."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.experts = experts
+        self.emb = nn.Embedding(20, 16)
+        self.router = nn.Linear(16, experts)
+        nn.init.zeros_(self.router.weight)
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        p = torch.softmax(self.router(h), -1)
+        logits = self.head(h * p.max(-1, keepdim=True).values)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return (loss + 0.1 * self.experts * (p.mean((0, 1)) ** 2).sum(),)
+
+
+def test_a_batch_mixing_loss_exact_only_at_its_initial_weights_is_refused() -> None:
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(ZeroRouter())
+    flat = [torch.randint(0, 20, (8, 6)), torch.randint(0, 20, (8, 6))]
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    rng = torch.get_rng_state()
+    got = gradient_mismatch(gm, flat, _split(flat, 2), [0], _mean)
+    assert got is not None and got[1].startswith("router."), got
+    assert all(torch.equal(before[k], v) for k, v in gm.state_dict().items())  # the nudge is put back exactly
+    assert torch.equal(torch.get_rng_state(), rng)  # and draws from a generator of its own
+
+
+def test_a_pipeline_is_refused_for_it_at_the_build() -> None:
+    import fxpipe
+    from fxpipe.errors import MicroBatchError
+
+    class Returning(ZeroRouter):
+        def forward(self, ids, labels):
+            return {"loss": super().forward(ids, labels)[0]}
+
+    torch.manual_seed(0)
+    model = Returning()
+    sample = (torch.randint(0, 20, (8, 6)), torch.randint(0, 20, (8, 6)))
+    with pytest.raises(MicroBatchError, match=r"gradient is not the full batch's at weights near the model's"):
+        fxpipe.pipeline(model, sample, 2, chunks=2, devices=["cpu"] * 2, output_merge={"loss": "mean"}, progress=False)
