@@ -27,7 +27,10 @@ So the build decides, once, per 0-dim output merged by ``'mean'`` (:meth:`Counte
   ``sum_i n_i L_i / sum_i n_i``: the whole batch's sum over its count, in value and, since the counts are constants of the merged loss's graph, in
   every gradient.
 * **not counted**: any other loss. A loss that divides by a value computed from split inputs
-  that is not such a sum (``mask.sum().clamp(min=1)``) is refused at the build. Before
+  that is not such a sum (``mask.sum().clamp(min=1)``) is refused at the build, unless that
+  value holds one number per sample (``mask.sum(1)`` of a per-sequence mean, shown on the
+  sample and on random inputs, :func:`_per_sample`): each sample then divides by its own and
+  the split check sees how the samples combine. Before
   anything runs, each call's labels (the integer inputs a loss op reads its target from, with
   that op's ignore index; every integer input split into micro-batches, with ``-100``) are
   checked, and a call holding an ignored label is refused with
@@ -41,7 +44,7 @@ from __future__ import annotations
 import inspect
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -304,15 +307,18 @@ def _line(node: fx.Node) -> str:
 _SIZE_READS = {"size", "numel", "dim", "shape"}
 
 
-def _reads_sizes(node: fx.Node) -> bool:
-    """Whether the value of ``node`` comes from shapes (``x.size(0)``, ``x.shape[1]``)."""
-    for n in ancestors(node):
-        if n.op == "call_method" and n.target in _SIZE_READS:
-            return True
-        if n.op == "call_function" and (n.target is getattr and n.args[1:] == ("shape",)
-                                        or n.target in (_aten.sym_size.int, _aten.sym_numel.default)):
-            return True
-    return False
+def _is_size_read(n: fx.Node) -> bool:
+    """``x.size(0)``, ``x.shape``, ``x.numel()``: a node giving a tensor's shape, not its values."""
+    return ((n.op == "call_method" and n.target in _SIZE_READS)
+            or (n.op == "call_function" and (n.target is getattr and n.args[1:] == ("shape",)
+                                             or n.target in (_aten.sym_size.int, _aten.sym_numel.default))))
+
+
+def _values_read(node: fx.Node) -> Set[fx.Node]:
+    """The nodes whose *values* ``node`` is computed from: its ancestors, not followed through
+    a read of a shape (``x.size(0)`` depends on the size of ``x`` only)."""
+    return ancestors(node, lambda n: [] if _is_size_read(n) else n.all_input_nodes) - \
+        {n for n in ancestors(node) if _is_size_read(n)}
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Tensor:
@@ -343,8 +349,11 @@ def _refuse_divisor(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], in
         if divisor is None:
             continue
         program = _program(gm, divisor, index)
-        if program is None or not any(split(k) for k in program[1]) or _reads_sizes(divisor):
+        read = [index[p] for p in _values_read(divisor) if p in index]
+        if program is None or not any(split(k) for k in read):
             continue  # a constant, an input given whole, or a size (x.size(0): the size-weighted merge is its mean)
+        if _per_sample(program[0], program[1], in_dims, flat):
+            continue  # each sample divided by its own count (a per-sequence mean): the merge is the samples'
         where = _line(n)
         raise MicroBatchError(
             f"the loss (output {i}, merged with 'mean') divides by {divisor.name}{where}, a value computed from "
@@ -353,6 +362,46 @@ def _refuse_divisor(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], in
             "model's. What to do: divide by the plain sum (mask.sum()) and guard an empty batch outside the "
             "model, or return the loss's sum and its count and merge both with 'sum' "
             "(output_merge={'loss_sum': 'sum', 'count': 'sum'}), dividing after the pipeline.")
+
+
+def _per_sample(program: fx.GraphModule, inputs: Sequence[int], in_dims: Sequence[Optional[int]],
+                flat: Sequence[Any]) -> bool:
+    """Whether the divisor ``program`` computes holds one value per sample (``mask.sum(1)`` of
+    a per-sequence mean): run on the inputs split in two, its parts concatenate to its value on
+    the whole, on the sample and on random inputs of the sample's shapes and dtypes (a sample's
+    all-ones mask would let ``mask.sum(1) + mask.sum() - mask.numel()`` pass)."""
+    if any(k >= len(flat) for k in inputs):
+        return False
+    g = torch.Generator().manual_seed(0)
+
+    def drawn(x: Any) -> Any:
+        if not isinstance(x, Tensor) or x.numel() == 0:
+            return x
+        if x.dtype == torch.bool:
+            return torch.rand(x.shape, generator=g) < 0.5
+        if x.is_floating_point():
+            return torch.randn(x.shape, generator=g).to(x.dtype)
+        low, high = int(x.min()), int(x.max())
+        return torch.randint(low, high + 1, x.shape, generator=g).to(x.dtype)
+
+    sample = [flat[k] for k in inputs]
+    try:
+        with torch.no_grad():
+            for xs in (sample, [drawn(x).to(x.device) if isinstance(x, Tensor) else x for x in sample]):
+                whole = program(*xs)
+                halves = [[torch.tensor_split(x, 2, dim=in_dims[k])[h]
+                           if isinstance(x, Tensor) and in_dims[k] is not None and x.dim() > 0 else x
+                           for x, k in zip(xs, inputs)] for h in (0, 1)]
+                parts = [program(*half) for half in halves]
+                if not isinstance(whole, Tensor) or whole.dim() == 0 or not any(
+                        torch.equal(whole, torch.cat(parts, dim=d)) for d in range(whole.dim())
+                        if all(p.dim() == whole.dim() and p.shape[:d] == whole.shape[:d]
+                               and p.shape[d + 1:] == whole.shape[d + 1:] for p in parts)
+                        and sum(p.shape[d] for p in parts) == whole.shape[d]):
+                    return False
+    except Exception:  # noqa: BLE001 - a divisor that cannot run split is not shown per sample
+        return False
+    return True
 
 
 def _passes_on(node: fx.Node) -> bool:

@@ -50,6 +50,14 @@ class OwnLoss(nn.Module):
         elif self.kind == "soft":  # class probabilities as targets: divides by rows, not weights
             probs = F.one_hot(target, VOCAB).float() * 0.9 + 0.1 / VOCAB
             loss = F.cross_entropy(flat, probs, weight=self.class_weights)
+        elif self.kind == "per_sequence":  # each sequence's masked mean, then the mean over sequences
+            per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+            m = mask.float()
+            loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).mean()
+        elif self.kind == "per_sequence_mixed":  # per sequence only while the mask is all ones
+            per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+            m = mask.float()
+            loss = ((per_token * m).sum(1) / (m.sum(1) + m.sum() - m.numel())).mean()
         elif self.kind == "selected":  # a mean over a boolean selection
             per_token = F.cross_entropy(flat, target, reduction="none")
             loss = per_token[mask.flatten()].mean()
@@ -75,7 +83,7 @@ def _sample():
 
 
 @pytest.mark.parametrize("export", [False, True])
-@pytest.mark.parametrize("kind", ["masked", "weighted", "soft"])
+@pytest.mark.parametrize("kind", ["masked", "weighted", "soft", "per_sequence"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_data_dependent_denominator_is_weighed_at_every_call(kind, export, schedule):
     model = OwnLoss(kind, export)
@@ -100,6 +108,14 @@ def test_a_data_dependent_denominator_is_weighed_at_every_call(kind, export, sch
 def test_a_denominator_that_is_not_a_count_is_refused_at_the_build():
     with pytest.raises(MicroBatchError, match=r"divides by .*clamp.*'sum'"):
         fxpipe.pipeline(OwnLoss("clamped"), _sample(), 2, chunks=4, devices=["cpu"] * 2, progress=False,
+                        output_merge={"loss": "mean"})
+
+
+def test_a_divisor_per_sample_only_on_the_sample_is_refused_at_the_build():
+    """``mask.sum(1) + mask.sum() - mask.numel()`` is ``mask.sum(1)`` on the sample's all-ones
+    mask; on random masks it mixes the samples, and the build sees it there."""
+    with pytest.raises(MicroBatchError, match=r"divides by"):
+        fxpipe.pipeline(OwnLoss("per_sequence_mixed"), _sample(), 2, chunks=4, devices=["cpu"] * 2, progress=False,
                         output_merge={"loss": "mean"})
 
 
