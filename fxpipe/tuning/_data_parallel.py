@@ -19,8 +19,9 @@ twice, once per ``data_parallel``, with what that adds:
   and one reduce-scatter of the gradients at its end, the same bytes over the link as the
   all-reduce, the gathers on the pipeline's fill; a device holds ``1/dp`` of its parameters
   and optimizer state between steps, and the whole parameters and gradients during the step.
-  (A weight two stages of one rank share, which ``fxpipe.distributed`` leaves whole, is
-  predicted sharded like the rest: under by ``(dp - 1) / dp`` of it on that rank.)
+  A weight two stages of one rank share (a tied embedding and head under a V schedule) is
+  left whole on every rank by ``fxpipe.distributed``, and predicted so: with its optimizer
+  state, as under ``'ddp'``, and neither gathered nor sharded.
 
 The link is ``link=``: between replicas on other hosts it is the network's, usually slower
 than the one between a host's devices.
@@ -43,7 +44,7 @@ from ..distributed._replicas import BUCKET_BYTES
 from ._result import Choice
 from ._search import Search, Settings
 from ._sharded import sharded_memory, sharded_seconds
-from ._tensors import once_per_device
+from ._tensors import once_per_device, shared_on_a_device
 from ._units import format_bytes, format_seconds
 
 __all__ = ["replica_counts", "replica_choices"]
@@ -140,7 +141,10 @@ def _fsdp(search: Search, whole: Choice, dp: int) -> Choice:
     _, where = search.layout(c.schedule)
     tensors = search.tensors(whole.plan)
     parameters = {id(p) for p in search.checked.capture.graph_module.parameters()}
-    params, trained = once_per_device(tensors, where, only=parameters)
+    # a weight two stages of one device share stays whole on every rank, with its optimizer
+    # state: counted as 'ddp' counts it (in whole.static_bytes), and neither gathered nor sharded
+    sharded = parameters - shared_on_a_device(tensors, where, only=parameters)
+    params, trained = once_per_device(tensors, where, only=sharded)
     per_device: dict = {}
     for stage, device in enumerate(where):
         p, t = per_device.get(str(device), (0, 0))

@@ -67,7 +67,8 @@ def sharded_memory(whole_static: float, above: float, params: float, trained: fl
     """(static bytes, peak bytes) of one device under ``'fsdp'``, from what it holds under
     ``'ddp'`` (``whole_static``: its stages whole with their gradients, optimizer state and
     receive buffers) and the walk's rise above that under ``zero_grad='set_to_none'``
-    (``above``); ``params``, ``trained``: its parameters' bytes (see the module docstring)."""
+    (``above``); ``params``, ``trained``: the bytes of its parameters FSDP shards (see the
+    module docstring; a weight two of its stages share stays whole, in ``whole_static``)."""
     state = OPTIMIZER_STATES[optimizer] * trained
     static = whole_static + params / dp - (dp - 1) / dp * state
     if zero_grad == "in_place":  # the sharded gradients stay between steps
