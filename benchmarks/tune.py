@@ -188,6 +188,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--unseen", nargs="*", default=None, choices=["vit", "unet", "qwen3"],
                    help="tune's defaults on models it was not built on (all three if none named), then exit")
     p.add_argument("--unseen-chunks", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--rounds", type=int, default=9,
+                   help="--unseen: interleaved rounds timing the configurations said to fit side by side")
     a = p.parse_args(argv)
     if a.unseen is not None:
         return unseen(a, argv)
@@ -229,7 +231,7 @@ def unseen(a: argparse.Namespace, argv: Optional[Sequence[str]]) -> None:
 
     results = []
     for name in a.unseen or ["vit", "unet", "qwen3"]:
-        res = _tune_unseen.run(name, a.unseen_chunks, a.steps)
+        res = _tune_unseen.run(name, a.unseen_chunks, a.steps, a.rounds)
         _tune_unseen.print_table(res)
         results.append(res)
     rows = [r for res in results for r in res["rows"]]
@@ -237,7 +239,7 @@ def unseen(a: argparse.Namespace, argv: Optional[Sequence[str]]) -> None:
     within = sum(abs(1 - r["memory_ratio"]) <= 0.10 for r in rows)
     ratios = [res["choice_ratio"] for res in results if res["choice_ratio"] is not None]
     print(f"\nmemory within 10% on {within} of {len(rows)} (worst {worst:.1%}); every fits honoured at +2%: "
-          f"{all(res['fits_honoured'] for res in results)}; worst first/best measured time "
+          f"{all(res['fits_honoured'] for res in results)}; worst first/best time side by side "
           f"{max(ratios, default=float('nan')):.3f} (goal 1.05)")
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "tune_unseen.json"
     write_json(str(out), {**header("tune --unseen", "cpu"),
