@@ -209,3 +209,24 @@ def test_a_pipeline_is_refused_for_it_at_the_build() -> None:
     sample = (torch.randint(0, 20, (8, 6)), torch.randint(0, 20, (8, 6)))
     with pytest.raises(MicroBatchError, match=r"gradient is not the full batch's at weights near the model's"):
         fxpipe.pipeline(model, sample, 2, chunks=2, devices=["cpu"] * 2, output_merge={"loss": "mean"}, progress=False)
+
+
+def test_a_model_that_cannot_run_at_nudged_weights_is_checked_at_its_own() -> None:
+    """A parameter read as an index (here a learnable-looking table of positions) breaks when
+    nudged; the check falls back to the model's own weights instead of failing the build."""
+
+    class Indexed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 4)
+            self.where = nn.Parameter(torch.tensor([0.0, 3.0]), requires_grad=False)
+
+        def forward(self, x):
+            picked = self.lin(x)[:, self.where.long()]  # nudged, 3.0 may become 3.2 -> 3, or 2.9 -> 2
+            if not torch.equal(self.where, self.where.round()):
+                raise RuntimeError("positions must be whole numbers")
+            return (picked.pow(2).mean(),)
+
+    gm = Indexed()
+    flat = [torch.randn(8, 6)]
+    assert gradient_mismatch(gm, flat, _split(flat, 2), [0], _mean) is None
