@@ -46,6 +46,7 @@ from ._reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
 from ._meta import has_meta_tensors
 from ..tree import flatten
 from ._user_code import user_stack
+from ..runtime._randomness import generator_states, set_generator_states
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -225,8 +226,12 @@ class _Tracer(fx.Tracer):
         if m._forward_hooks and self.is_leaf_module(m, path) and records_now(m) and path not in self.lost_records:
             self.lost_records.append(path)
         self.stack.append(path)
+        before = None if self.is_leaf_module(m, path) else generator_states()
         try:
-            return super().call_module(m, forward, args, kwargs)
+            out = super().call_module(m, forward, args, kwargs)
+            if before is not None and drew_since(before):
+                raise DrewAtTrace(path)  # innermost first: its callers see the exception, not a draw
+            return out
         except Exception:
             if self.failure_stack is None:  # innermost frame records first
                 self.failure_stack = list(self.stack)
@@ -249,6 +254,31 @@ class _Tracer(fx.Tracer):
         return AugmentedProxy(node, self)
 
 
+class DrewAtTrace(TraceError):
+    """A forward drew random numbers from torch while torch.fx traced it: a call without a
+    tensor argument (``torch.rand([]) < p`` of a LayerDrop, ``torch.randint(0, 3, ())`` of a
+    time mask) runs at trace time, and its value, or the branch it decided, would be baked
+    into the graph: every call would then repeat that one draw where eager draws anew. The
+    module that drew is kept opaque (it runs eagerly, drawing per call); the root forward,
+    which cannot be, is captured by torch.export instead, which records such calls as ops."""
+
+    def __init__(self, module: str) -> None:
+        where = f"module '{module}'" if module else "the root forward"
+        super().__init__(f"{where} drew random numbers while torch.fx traced it (a torch.rand / randint / randn "
+                         "call without a tensor argument): torch.fx would bake that one draw into the graph",
+                         module=module, reason="random numbers drawn at trace time")
+
+
+def drew_since(states: list[torch.Tensor]) -> bool:
+    """Whether torch's default generators moved since ``states`` were taken; puts them back, so
+    that tracing leaves the RNG as it found it."""
+    now = generator_states()
+    moved = len(now) != len(states) or any(not torch.equal(a, b) for a, b in zip(now, states))
+    if moved:
+        set_generator_states(states)
+    return moved
+
+
 def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
               leaf_names: set[str]
               ) -> tuple[fx.Graph, list[str], list[_Failure], list[AttrRead], list[str]] | _Failure:
@@ -256,8 +286,12 @@ def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
     for _ in range(_MAX_RETRIES):
         tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
         try:
+            before = generator_states()
             with AttributeReads(model) as reads:  # fx runs no leaf: every read is the traced code's
                 graph = tracer.trace(root)
+            if drew_since(before):  # in the root's own forward, which cannot be kept opaque
+                tracer.failure_stack = [""]
+                raise DrewAtTrace("")
             return graph, tracer.opaque, auto, reads.reads(), tracer.lost_records
         except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
             stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
