@@ -36,7 +36,7 @@ from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm
 from .runtime._frontend import checkpoint_stop
 from .runtime._microbatch import Batch
-from .runtime._orders import StepLosses
+from .runtime._orders import StepLosses, refuse_parameter_hooks
 
 __all__ = ["run_step", "REDUCTIONS", "ReturnOutputs", "refuse_forward_with_grad"]
 
@@ -64,6 +64,8 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
     or ``(loss, outputs)`` with ``return_outputs`` (:class:`_Kept`).
     ``given``: the step keywords the caller passed (checked against the model's signature)."""
     _check_call(pipe, loss_fn, reduction, given)
+    if pipe.schedule == "1f1b" and pipe.training:
+        refuse_parameter_hooks(pipe.named_parameters(), "schedule='1f1b'")
     kept = _Kept(pipe, return_outputs)
     flat, micro, sizes, weights, batches = pipe._micro_batches(args, kwargs)
     m = len(batches)

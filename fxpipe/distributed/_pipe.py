@@ -48,6 +48,7 @@ from fxpipe.capture._baked_dtypes import BakedDtypes
 from fxpipe.capture._mode_flags import ModeFlags
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
+from fxpipe.runtime._orders import refuse_parameter_hooks
 
 from ._clip import clip_grad_norm_
 from ._copies import replica_copies
@@ -257,6 +258,7 @@ class DistributedPipeline(PipelineState):
                 raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
                                 f"got {type(return_outputs).__name__}")
             agreement.copies = self._copies  # tied parameters: equal on the ranks holding them
+            refuse_parameter_hooks(self.named_parameters(), "every torch.distributed.pipelining schedule", gpipe=False)
             flat, micro = self._inputs(args, kwargs)
             tensors = [x for x in flat if isinstance(x, torch.Tensor)]
             agreement.batch = (tensors, target)  # every rank must have this step's batch, of one shape

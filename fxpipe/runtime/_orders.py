@@ -31,15 +31,15 @@ memory, not speed.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, StepError
 from ._microbatch import Batch
 
-__all__ = ["SCHEDULES", "check_schedule", "loss_scales", "StepLosses"]
+__all__ = ["SCHEDULES", "check_schedule", "loss_scales", "StepLosses", "refuse_parameter_hooks"]
 
 #: the orders a pipeline's training step runs in; 'gpipe' (the paper's) is the default
 SCHEDULES = ("gpipe", "1f1b")
@@ -121,3 +121,23 @@ class StepLosses:
         """The step's loss (no grad): the merge of the micro-batch losses."""
         with torch.no_grad():
             return self.merge([x for x in self.losses if x is not None])
+
+
+def refuse_parameter_hooks(named: Iterable[Tuple[str, Tensor]], what: str, gpipe: bool = True) -> None:
+    """A backward per micro-batch (``what``: which schedule runs one) calls a parameter's
+    gradient hooks once per micro-batch, on that micro-batch's part: ``p.register_hook(g.clamp)``
+    clamps each part instead of the sum (a trial: gradients 2.6x off), and an optimizer stepped
+    in ``register_post_accumulate_grad_hook`` steps once per micro-batch. Eager, and GPipe's one
+    backward over every micro-batch, call them once. Refused before anything runs; ``gpipe``:
+    whether building with ``schedule='gpipe'`` is a way out (one process: yes; on ranks every
+    schedule of torch's runs a backward per micro-batch)."""
+    for name, p in named:
+        if p.requires_grad and (getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)):
+            raise StepError(
+                f"parameter {name!r} has a gradient hook (register_hook or register_post_accumulate_grad_hook), "
+                f"and {what} runs one backward per micro-batch: the hook would be called once per micro-batch, "
+                "on that micro-batch's part of the gradient, where eager calls it once on the sum, and the "
+                "result would silently differ. What to do: "
+                + ("build with schedule='gpipe' (one backward over every micro-batch), or " if gpipe else "")
+                + "apply the hook's effect after the step (clip, scale or step the optimizer once .grad is "
+                "complete) and remove the hook.")
