@@ -366,3 +366,32 @@ def test_a_partial_or_a_config_changed_between_steps_is_read_again(schedule):
 
 def summed_or_mean(out, y, reduction="mean"):
     return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction=reduction)
+
+
+class WrappingCriterion(nn.Module):
+    """A criterion module wrapping another, with its options in a nested config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.CrossEntropyLoss(reduction="mean")
+        self.cfg = {"opts": {"scale": 1.0}}
+
+    def forward(self, out, y):
+        return self.inner(out.flatten(0, 1), y.flatten()) * self.cfg["opts"]["scale"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_criterion_changed_deeper_than_its_own_attributes_is_read_again(schedule):
+    """``crit.inner.reduction = 'sum'`` or ``crit.cfg['opts']['scale'] = 2.0`` between steps: the
+    first reading was reused (a trial: 1/chunks of eager's loss, gradients 75% off)."""
+    ids, labels = _batch()
+    model = _lm()
+    ref = copy.deepcopy(model)
+    crit = WrappingCriterion()
+    with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, balance_by="params",
+                         schedule=schedule) as pipe:
+        _one_step(pipe, model, ref, crit, ids, labels)
+        crit.inner.reduction = "sum"
+        _one_step(pipe, model, ref, crit, ids, labels)
+        crit.cfg["opts"]["scale"] = 2.0
+        _one_step(pipe, model, ref, crit, ids, labels)
