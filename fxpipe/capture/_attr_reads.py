@@ -22,7 +22,10 @@ classes get their own methods back afterwards. What is recorded:
   that is not a parameter or buffer): compared by identity; a config-like object is then
   watched too, so the reads of its own attributes are recorded;
 * ``None`` read from a module's parameter, buffer or submodule registry (``bias=None``, an
-  absent adapter): that it is still ``None``.
+  absent adapter): that it is still ``None``;
+* a public name looked up on a module and found nowhere (``getattr(self, 'adapter', None)``,
+  ``hasattr(self, 'gain')``): that it is still absent. An adapter or a gain set after the build
+  was silently left out of every call (a trial).
 
 Not recorded: the names ``nn.Module`` itself uses (``training`` -- a mode flip is the mode
 checks' business (:mod:`fxpipe.capture._prepare`'s ``mode_sensitivity``) --, hook dicts,
@@ -48,7 +51,8 @@ from torch import nn
 from ._opaque_calls import OpaqueCalls
 from ._values import same_plain
 
-__all__ = ["AttrRead", "AttributeReads", "plain_attributes", "is_plain", "SAME", "EQUAL", "MUTABLE", "NONE"]
+__all__ = ["AttrRead", "AttributeReads", "plain_attributes", "is_plain", "SAME", "EQUAL", "MUTABLE", "NONE",
+           "ABSENT", "REGISTRIES"]
 
 # Names nn.Module itself defines or sets: never what a user's forward configures itself with.
 _MODULE_OWN = frozenset(dir(nn.Module)) | frozenset(vars(nn.Module()))
@@ -61,7 +65,9 @@ _NOT_WATCHED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctio
                 torch.Tensor, nn.Module)
 
 #: how a read is compared at call time
-SAME, EQUAL, MUTABLE, NONE = "same", "equal", "mutable", "none"
+SAME, EQUAL, MUTABLE, NONE, ABSENT = "same", "equal", "mutable", "none", "absent"
+#: where nn.Module keeps what its attributes resolve to besides ``__dict__``
+REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 
 def is_plain(value: Any, depth: int = 0) -> bool:
@@ -158,6 +164,20 @@ class AttributeReads:
         return [r for key, r in self._reads.items()
                 if key not in self._written and not (r.how == MUTABLE and _changed(r))]
 
+    def written_numbers(self) -> List[str]:
+        """The labels of the public number attributes of modules the traced code set
+        (``self.calls += 1``): Python state a forward keeps, which a graph neither updates nor
+        reads again, innermost first (the longest label)."""
+        found = []
+        for owner_id, name in self._written:
+            owner = self._objects.get(owner_id)
+            if not isinstance(owner, nn.Module) or name.startswith("_") or name in _MODULE_OWN:
+                continue
+            value = owner.__dict__.get(name)
+            if isinstance(value, (int, float)):
+                found.append(self._label(owner, name))
+        return sorted(found, key=lambda label: (-label.count("."), label))
+
     def _watch_class(self, cls: type) -> None:
         if cls not in self._classes:
             with _lock:
@@ -212,11 +232,14 @@ class AttributeReads:
             if self._skipped(obj, name):
                 return
             attrs = object.__getattribute__(obj, "__dict__")
-            for registry in ("_parameters", "_buffers", "_modules"):
+            for registry in REGISTRIES:
                 held = attrs.get(registry)
-                if held is not None and name in held and held[name] is None:
-                    self._add(AttrRead(obj, name, None, NONE, self._label(obj, name), False))
+                if held is not None and name in held:
+                    if held[name] is None:
+                        self._add(AttrRead(obj, name, None, NONE, self._label(obj, name), False))
                     return
+            if not name.startswith("_") and name not in attrs:  # found nowhere: absent when traced
+                self._add(AttrRead(obj, name, None, ABSENT, self._label(obj, name), False))
         finally:
             self._busy = False
 

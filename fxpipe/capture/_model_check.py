@@ -6,7 +6,9 @@ constants, the plain attributes the traced forward read (:mod:`fxpipe.capture._a
 Replacing any of those afterwards changes the model but not the pipeline -- a LoRA wrapper
 put in place of ``layer.q_proj``, ``model.temperature = 0.5``, a new ``nn.Parameter``
 assigned to a weight, a forward hook on a module whose code was traced -- and the pipeline
-would silently go on computing the old model. :class:`ModelCheck` lists those things once,
+would silently go on computing the old model. So would a name the traced forward looked for
+and did not find (``getattr(self, 'adapter', None)``), set afterwards, and an entry appended
+to a ``ModuleList`` or ``ModuleDict`` whose entries the traced code went through. :class:`ModelCheck` lists those things once,
 when the pipeline is built, and :meth:`ModelCheck.check` compares them at each call
 (identity first: tens of microseconds for a 12-layer GPT-2), raising
 :class:`~fxpipe.errors.ModelChangedError` naming each change.
@@ -27,7 +29,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-from ._attr_reads import EQUAL, MUTABLE, NONE, SAME, AttrRead
+from ._attr_reads import ABSENT, EQUAL, MUTABLE, NONE, REGISTRIES, SAME, AttrRead
 from ._hooks import HOOK_DICTS, holds_live_hook
 from ._values import same_plain
 from ..errors import ModelChangedError
@@ -67,8 +69,9 @@ class ModelCheck:
         labels: Dict[int, str] = {}
         for name, m in model.named_modules(remove_duplicate=False):
             labels.setdefault(id(m), name)
-        traced, held = _used(model, graph, stages, reads, labels)
+        traced, held, called = _used(model, graph, stages, reads, labels)
         self._held: List[Held] = held
+        self._containers = _containers(model, called, labels)
         self._traced: List[Tuple[nn.Module, str]] = [(m, labels.get(id(m), "")) for m in traced]
         self._reads: List[AttrRead] = list(reads)
         self._compile()
@@ -80,11 +83,14 @@ class ModelCheck:
         self._slots = [(owner.__dict__[registry], key, obj) for owner, registry, key, obj, _, _ in self._held]
         fast = [r for r in self._reads if r.in_dict and r.how in (SAME, EQUAL)]
         self._fast = [(r.owner.__dict__, r.name, r.value) for r in fast]
-        self._slow = [r for r in self._reads if not (r.in_dict and r.how in (SAME, EQUAL))]
+        absent = [r for r in self._reads if r.how == ABSENT and isinstance(r.owner, nn.Module)]
+        self._absent = [(r.name, [r.owner.__dict__] + [r.owner.__dict__[k] for k in REGISTRIES]) for r in absent]
+        self._slow = [r for r in self._reads if not (r.in_dict and r.how in (SAME, EQUAL)) and r not in absent]
+        self._grown = [(owner.__dict__[registry], n) for owner, registry, n, _ in self._containers]
         self._hooks = [m.__dict__[h] for m, _ in self._traced for h in HOOK_DICTS]
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k in ("_held", "_traced", "_reads")}
+        return {k: v for k, v in self.__dict__.items() if k in ("_held", "_traced", "_reads", "_containers")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -112,6 +118,13 @@ class ModelCheck:
                 return False
         for r in self._slow:
             if not _read_holds(r):
+                return False
+        for name, places in self._absent:  # dict lookups: no AttributeError raised per call
+            for place in places:
+                if name in place:
+                    return False
+        for registry, n in self._grown:
+            if len(registry) != n:
                 return False
         # any(): a C loop over mostly empty dicts; only a model with hooks looks at them
         return not (any(self._hooks) and any(holds_live_hook(hooks) for hooks in self._hooks))
@@ -142,12 +155,20 @@ class ModelCheck:
         for r in self._reads:
             if not _read_holds(r):
                 now = getattr(r.owner, r.name, _MISSING)
-                if now is _MISSING:
+                if r.how == ABSENT:
+                    out.append(f"'{r.label}' was set after the build, now {_describe(now)} (the traced forward looked "
+                               "for it and found none: the graph was traced without it)")
+                elif now is _MISSING:
                     out.append(f"'{r.label}' was deleted (was {_describe(r.value)}; the traced forward read it, and "
                                "the graph has its value baked in)")
                 else:
                     out.append(f"'{r.label}' is {_describe(now)}, was {_describe(r.value)} (the traced forward "
                                "read it, and the graph has its value baked in)")
+        for owner, registry, n, label in self._containers:
+            if len(owner.__dict__[registry]) != n:
+                now = len(owner.__dict__[registry])
+                out.append(f"'{label or type(owner).__name__}' holds {now} entries, {n} when the pipeline was built "
+                           f"(the traced forward went through those {n}: the stages hold no others)")
         for module, label in self._traced:
             hooks = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if holds_live_hook(module.__dict__[h])]
             if hooks:
@@ -173,11 +194,13 @@ def _read_holds(r: AttrRead) -> bool:
         return now is None
     if r.how in (EQUAL, MUTABLE):
         return same_plain(now, r.value)
+    if r.how == ABSENT:
+        return now is _MISSING
     return False
 
 
 def _used(model: nn.Module, graph: fx.GraphModule, stages: Iterable[fx.GraphModule], reads: Sequence[AttrRead],
-          labels: Dict[int, str]) -> Tuple[List[nn.Module], List[Held]]:
+          labels: Dict[int, str]) -> Tuple[List[nn.Module], List[Held], List[nn.Module]]:
     """The modules whose code the graph traced, and every object the stages hold from the
     model: each module on the path to one they call or traced, every parameter inside the
     modules they call (kept opaque), every parameter and buffer their code reads directly."""
@@ -237,4 +260,26 @@ def _used(model: nn.Module, graph: fx.GraphModule, stages: Iterable[fx.GraphModu
                     hold(sub, "_parameters", key, p, f"{label}.{key}" if label else key, "parameter")
     called_ids = {id(m) for m in called}
     traced = list({id(m): m for m in traced if id(m) not in called_ids}.values())
-    return traced, list(held.values())
+    return traced, list(held.values()), called
+
+
+_CONTAINERS = ((nn.ModuleList, "_modules"), (nn.ModuleDict, "_modules"), (nn.Sequential, "_modules"),
+               (nn.ParameterList, "_parameters"), (nn.ParameterDict, "_parameters"))
+
+
+def _containers(model: nn.Module, called: Sequence[nn.Module],
+                labels: Dict[int, str]) -> List[Tuple[nn.Module, str, int, str]]:
+    """``(container, registry, entries, label)`` of every ``ModuleList``/``ModuleDict``/
+    ``Sequential``/``ParameterList``/``ParameterDict`` outside the modules the stages call:
+    traced code iterated the entries it had, so one appended later (a new layer, a task head)
+    would silently be left out of every call. Removals and replacements are held objects."""
+    inside = {id(sub) for m in called for sub in m.modules()}
+    found = []
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        for cls, registry in _CONTAINERS:
+            if isinstance(m, cls):
+                found.append((m, registry, len(m.__dict__[registry]), labels.get(id(m), "")))
+                break
+    return found

@@ -166,6 +166,49 @@ def test_a_lora_wrapper_put_in_after_the_build_is_refused(method):
     assert model.layer.q_proj.up.weight.grad is not None
 
 
+class Optional(nn.Module):
+    """A forward looking for what may be absent (an adapter, a gain), over a list of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.heads = nn.ModuleDict({"a": nn.Linear(8, 8)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        adapter = getattr(self, "adapter", None)
+        if adapter is not None:
+            x = x + adapter(x)
+        if hasattr(self, "gain"):
+            x = x * self.gain
+        return sum(head(x) for head in self.heads.values())
+
+
+@pytest.mark.parametrize("change", ["adapter", "gain", "append", "new head"])
+def test_what_the_traced_forward_looked_for_and_did_not_find_is_checked(change):
+    """Set after the build, each of these was silently left out of every call (a trial)."""
+    model = Optional()
+    pipe = fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2, progress=False)
+    x = torch.randn(BATCH, 8)
+    model.note = "a new attribute nothing looks for"  # harmless: still runs
+    torch.testing.assert_close(pipe(x), model(x))
+    if change == "adapter":
+        model.adapter = nn.Linear(8, 8)
+        said = "'adapter' was set after the build, now a Linear"
+    elif change == "gain":
+        model.gain = 3.0
+        said = "'gain' was set after the build, now 3.0"
+    elif change == "append":
+        model.blocks.append(nn.Linear(8, 8))
+        said = "'blocks' holds 3 entries, 2 when the pipeline was built"
+    else:
+        model.heads["b"] = nn.Linear(8, 8)
+        said = "'heads' holds 2 entries, 1 when the pipeline was built"
+    assert said in str(refused(pipe, x))
+
+
 @captures
 def test_a_replaced_parameter_or_buffer_is_refused(method):
     model = MODELS[method]()
