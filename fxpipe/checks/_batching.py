@@ -224,7 +224,18 @@ class Batching:
                     return torch.stack(parts).mean(0)
                 return torch.stack([p * (n / total) for p, n in zip(parts, sizes)]).sum(0)
             return sum(p * n for p, n in zip(parts, sizes)) / total
-        return torch.cat(parts, dim=int(merge))  # type: ignore[arg-type]
+        dim = int(merge)  # type: ignore[arg-type]
+        shapes = [tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__ for p in parts]
+        if not all(isinstance(p, Tensor) and p.dim() == first.dim() and p.shape[:dim] == first.shape[:dim]
+                   and p.shape[dim + 1:] == first.shape[dim + 1:] for p in parts if isinstance(first, Tensor)):
+            raise MicroBatchError(
+                f"{_output_label(name)} cannot be concatenated along dim {dim}: the micro-batches gave shapes "
+                f"{shapes}, which differ in another dim. A model that trims its output to the batch's longest "
+                "sequence (or pads to it) gives each micro-batch its own length, where the whole batch has one. "
+                "What to do: pad to a fixed length in the model (or the collator), return a per-sample length "
+                "beside the output and trim after the pipeline, or merge this output with a callable "
+                f"({_merge_hint(name)}).")
+        return torch.cat(parts, dim=dim)
 
     # -- at call time ----------------------------------------------------------------------
     def refuse_mode(self, training: bool) -> None:

@@ -330,3 +330,30 @@ def test_merge_dim_suggested_from_the_shapes():
     for mode in MODES:
         assert_exact(Cumulative(), (x,), 2, chunks=2, checkpoint=mode, chunk_dims=1, output_merge={"h": 1},
                      balance_by="params")
+
+
+class _Trim(nn.Module):
+    def forward(self, ids, mask):
+        longest = int(mask.sum(1).max())  # the batch's longest sequence: each micro-batch its own
+        return ids[:, :longest], mask[:, :longest]
+
+
+class _Trimmed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trim, self.emb, self.head = _Trim(), nn.Embedding(20, 8), nn.Linear(8, 4)
+
+    def forward(self, ids, mask):
+        ids, mask = self.trim(ids, mask)
+        return self.head(self.emb(ids)) * mask[..., None]
+
+
+def test_outputs_of_other_lengths_per_micro_batch_are_refused_naming_them() -> None:
+    """Each micro-batch trimmed to its own longest row: torch.cat raised a bare RuntimeError
+    from inside the merge (a trial)."""
+    ids, mask = torch.randint(0, 20, (8, 6)), torch.ones(8, 6)
+    pipe = fxpipe.pipeline(_Trimmed(), (ids, mask), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    short = mask.clone()
+    short[:4, 3:] = 0
+    with pytest.raises(MicroBatchError, match=r"shapes \[\(4, 3, 4\), \(4, 6, 4\)\].*trims its output"):
+        pipe(ids, short)
