@@ -46,7 +46,8 @@ from ._reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
 from ._meta import has_meta_tensors
 from ..tree import flatten
 from ._user_code import user_stack
-from ..runtime._randomness import generator_states, set_generator_states
+from ..runtime._randomness import generator_states
+from ._trace_time import DrewAtTrace, KeepsState, ReadsAsNumber, TensorsReadAsNumbers, drew_since
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -254,31 +255,6 @@ class _Tracer(fx.Tracer):
         return AugmentedProxy(node, self)
 
 
-class DrewAtTrace(TraceError):
-    """A forward drew random numbers from torch while torch.fx traced it: a call without a
-    tensor argument (``torch.rand([]) < p`` of a LayerDrop, ``torch.randint(0, 3, ())`` of a
-    time mask) runs at trace time, and its value, or the branch it decided, would be baked
-    into the graph: every call would then repeat that one draw where eager draws anew. The
-    module that drew is kept opaque (it runs eagerly, drawing per call); the root forward,
-    which cannot be, is captured by torch.export instead, which records such calls as ops."""
-
-    def __init__(self, module: str) -> None:
-        where = f"module '{module}'" if module else "the root forward"
-        super().__init__(f"{where} drew random numbers while torch.fx traced it (a torch.rand / randint / randn "
-                         "call without a tensor argument): torch.fx would bake that one draw into the graph",
-                         module=module, reason="random numbers drawn at trace time")
-
-
-def drew_since(states: list[torch.Tensor]) -> bool:
-    """Whether torch's default generators moved since ``states`` were taken; puts them back, so
-    that tracing leaves the RNG as it found it."""
-    now = generator_states()
-    moved = len(now) != len(states) or any(not torch.equal(a, b) for a, b in zip(now, states))
-    if moved:
-        set_generator_states(states)
-    return moved
-
-
 def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
               leaf_names: set[str]
               ) -> tuple[fx.Graph, list[str], list[_Failure], list[AttrRead], list[str]] | _Failure:
@@ -287,11 +263,23 @@ def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
         tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
         try:
             before = generator_states()
-            with AttributeReads(model) as reads:  # fx runs no leaf: every read is the traced code's
+            with AttributeReads(model) as reads, \
+                    TensorsReadAsNumbers(model, lambda: tracer.stack[-1]) as numbers:  # fx runs no leaf: the traced code's
                 graph = tracer.trace(root)
             if drew_since(before):  # in the root's own forward, which cannot be kept opaque
                 tracer.failure_stack = [""]
                 raise DrewAtTrace("")
+            if numbers.found:  # the module reading it is kept opaque: it reads the live value each call
+                module, tensor = numbers.found[0]
+                tried = module in tracer.leaf_names or any(f.module == module for f in auto)
+                tracer.failure_stack = [""] if tried or not module else [module]
+                raise ReadsAsNumber("" if tried else module, tensor)
+            state = reads.written_numbers()
+            if state:  # the module keeping it is kept opaque (its forward runs each call), once
+                owner = state[0].rpartition(".")[0]
+                tried = owner in tracer.leaf_names or any(f.module == owner for f in auto)
+                tracer.failure_stack = [""] if tried else [owner]  # set from outside it: as the root's
+                raise KeepsState(state[0])
             return graph, tracer.opaque, auto, reads.reads(), tracer.lost_records
         except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
             stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
@@ -352,6 +340,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             AttributeReads(model, in_kept) as ex_reads:
         ex_res = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
     reads = ex_reads.reads()
+    state = ex_reads.written_numbers()
+    if state and not isinstance(ex_res, _Failure):  # torch.export keeps no module opaque but the user's leaves
+        raise KeepsState(state[0])
     if isinstance(ex_res, _Failure) and not ex_res.bad_output and ex_res.refusal is None:
         # dynamo-traced regions (torch.cond's branches) cannot run the recording: export again
         # unrecorded, and check every plain attribute of the traced modules instead

@@ -1,0 +1,132 @@
+"""What a traced forward computes while it is traced, which a graph would bake in as constants.
+
+torch.fx runs the model's Python once, on proxies; whatever does not touch a proxy runs for
+real, then, and its result is a constant of the graph. Three such things were silently frozen
+at the build's value where eager recomputes them each call (new-user trials):
+
+* **random numbers** drawn without a tensor argument (:class:`DrewAtTrace`): ``torch.rand([])
+  < p`` of a LayerDrop, ``torch.randint(0, 3, ())`` of a time mask;
+* **Python state the forward sets** (:class:`KeepsState`): ``self.calls += 1``, a step counter;
+* **a model's tensor read as a number** (:class:`ReadsAsNumber`): ``float(self.step)`` of a
+  warm-up buffer, ``self.temp.item()``: the buffer, updated in place or by ``load_state_dict``
+  afterwards, kept its build-time value in the graph.
+
+Each is found while tracing (the default generators' states around every module call; the
+attribute recording's writes; ``Tensor.item`` and the number conversions watched for the
+model's own tensors) and raised as a ``TraceError`` naming the innermost module, which the
+tracer then keeps opaque: it runs its own forward each call, as eager. In the root forward,
+which cannot be opaque, the capture falls back to torch.export (which records random calls
+and ``.item()`` as ops) or is refused naming the line.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..errors import TraceError
+from ..runtime._randomness import generator_states, set_generator_states
+
+__all__ = ["DrewAtTrace", "KeepsState", "ReadsAsNumber", "TensorsReadAsNumbers", "drew_since"]
+
+
+class DrewAtTrace(TraceError):
+    """A forward drew random numbers from torch while torch.fx traced it: a call without a
+    tensor argument (``torch.rand([]) < p`` of a LayerDrop, ``torch.randint(0, 3, ())`` of a
+    time mask) runs at trace time, and its value, or the branch it decided, would be baked
+    into the graph: every call would then repeat that one draw where eager draws anew. The
+    module that drew is kept opaque (it runs eagerly, drawing per call); the root forward,
+    which cannot be, is captured by torch.export instead, which records such calls as ops."""
+
+    def __init__(self, module: str) -> None:
+        where = f"module '{module}'" if module else "the root forward"
+        super().__init__(f"{where} drew random numbers while torch.fx traced it (a torch.rand / randint / randn "
+                         "call without a tensor argument): torch.fx would bake that one draw into the graph",
+                         module=module, reason="random numbers drawn at trace time")
+
+
+class KeepsState(TraceError):
+    """A forward set a number attribute of its module (``self.calls += 1``, a step counter
+    for a warm-up): Python state, which a traced graph neither updates nor reads again. Any
+    value computed from it is baked into the graph at the build's value, and the attribute
+    stops changing: the pipeline would silently compute the model as it was at the build. The
+    module is kept opaque (its forward runs each call, as eager's); the root's forward, which
+    cannot be, is refused."""
+
+    def __init__(self, label: str) -> None:
+        owner = label.rpartition(".")[0]
+        super().__init__(
+            f"the traced forward sets '{label}' while it runs (Python state such as a call or step counter): a graph "
+            "neither "
+            "updates it nor reads it again, so the pipeline would compute every call with the value it had at the "
+            "build. What to do: keep the state in a buffer (register_buffer, updated in place: "
+            "self.calls.add_(1)), or move the code that updates and uses it into a submodule, which fxpipe then "
+            "keeps opaque (it runs eagerly each call)", module=owner, reason="Python state set by the forward")
+
+
+def drew_since(states: list[torch.Tensor]) -> bool:
+    """Whether torch's default generators moved since ``states`` were taken; puts them back, so
+    that tracing leaves the RNG as it found it."""
+    now = generator_states()
+    moved = len(now) != len(states) or any(not torch.equal(a, b) for a, b in zip(now, states))
+    if moved:
+        set_generator_states(states)
+    return moved
+
+
+class ReadsAsNumber(TraceError):
+    """A forward read one of the model's tensors as a Python number (see the module)."""
+
+    def __init__(self, module: str, tensor: str) -> None:
+        where = f"module '{module}'" if module else "the root forward"
+        super().__init__(f"{where} reads '{tensor}' as a Python number (.item(), float(), int(), bool()) while torch.fx "
+                         "traces it: the graph would hold its value at the build, and an update in place or a "
+                         "load_state_dict afterwards would be silently ignored", module=module,
+                         reason="a model tensor read as a number at trace time")
+
+
+_CONVERSIONS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")
+
+
+class TensorsReadAsNumbers:
+    """While active (one trace), notes each of ``model``'s parameters and buffers read as a
+    number, with the innermost module being traced then (``where()``): ``(module, tensor
+    name)``, first read first. ``torch.Tensor``'s conversion methods are wrapped for the block
+    (their behaviour unchanged) and put back after."""
+
+    def __init__(self, model: nn.Module, where: Callable[[], str]) -> None:
+        self.names: Dict[int, str] = {}
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            self.names.setdefault(id(t), name)
+        self.where = where
+        self.found: List[tuple] = []
+        self._saved: Dict[str, Any] = {}
+        self._thread = 0
+
+    def __enter__(self) -> "TensorsReadAsNumbers":
+        self._thread = threading.get_ident()
+        for method in _CONVERSIONS:
+            original = torch.Tensor.__dict__.get(method, getattr(torch.Tensor, method))
+            self._saved[method] = torch.Tensor.__dict__.get(method)
+            setattr(torch.Tensor, method, self._watching(original))
+        return self
+
+    def _watching(self, original: Any) -> Any:
+        def converted(t: Any, *args: Any, **kwargs: Any) -> Any:
+            name: Optional[str] = self.names.get(id(t))
+            if name is not None and threading.get_ident() == self._thread:
+                self.found.append((self.where(), name))
+            return original(t, *args, **kwargs)
+        return converted
+
+    def __exit__(self, *exc: Any) -> None:
+        for method, saved in self._saved.items():
+            if saved is None:
+                delattr(torch.Tensor, method)
+            else:
+                setattr(torch.Tensor, method, saved)
+        self._saved = {}
+
