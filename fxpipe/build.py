@@ -34,6 +34,7 @@ from .capture._mutation import check_kept_together
 from .capture._prepare import Prepared, prepare, preserved
 from .capture._signature import sample_mismatch
 from .capture._tracing import Capture
+from .checks._backward_mixing import refuse_backward_mixing
 from .checks._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from .checks._modes import check_modes
 from .emit._placement import place_stages
@@ -196,6 +197,7 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
         raise
     with report.phase("checking micro-batches against the whole batch"):
         batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge)
+    refuse_backward_mixing(prepared.capture.graph_module, options.chunks)
     if options.chunks > 1 and batching.batch_size(prepared.capture.flatten_inputs(args, kwargs)) == 1:
         raise MicroBatchError(
             f"the sample holds one sample along {batching.dims_text()}, and chunks={options.chunks} splits every batch "

@@ -357,3 +357,23 @@ def test_outputs_of_other_lengths_per_micro_batch_are_refused_naming_them() -> N
     short[:4, 3:] = 0
     with pytest.raises(MicroBatchError, match=r"shapes \[\(4, 3, 4\), \(4, 6, 4\)\].*trims its output"):
         pipe(ids, short)
+
+
+@pytest.mark.parametrize("export", [False, True])
+def test_an_embedding_scaling_its_gradient_by_the_batchs_frequencies_is_refused(export: bool) -> None:
+    """Its gradient mixes the samples in backward only, which the forward checks cannot see (a
+    trial: the embedding's gradient off by more than its size)."""
+
+    class Lm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(20, 8, scale_grad_by_freq=True), nn.Linear(8, 4)
+
+        def forward(self, ids):
+            if export and ids.dim() != 2:
+                raise ValueError("2-d ids")  # stops torch.fx: captured by torch.export
+            return self.head(self.emb(ids))
+
+    with pytest.raises(MicroBatchError, match=r"scale_grad_by_freq=True.*chunks=1"):
+        fxpipe.pipeline(Lm(), torch.randint(0, 20, (8, 5)), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    fxpipe.pipeline(Lm(), torch.randint(0, 20, (8, 5)), 2, chunks=1, devices=["cpu"] * 2, progress=False).close()

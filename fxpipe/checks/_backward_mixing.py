@@ -1,0 +1,57 @@
+"""What mixes the samples in backward only: the build's checks compare forward values (and a
+merged loss's gradient), so an op whose *gradient* depends on the whole batch passes them.
+
+``nn.Embedding(scale_grad_by_freq=True)`` (``F.embedding(..., scale_grad_by_freq=True)``,
+``aten.embedding`` under torch.export) divides each token's gradient by how often the token
+occurs in the mini-batch. A pipeline's backward runs per micro-batch, so each micro-batch
+divides by its own counts: the embedding's gradient was off by more than its own size (a
+trial: 0.037 against an eager largest of 0.033), in ``pipe(x)`` and in ``pipe.step``. Refused
+at the build with more than one micro-batch, naming the module.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..errors import MicroBatchError
+
+__all__ = ["refuse_backward_mixing"]
+
+
+def refuse_backward_mixing(gm: fx.GraphModule, chunks: int) -> None:
+    """Raises :class:`MicroBatchError` for an embedding that scales its gradient by the batch's
+    token frequencies, where ``chunks`` micro-batches would each use their own."""
+    if chunks < 2:
+        return
+    for node in gm.graph.nodes:
+        where = _scaled_embedding(gm, node)
+        if where is not None:
+            raise MicroBatchError(
+                f"{where} scales its gradient by each token's frequency in the batch (scale_grad_by_freq=True): "
+                f"a pipeline runs the backward per micro-batch, so each of the {chunks} micro-batches would divide by "
+                "its own counts and the gradient would silently differ from the model's. What to do: "
+                "scale_grad_by_freq=False, or chunks=1.")
+
+
+def _scaled_embedding(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
+            return f"embedding '{node.target}'"
+        return None
+    if node.op != "call_function":
+        return None
+    if node.target is F.embedding:
+        scaled = node.kwargs.get("scale_grad_by_freq", node.args[5] if len(node.args) > 5 else False)
+    elif node.target is torch.ops.aten.embedding.default:
+        scaled = node.kwargs.get("scale_grad_by_freq", node.args[3] if len(node.args) > 3 else False)
+    else:
+        return None
+    if scaled is True:
+        trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+        return f"the embedding call {node.name}" + (f" ({trace[-1].strip()})" if trace else "")
+    return None
