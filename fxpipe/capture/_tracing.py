@@ -17,6 +17,7 @@ Strategy, in order (see :func:`capture`):
 
 from __future__ import annotations
 
+import copy
 import inspect
 import keyword
 import re
@@ -317,7 +318,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     flat_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     flat = [v for _, v in flat_with_path]
     names = _input_names(model, [p for p, _ in flat_with_path])
-    specialized = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+    specialized = {i: _kept(v) for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
     out_specs: list[pytree.TreeSpec] = []
     root = _flat_root(model, names, in_spec, specialized, out_specs)
 
@@ -376,6 +377,19 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
         raise ex_res.refusal from fx_res.error
     raise trace_error(model, fx_res, ex_res) from fx_res.error
+
+
+def _kept(value: Any) -> Any:
+    """A non-tensor input as the graph baked it: a copy where its type compares by value (a
+    ``SimpleNamespace`` of options, a dataclass), so that the same object changed in place
+    before a later call is seen to differ (it was compared with itself, silently: a trial);
+    the object itself where it compares by identity, or cannot be copied."""
+    if type(value).__eq__ is object.__eq__:
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - compared as the object itself
+        return value
 
 
 def _unaliased(flat: list[Any]) -> list[Any]:

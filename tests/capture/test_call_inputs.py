@@ -264,3 +264,26 @@ def test_a_batch_of_one_takes_any_batch_without_micro_batches_and_is_refused_wit
     assert not pipe.capture.batch_fixed
     for x in (torch.randn(4, 3, 4), torch.randn(1, 3, 4), torch.randn(8, 5, 4)):
         torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_an_options_object_changed_in_place_is_refused() -> None:
+    """A SimpleNamespace of options given again after ``opts.scale = 3.0``: the graph baked
+    1.0, and the check compared the object with itself (a trial: loss 0.0908 against 0.4899)."""
+    import types
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x, opts):
+            return self.a(x) * opts.scale
+
+    opts, x = types.SimpleNamespace(scale=1.0), torch.randn(8, 8)
+    pipe = fxpipe.pipeline(Scaled(), x, 2, chunks=2, devices=["cpu"] * 2, sample_kwargs={"opts": opts}, progress=False)
+    pipe(x, opts=opts)
+    opts.scale = 3.0
+    with pytest.raises(InputMismatchError, match=r"opts is namespace\(scale=3.0\)"):
+        pipe(x, opts=opts)
+    opts.scale = 1.0
+    pipe(x, opts=opts)
