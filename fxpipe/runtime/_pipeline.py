@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from ..errors import PipelineClosedError
+from ..errors import MicroBatchError, PipelineClosedError
 from ._checkpoint import Checkpointing
 from ._copy import copy, wait
 from ._dependency import depend_tensors
@@ -216,12 +216,18 @@ class PipelineRunner:
         order = order and on_output is None
         # Once per stage per forward: the modes and weights its recomputations must match.
         modes = [ForwardModes(layout) for layout in self._layouts] if checkpoint_stop > 0 else None
-        for schedule in clock_cycles(m, n):
-            self._fence(batches, schedule, skip_trackers, copy_streams, order)
-            self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead, modes)
-            if on_output is not None and schedule[-1][1] == n - 1:
-                i = schedule[-1][0]  # the micro-batch that left the last partition in this tick
-                batches[i] = on_output(i, batches[i])
+        sizes = [next((len(v) for v in b.values if isinstance(v, torch.Tensor) and v.dim()), None) for b in batches]
+        try:
+            for schedule in clock_cycles(m, n):
+                self._fence(batches, schedule, skip_trackers, copy_streams, order)
+                self._compute(batches, schedule, skip_trackers, copy_streams, checkpoint_stop, results, ahead, modes)
+                if on_output is not None and schedule[-1][1] == n - 1:
+                    i = schedule[-1][0]  # the micro-batch that left the last partition in this tick
+                    batches[i] = on_output(i, batches[i])
+        except ValueError as e:
+            if "Expected more than 1 value per channel" in str(e):
+                raise _one_sample_error(sizes) from e
+            raise
 
     def _recompute_ahead(self) -> List[bool]:
         """Per partition: recompute ahead of its backward? (see ``recompute_ahead``)."""
@@ -346,3 +352,14 @@ def _partition_function(
         return output
 
     return function
+
+
+def _one_sample_error(sizes: Sequence[Optional[int]]) -> MicroBatchError:
+    """A micro-batch of one sample through BatchNorm in training with no other dims to average
+    over (a BatchNorm1d on features): torch refuses it where the whole batch normalises fine."""
+    return MicroBatchError(
+        f"BatchNorm in training mode cannot normalise a micro-batch of one sample over its features (torch: "
+        f"'Expected more than 1 value per channel'), and this batch split into micro-batches of {sizes} samples; the "
+        "model on the whole batch can. What to do: a batch size that chunks splits into micro-batches of 2 samples "
+        "or more (drop_last=True, or a batch sampler keeping whole micro-batches), or fewer chunks for this batch.")
+

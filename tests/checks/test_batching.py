@@ -377,3 +377,15 @@ def test_an_embedding_scaling_its_gradient_by_the_batchs_frequencies_is_refused(
     with pytest.raises(MicroBatchError, match=r"scale_grad_by_freq=True.*chunks=1"):
         fxpipe.pipeline(Lm(), torch.randint(0, 20, (8, 5)), 2, chunks=2, devices=["cpu"] * 2, progress=False)
     fxpipe.pipeline(Lm(), torch.randint(0, 20, (8, 5)), 2, chunks=1, devices=["cpu"] * 2, progress=False).close()
+
+
+def test_a_micro_batch_of_one_through_batchnorm_is_a_micro_batch_error() -> None:
+    """A last batch of 13 in 4 chunks ends in a micro-batch of 1, which BatchNorm1d on features
+    cannot normalise in training: torch's bare ValueError, where eager's whole batch runs (a
+    trial). A typed error naming the sizes; the pipeline goes on with a batch that splits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    with fxpipe.pipeline(model, torch.randn(16, 8), 2, chunks=4, devices=["cpu"] * 2, progress=False) as pipe:
+        with pytest.raises(MicroBatchError, match=r"micro-batches of \[4, 4, 4, 1\] samples"):
+            pipe(torch.randn(13, 8))
+        assert pipe(torch.randn(12, 8)).shape == (12, 2)
