@@ -30,6 +30,7 @@ import torch
 from torch import fx, nn
 
 from ._attr_reads import ABSENT, EQUAL, MUTABLE, NONE, REGISTRIES, SAME, AttrRead
+from ._global_reads import GlobalReads
 from ._hooks import HOOK_DICTS, holds_live_hook
 from ._values import same_plain
 from ..errors import ModelChangedError
@@ -72,6 +73,7 @@ class ModelCheck:
         traced, held, called = _used(model, graph, stages, reads, labels)
         self._held: List[Held] = held
         self._containers = _containers(model, called, labels)
+        self._globals = GlobalReads([model, *traced])
         self._traced: List[Tuple[nn.Module, str]] = [(m, labels.get(id(m), "")) for m in traced]
         self._reads: List[AttrRead] = list(reads)
         self._compile()
@@ -90,7 +92,7 @@ class ModelCheck:
         self._hooks = [m.__dict__[h] for m, _ in self._traced for h in HOOK_DICTS]
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k in ("_held", "_traced", "_reads", "_containers")}
+        return {k: v for k, v in self.__dict__.items() if k in ("_held", "_traced", "_reads", "_containers", "_globals")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -126,6 +128,8 @@ class ModelCheck:
         for registry, n in self._grown:
             if len(registry) != n:
                 return False
+        if self._globals.reads and self._globals.changes():
+            return False
         # any(): a C loop over mostly empty dicts; only a model with hooks looks at them
         return not (any(self._hooks) and any(holds_live_hook(hooks) for hooks in self._hooks))
 
@@ -164,6 +168,7 @@ class ModelCheck:
                 else:
                     out.append(f"'{r.label}' is {_describe(now)}, was {_describe(r.value)} (the traced forward "
                                "read it, and the graph has its value baked in)")
+        out += self._globals.changes()
         for owner, registry, n, label in self._containers:
             if len(owner.__dict__[registry]) != n:
                 now = len(owner.__dict__[registry])

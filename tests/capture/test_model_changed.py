@@ -461,3 +461,41 @@ def test_an_export_leaves_the_models_own_containers_in_place():
     assert_same(model, ref, out, eager_step(ref, x))
     model.pre.__dict__["_kernel_funcs"] = {"scale": Scale()}  # a new object there: still refused
     assert "pre._kernel_funcs" in str(refused(pipe, x))
+
+
+SCALE = 1.0
+SETTINGS = type("Settings", (), {})()
+SETTINGS.temp = 1.0
+
+
+class ReadsGlobals(nn.Module):
+    alpha = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * SCALE * ReadsGlobals.alpha / SETTINGS.temp
+
+
+@pytest.mark.parametrize("which", ["a global", "a class attribute", "a settings object"])
+def test_a_global_the_traced_forward_read_is_checked(which):
+    """Changed after the build (a curriculum, an annealed temperature), the graph kept the
+    build's value (a trial: loss 0.1117 against 0.3223)."""
+    global SCALE
+    model, x = ReadsGlobals(), torch.randn(BATCH, 8)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=CHUNKS, devices=["cpu"] * 2, progress=False)
+    torch.testing.assert_close(pipe(x), model(x))
+    try:
+        if which == "a global":
+            SCALE, said = 2.0, "the global 'SCALE'"
+        elif which == "a class attribute":
+            ReadsGlobals.alpha, said = 2.0, "the global 'ReadsGlobals'"
+        else:
+            SETTINGS.temp, said = 0.5, "the global 'SETTINGS'"
+        assert said in str(refused(pipe, x))
+    finally:
+        SCALE, ReadsGlobals.alpha, SETTINGS.temp = 1.0, 1.0, 1.0
+    torch.testing.assert_close(pipe(x), model(x))
