@@ -41,7 +41,7 @@ import re
 import sys
 import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError, StepError
 
 from ._copies import Copies, as_integers, refuse_different_copies
+from ._flags import refuse_different_flags
 
 __all__ = ["Failures", "Agreement", "failure_line", "fingerprint"]
 
@@ -147,6 +148,8 @@ class Agreement:
         #: on a data-parallel replica's last rank: the loss's further counts against its first
         #: (:class:`fxpipe.checks._loss_fn.Weights`), which every replica must share (None: no loss here)
         self.ratios: Optional[Sequence[float]] = None
+        #: the model's (modes, requires_grad) fingerprints (:mod:`._flags`), the same on every rank
+        self.flags: Optional[Tuple[int, int]] = None
 
 
 #: the open pipelines' failure reporting, told of an uncaught exception before the process ends
@@ -212,8 +215,8 @@ class Failures:
             if failure is None and agreement.ratios is not None and len(agreement.ratios) > _RATIOS:
                 failure = StepError(f"loss_fn adds {len(agreement.ratios) + 1} means over different counts: with "
                                     f"data-parallel replicas at most {_RATIOS + 1} are weighed. Nothing was sent")
-            flags = torch.zeros((2 + _PRINT) * world + copies + (1 + _RATIOS) * world, dtype=torch.int64,
-                                device=self.device)
+            flags = torch.zeros((2 + _PRINT) * world + copies + (1 + _RATIOS) * world + 2 * world,
+                                dtype=torch.int64, device=self.device)
             flags[self.rank] = failure is not None
             flags[world + self.rank] = _CALLS.index(call) if call in _CALLS else len(_CALLS)
             if failure is None and agreement.batch is not None:
@@ -233,11 +236,15 @@ class Failures:
                 ratios = torch.tensor(list(agreement.ratios) + [0.0] * (_RATIOS - len(agreement.ratios)),
                                       dtype=torch.float64)
                 flags[at + 1:at + 1 + _RATIOS] = ratios.view(torch.int64).to(self.device)  # bits, summed with zeros
+            if failure is None and agreement.flags is not None:
+                end = flags.numel() - 2 * world + 2 * self.rank
+                flags[end:end + 2] = torch.tensor(agreement.flags, dtype=torch.int64)
             dist.all_reduce(flags, group=self.group)
             values = flags.tolist()
         base = (2 + _PRINT) * world
         values, prints, held = values[:2 * world], values[2 * world:base], values[base:base + copies]
-        reported = flags[base + copies:].cpu().view(world, 1 + _RATIOS)
+        states = flags[flags.numel() - 2 * world:].tolist()
+        reported = flags[base + copies:flags.numel() - 2 * world].cpu().view(world, 1 + _RATIOS)
         calls = values[world:]
         if len(set(calls)) > 1:  # raised outside reported(): not a failure for the store to keep
             named = ", ".join(f"rank {r}: {_CALLS[c] if c < len(_CALLS) else 'another call'}"
@@ -253,6 +260,8 @@ class Failures:
                 _refuse_different_batches([every[r] for r in row], call, row)
             if self.rows is not None and len(self.rows) > 1 and call == "step()":
                 _refuse_same_batches([every[row[0]] for row in self.rows], self.rows)
+            if agreement.flags is not None:
+                refuse_different_flags([(states[2 * r], states[2 * r + 1]) for r in range(world)])
             refuse_different_copies(agreement.copies, held, world)
             _refuse_unshared_ratios(reported)
             return

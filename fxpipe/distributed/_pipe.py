@@ -54,6 +54,7 @@ from ._clip import clip_grad_norm_
 from ._copies import replica_copies
 from ._eval_mode import EvalRun
 from ._failures import Failures
+from ._flags import ModelFlags
 from ._loss import StepLoss
 from ._mesh import Layout
 from ._pipe_state import PipelineState
@@ -132,6 +133,8 @@ class DistributedPipeline(PipelineState):
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages.modules)
+        self._flags = ModelFlags(model)
+        self._kept_weights: Optional[dict] = None  # step(return_outputs=True): the merge's counts
         # the modes the graph baked in (torch.export: every traced module's): followed or refused
         self._captured_training = model.training
         self._mode_sensitive = mode_sensitive
@@ -258,6 +261,8 @@ class DistributedPipeline(PipelineState):
                 raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
                                 f"got {type(return_outputs).__name__}")
             agreement.copies = self._copies  # tied parameters: equal on the ranks holding them
+            agreement.flags = self._flags.fingerprints()  # modes and frozen weights: alike on every rank
+            self._flags.refuse_unfrozen()
             refuse_parameter_hooks(self.named_parameters(), "every torch.distributed.pipelining schedule", gpipe=False)
             flat, micro = self._inputs(args, kwargs)
             tensors = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -281,6 +286,8 @@ class DistributedPipeline(PipelineState):
                 self._step_loss.outputs = list(run.outputs)  # one micro-batch's, of this shape
                 self._step_loss.begin(targets, flat)
                 self._step_loss.keep = return_outputs
+                if return_outputs is True:  # merged as eval_step merges: a counted loss by its counts
+                    self._kept_weights = self._batching.weights(flat, self._batching.split(flat, self.chunks)[0])
                 if self.layout.replicas is not None:  # the replicas' further counts must agree
                     agreement.ratios = self._step_loss.ratios
         # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
@@ -320,7 +327,8 @@ class DistributedPipeline(PipelineState):
         if how is not True:
             return kept
         sizes = [self._batch // self.chunks] * self.chunks if self._batch else [1] * len(kept)
-        return self.capture.unflatten_output(self._batching.merge(kept, sizes))
+        weights, self._kept_weights = self._kept_weights, None
+        return self.capture.unflatten_output(self._batching.merge(kept, sizes, weights))
 
     def _broadcast_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
         """The last stage's loss on every rank: float64 carries any float dtype exactly, the
@@ -345,6 +353,7 @@ class DistributedPipeline(PipelineState):
         ``None`` on the others (``return_outputs=True``: on every rank)."""
         self._check_open()
         with self._failures.agreed("check its batch", call="eval_step()") as agreement:
+            agreement.flags = self._flags.fingerprints()  # modes: alike on every rank
             agreement.copies = self._copies
             run = self._evaluation if self._in_eval_capture() else None  # the build's eval-mode capture
             flat, micro_flat = self._inputs(args, kwargs, run)

@@ -1,0 +1,66 @@
+"""Flags the training loop sets on every rank must agree: a mode switched, or a weight frozen,
+on some ranks only was silently followed there (see fxpipe/distributed/_flags.py). Refused on
+every rank before anything is sent, as is a weight frozen at the build and trained later; the
+pipeline goes on once the flags agree again."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from dist_harness import run_ranks
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    import fxpipe.distributed as fpd
+    from fxpipe.errors import DistributedError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+    said = []
+
+    def step(pipe) -> None:
+        try:
+            pipe.step(x, target=y)
+            said.append("ran")
+        except DistributedError as e:
+            said.append(str(e))
+
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=nn.functional.mse_loss, timeout=60)
+    if rank == 1:
+        model[1].eval()  # a submodule switched on one rank
+    step(pipe)
+    model.train()
+    if rank == 0:
+        model[0].weight.requires_grad_(False)  # frozen on one rank
+    step(pipe)
+    model[0].weight.requires_grad_(False)  # now on every rank: followed
+    step(pipe)
+    model[0].weight.requires_grad_(True)  # frozen at the build? no: trained at the build, so this is fine
+    step(pipe)
+    pipe.close()
+    model[5].requires_grad_(False)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=nn.functional.mse_loss, timeout=60)
+    model[5].requires_grad_(True)  # frozen at the build, trained now
+    step(pipe)
+    pipe.close()
+    torch.save(said, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_flags_set_on_some_ranks_are_refused_on_every_rank(tmp_path: Path) -> None:
+    for said in run_ranks(_worker, 2, (), tmp_path):
+        modes, grads, alike, again, unfrozen = said
+        assert "differ in their training modes" in modes and "ranks [0] against ranks [1]" in modes
+        assert "differ in their requires_grad flags" in grads
+        assert alike == "ran" and again == "ran"
+        assert "parameter '5.weight' and 1 more did not require grad when this pipeline was built" in unfrozen
