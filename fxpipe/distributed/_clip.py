@@ -41,10 +41,15 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], counted: Callable[[nn.Pa
     share = torch.zeros((), dtype=torch.float64, device=device)
     for g in mine:
         n = torch.linalg.vector_norm(local_part(g.detach()), norm_type).to(device=device, dtype=torch.float64)
-        share = torch.maximum(share, n) if math.isinf(norm_type) else share + n ** norm_type
+        if math.isinf(norm_type):
+            share = torch.maximum(share, n)
+        elif norm_type == 0:  # torch's order 0 over the tensors' norms: the tensors with a nonzero gradient
+            share = share + (n != 0).to(torch.float64)
+        else:
+            share = share + n ** norm_type
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     dist.all_reduce(share, op=op, group=group)
-    total = share if math.isinf(norm_type) else share ** (1.0 / norm_type)
+    total = share if math.isinf(norm_type) or norm_type == 0 else share ** (1.0 / norm_type)
     total = total.to(dtype)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(

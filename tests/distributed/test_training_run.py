@@ -16,6 +16,9 @@ from dist_models import case
 from exact import assert_close_scaled
 
 STEPS = 3
+#: the norms clipped by, a step each: order 0 (torch's: how many tensors have a nonzero gradient)
+#: raised ZeroDivisionError on every rank
+NORMS = (2.0, 0.0, float("inf"))
 LR = 1e-2
 #: eps 1e-6, not 1e-8: a key bias's gradient is 0 in exact arithmetic (softmax ignores a shift),
 #: so Adam's update there is rounding noise over eps, a share of lr apart in any two runs
@@ -64,7 +67,7 @@ def _eager(steps: int, chunks: int = 2) -> tuple:
 
 def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
     """The tied GPT over 2 ranks (the embedding on rank 0, the LM head on rank 1), AdamW with
-    ``pipe.clip_grad_norm_`` for STEPS steps (2-norm, then inf-norm), then torch's per-rank
+    ``pipe.clip_grad_norm_`` for STEPS steps (the norms of NORMS in turn), then torch's per-rank
     clipping, which the next step refuses."""
 
     import fxpipe.distributed as fpd
@@ -77,7 +80,7 @@ def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
     losses, norms = [], []
     for step in range(STEPS):
         losses.append(pipe.step(x, target=y))
-        norms.append(pipe.clip_grad_norm_(0.05, norm_type=2.0 if step < STEPS - 1 else float("inf")))
+        norms.append(pipe.clip_grad_norm_(0.05, norm_type=NORMS[step % len(NORMS)]))
         opt.step()
         opt.zero_grad()
     result = {"losses": losses, "norms": norms,
@@ -106,8 +109,7 @@ def test_global_clipping_is_eagers_and_tied_copies_that_drift_are_refused(tmp_pa
         loss = loss_fn(ref(x), y)
         loss.backward()
         losses.append(loss.detach())
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05,
-                                                    norm_type=2.0 if step < STEPS - 1 else float("inf")))
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=NORMS[step % len(NORMS)]))
         opt.step()
         opt.zero_grad()
     want = dict(ref.named_parameters())
