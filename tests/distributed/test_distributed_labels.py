@@ -122,6 +122,9 @@ def test_the_models_own_labels_loss_is_weighed_as_in_one_process(one_rank) -> No
         eager.zero_grad()
         _assert_exact(pipe.step(input_ids=ids, labels=labels), eager(input_ids=ids, labels=labels).loss, model, eager)
         labels = labels.roll(1, 0)
+    # the step's kept outputs merge the loss as it counts too (their 'loss' was the plain mean of the micro-batches')
+    loss, out = pipe.step(input_ids=ids, labels=labels, return_outputs=True)
+    assert_close_scaled(out.loss, loss, what="step(return_outputs=True)'s merged loss")
     with pytest.raises(Exception, match="target= is given"):
         pipe.step(input_ids=ids, labels=labels, target=labels)
     # validation: the model's own loss merged as it counts (torch's merge failed on the 0-dim loss)
