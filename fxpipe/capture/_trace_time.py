@@ -6,7 +6,8 @@ at the build's value where eager recomputes them each call (new-user trials):
 
 * **random numbers** drawn without a tensor argument (:class:`DrewAtTrace`): ``torch.rand([])
   < p`` of a LayerDrop, ``torch.randint(0, 3, ())`` of a time mask;
-* **Python state the forward sets** (:class:`KeepsState`): ``self.calls += 1``, a step counter;
+* **Python state the forward sets** (:class:`KeepsState`): ``self.calls += 1``, a step counter
+  (refused wherever it is set);
 * **a model's tensor read as a number** (:class:`ReadsAsNumber`): ``float(self.step)`` of a
   warm-up buffer, ``self.temp.item()``: the buffer, updated in place or by ``load_state_dict``
   afterwards, kept its build-time value in the graph.
@@ -52,9 +53,10 @@ class KeepsState(TraceError):
     """A forward set a number attribute of its module (``self.calls += 1``, a step counter
     for a warm-up): Python state, which a traced graph neither updates nor reads again. Any
     value computed from it is baked into the graph at the build's value, and the attribute
-    stops changing: the pipeline would silently compute the model as it was at the build. The
-    module is kept opaque (its forward runs each call, as eager's); the root's forward, which
-    cannot be, is refused."""
+    stops changing: the pipeline would silently compute the model as it was at the build.
+    Refused, wherever it is: a module kept opaque would count once per micro-batch, and the
+    build's check takes a count that differs between runs for randomness, comparing structure
+    only. A buffer updated in place is the pipeline's documented per-micro-batch state."""
 
     def __init__(self, label: str) -> None:
         owner = label.rpartition(".")[0]
@@ -63,8 +65,8 @@ class KeepsState(TraceError):
             "neither "
             "updates it nor reads it again, so the pipeline would compute every call with the value it had at the "
             "build. What to do: keep the state in a buffer (register_buffer, updated in place: "
-            "self.calls.add_(1)), or move the code that updates and uses it into a submodule, which fxpipe then "
-            "keeps opaque (it runs eagerly each call)", module=owner, reason="Python state set by the forward")
+            "self.calls.add_(1); a pipeline updates it once per micro-batch, as GPipe does), or update it "
+            "outside the forward (in the training loop)", module=owner, reason="Python state set by the forward")
 
 
 def drew_since(states: list[torch.Tensor]) -> bool:

@@ -276,10 +276,8 @@ def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
                 tracer.failure_stack = [""] if tried or not module else [module]
                 raise ReadsAsNumber("" if tried else module, tensor)
             state = reads.written_numbers()
-            if state:  # the module keeping it is kept opaque (its forward runs each call), once
-                owner = state[0].rpartition(".")[0]
-                tried = owner in tracer.leaf_names or any(f.module == owner for f in auto)
-                tracer.failure_stack = [""] if tried else [owner]  # set from outside it: as the root's
+            if state:  # refused, not kept opaque: run per micro-batch it would count per micro-batch
+                tracer.failure_stack = [""]
                 raise KeepsState(state[0])
             return graph, tracer.opaque, auto, reads.reads(), tracer.lost_records
         except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
