@@ -93,11 +93,24 @@ class ReadsAsNumber(TraceError):
 _CONVERSIONS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")
 
 
+_lock = threading.Lock()
+_sessions: List["TensorsReadAsNumbers"] = []  # the traces watching now (builds may run in threads)
+_saved: Dict[str, Any] = {}  # torch.Tensor's own conversion methods while wrapped
+
+
+def _watching(method: str, original: Any) -> Any:
+    def converted(t: Any, *args: Any, **kwargs: Any) -> Any:
+        for session in _sessions:
+            session._saw(t)
+        return original(t, *args, **kwargs)
+    return converted
+
+
 class TensorsReadAsNumbers:
     """While active (one trace), notes each of ``model``'s parameters and buffers read as a
     number, with the innermost module being traced then (``where()``): ``(module, tensor
-    name)``, first read first. ``torch.Tensor``'s conversion methods are wrapped for the block
-    (their behaviour unchanged) and put back after."""
+    name)``, first read first. ``torch.Tensor``'s conversion methods are wrapped while any
+    trace watches (their behaviour unchanged) and put back when the last one ends."""
 
     def __init__(self, model: nn.Module, where: Callable[[], str]) -> None:
         self.names: Dict[int, str] = {}
@@ -105,30 +118,30 @@ class TensorsReadAsNumbers:
             self.names.setdefault(id(t), name)
         self.where = where
         self.found: List[tuple] = []
-        self._saved: Dict[str, Any] = {}
         self._thread = 0
+
+    def _saw(self, t: Any) -> None:
+        name: Optional[str] = self.names.get(id(t))
+        if name is not None and threading.get_ident() == self._thread:
+            self.found.append((self.where(), name))
 
     def __enter__(self) -> "TensorsReadAsNumbers":
         self._thread = threading.get_ident()
-        for method in _CONVERSIONS:
-            original = torch.Tensor.__dict__.get(method, getattr(torch.Tensor, method))
-            self._saved[method] = torch.Tensor.__dict__.get(method)
-            setattr(torch.Tensor, method, self._watching(original))
+        with _lock:
+            if not _sessions:
+                for method in _CONVERSIONS:
+                    _saved[method] = torch.Tensor.__dict__.get(method)
+                    setattr(torch.Tensor, method, _watching(method, getattr(torch.Tensor, method)))
+            _sessions.append(self)
         return self
 
-    def _watching(self, original: Any) -> Any:
-        def converted(t: Any, *args: Any, **kwargs: Any) -> Any:
-            name: Optional[str] = self.names.get(id(t))
-            if name is not None and threading.get_ident() == self._thread:
-                self.found.append((self.where(), name))
-            return original(t, *args, **kwargs)
-        return converted
-
     def __exit__(self, *exc: Any) -> None:
-        for method, saved in self._saved.items():
-            if saved is None:
-                delattr(torch.Tensor, method)
-            else:
-                setattr(torch.Tensor, method, saved)
-        self._saved = {}
-
+        with _lock:
+            _sessions.remove(self)
+            if not _sessions:
+                for method, saved in _saved.items():
+                    if saved is None:
+                        delattr(torch.Tensor, method)
+                    else:
+                        setattr(torch.Tensor, method, saved)
+                _saved.clear()
