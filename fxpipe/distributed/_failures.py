@@ -202,7 +202,8 @@ class Failures:
         :class:`DistributedError` naming each rank's call. The block may set the yielded
         :class:`Agreement`'s ``batch``: ranks given different batches are refused on every rank
         with :class:`BatchMismatchError` naming them (their fingerprints travel in the same
-        all-reduce: a few more bytes, no extra collective)."""
+        all-reduce: a few more bytes, no extra collective); its ``flags``, the model's modes and
+        ``requires_grad`` fingerprints (:mod:`._flags`), must be the same on every rank."""
         failure: Optional[Exception] = None
         agreement = Agreement()
         try:
@@ -242,8 +243,8 @@ class Failures:
             dist.all_reduce(flags, group=self.group)
             values = flags.tolist()
         base = (2 + _PRINT) * world
+        states = values[len(values) - 2 * world:]  # (modes, requires_grad) per rank
         values, prints, held = values[:2 * world], values[2 * world:base], values[base:base + copies]
-        states = flags[flags.numel() - 2 * world:].tolist()
         reported = flags[base + copies:flags.numel() - 2 * world].cpu().view(world, 1 + _RATIOS)
         calls = values[world:]
         if len(set(calls)) > 1:  # raised outside reported(): not a failure for the store to keep
