@@ -22,7 +22,7 @@ with the pipeline still usable.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,9 @@ class StepLoss:
         #: or a callable applied to each micro-batch's output; what was kept this step
         self.keep: Any = False
         self.kept: List[Any] = []
+        #: this step's counts per counted 'mean' output (the model's own loss: read by begin), by
+        #: which ``step(return_outputs=True)`` merges the kept outputs as eval_step would
+        self.merge_weights: Optional[Dict[int, List[Tensor]]] = None
 
     def begin(self, targets: Optional[List[Any]], flat: Sequence[Any]) -> None:
         """Fixes this step's weights from its micro-batches (``targets``, one per micro-batch,
@@ -84,11 +87,13 @@ class StepLoss:
         self._targets = []
         self.kept = []
         self.ratios = ()
+        self.merge_weights = None
         if self.own is not None:
             merge = self.batching.merges[self.own]
             micro, _ = self.batching.split(flat, self.chunks)
             # refuses what it cannot weigh
-            counts = self.batching.weights(flat, micro, alone=not self.replicated).get(self.own)
+            self.merge_weights = self.batching.weights(flat, micro, alone=not self.replicated)
+            counts = self.merge_weights.get(self.own)
             if merge == "sum":
                 self._weigh(None)
             elif counts is not None:

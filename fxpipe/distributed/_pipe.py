@@ -287,7 +287,9 @@ class DistributedPipeline(PipelineState):
                 self._step_loss.begin(targets, flat)
                 self._step_loss.keep = return_outputs
                 if return_outputs is True:  # merged as eval_step merges: a counted loss by its counts
-                    self._kept_weights = self._batching.weights(flat, self._batching.split(flat, self.chunks)[0])
+                    self._kept_weights = self._step_loss.merge_weights
+                    if self._kept_weights is None:  # a loss_fn step: the outputs' own counts, read here
+                        self._kept_weights = self._batching.weights(flat, self._batching.split(flat, self.chunks)[0])
                 if self.layout.replicas is not None:  # the replicas' further counts must agree
                     agreement.ratios = self._step_loss.ratios
         # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
