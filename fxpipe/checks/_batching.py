@@ -225,9 +225,10 @@ class Batching:
                 return torch.stack([p * (n / total) for p, n in zip(parts, sizes)]).sum(0)
             return sum(p * n for p, n in zip(parts, sizes)) / total
         dim = int(merge)  # type: ignore[arg-type]
-        shapes = [tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__ for p in parts]
-        if not all(isinstance(p, Tensor) and p.dim() == first.dim() and p.shape[:dim] == first.shape[:dim]
-                   and p.shape[dim + 1:] == first.shape[dim + 1:] for p in parts if isinstance(first, Tensor)):
+        if isinstance(first, Tensor) and not all(
+                isinstance(p, Tensor) and p.dim() == first.dim() and p.shape[:dim] == first.shape[:dim]
+                and p.shape[dim + 1:] == first.shape[dim + 1:] for p in parts):
+            shapes = [tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__ for p in parts]
             raise MicroBatchError(
                 f"{_output_label(name)} cannot be concatenated along dim {dim}: the micro-batches gave shapes "
                 f"{shapes}, which differ in another dim. A model that trims its output to the batch's longest "
