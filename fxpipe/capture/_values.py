@@ -15,14 +15,14 @@ against a call's (:mod:`._call_inputs`), an attribute the trace read against its
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ._numerics import tolerance
 
-__all__ = ["same_value", "exactly_same", "same_plain"]
+__all__ = ["same_value", "exactly_same", "same_plain", "concatenated_dim"]
 
 
 def same_value(a: Any, b: Any, *, values: bool = True) -> bool:
@@ -72,3 +72,17 @@ def same_plain(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - a value whose == is not a bool
         return False
+
+
+def concatenated_dim(whole: Any, parts: Sequence[Any], exact: bool = False) -> Optional[int]:
+    """The dim along which ``parts`` concatenate to ``whole`` (value included: within the
+    tolerance, or bit for bit with ``exact``), or None."""
+    if not isinstance(whole, Tensor) or not all(isinstance(p, Tensor) for p in parts) or len(parts) < 2:
+        return None
+    for d in range(whole.dim()):
+        if all(p.dim() == whole.dim() and p.shape[:d] == whole.shape[:d] and p.shape[d + 1:] == whole.shape[d + 1:]
+               for p in parts) and sum(p.shape[d] for p in parts) == whole.shape[d]:
+            joined = torch.cat(list(parts), dim=d)
+            return d if (exactly_same(whole, joined) if exact else same_value(whole, joined)) else None
+    return None
+

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from ..capture._mode_flags import modes_kept
-from ..capture._values import exactly_same, same_value
+from ..capture._values import concatenated_dim, exactly_same, same_value
 from ..errors import MicroBatchError
 from ._batching import _LOSS_NOTE, Batching, _merge_hint, _output_label
 from ._counted_labels import CountedLabels
@@ -143,17 +143,6 @@ def _refuse(batching: Batching, i: int, whole: Any, merged: Any, parts: List[Any
         f"dim}}; if this output is not per sample, declare its merge with {_merge_hint(name)}."
         + (f" {_LOSS_NOTE}" if isinstance(whole, Tensor) and whole.dim() == 0 else ""))
 
-
-
-def concatenated_dim(whole: Any, parts: Sequence[Any]) -> Optional[int]:
-    """The dim along which ``parts`` concatenate to ``whole`` (value included), or None."""
-    if not isinstance(whole, Tensor) or not all(isinstance(p, Tensor) for p in parts) or len(parts) < 2:
-        return None
-    for d in range(whole.dim()):
-        if all(p.dim() == whole.dim() and p.shape[:d] == whole.shape[:d] and p.shape[d + 1:] == whole.shape[d + 1:]
-               for p in parts) and sum(p.shape[d] for p in parts) == whole.shape[d]:
-            return d if same_value(whole, torch.cat(list(parts), dim=d)) else None
-    return None
 
 
 @contextmanager

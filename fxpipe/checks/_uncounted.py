@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx
 
+from ..capture._values import concatenated_dim
 from ..errors import MicroBatchError
 from ._loss_values import ancestors
 
@@ -169,11 +170,8 @@ def _per_sample(program: fx.GraphModule, inputs: Sequence[int], in_dims: Sequenc
                            if isinstance(x, Tensor) and in_dims[k] is not None and x.dim() > 0 else x
                            for x, k in zip(xs, inputs)] for h in (0, 1)]
                 parts = [program(*half) for half in halves]
-                if not isinstance(whole, Tensor) or whole.dim() == 0 or not any(
-                        torch.equal(whole, torch.cat(parts, dim=d)) for d in range(whole.dim())
-                        if all(p.dim() == whole.dim() and p.shape[:d] == whole.shape[:d]
-                               and p.shape[d + 1:] == whole.shape[d + 1:] for p in parts)
-                        and sum(p.shape[d] for p in parts) == whole.shape[d]):
+                per_sample = isinstance(whole, Tensor) and whole.dim() > 0
+                if not per_sample or concatenated_dim(whole, parts, exact=True) is None:
                     return False
     except Exception:  # noqa: BLE001 - a divisor that cannot run split is not shown per sample
         return False
