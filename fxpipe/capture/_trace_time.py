@@ -14,24 +14,26 @@ at the build's value where eager recomputes them each call (new-user trials):
 
 Each is found while tracing (the default generators' states around every module call; the
 attribute recording's writes; ``Tensor.item`` and the number conversions watched for the
-model's own tensors) and raised as a ``TraceError`` naming the innermost module, which the
-tracer then keeps opaque: it runs its own forward each call, as eager. In the root forward,
-which cannot be opaque, the capture falls back to torch.export (which records random calls
-and ``.item()`` as ops) or is refused naming the line.
+model's own tensors, :func:`baked_at_trace`) and raised as a ``TraceError``. For a draw or a
+number read, the innermost module doing it is kept opaque: it runs its own forward each call,
+as eager; in the root forward, which cannot be, the capture falls back to torch.export (which
+records random calls and ``.item()`` as ops) or is refused naming the line. State set by the
+forward is refused wherever it is set.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..errors import TraceError
+from ._attr_reads import AttributeReads
 from ..runtime._randomness import generator_states, set_generator_states
 
-__all__ = ["DrewAtTrace", "KeepsState", "ReadsAsNumber", "TensorsReadAsNumbers", "drew_since"]
+__all__ = ["DrewAtTrace", "KeepsState", "ReadsAsNumber", "TensorsReadAsNumbers", "drew_since", "baked_at_trace"]
 
 
 class DrewAtTrace(TraceError):
@@ -62,8 +64,7 @@ class KeepsState(TraceError):
         owner = label.rpartition(".")[0]
         super().__init__(
             f"the traced forward sets '{label}' while it runs (Python state such as a call or step counter): a graph "
-            "neither "
-            "updates it nor reads it again, so the pipeline would compute every call with the value it had at the "
+            "neither updates it nor reads it again, so the pipeline would compute every call with the value it had at the "
             "build. What to do: keep the state in a buffer (register_buffer, updated in place: "
             "self.calls.add_(1); a pipeline updates it once per micro-batch, as GPipe does), or update it "
             "outside the forward (in the training loop)", module=owner, reason="Python state set by the forward")
@@ -98,7 +99,7 @@ _sessions: List["TensorsReadAsNumbers"] = []  # the traces watching now (builds 
 _saved: Dict[str, Any] = {}  # torch.Tensor's own conversion methods while wrapped
 
 
-def _watching(method: str, original: Any) -> Any:
+def _watching(original: Any) -> Any:
     def converted(t: Any, *args: Any, **kwargs: Any) -> Any:
         for session in _sessions:
             session._saw(t)
@@ -131,7 +132,7 @@ class TensorsReadAsNumbers:
             if not _sessions:
                 for method in _CONVERSIONS:
                     _saved[method] = torch.Tensor.__dict__.get(method)
-                    setattr(torch.Tensor, method, _watching(method, getattr(torch.Tensor, method)))
+                    setattr(torch.Tensor, method, _watching(getattr(torch.Tensor, method)))
             _sessions.append(self)
         return self
 
@@ -145,3 +146,24 @@ class TensorsReadAsNumbers:
                     else:
                         setattr(torch.Tensor, method, saved)
                 _saved.clear()
+
+
+def baked_at_trace(before: List[torch.Tensor], numbers: TensorsReadAsNumbers, reads: AttributeReads,
+                   opaque: Callable[[str], bool]) -> Optional[Tuple[TraceError, str]]:
+    """What a finished fx trace baked that it must not, as ``(error, module to keep opaque)``
+    (``''``: none can be, the root's or refused), else None. ``before``: the generators'
+    states when the trace began (a draw in a module call was raised by the tracer already);
+    ``opaque(module)``: whether that module is kept opaque already, so that its read came from
+    code outside it."""
+    if drew_since(before):  # in the root's own forward, which cannot be kept opaque
+        return DrewAtTrace(""), ""
+    if numbers.found:  # the module reading it is kept opaque: it reads the live value each call
+        module, tensor = numbers.found[0]
+        if module and not opaque(module):
+            return ReadsAsNumber(module, tensor), module
+        return ReadsAsNumber("", tensor), ""
+    state = reads.written_numbers()
+    if state:  # refused, not kept opaque: run per micro-batch it would count per micro-batch
+        return KeepsState(state[0]), ""
+    return None
+

@@ -17,7 +17,6 @@ Strategy, in order (see :func:`capture`):
 
 from __future__ import annotations
 
-import copy
 import inspect
 import keyword
 import re
@@ -47,8 +46,9 @@ from ._reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
 from ._meta import has_meta_tensors
 from ..tree import flatten
 from ._user_code import user_stack
+from ._values import kept_for_comparison
 from ..runtime._randomness import generator_states
-from ._trace_time import DrewAtTrace, KeepsState, ReadsAsNumber, TensorsReadAsNumbers, drew_since
+from ._trace_time import DrewAtTrace, KeepsState, TensorsReadAsNumbers, baked_at_trace, drew_since
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -267,18 +267,11 @@ def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
             with AttributeReads(model) as reads, \
                     TensorsReadAsNumbers(model, lambda: tracer.stack[-1]) as numbers:  # fx runs no leaf: the traced code's
                 graph = tracer.trace(root)
-            if drew_since(before):  # in the root's own forward, which cannot be kept opaque
-                tracer.failure_stack = [""]
-                raise DrewAtTrace("")
-            if numbers.found:  # the module reading it is kept opaque: it reads the live value each call
-                module, tensor = numbers.found[0]
-                tried = module in tracer.leaf_names or any(f.module == module for f in auto)
-                tracer.failure_stack = [""] if tried or not module else [module]
-                raise ReadsAsNumber("" if tried else module, tensor)
-            state = reads.written_numbers()
-            if state:  # refused, not kept opaque: run per micro-batch it would count per micro-batch
-                tracer.failure_stack = [""]
-                raise KeepsState(state[0])
+            baked = baked_at_trace(before, numbers, reads,
+                                   lambda m: m in tracer.leaf_names or any(f.module == m for f in auto))
+            if baked is not None:
+                tracer.failure_stack = [baked[1]]
+                raise baked[0]
             return graph, tracer.opaque, auto, reads.reads(), tracer.lost_records
         except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
             stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
@@ -316,7 +309,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     flat_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     flat = [v for _, v in flat_with_path]
     names = _input_names(model, [p for p, _ in flat_with_path])
-    specialized = {i: _kept(v) for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+    specialized = {i: kept_for_comparison(v) for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
     out_specs: list[pytree.TreeSpec] = []
     root = _flat_root(model, names, in_spec, specialized, out_specs)
 
@@ -375,19 +368,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
         raise ex_res.refusal from fx_res.error
     raise trace_error(model, fx_res, ex_res) from fx_res.error
-
-
-def _kept(value: Any) -> Any:
-    """A non-tensor input as the graph baked it: a copy where its type compares by value (a
-    ``SimpleNamespace`` of options, a dataclass), so that the same object changed in place
-    before a later call is seen to differ (it was compared with itself, silently: a trial);
-    the object itself where it compares by identity, or cannot be copied."""
-    if type(value).__eq__ is object.__eq__:
-        return value
-    try:
-        return copy.deepcopy(value)
-    except Exception:  # noqa: BLE001 - compared as the object itself
-        return value
 
 
 def _unaliased(flat: list[Any]) -> list[Any]:

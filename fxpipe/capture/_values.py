@@ -14,6 +14,7 @@ against a call's (:mod:`._call_inputs`), an attribute the trace read against its
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Optional, Sequence
 
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from ._numerics import tolerance
 
-__all__ = ["same_value", "exactly_same", "same_plain", "concatenated_dim"]
+__all__ = ["same_value", "exactly_same", "same_plain", "concatenated_dim", "kept_for_comparison"]
 
 
 def same_value(a: Any, b: Any, *, values: bool = True) -> bool:
@@ -86,3 +87,15 @@ def concatenated_dim(whole: Any, parts: Sequence[Any], exact: bool = False) -> O
             return d if (exactly_same(whole, joined) if exact else same_value(whole, joined)) else None
     return None
 
+
+def kept_for_comparison(value: Any) -> Any:
+    """A non-tensor input as the graph baked it: a copy where its type compares by value (a
+    ``SimpleNamespace`` of options, a dataclass), so that the same object changed in place
+    before a later call is seen to differ (it was compared with itself, silently: a trial);
+    the object itself where it compares by identity, or cannot be copied."""
+    if type(value).__eq__ is object.__eq__:
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - compared as the object itself
+        return value
