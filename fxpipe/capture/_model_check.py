@@ -7,9 +7,10 @@ Replacing any of those afterwards changes the model but not the pipeline -- a Lo
 put in place of ``layer.q_proj``, ``model.temperature = 0.5``, a new ``nn.Parameter``
 assigned to a weight, a forward hook on a module whose code was traced -- and the pipeline
 would silently go on computing the old model. So would a name the traced forward looked for
-and did not find (``getattr(self, 'adapter', None)``), set afterwards, and an entry appended
-to a ``ModuleList`` or ``ModuleDict`` whose entries the traced code went through. :class:`ModelCheck` lists those things once,
-when the pipeline is built, and :meth:`ModelCheck.check` compares them at each call
+and did not find (``getattr(self, 'adapter', None)``), set afterwards, an entry appended to a
+``ModuleList`` or ``ModuleDict`` whose entries the traced code went through, and a global its
+``forward`` names (:mod:`fxpipe.capture._global_reads`). :class:`ModelCheck` lists those things
+once, when the pipeline is built, and :meth:`ModelCheck.check` compares them at each call
 (identity first: tens of microseconds for a 12-layer GPT-2), raising
 :class:`~fxpipe.errors.ModelChangedError` naming each change.
 
@@ -86,7 +87,7 @@ class ModelCheck:
         fast = [r for r in self._reads if r.in_dict and r.how in (SAME, EQUAL)]
         self._fast = [(r.owner.__dict__, r.name, r.value) for r in fast]
         absent = [r for r in self._reads if r.how == ABSENT and isinstance(r.owner, nn.Module)]
-        self._absent = [(r.name, [r.owner.__dict__] + [r.owner.__dict__[k] for k in REGISTRIES]) for r in absent]
+        self._absent = [(r.name, _places(r.owner)) for r in absent]
         self._slow = [r for r in self._reads if not (r.in_dict and r.how in (SAME, EQUAL)) and r not in absent]
         self._grown = [(owner.__dict__[registry], n) for owner, registry, n, _ in self._containers]
         self._hooks = [m.__dict__[h] for m, _ in self._traced for h in HOOK_DICTS]
@@ -122,9 +123,8 @@ class ModelCheck:
             if not _read_holds(r):
                 return False
         for name, places in self._absent:  # dict lookups: no AttributeError raised per call
-            for place in places:
-                if name in place:
-                    return False
+            if any(name in place for place in places):
+                return False
         for registry, n in self._grown:
             if len(registry) != n:
                 return False
@@ -199,9 +199,14 @@ def _read_holds(r: AttrRead) -> bool:
         return now is None
     if r.how in (EQUAL, MUTABLE):
         return same_plain(now, r.value)
-    if r.how == ABSENT:
-        return now is _MISSING
+    if r.how == ABSENT:  # as the per-call check looks: the instance and its registries
+        return isinstance(r.owner, nn.Module) and not any(r.name in place for place in _places(r.owner))
     return False
+
+
+def _places(module: nn.Module) -> List[Dict[str, Any]]:
+    """Where a name set on ``module`` lands: its ``__dict__`` and its registries."""
+    return [module.__dict__] + [module.__dict__[k] for k in REGISTRIES]
 
 
 def _used(model: nn.Module, graph: fx.GraphModule, stages: Iterable[fx.GraphModule], reads: Sequence[AttrRead],
