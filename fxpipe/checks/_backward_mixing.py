@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..errors import MicroBatchError
+from ._loss_values import recorded_line
 
 __all__ = ["refuse_backward_mixing"]
 
@@ -51,7 +52,4 @@ def _scaled_embedding(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
         scaled = node.kwargs.get("scale_grad_by_freq", node.args[3] if len(node.args) > 3 else False)
     else:
         return None
-    if scaled is True:
-        trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-        return f"the embedding call {node.name}" + (f" ({trace[-1].strip()})" if trace else "")
-    return None
+    return f"the embedding call {node.name}{recorded_line(node)}" if scaled is True else None

@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx
 
-__all__ = ["Den", "Form", "LossForm", "ancestors", "bad", "source_of", "shape_of", "numel", "op_name", "raw_name", "in_place",
+__all__ = ["Den", "Form", "LossForm", "ancestors", "bad", "source_of", "recorded_line", "shape_of", "numel", "op_name", "raw_name", "in_place",
            "is_pointwise", "FREE", "ROWS", "TOTAL", "RATIO", "COUNT", "BAD", "LINEAR", "SCAN_OR_REDUCE", "FILLS",
            "REDUCING_LOSSES", "NLL", "RANDOM", "ELEMENTWISE"]
 
@@ -67,6 +67,13 @@ class LossForm:
 def bad(why: str) -> Form:
     """A form that is no reading, saying why."""
     return Form(BAD, why=why)
+
+
+def recorded_line(node: fx.Node) -> str:
+    """`` (the source line)`` the capture recorded last for ``node``, or '': for a refusal's
+    message."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return f" ({trace[-1].strip()})" if trace else ""
 
 
 def source_of(node: fx.Node) -> str:

@@ -21,7 +21,7 @@ from torch import Tensor, fx
 
 from ..capture._values import concatenated_dim
 from ..errors import MicroBatchError
-from ._loss_values import ancestors
+from ._loss_values import ancestors, recorded_line
 
 __all__ = ["divisor_of", "inputs_program", "refuse_divisor", "refuse_selection"]
 
@@ -74,19 +74,13 @@ def refuse_selection(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], i
             if any(boolean(k) for k in keys):
                 chosen = n
         if chosen is not None and ancestors(chosen) & split:
-            where = _line(chosen)
+            where = recorded_line(chosen)
             raise MicroBatchError(
                 f"the loss (output {i}, merged with 'mean') averages over a selection the data decide "
                 f"({chosen.name}{where}: a boolean mask, masked_select or nanmean): each micro-batch would divide by "
                 "its own count, and the merged loss and its gradients would silently differ from the model's. What "
                 "to do: write it as a masked mean, (l * mask).sum() / mask.sum(), which fxpipe weighs by each "
                 "micro-batch's mask sum, exactly; or return the sum and the count merged with 'sum'.")
-
-
-def _line(node: fx.Node) -> str:
-    """`` (the source line)`` the capture recorded for ``node``, or ''."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    return f" ({trace[-1].strip()})" if trace else ""
 
 
 _SIZE_READS = {"size", "numel", "dim", "shape"}
@@ -131,7 +125,7 @@ def refuse_divisor(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], in_
             continue  # a constant, an input given whole, or a size (x.size(0): the size-weighted merge is its mean)
         if _per_sample(program[0], program[1], in_dims, flat):
             continue  # each sample divided by its own count (a per-sequence mean): the merge is the samples'
-        where = _line(n)
+        where = recorded_line(n)
         raise MicroBatchError(
             f"the loss (output {i}, merged with 'mean') divides by {divisor.name}{where}, a value computed from "
             f"the inputs that is not a sum fxpipe can weigh (e.g. a count under .clamp(min=1)): each micro-batch "
