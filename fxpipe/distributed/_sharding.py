@@ -34,6 +34,8 @@ is left whole (:func:`shard_stages`).
 
 from __future__ import annotations
 
+from typing import Hashable, Iterable, Tuple
+
 import torch
 from torch import nn
 
@@ -42,7 +44,7 @@ from torch import nn
 SHARDED_AWAY = "_fxpipe_sharded_away"
 
 __all__ = ["SHARDED_AWAY", "shard_stages", "sharded_here", "is_sharded", "placed_like", "local_part",
-           "refuse_sharded_model", "sharded_stage"]
+           "refuse_sharded_model", "sharded_stage", "used_twice_on_a_rank"]
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -107,14 +109,20 @@ def shared_on_a_rank(stages: list[nn.Module], placement: list[int]) -> set[nn.Pa
     """The parameters two stages of one rank both use (a tied embedding and LM head that a V
     schedule puts on one rank), over every rank's stages: the same set on every rank, so a
     weight also tied to another rank's stage is whole on all of them."""
-    by_rank: dict[int, dict[int, int]] = {}  # rank -> id(parameter) -> how many of its stages use it
-    found: dict[int, nn.Parameter] = {}
-    for stage, rank in zip(stages, placement):
-        counts = by_rank.setdefault(rank, {})
-        for p in {id(p): p for p in stage.parameters()}.values():
-            counts[id(p)] = counts.get(id(p), 0) + 1
-            found[id(p)] = p
-    return {found[i] for counts in by_rank.values() for i, n in counts.items() if n > 1}
+    found = {id(p): p for stage in stages for p in stage.parameters()}
+    uses = ((rank, {id(p) for p in stage.parameters()}) for stage, rank in zip(stages, placement))
+    return {found[i] for i in used_twice_on_a_rank(uses)}
+
+
+def used_twice_on_a_rank(uses: Iterable[Tuple[Hashable, Iterable[Hashable]]]) -> set:
+    """The keys two stages placed on one rank both hold, from ``(rank, the stage's keys, each
+    once)`` per stage: the weights :func:`shard_stages` leaves whole. ``fxpipe.tune`` predicts
+    'fsdp' from the same decision, on its stages' tensors (:mod:`fxpipe.tuning._data_parallel`)."""
+    counts: dict = {}
+    for rank, keys in uses:
+        for key in keys:
+            counts[(rank, key)] = counts.get((rank, key), 0) + 1
+    return {key for (_, key), n in counts.items() if n > 1}
 
 
 def sharded_here(stages: list[nn.Module], placement: list[int], local: list[int]) -> set[int]:

@@ -41,10 +41,11 @@ from typing import Any, List, Optional, Sequence
 
 from ..build import Checked
 from ..distributed._replicas import BUCKET_BYTES
+from ..distributed._sharding import used_twice_on_a_rank
 from ._result import Choice
 from ._search import Search, Settings
 from ._sharded import sharded_memory, sharded_seconds
-from ._tensors import once_per_device, shared_on_a_device
+from ._tensors import once_per_device
 from ._units import format_bytes, format_seconds
 
 __all__ = ["replica_counts", "replica_choices"]
@@ -143,7 +144,8 @@ def _fsdp(search: Search, whole: Choice, dp: int) -> Choice:
     parameters = {id(p) for p in search.checked.capture.graph_module.parameters()}
     # a weight two stages of one device share stays whole on every rank, with its optimizer
     # state: counted as 'ddp' counts it (in whole.static_bytes), and neither gathered nor sharded
-    sharded = parameters - shared_on_a_device(tensors, where, only=parameters)
+    sharded = parameters - used_twice_on_a_rank((device, [k for k in found if k in parameters])
+                                                for found, device in zip(tensors, where))
     params, trained = once_per_device(tensors, where, only=sharded)
     per_device: dict = {}
     for stage, device in enumerate(where):

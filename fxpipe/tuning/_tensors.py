@@ -20,7 +20,7 @@ import torch.fx
 
 from ..plan._value import Plan
 
-__all__ = ["StageTensors", "stage_tensors", "once_per_device", "shared_on_a_device"]
+__all__ = ["StageTensors", "stage_tensors", "once_per_device"]
 
 #: per stage: id of each tensor it reads -> (its bytes, whether it is trained: a Parameter needing grad)
 StageTensors = List[Dict[int, Tuple[int, bool]]]
@@ -66,17 +66,3 @@ def once_per_device(tensors: StageTensors, stage_devices: Sequence[Hashable],
             held[s] += nbytes
             trained[s] += nbytes if grad else 0
     return held, trained
-
-
-def shared_on_a_device(tensors: StageTensors, stage_devices: Sequence[Hashable],
-                       only: Optional[Collection[int]] = None) -> set:
-    """The ids of the tensors two stages of one device both read (a tied embedding and LM head
-    that a V schedule puts on one rank), over every device: ``fxpipe.distributed`` leaves such
-    a parameter whole on every rank under ``'fsdp'``
-    (:func:`fxpipe.distributed._sharding.shared_on_a_rank`). ``only``: the ids to consider."""
-    counts: Dict[Tuple[Hashable, int], int] = {}
-    for found, device in zip(tensors, stage_devices):
-        for key in found:
-            if only is None or key in only:
-                counts[(device, key)] = counts.get((device, key), 0) + 1
-    return {key for (_, key), n in counts.items() if n > 1}
