@@ -134,7 +134,6 @@ class DistributedPipeline(PipelineState):
         # what the stages hold from the model (all of them: every rank refuses the same change)
         self._model_check = ModelCheck(model, captured.graph_module, captured.reads, stages.modules)
         self._flags = ModelFlags(model)
-        self._kept_weights: Optional[dict] = None  # step(return_outputs=True): the merge's counts
         # the modes the graph baked in (torch.export: every traced module's): followed or refused
         self._captured_training = model.training
         self._mode_sensitive = mode_sensitive
@@ -256,6 +255,7 @@ class DistributedPipeline(PipelineState):
         ``(loss, outputs)`` with the outputs on the last stage's rank, ``None`` on the others."""
         self._check_open()
         own = self._step_loss is not None and self._step_loss.own is not None
+        kept_weights: Optional[dict] = None  # return_outputs=True: the counts the outputs merge by
         with self._failures.agreed("check its batch", call="step()") as agreement:  # refused on one: on all
             if not (return_outputs is False or return_outputs is True or callable(return_outputs)):
                 raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
@@ -287,9 +287,9 @@ class DistributedPipeline(PipelineState):
                 self._step_loss.begin(targets, flat)
                 self._step_loss.keep = return_outputs
                 if return_outputs is True:  # merged as eval_step merges: a counted loss by its counts
-                    self._kept_weights = self._step_loss.merge_weights
-                    if self._kept_weights is None:  # a loss_fn step: the outputs' own counts, read here
-                        self._kept_weights = self._batching.weights(flat, self._batching.split(flat, self.chunks)[0])
+                    kept_weights = self._step_loss.merge_weights
+                    if kept_weights is None:  # a loss_fn step: the outputs' own counts, read here
+                        kept_weights = self._batching.weights(flat, self._batching.split(flat, self.chunks)[0])
                 if self.layout.replicas is not None:  # the replicas' further counts must agree
                     agreement.ratios = self._step_loss.ratios
         # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
@@ -319,9 +319,9 @@ class DistributedPipeline(PipelineState):
                 loss = total[0].to(loss.dtype)
         if return_outputs is False:
             return loss
-        return loss, self._kept_outputs(return_outputs) if last else None
+        return loss, self._kept_outputs(return_outputs, kept_weights) if last else None
 
-    def _kept_outputs(self, how: Any) -> Any:
+    def _kept_outputs(self, how: Any, weights: Optional[dict]) -> Any:
         """The outputs ``step(return_outputs=...)`` kept on the last stage's rank: merged along
         dim 0 as ``eval_step`` merges them (``True``), or the callable's result per micro-batch."""
         assert self._step_loss is not None
@@ -329,7 +329,6 @@ class DistributedPipeline(PipelineState):
         if how is not True:
             return kept
         sizes = [self._batch // self.chunks] * self.chunks if self._batch else [1] * len(kept)
-        weights, self._kept_weights = self._kept_weights, None
         return self.capture.unflatten_output(self._batching.merge(kept, sizes, weights))
 
     def _broadcast_loss(self, loss: Optional[torch.Tensor]) -> torch.Tensor:

@@ -216,6 +216,7 @@ class PipelineRunner:
         order = order and on_output is None
         # Once per stage per forward: the modes and weights its recomputations must match.
         modes = [ForwardModes(layout) for layout in self._layouts] if checkpoint_stop > 0 else None
+        # the micro-batches' sizes, read before their inputs are replaced by outputs: only a refusal names them
         sizes = [next((len(v) for v in b.values if isinstance(v, torch.Tensor) and v.dim()), None) for b in batches]
         try:
             for schedule in clock_cycles(m, n):
