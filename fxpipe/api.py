@@ -20,7 +20,8 @@ from .build import BuildOptions, build, check_split_points, emit_and_place
 from .capture._meta import refuse_running
 from .capture._tracing import Capture
 from .checks._batching import Batching, ChunkDims, OutputMerge
-from .checks._loss_fn import LossFnReading, loss_key, out_dims_of
+from .checks._loss_fn import LossFnReading, out_dims_of
+from .checks._loss_keys import loss_key
 from .emit._compiling import (CompileOption, check_compile_option, check_graph_replay, compile_stages,
                               refuse_whole_pipeline_compile)
 from .emit._stages import Stages

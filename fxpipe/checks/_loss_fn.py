@@ -20,7 +20,6 @@ forward, no logits (about 1% of a step, ``benchmarks/loss_reading.py``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections import OrderedDict
@@ -34,7 +33,7 @@ from torch.utils import _pytree as pytree
 from ._loss_form import Den, LossForm, den_program, read_loss
 from ._loss_traces import aligned, count_args
 
-__all__ = ["LossFnReading", "Weights", "CACHE", "loss_key", "out_dims_of", "own_loss_output",
+__all__ = ["LossFnReading", "Weights", "CACHE", "out_dims_of", "own_loss_output",
            "split_target"]
 
 #: micro-batch shapes whose reading is kept per loss_fn
@@ -71,89 +70,6 @@ class _Read:
     programs: List[Optional[Tuple[fx.GraphModule, List[int]]]] = field(default_factory=list)
     #: per count: whether it is a cross entropy's (whose sum is 0 where it counts nothing)
     nll: List[bool] = field(default_factory=list)
-
-
-#: how deep :func:`loss_key` looks into the containers and objects a loss reads (a nested
-#: config dict ``cfg['opts']['sum']`` switched between steps was reused stale at one level)
-DEPTH = 3
-
-
-def loss_key(loss_fn: Any) -> Any:
-    """What makes two calls' ``loss_fn`` the same loss, for the cached reading (which holds
-    the counts' code with the values it read baked in): the function's code and defaults, and
-    every value it can read that a loop may change, each by identity, plain values by value
-    and tensors with their version counter (an in-place change): the objects its closure
-    holds, the globals its code names, a bound method's object's attributes, a callable
-    object's attributes (``nn.CrossEntropyLoss``'s ``weight`` and ``ignore_index``). A lambda
-    made anew each step with the same code and values is the same loss; a function that reads
-    a value through a helper of its own is not seen here (the docs say so). A
-    ``functools.partial`` is its function with its arguments; a container or plain object it
-    names (a config dict, an ``argparse.Namespace``) by its contents, three levels deep; an
-    ``nn.Module`` criterion by every submodule's settings."""
-    if isinstance(loss_fn, functools.partial):
-        return ("partial", loss_key(loss_fn.func), tuple(_value(a) for a in loss_fn.args),
-                tuple((k, _value(v)) for k, v in sorted(loss_fn.keywords.items())))
-    fn = getattr(loss_fn, "__func__", loss_fn)
-    owner = getattr(loss_fn, "__self__", None)
-    code = getattr(fn, "__code__", None)
-    if isinstance(loss_fn, torch.nn.Module):  # a criterion module: its submodules' settings too
-        return ("object", type(loss_fn), _value(loss_fn))
-    if code is None:  # a callable object: its class's __call__ reads its attributes
-        return ("object", type(loss_fn), _state(vars(loss_fn)) if hasattr(loss_fn, "__dict__") else id(loss_fn))
-    cells = tuple(_value(c.cell_contents) for c in (fn.__closure__ or ()) if _filled(c))
-    names = getattr(fn, "__globals__", {})
-    globals_read = tuple((n, _value(names[n])) for n in code.co_names if n in names and not _module(names[n]))
-    defaults = tuple(_value(d) for d in (fn.__defaults__ or ()))
-    return ("function", code, cells, globals_read, defaults,
-            _state(vars(owner)) if owner is not None and hasattr(owner, "__dict__") else id(owner))
-
-
-def _module(value: Any) -> bool:
-    import types
-    return isinstance(value, types.ModuleType) or callable(value) and not isinstance(value, Tensor) \
-        and not hasattr(value, "__dict__")
-
-
-def _value(x: Any, depth: int = 0) -> Any:
-    """A value as a key: plain ones themselves, a tensor by identity and version, a module
-    (nn.Module) by its own and its submodules' parameters, buffers and plain attributes, a small container or a
-    plain object (a config) by its contents, down to :data:`DEPTH` levels; anything else by identity."""
-    if x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.device)):
-        return (type(x), x)
-    if isinstance(x, Tensor):
-        return ("tensor", id(x), x._version)
-    if depth > DEPTH:
-        return ("id", id(x))
-    if isinstance(x, (tuple, list)) and len(x) <= 16:
-        return (type(x), tuple(_value(v, depth + 1) for v in x))
-    if isinstance(x, dict) and len(x) <= 64:
-        return (dict, id(x), tuple((_value(k, DEPTH + 1), _value(v, depth + 1)) for k, v in x.items()))
-    if isinstance(x, torch.nn.Module):  # every submodule's (a criterion wrapping nn.CrossEntropyLoss)
-        return ("module", id(x), tuple((name, id(m), _state(vars(m), depth + 1)) for name, m in x.named_modules()))
-    if hasattr(x, "__dict__") and not isinstance(x, type) and not callable(x) and len(vars(x)) <= 64:
-        return ("object", id(x), _state(vars(x), depth + 1))
-    return ("id", id(x))
-
-
-def _state(attrs: dict, depth: int = 1) -> Tuple[Any, ...]:
-    """An object's attributes as a key (a module's registries included)."""
-    out = []
-    for name, v in attrs.items():
-        if name in ("_parameters", "_buffers") and isinstance(v, dict):
-            out.append((name, tuple((k, _value(t)) for k, t in v.items())))
-        elif name.startswith("_") and name != "_modules":
-            continue
-        else:
-            out.append((name, _value(v, depth)))
-    return tuple(out)
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def split_target(target: Any, sizes: Sequence[int]) -> List[Any]:
