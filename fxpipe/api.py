@@ -267,6 +267,7 @@ class Pipeline(PlacedModule):
         self.batching.refuse_mode(self.training)  # the build's training-mode check failed: eval only
         self._active.model_check.check()  # a submodule, parameter or traced attribute replaced since the build
         flat = self.capture.flatten_inputs(args, kwargs)  # checks structure and specialised values
+        self.capture.check_context(self.module, args, kwargs, flat, self.devices[0])  # autocast, grad mode, dtypes the code read
         micro, sizes = self.batching.split(flat, self.chunks)
         self.capture.check_micro_batches(args, kwargs, micro)  # export's guards on the batch's size
         if self.capture.batch_fixed and max(sizes, default=1) > 1:

@@ -166,7 +166,7 @@ def _shape_problems(v: torch.Tensor, want: tuple[int | None, ...], name: str) ->
             for d, s in enumerate(want) if s is not None and v.shape[d] != s]
 
 
-def _leaf_names(c: Capture, args: tuple, kwargs: dict) -> list[str]:
+def call_input_names(c: Capture, args: tuple, kwargs: dict) -> list[str]:
     """``x``, ``mask``, ``batch['ids']``, ``inputs[1]``: each flat input as a message names it."""
     pos, var = [], None
     if c.signature is not None:
@@ -195,7 +195,7 @@ def flatten_call(c: Capture, args: tuple, kwargs: dict) -> list[Any]:
             for i, v in enumerate(flat)):
         if not c.fixed and not c.guards.dims and not c.guards.conditions:  # fx: every size may vary
             return flat
-        names = _leaf_names(c, args, kwargs)
+        names = call_input_names(c, args, kwargs)
         problems = [p for i, want in c.fixed.items() for p in _shape_problems(flat[i], want, names[i])]
         problems = problems or c.guards.problems(flat, names)
         if not problems:
@@ -215,7 +215,7 @@ def check_micro_batches(c: Capture, args: tuple, kwargs: dict, micro: Sequence[S
         if key in seen:
             continue
         seen.add(key)
-        problems = c.guards.micro_problems(leaves, _leaf_names(c, args, in_sample_order(c, kwargs)))
+        problems = c.guards.micro_problems(leaves, call_input_names(c, args, in_sample_order(c, kwargs)))
         if problems:
             raise InputMismatchError(_mismatch_message(_model_name(c), [
                 (f"a micro-batch of this call: {what}", todo) for what, todo in problems]))

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import TraceError
 from ._attr_reads import AttributeReads
+from ._call_context import ContextReads, ReadsCallContext
 from ..runtime._randomness import generator_states, set_generator_states
 
 __all__ = ["DrewAtTrace", "KeepsState", "ReadsAsNumber", "TensorsReadAsNumbers", "drew_since", "baked_at_trace"]
@@ -149,7 +150,7 @@ class TensorsReadAsNumbers:
 
 
 def baked_at_trace(before: List[torch.Tensor], numbers: TensorsReadAsNumbers, reads: AttributeReads,
-                   opaque: Callable[[str], bool]) -> Optional[Tuple[TraceError, str]]:
+                   context: ContextReads, opaque: Callable[[str], bool]) -> Optional[Tuple[TraceError, str]]:
     """What a finished fx trace baked that it must not, as ``(error, module to keep opaque)``
     (``''``: none can be, the root's or refused), else None. ``before``: the generators'
     states when the trace began (a draw in a module call was raised by the tracer already);
@@ -162,6 +163,11 @@ def baked_at_trace(before: List[torch.Tensor], numbers: TensorsReadAsNumbers, re
         if module and not opaque(module):
             return ReadsAsNumber(module, tensor), module
         return ReadsAsNumber("", tensor), ""
+    if context.reads:  # the reading module asks again each call; the root goes to torch.export
+        read = context.reads[0]
+        if read.module and not opaque(read.module):
+            return ReadsCallContext(read), read.module
+        return ReadsCallContext(read._replace(module="")), ""
     state = reads.written_numbers()
     if state:  # refused, not kept opaque: run per micro-batch it would count per micro-batch
         return KeepsState(state[0]), ""

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ._attr_reads import AttrRead, AttributeReads, plain_attributes
 from ._augmented import AugmentedProxy
 from ._custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
-from ._call_inputs import call_signature, check_micro_batches, flatten_call
+from ._call_inputs import call_signature, check_micro_batches, flatten_call, call_input_names, in_sample_order
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
 from ._shape_guards import ShapeGuards, fixed_batch, fixed_dims, fx_entangled_size, split_dim
@@ -49,6 +49,7 @@ from ._user_code import user_stack
 from ._values import kept_for_comparison
 from ..runtime._randomness import generator_states
 from ._trace_time import DrewAtTrace, KeepsState, TensorsReadAsNumbers, baked_at_trace, drew_since
+from ._call_context import CallContext, ContextCheck, ContextReads
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -97,6 +98,9 @@ class Capture:
     #: torch.export fixed the split dim (a batch-1 sample): every micro-batch holds one sample
     batch_fixed: bool = False
     guards: ShapeGuards = field(default_factory=ShapeGuards)
+    #: what a torch.export capture's code read of its context (autocast, grad mode, the inputs'
+    #: dtypes and requires_grad), checked per call (:mod:`fxpipe.capture._call_context`); fx none
+    context: ContextCheck | None = field(default=None, repr=False, compare=False)
 
     def flatten_inputs(self, args: tuple, kwargs: dict | None = None) -> list[Any]:
         """Flatten a call's inputs, checking them against the captured sample.
@@ -108,6 +112,16 @@ class Capture:
         argument and says what to do (:func:`fxpipe.capture._call_inputs.flatten_call`).
         """
         return flatten_call(self, tuple(args), dict(kwargs or {}))
+
+    def check_context(self, model: nn.Module, args: tuple, kwargs: dict | None, flat: list[Any],
+                      device: torch.device) -> None:
+        """A call in another context than the build's (autocast, grad mode, an input's dtype or
+        requires_grad) where the model's code reads it: checked once per context (on fake
+        tensors on ``device``), refused with :class:`~fxpipe.errors.ModelChangedError` where it
+        reads otherwise."""
+        if self.context is not None:
+            names = lambda: call_input_names(self, tuple(args), in_sample_order(self, dict(kwargs or {})))  # noqa: E731
+            self.context.check(model, flat, names, device)
 
     def check_micro_batches(self, args: tuple, kwargs: dict | None, micro: Sequence[Sequence[Any]]) -> None:
         """The guards torch.export recorded on the batch's size, at each micro-batch's sizes
@@ -265,9 +279,10 @@ def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
         try:
             before = generator_states()
             with AttributeReads(model) as reads, \
-                    TensorsReadAsNumbers(model, lambda: tracer.stack[-1]) as numbers:  # fx runs no leaf: the traced code's
+                    TensorsReadAsNumbers(model, lambda: tracer.stack[-1]) as numbers, \
+                    ContextReads(getters=False, module=lambda: tracer.stack[-1]) as context:  # fx runs no leaf: the traced code's
                 graph = tracer.trace(root)
-            baked = baked_at_trace(before, numbers, reads,
+            baked = baked_at_trace(before, numbers, reads, context,
                                    lambda m: m in tracer.leaf_names or any(f.module == m for f in auto))
             if baked is not None:
                 tracer.failure_stack = [baked[1]]
@@ -328,9 +343,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                               split_dims)
     kept = leaf_paths(model, [*leaf_types, *leaf_names])  # export traces them too: their reads are their own
     kept_modules = [model.get_submodule(p) for p in kept]
+    exported = _unaliased(flat)
+    built = CallContext.of(exported)
     with OpaqueCalls(kept_modules) as in_kept, refusing_reentrant_checkpoint(), refusing_in_export(in_kept), \
-            AttributeReads(model, in_kept) as ex_reads:
-        ex_res = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
+            AttributeReads(model, in_kept) as ex_reads, ContextReads(getters=True) as context:
+        ex_res = export_graph(model, root, exported, names, split_dims, kept)
     reads = ex_reads.reads()
     state = ex_reads.written_numbers()
     if state and not isinstance(ex_res, _Failure):  # torch.export keeps no module opaque but the user's leaves
@@ -351,7 +368,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         out_spec = compose_out_spec(out_specs[-1], ex_res.leaf_specs)
         return Capture(gm, in_spec, out_spec, "export", specialized, ex_res.leaves, call_signature(model),
                        fixed_dims(gm, flat, split_dims), reads, fixed_batch(gm, flat, split_dims),
-                       ShapeGuards.of(gm, flat, split_dims, ex_res.ranges))
+                       ShapeGuards.of(gm, flat, split_dims, ex_res.ranges),
+                       ContextCheck(context.reads[:8], built, in_spec) if context.reads else None)
     if ex_res.bad_output:
         # The fx graph returns the same object, from an opaque node: each micro-batch would
         # make one and only the first could be returned. Refuse rather than mislead.

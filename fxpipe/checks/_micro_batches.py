@@ -106,9 +106,10 @@ def reruns_same(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole
     return all(exactly_same(a, b) for a, b in zip(whole, again))
 
 def sample_run(run: Callable[[], Any], model: nn.Module,
-               mode: Optional[Callable[[nn.Module], Any]] = None) -> Any:
-    """``run()`` on the whole sample under ``mode(model)`` (default eval), no_grad, seeded (see check)."""
-    with (mode or evaluating)(model), torch.no_grad():
+               mode: Optional[Callable[[nn.Module], Any]] = None, grad: bool = False) -> Any:
+    """``run()`` on the whole sample under ``mode(model)`` (default eval), no_grad (``grad``:
+    grad mode on, for a model whose code reads it), seeded (see check)."""
+    with (mode or evaluating)(model), torch.set_grad_enabled(grad):
         torch.manual_seed(SAMPLE_SEED)
         return run()
 

@@ -113,8 +113,10 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
 
     def against_eager(mode: Mode, whole: List[Any], deterministic: bool) -> None:
         if not meta:  # on meta, eager code may branch on values (.item()), and none are there
+            # a model whose code reads grad mode or requires_grad runs as it was captured: grad on
+            reads_grad = captured.context is not None and captured.context.built.grad
             with preserved(model):
-                eager = sample_run(lambda: model(*args, **kwargs), model, mode)
+                eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
             try:
                 check_capture(eager, whole, batching.out_names, deterministic,  # type: ignore[union-attr]
                               pre_hooked)

@@ -214,6 +214,7 @@ class DistributedPipeline(PipelineState):
                 "Build the pipeline under the same torch.autocast context as you call step()/eval_step() in.")
         capture = run.variant.capture if run is not None else self.capture
         flat = capture.flatten_inputs(args, kwargs)  # names what differs
+        capture.check_context(self.module, args, kwargs, flat, self.device)  # grad mode, dtypes the code read
         micro = micro_batch(flat, self.chunks)
         capture.check_micro_batches(args, kwargs, [micro])  # export's guards on the batch's size
         return flat, micro
