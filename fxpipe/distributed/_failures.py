@@ -50,7 +50,7 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError, StepError
 
 from ._copies import Copies, as_integers, refuse_different_copies
-from ._flags import refuse_different_flags
+from ._flags import FLAG_COUNT, refuse_different_flags
 
 __all__ = ["Failures", "Agreement", "failure_line", "fingerprint"]
 
@@ -148,8 +148,8 @@ class Agreement:
         #: on a data-parallel replica's last rank: the loss's further counts against its first
         #: (:class:`fxpipe.checks._loss_fn.Weights`), which every replica must share (None: no loss here)
         self.ratios: Optional[Sequence[float]] = None
-        #: the model's (modes, requires_grad) fingerprints (:mod:`._flags`), the same on every rank
-        self.flags: Optional[Tuple[int, int]] = None
+        #: the model's fingerprints (:meth:`._flags.ModelFlags.fingerprints`), the same on every rank
+        self.flags: Optional[Tuple[int, ...]] = None
 
 
 #: the open pipelines' failure reporting, told of an uncaught exception before the process ends
@@ -202,8 +202,8 @@ class Failures:
         :class:`DistributedError` naming each rank's call. The block may set the yielded
         :class:`Agreement`'s ``batch``: ranks given different batches are refused on every rank
         with :class:`BatchMismatchError` naming them (their fingerprints travel in the same
-        all-reduce: a few more bytes, no extra collective); its ``flags``, the model's modes and
-        ``requires_grad`` fingerprints (:mod:`._flags`), must be the same on every rank."""
+        all-reduce: a few more bytes, no extra collective); its ``flags``, the model's modes,
+        ``requires_grad`` and loads fingerprints (:mod:`._flags`), must be the same on every rank."""
         failure: Optional[Exception] = None
         agreement = Agreement()
         try:
@@ -216,7 +216,7 @@ class Failures:
             if failure is None and agreement.ratios is not None and len(agreement.ratios) > _RATIOS:
                 failure = StepError(f"loss_fn adds {len(agreement.ratios) + 1} means over different counts: with "
                                     f"data-parallel replicas at most {_RATIOS + 1} are weighed. Nothing was sent")
-            flags = torch.zeros((2 + _PRINT) * world + copies + (1 + _RATIOS) * world + 2 * world,
+            flags = torch.zeros((2 + _PRINT) * world + copies + (1 + _RATIOS) * world + FLAG_COUNT * world,
                                 dtype=torch.int64, device=self.device)
             flags[self.rank] = failure is not None
             flags[world + self.rank] = _CALLS.index(call) if call in _CALLS else len(_CALLS)
@@ -238,14 +238,14 @@ class Failures:
                                       dtype=torch.float64)
                 flags[at + 1:at + 1 + _RATIOS] = ratios.view(torch.int64).to(self.device)  # bits, summed with zeros
             if failure is None and agreement.flags is not None:
-                end = flags.numel() - 2 * world + 2 * self.rank
-                flags[end:end + 2] = torch.tensor(agreement.flags, dtype=torch.int64)
+                end = flags.numel() - FLAG_COUNT * world + FLAG_COUNT * self.rank
+                flags[end:end + FLAG_COUNT] = torch.tensor(agreement.flags, dtype=torch.int64)
             dist.all_reduce(flags, group=self.group)
             values = flags.tolist()
         base = (2 + _PRINT) * world
-        states = values[len(values) - 2 * world:]  # (modes, requires_grad) per rank
+        states = values[len(values) - FLAG_COUNT * world:]  # ModelFlags.fingerprints() per rank
         values, prints, held = values[:2 * world], values[2 * world:base], values[base:base + copies]
-        reported = flags[base + copies:flags.numel() - 2 * world].cpu().view(world, 1 + _RATIOS)
+        reported = flags[base + copies:flags.numel() - FLAG_COUNT * world].cpu().view(world, 1 + _RATIOS)
         calls = values[world:]
         if len(set(calls)) > 1:  # raised outside reported(): not a failure for the store to keep
             named = ", ".join(f"rank {r}: {_CALLS[c] if c < len(_CALLS) else 'another call'}"
@@ -262,7 +262,7 @@ class Failures:
             if self.rows is not None and len(self.rows) > 1 and call == "step()":
                 _refuse_same_batches([every[row[0]] for row in self.rows], self.rows)
             if agreement.flags is not None:
-                refuse_different_flags([(states[2 * r], states[2 * r + 1]) for r in range(world)])
+                refuse_different_flags([tuple(states[FLAG_COUNT * r:FLAG_COUNT * (r + 1)]) for r in range(world)])
             refuse_different_copies(agreement.copies, held, world)
             _refuse_unshared_ratios(reported)
             return

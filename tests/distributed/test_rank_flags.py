@@ -64,3 +64,53 @@ def test_flags_set_on_some_ranks_are_refused_on_every_rank(tmp_path: Path) -> No
         assert "differ in their requires_grad flags" in grads
         assert alike == "ran" and again == "ran"
         assert "parameter '5.weight' and 1 more did not require grad when this pipeline was built" in unfrozen
+
+
+def _load_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    import fxpipe.distributed as fpd
+    from fxpipe.errors import DistributedError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+
+    def make(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    model, checkpoint = make(0), make(1).state_dict()
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+    eager = make(1)
+    want = nn.functional.mse_loss(eager(x), y).item()
+    said = []
+
+    def step(pipe) -> None:
+        try:
+            said.append(pipe.step(x, target=y).item())
+        except DistributedError as e:
+            said.append(str(e))
+
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=nn.functional.mse_loss, timeout=60)
+    if rank == 0:
+        model.load_state_dict(checkpoint)  # as one process would: rank 0 loads for everyone
+    step(pipe)
+    if rank == 1:
+        model.load_state_dict(checkpoint)  # now every rank has loaded it once
+    step(pipe)
+    pipe.load_state_dict(checkpoint)  # each rank its own keys: followed
+    step(pipe)
+    pipe.close()
+    torch.save((said, want), Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_state_dict_loaded_on_some_ranks_only_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for said, want in run_ranks(_load_worker, 2, (), tmp_path):
+        one, every, own = said
+        assert "differ in their loads of a state dict" in one and "ranks [0] against ranks [1]" in one
+        assert abs(every - want) <= 1e-6 * max(1.0, abs(want))  # the checkpoint's loss, not a mix
+        assert abs(own - want) <= 1e-6 * max(1.0, abs(want))
