@@ -121,12 +121,17 @@ def _autocast_said(state: AutocastState) -> str:
     return f"on ({', '.join(on)})" if on else "off"
 
 
+_user_files: Dict[str, bool] = {}  # is_user_file per file name: asked on every dtype read of an export
+
+
 def _user_line() -> str:
     """The innermost frame of the model's own code calling now, as 'file, line N' ('' if none)."""
     frame = sys._getframe(2)
-    if not is_user_file(frame.f_code.co_filename):
-        return ""
-    return f"{frame.f_code.co_filename}, line {frame.f_lineno}"
+    name = frame.f_code.co_filename
+    user = _user_files.get(name)
+    if user is None:
+        user = _user_files[name] = is_user_file(name)
+    return f"{name}, line {frame.f_lineno}" if user else ""
 
 
 # -- recording -------------------------------------------------------------------------------
