@@ -215,7 +215,7 @@ def _refuse_failing_sample(model: nn.Module, args: Tuple[Any, ...], kwargs: dict
     if isinstance(failure, FxpipeError) and not isinstance(failure, TraceError):
         return  # a refusal of fxpipe's own that names its cause
     try:
-        with torch.no_grad():
+        with torch.enable_grad():  # as the capture ran it (no_grad fails a hook registered in forward)
             model(*args, **kwargs)
     except Exception as own:  # noqa: BLE001 - the model's own error, whatever it is
         first = (str(own).strip().splitlines() or [""])[0].rstrip(".")

@@ -28,6 +28,9 @@ one eager would run, and the context is remembered (:data:`LIMIT` of them). Othe
 says to build the pipeline in the context it is called in; so does a model whose fake run
 fails (a data-dependent op), where nothing could be checked.
 
+The same recording notes where the model's code registers a tensor hook: a torch.export graph
+drops it (:class:`TensorHookError`).
+
 Why fake runs rather than a refusal of every new context: most transformers models read
 dtypes (a mask made in the embeddings' dtype) that autocast leaves as they were, and they are
 exact under autocast when built without; a read that changes is what makes the graph wrong,
@@ -51,7 +54,7 @@ from ..runtime._autocast import entered as entered_autocast
 from ..runtime._randomness import generator_states, set_generator_states
 from ._user_code import is_user_file
 
-__all__ = ["CallContext", "ContextRead", "ContextReads", "ContextCheck", "ReadsCallContext", "LIMIT"]
+__all__ = ["CallContext", "ContextRead", "ContextReads", "ContextCheck", "ReadsCallContext", "TensorHookError", "LIMIT"]
 
 #: contexts remembered as checked, per capture (each a handful of values)
 LIMIT = 16
@@ -85,6 +88,22 @@ class ReadsCallContext(TraceError):
         at = f" at {read.where}" if read.where else ""
         super().__init__(f"{where} reads {read.what}{at} while torch.fx traces it: the graph would keep the build's "
                          "answer", module=read.module, reason="the call's context read at trace time")
+
+
+class TensorHookError(TraceError):
+    """The model's code registers a tensor hook (``h.register_hook(fn)``) in code torch.fx could
+    not trace -- torch.fx takes no function as an argument, so the module registering one is
+    kept opaque, where it runs its own forward, hook included, per micro-batch; in the root
+    forward the capture falls back to torch.export, which records aten operations only and
+    drops the hook: the gradients would silently miss it (a trial: half of eager's, for
+    ``g * 2``). Refused."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(
+            f"the model's root forward registers a tensor hook at {where}: torch.fx cannot trace that call, and "
+            "torch.export (the fallback) drops tensor hooks from its graph, so the gradients would silently miss it. "
+            "What to do: move the code registering the hook into a submodule; fxpipe keeps that module opaque (it "
+            "runs its own forward, hook included, once per micro-batch)", reason="a tensor hook under torch.export")
 
 
 @dataclass(frozen=True)
@@ -169,22 +188,43 @@ def _getter(name: str, descriptor: Any) -> property:
     return property(get, set_)
 
 
+def _hook_registration(original: Callable[..., Any]) -> Callable[..., Any]:
+    def registered(t: Any, hook: Any) -> Any:
+        if _sessions:
+            where = _user_line()
+            if where:
+                for session in _sessions:
+                    session._hooked(where)
+        return original(t, hook)
+    return registered
+
+
 class ContextReads:
     """While active (one capture or fake run, in this thread), records each read of the call's
     context by the model's own code, first first. ``getters``: tensors' ``dtype`` and
     ``requires_grad`` too (fake tensors only: torch.fx gives the model proxies); ``module``:
-    the module being traced now (fx). torch's functions and ``torch.Tensor``'s properties are
-    wrapped while any recording runs (their results unchanged) and put back after the last."""
+    the module being traced now (fx); ``skip()``: whether the code running now is a module
+    kept opaque (it runs its own forward at call time: nothing of it is baked). Also records
+    where the model's code registers a tensor hook (``hooks``): a torch.export graph drops
+    it. torch's functions and ``torch.Tensor``'s attributes are wrapped while any recording
+    runs (their results unchanged) and put back after the last."""
 
-    def __init__(self, *, getters: bool, module: Callable[[], str] = lambda: "") -> None:
+    def __init__(self, *, getters: bool, module: Callable[[], str] = lambda: "",
+                 skip: Callable[[], bool] = lambda: False) -> None:
         self.getters = getters
         self.module = module
+        self.skip = skip
         self.reads: List[ContextRead] = []
+        self.hooks: List[str] = []
         self._thread = 0
 
     def _saw(self, what: str, where: str, value: Any) -> None:
-        if threading.get_ident() == self._thread:
+        if threading.get_ident() == self._thread and not self.skip():
             self.reads.append(ContextRead(what, where, self.module(), str(value)))
+
+    def _hooked(self, where: str) -> None:
+        if threading.get_ident() == self._thread and not self.skip():
+            self.hooks.append(where)
 
     def __enter__(self) -> "ContextReads":
         self._thread = threading.get_ident()
@@ -195,6 +235,8 @@ class ContextReads:
                     setattr(torch, name, _function(name, _saved[name]))
                 for name in _GETTERS:
                     setattr(torch.Tensor, name, _getter(name, torch._C.TensorBase.__dict__[name]))
+                _saved["register_hook"] = torch.Tensor.__dict__["register_hook"]
+                torch.Tensor.register_hook = _hook_registration(_saved["register_hook"])  # type: ignore[method-assign]
             _sessions.append(self)
         return self
 
@@ -202,6 +244,7 @@ class ContextReads:
         with _lock:
             _sessions.remove(self)
             if not _sessions:
+                torch.Tensor.register_hook = _saved.pop("register_hook")  # type: ignore[method-assign]
                 for name, original in _saved.items():
                     setattr(torch, name, original)
                 _saved.clear()

@@ -49,7 +49,7 @@ from ._user_code import user_stack
 from ._values import kept_for_comparison
 from ..runtime._randomness import generator_states
 from ._trace_time import DrewAtTrace, KeepsState, TensorsReadAsNumbers, baked_at_trace, drew_since
-from ._call_context import CallContext, ContextCheck, ContextReads
+from ._call_context import CallContext, ContextCheck, ContextReads, TensorHookError
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -346,9 +346,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     exported = _unaliased(flat)
     built = CallContext.of(exported)
     with OpaqueCalls(kept_modules) as in_kept, refusing_reentrant_checkpoint(), refusing_in_export(in_kept), \
-            AttributeReads(model, in_kept) as ex_reads, ContextReads(getters=True) as context:
+            AttributeReads(model, in_kept) as ex_reads, ContextReads(getters=True, skip=lambda: in_kept.inside) as context:
         ex_res = export_graph(model, root, exported, names, split_dims, kept)
     reads = ex_reads.reads()
+    if context.hooks and not isinstance(ex_res, _Failure):  # a graph of aten ops holds no tensor hook
+        error = TensorHookError(context.hooks[0])
+        ex_res = _Failure("", error, refusal=error)
     state = ex_reads.written_numbers()
     if state and not isinstance(ex_res, _Failure):  # torch.export keeps no module opaque but the user's leaves
         raise KeepsState(state[0])

@@ -64,7 +64,9 @@ def _grads(value: Tensor, params: List[Tensor]) -> List[Tensor]:
 def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[Sequence[Any]],
                       indices: Sequence[int], merge: Callable[[int, List[Any]], Any]) -> Optional[tuple]:
     """``(output index, parameter name, largest difference, largest |gradient|)`` of the first
-    0-dim output in ``indices`` whose merged gradient differs from the whole batch's, or None.
+    output in ``indices`` whose merged gradient differs from the whole batch's, or None. A 0-dim
+    output (a loss) is differentiated as it is, a per-sample output through a fixed random
+    weighing of its elements (the same for the whole batch and the merged micro-batches).
 
     ``merge(i, parts)`` merges output ``i`` of the micro-batches as the pipeline will.
     Runs with gradients enabled, leaving every ``.grad`` as it was; the caller sets the mode
@@ -122,7 +124,12 @@ def _compare(gm: fx.GraphModule, named: List[Any], params: List[Tensor], flat: S
             merged = merge(i, [o[i] for o in outs])
             if not isinstance(merged, Tensor) or not (merged.requires_grad or whole[i].requires_grad):
                 continue
-            a, b = _grads(whole[i], params), _grads(merged, params)
+            w, m = whole[i], merged
+            if w.dim() > 0:  # a per-sample output: the gradient of a fixed random weighing of it
+                g = torch.Generator(device="cpu").manual_seed(i)
+                r = torch.randn(w.shape, generator=g, dtype=torch.float32).to(device=w.device, dtype=w.dtype)
+                w, m = (w * r).sum(), (m * r).sum()
+            a, b = _grads(w, params), _grads(m, params)
             scale = max((float(g.abs().max()) for g in a if g.numel()), default=0.0)
             for (name, p), ga, gb in zip(named, a, b):
                 rtol, atol = tolerance(p.dtype)  # follows the precision in effect (fxpipe.capture._numerics)

@@ -20,6 +20,7 @@ from ..capture._values import concatenated_dim, exactly_same, same_value
 from ..errors import MicroBatchError
 from ._batching import _LOSS_NOTE, Batching, _merge_hint, _output_label
 from ._counted_labels import CountedLabels
+from ._backward_mixing import unseen_backward
 from ._loss import gradient_mismatch
 
 __all__ = ["SAMPLE_SEED", "check_split", "reruns_same", "sample_run", "evaluating", "concatenated_dim"]
@@ -80,13 +81,25 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
             _refuse(batching, i, a, b, list(column), k, found, why, mode_text)
     reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
                and a.is_floating_point() and batching.merges[i] is not None]
-    if compare and reduced:  # a merged loss: its gradient must be the batch's too
+    unseen = unseen_backward(gm)  # backward code of the model's own: its gradients compared too
+    per_sample = [i for i, a in enumerate(whole) if unseen and isinstance(a, Tensor) and a.dim() > 0
+                  and a.is_floating_point() and (batching.merges[i] is None or isinstance(batching.merges[i], int))]
+    if compare and (reduced or per_sample):  # a merged loss: its gradient must be the batch's too
         with mode(model):
             torch.manual_seed(1)
-            bad = gradient_mismatch(gm, flat, micro, reduced,
+            bad = gradient_mismatch(gm, flat, micro, reduced + per_sample,
                                     lambda i, parts: batching._merge_leaf(i, parts, sizes, weights.get(i)))
         if bad is not None and provisional and not reruns_same(gm, model, flat, whole, mode):
             bad, deterministic = None, False  # random after all: values are not compared
+        if bad is not None and bad[0] in per_sample:
+            i, param, diff, scale = bad
+            raise MicroBatchError(
+                f"{_output_label(batching.out_names[i])} merged over {k} micro-batches is the full batch's, but its "
+                f"gradient is not: the gradient of parameter '{param}' differs by up to {diff:.3g} (largest "
+                f"|gradient| {scale:.3g}). The model runs backward code fxpipe cannot read -- {'; '.join(unseen[:3])} "
+                "-- and one of them mixes the samples in backward only (a gradient normalised over the batch); a "
+                "pipeline runs it per micro-batch, and training would silently differ from the model. What to do: "
+                "make that backward act per sample, or chunks=1")
         if bad is not None:
             i, param, diff, scale = bad
             raise MicroBatchError(
