@@ -97,16 +97,18 @@ def nudged(gm: fx.GraphModule) -> Iterator[None]:
     nonzero = sorted(r for r in rms if r > 0)
     typical = nonzero[len(nonzero) // 2] if nonzero else 0.02
     g = torch.Generator(device="cpu").manual_seed(0)
+    # through .data: the parameters' version counters stay as they were, so a graph the user
+    # recorded before the build (weights saved for its backward) still backpropagates
     try:
         with torch.no_grad():
             for p, r in zip(params, rms):
                 noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-                p.add_(noise.to(device=p.device, dtype=p.dtype), alpha=NUDGE * (r if r > 0 else typical))
+                p.data.add_(noise.to(device=p.device, dtype=p.dtype), alpha=NUDGE * (r if r > 0 else typical))
         yield
     finally:
         with torch.no_grad():
             for p, k in zip(params, kept):
-                p.copy_(k)
+                p.data.copy_(k)
 
 
 def _compare(gm: fx.GraphModule, named: List[Any], params: List[Tensor], flat: Sequence[Any],
