@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .checks._loss_fn import Weights, own_loss_output, split_target
 from .errors import ArgumentError, StepError
-from .runtime._batchnorm import commit_deferred_batch_norm
+from .runtime._batchnorm import commit_deferred_batch_norm, deferring
 from .runtime._frontend import checkpoint_stop
 from .runtime._microbatch import Batch
 from .runtime._orders import StepLosses, refuse_parameter_hooks
@@ -83,14 +83,16 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
     loss: Optional[Tensor] = None  # set where the loss is not the merge of the micro-batches'
     if pipe.schedule == "1f1b":
         try:
-            pipe._runtime.run(batches, stop, on_output=losses.backward_now)
+            with deferring(pipe._deferred):
+                pipe._runtime.run(batches, stop, on_output=losses.backward_now)
         except BaseException as e:
             if losses.backwarded:
                 e.add_note(f"fxpipe: {losses.backwarded} of {m} micro-batches had run their backward in this "
                            "1F1B step: .grad holds part of its gradients; zero them before another step.")
             raise
     else:
-        pipe._runtime.run(batches, stop)
+        with deferring(pipe._deferred):
+            pipe._runtime.run(batches, stop)
         if fn is not None and not fn.decide(batches[0].values).kind:
             for i, b in enumerate(batches):
                 kept.keep(i, b)

@@ -29,7 +29,7 @@ from .errors import ArgumentError, DevicesError, InputMismatchError, PipelinePic
 from .plan._make import BALANCE_BY
 from .plan._value import Plan
 from .progress import Progress, ProgressOption, as_progress
-from .runtime._batchnorm import commit_deferred_batch_norm, refuse_deferred_in_graph
+from .runtime._batchnorm import commit_deferred_batch_norm, deferring, refuse_deferred_in_graph
 from .runtime._devices import Device, default_devices
 from .runtime._frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
 from .runtime._microbatch import Batch
@@ -207,7 +207,8 @@ class Pipeline(PlacedModule):
         flat, micro, sizes, weights, batches = self._micro_batches(args, kwargs)
         refuse_forward_with_grad(self.schedule, self.training)  # 1F1B's backward is step()'s
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
-        self._runtime.run(batches, stop)
+        with deferring(self._deferred):
+            self._runtime.run(batches, stop)
         if self.training:  # as eager BatchNorm: training mode updates statistics, grad or not
             commit_deferred_batch_norm(self._deferred)
         merged = self.batching.merge([b.values for b in batches], sizes, weights)

@@ -17,7 +17,7 @@ from .runtime._devices import default_devices
 from .errors import ChunksError, PipelinePicklingError, PlacementError
 from .runtime._frontend import CHECKPOINT_MODES, Device, PlacedModule, checkpoint_stop
 from .runtime import _microbatch as microbatch
-from .runtime._batchnorm import commit_deferred_batch_norm
+from .runtime._batchnorm import commit_deferred_batch_norm, deferring
 from .runtime._pipeline import PipelineClosedError, PipelineRunner
 from .skip.skippable import inspect_skip_layout, verify_skippables
 
@@ -171,7 +171,8 @@ class GPipe(PlacedModule):
             return input
         batches = microbatch.scatter(input, self.chunks)
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
-        self._runtime.run(batches, stop)
+        with deferring(self._deferred):
+            self._runtime.run(batches, stop)
         if self.training:
             commit_deferred_batch_norm(self._deferred)
         return microbatch.gather(batches)

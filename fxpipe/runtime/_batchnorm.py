@@ -21,7 +21,8 @@ from __future__ import annotations
 import copyreg
 import threading
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Type
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Type
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +34,12 @@ from ._checkpoint import is_recomputing
 
 __all__ = [
     "DeferredBatchNorm", "convert_deferred_batch_norm", "defer_batch_norms",
-    "release_deferred_batch_norm", "commit_deferred_batch_norm", "DEFERRED_ATTRIBUTES",
+    "release_deferred_batch_norm", "commit_deferred_batch_norm", "deferring", "DEFERRED_ATTRIBUTES",
     "refuse_deferred_in_graph",
 ]
 
 #: Instance attributes a deferred layer carries on top of its BatchNorm state.
-DEFERRED_ATTRIBUTES = ("_count", "_mean", "_m2", "_tracked")
+DEFERRED_ATTRIBUTES = ("_count", "_mean", "_m2", "_tracked", "_running")
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -93,7 +94,12 @@ class DeferredBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if not self.training or not self.track_running_stats:
             return super().forward(input)
-        if not is_recomputing():
+        recomputing = is_recomputing()
+        if not recomputing and getattr(self, "_running", None) == 0:
+            # a layer a pipeline borrowed, called eagerly (the model run by itself while the pipeline
+            # is open): a BatchNorm as it was, updating its statistics now, not at the pipeline's commit
+            return super().forward(input)
+        if not recomputing:
             self._track(input)
         return F.batch_norm(
             input, running_mean=None, running_var=None, weight=self.weight, bias=self.bias,
@@ -151,6 +157,7 @@ def defer_batch_norms(modules: Iterable[nn.Module]) -> List[DeferredBatchNorm]:
             elif not isinstance(child, DeferredBatchNorm):
                 child.__class__ = _deferred_class(type(child))
                 child._reset_deferred()  # type: ignore[attr-defined]
+                child._running = 0  # type: ignore[attr-defined]  # pipeline runs under way (deferring)
                 _holders[child] = 1
             converted.append(child)  # type: ignore[arg-type]
     return converted
@@ -174,6 +181,22 @@ def release_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:
                 child.__class__ = type(child)._fxpipe_original  # type: ignore[attr-defined]
                 for name in DEFERRED_ATTRIBUTES:
                     child.__dict__.pop(name, None)
+
+
+@contextmanager
+def deferring(modules: List[DeferredBatchNorm]) -> Iterator[None]:
+    """While a pipeline runs its micro-batches: ``modules`` (layers it borrowed) track their
+    statistics for its commit. Outside, a borrowed layer is the BatchNorm it was (the model
+    called eagerly updates its running statistics at once, as without a pipeline), while the
+    recomputation of a checkpointed stage, in backward, tracks nothing either way."""
+    borrowed = [bn for bn in modules if getattr(bn, "_running", None) is not None]
+    for bn in borrowed:
+        bn._running += 1
+    try:
+        yield
+    finally:
+        for bn in borrowed:
+            bn._running -= 1
 
 
 def commit_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:

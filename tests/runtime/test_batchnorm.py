@@ -120,3 +120,28 @@ def test_running_statistics_under_export_are_updated_once_per_micro_batch(checkp
             ref(part)
     for name, buf in model.named_buffers():
         torch.testing.assert_close(buf, dict(ref.named_buffers())[name], msg=name)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_the_model_run_eagerly_while_the_pipeline_is_open_updates_its_statistics_at_once(checkpoint):
+    """A layer a pipeline borrowed for deferred_batch_norm, called by the model itself (an
+    eager warm-up or debug step while the pipeline is open), is the BatchNorm it was: its
+    statistics were held back and folded into the pipeline's next commit (a new-user trial)."""
+    import fxpipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, torch.randn(16, 8), 2, chunks=4, devices=["cpu"] * 2, deferred_batch_norm=True,
+                           checkpoint=checkpoint, progress=False)
+    for _ in range(3):
+        x = torch.randn(16, 8) + 5
+        model(x)
+        ref(x)
+        assert_all_close([(n, a, b) for (n, a), b in zip(model.named_buffers(), ref.buffers())])
+    x = torch.randn(16, 8)
+    pipe(x).sum().backward()  # backward recomputes the checkpointed stages: no statistics there
+    ref(x).sum().backward()
+    assert_all_close([(n, a, b) for (n, a), b in zip(model.named_buffers(), ref.buffers())])
+    assert model[1].num_batches_tracked.item() == 4
+    pipe.close()
