@@ -25,7 +25,7 @@ from .checks._loss_keys import loss_key
 from .emit._compiling import (CompileOption, check_compile_option, check_graph_replay, compile_stages,
                               refuse_whole_pipeline_compile)
 from .emit._stages import Stages
-from .errors import ArgumentError, DevicesError, InputMismatchError, PipelinePicklingError, StagesError
+from .errors import ArgumentError, DevicesError, InputMismatchError, PipelinePicklingError, StagesError, SubmoduleAccessError
 from .plan._make import BALANCE_BY
 from .plan._value import Plan
 from .progress import Progress, ProgressOption, as_progress
@@ -178,6 +178,23 @@ class Pipeline(PlacedModule):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:  # type: ignore[override]
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def __getattr__(self, name: str) -> Any:
+        # The names above are the model's: torch.func.functional_call(pipe, {"0.weight": w}, x) looks
+        # their modules up here to swap tensors in for one call, which the stages (built on the model's
+        # own tensors, checked at each call) cannot follow. Said plainly, as the cause of torch's error.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" not in modules or name not in modules["module"]._modules:
+                raise
+        raise SubmoduleAccessError(
+            f"'{name}' is a submodule of the model, not of the pipeline: fxpipe.Pipeline names the model's parameters "
+            "and buffers as the model does (for optimizers and state dicts), but its stages run the model's own "
+            "tensors, so they cannot be swapped for one call (torch.func.functional_call, torch.nn.utils.stateless). "
+            "What to do: call functional_call on the model (pipe.module), or copy the values into the model's "
+            "parameters (with torch.no_grad(): p.copy_(v)) and call the pipeline")
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
         # pipe.to(dtype): nn.Module converts parameters in place (.data) but gives buffers new

@@ -267,6 +267,13 @@ class ModelChangedError(FxpipeError, RuntimeError):
         self.changes = list(changes or [])
 
 
+class SubmoduleAccessError(FxpipeError, AttributeError):
+    """A submodule of the model asked of its :class:`fxpipe.Pipeline` (``pipe.get_submodule``,
+    as ``torch.func.functional_call(pipe, ...)`` does to swap tensors in for one call): the
+    pipeline names the model's tensors as the model does, but its stages run the model's own
+    tensors and cannot swap them. The message says what to do."""
+
+
 class StepError(FxpipeError, RuntimeError):
     """A training step (``Pipeline.step``) that cannot run exactly as asked: no loss to train
     (the model returns none and no ``loss_fn`` is given), a loss that is not a 0-dim float

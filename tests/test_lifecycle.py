@@ -535,3 +535,25 @@ def test_the_build_writes_no_gradient_outside_the_model():
                     output_merge={"loss": "mean"})
     assert proj.weight.grad is None and proj.bias.grad is None and x.grad is None
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_functional_call_on_a_pipeline_says_to_call_it_on_the_model():
+    """torch.func.functional_call(pipe, params, x) looked the model's submodules up on the
+    pipeline and failed with torch's bare "Pipeline has no attribute `0`" (a trial): the
+    pipeline's stages run the model's own tensors and cannot swap them for a call. Now the cause
+    is a typed error saying so; functional_call on the model is unaffected."""
+    from fxpipe.errors import SubmoduleAccessError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, balance_by="params", progress=False)
+    doubled = {n: p.detach() * 2 for n, p in pipe.named_parameters()}
+    with pytest.raises(AttributeError) as info:
+        torch.func.functional_call(pipe, doubled, (x,))
+    assert isinstance(info.value.__cause__, SubmoduleAccessError) or isinstance(info.value, SubmoduleAccessError)
+    assert "call functional_call on the model" in str(info.value.__cause__ or info.value)
+    torch.testing.assert_close(torch.func.functional_call(pipe.module, doubled, (x,)),
+                               torch.func.functional_call(copy.deepcopy(model), doubled, (x,)))
+    assert not hasattr(pipe, "0") and pipe.module is model  # attribute lookups as before
+    torch.testing.assert_close(pipe(x), model(x))
