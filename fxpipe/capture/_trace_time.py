@@ -9,7 +9,7 @@ at the build's value where eager recomputes them each call (new-user trials):
 * **Python state the forward sets** (:class:`KeepsState`): ``self.calls += 1``, a step counter
   (refused wherever it is set);
 * **a model's tensor read as a number** (:class:`ReadsAsNumber`): ``float(self.step)`` of a
-  warm-up buffer, ``self.temp.item()``: the buffer, updated in place or by ``load_state_dict``
+  warm-up buffer, ``self.temp.item()``, ``self.state[0].item()`` (a view of one): the buffer, updated in place or by ``load_state_dict``
   afterwards, kept its build-time value in the graph.
 
 Each is found while tracing (the default generators' states around every module call; the
@@ -124,6 +124,9 @@ class TensorsReadAsNumbers:
 
     def _saw(self, t: Any) -> None:
         name: Optional[str] = self.names.get(id(t))
+        base = getattr(t, "_base", None)
+        if name is None and base is not None:  # a view of one: self.state[0].item()
+            name = self.names.get(id(base))
         if name is not None and threading.get_ident() == self._thread:
             self.found.append((self.where(), name))
 

@@ -103,3 +103,31 @@ def test_a_buffer_read_as_a_number_follows_its_updates(cls, method) -> None:
 def test_a_python_computation_on_a_buffers_number_in_the_root_is_refused() -> None:
     with pytest.raises(TraceError, match=r"min\(1.0, float\(self.temp\) / 10.0\)"):
         fxpipe.pipeline(RootTempered(), torch.randn(8, 8), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+
+
+class Indexed(nn.Module):
+    """Reads one element of a buffer as a number: ``self.state[0]`` is a view, not the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("state", torch.tensor([0.5, 2.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.state[0].item()
+
+
+class WithIndexed(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted = Indexed()
+
+
+def test_an_element_of_a_buffer_read_as_a_number_follows_its_updates() -> None:
+    """The view was not watched: the graph kept 0.5 after the buffer became 3.0 (0.64 off)."""
+    torch.manual_seed(0)
+    model, x = WithIndexed(), torch.randn(8, 8)
+    with fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, progress=False) as pipe:
+        with torch.no_grad():
+            model.counted.state[0] = 3.0
+            torch.testing.assert_close(pipe(x), model(x))
