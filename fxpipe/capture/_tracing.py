@@ -29,8 +29,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ._attr_reads import AttrRead, AttributeReads, plain_attributes
-from ._augmented import AugmentedProxy
-from ._custom_functions import applying_as_nodes, autograd_function_in, refusing_in_export
+from ._custom_functions import autograd_function_in, refusing_in_export
 from ._call_inputs import call_signature, check_micro_batches, flatten_call, call_input_names, in_sample_order
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
@@ -38,22 +37,20 @@ from ._shape_guards import ShapeGuards, fixed_batch, fixed_dims, fx_entangled_si
 from ._trace_errors import describe, lost_records_error, output_error, reason_of, trace_error, user_frame
 from ._export_leaves import leaf_paths
 from ..errors import TraceError
-from ._hooks import hooked_modules, records_now
-from ._grad_regions import REGION, RegionGraphModule, RegionRecorder, inference_values
+from ._hooks import hooked_modules
+from ._grad_regions import RegionGraphModule, inference_values
 from ._mutation import KEEP_REASON, KEEP_WITH
 from ._opaque_calls import OpaqueCalls
 from ._reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
 from ._meta import has_meta_tensors
 from ..tree import flatten
-from ._user_code import user_stack
 from ._values import kept_for_comparison
-from ..runtime._randomness import generator_states
-from ._trace_time import DrewAtTrace, KeepsState, TensorsReadAsNumbers, baked_at_trace, drew_since
+from ._trace_time import KeepsState
+from ._fx_trace import is_standard_layer, trace_fx
 from ._call_context import CallContext, ContextCheck, ContextReads, TensorHookError
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
-_MAX_RETRIES = 24
 # fx output with auto-leaves holding more than this share of parameters: prefer export
 _EXPORT_IF_OPAQUE_SHARE = 0.5
 
@@ -200,102 +197,6 @@ def _flat_root(model: nn.Module, names: list[str], in_spec: pytree.TreeSpec,
     return root
 
 
-# -- fx ------------------------------------------------------------------------------------
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-def _is_standard_layer(m: nn.Module) -> bool:
-    mod = type(m).__module__
-    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(m, _CONTAINERS)
-
-
-class _Tracer(fx.Tracer):
-    """fx tracer with fxpipe's leaf policy and module-path bookkeeping."""
-
-    def __init__(self, leaf_types: tuple[type, ...], leaf_names: set[str]) -> None:
-        super().__init__()
-        # Stack traces are recorded by create_node below (user frames only), not by fx: fx
-        # symbolises every frame of every node's stack through linecache (most of a big
-        # model's trace time: 15 frames a node) and then keeps the few in user files.
-        self.record_stack_traces = False
-        self.leaf_types, self.leaf_names = leaf_types, leaf_names
-        self.stack: list[str] = [""]
-        self.failure_stack: list[str] | None = None
-        self.opaque: list[str] = []  # non-standard leaves actually used
-        self.lost_records: list[str] = []  # leaves whose transformers output hook would record (capture._hooks)
-        self.regions = RegionRecorder()  # grad-mode / autocast `with` blocks (fxpipe.capture._grad_regions)
-
-    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        # custom autograd.Functions kept whole, one node each (fxpipe.capture._custom_functions)
-        with self.regions, applying_as_nodes(self):
-            return super().trace(root, concrete_args)
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if qualname in self.leaf_names or isinstance(m, self.leaf_types):
-            if qualname not in self.opaque:
-                self.opaque.append(qualname)
-            return True
-        return _is_standard_layer(m)
-
-    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
-        path = self.path_of_module(m)
-        if m._forward_hooks and self.is_leaf_module(m, path) and records_now(m) and path not in self.lost_records:
-            self.lost_records.append(path)
-        self.stack.append(path)
-        before = None if self.is_leaf_module(m, path) else generator_states()
-        try:
-            out = super().call_module(m, forward, args, kwargs)
-            if before is not None and drew_since(before):
-                raise DrewAtTrace(path)  # innermost first: its callers see the exception, not a draw
-            return out
-        except Exception:
-            if self.failure_stack is None:  # innermost frame records first
-                self.failure_stack = list(self.stack)
-            raise
-        finally:
-            self.stack.pop()
-
-    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        region = self.regions.region()  # raises RegionError where a mode changed untraceably
-        node = super().create_node(*args, **kwargs)
-        if not node.stack_trace:
-            node.stack_trace = user_stack() or None
-        node.meta["fxpipe_module"] = self.stack[-1]
-        if region is not None:
-            node.meta[REGION] = region
-        return node
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        # `h += x` recorded in place, as eager runs it (see fxpipe.capture._augmented)
-        return AugmentedProxy(node, self)
-
-
-def _trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
-              leaf_names: set[str]
-              ) -> tuple[fx.Graph, list[str], list[_Failure], list[AttrRead], list[str]] | _Failure:
-    auto: list[_Failure] = []
-    for _ in range(_MAX_RETRIES):
-        tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
-        try:
-            before = generator_states()
-            with AttributeReads(model) as reads, \
-                    TensorsReadAsNumbers(model, lambda: tracer.stack[-1]) as numbers, \
-                    ContextReads(getters=False, module=lambda: tracer.stack[-1]) as context:  # fx runs no leaf: the traced code's
-                graph = tracer.trace(root)
-            baked = baked_at_trace(before, numbers, reads, context,
-                                   lambda m: m in tracer.leaf_names or any(f.module == m for f in auto))
-            if baked is not None:
-                tracer.failure_stack = [baked[1]]
-                raise baked[0]
-            return graph, tracer.opaque, auto, reads.reads(), tracer.lost_records
-        except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
-            stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
-            if not stack:
-                return _Failure("", e, [f.module for f in auto])
-            auto.append(_Failure(stack[-1], e))
-    return _Failure(auto[-1].module, auto[-1].error, [f.module for f in auto[:-1]])
-
-
 # -- entry point ---------------------------------------------------------------------------
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             leaf_modules: Iterable[type | str] = (), split_dims: list[int | None] | None = None,
@@ -320,7 +221,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     known = {name for name, _ in model.named_modules()}
     if leaf_names - known:
         raise ValueError(f"leaf_modules: {sorted(leaf_names - known)} are not submodules of {type(model).__name__}")
-    leaf_names |= set(hooked_modules(model, lambda m: isinstance(m, leaf_types), _is_standard_layer))
+    leaf_names |= set(hooked_modules(model, lambda m: isinstance(m, leaf_types), is_standard_layer))
     flat_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     flat = [v for _, v in flat_with_path]
     names = _input_names(model, [p for p, _ in flat_with_path])
@@ -332,7 +233,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         fx_res: Any = _Failure("", TraceError("torch.fx not tried: the model's first capture was torch.export"))
     else:
         with refusing_reentrant_checkpoint():  # while tracing only: the checks run the real one
-            fx_res = _trace_fx(model, root, leaf_types, leaf_names)
+            fx_res = trace_fx(model, root, leaf_types, leaf_names)
     lost_records: list[str] = []
     if not isinstance(fx_res, _Failure):
         graph, opaque, auto, fx_reads, lost_records = fx_res
