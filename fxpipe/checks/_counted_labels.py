@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from ..errors import MicroBatchError
-from ._loss_form import nll_total_weight
+from ._loss_den import nll_total_weight
 from ._loss_values import ancestors
 from ._uncounted import divisor_of, inputs_program, refuse_divisor, refuse_selection
 

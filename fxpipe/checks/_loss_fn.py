@@ -30,7 +30,8 @@ import torch
 from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
-from ._loss_form import Den, LossForm, den_program, read_loss
+from ._loss_den import den_program
+from ._loss_form import Den, LossForm, read_loss
 from ._loss_traces import aligned, count_args
 
 __all__ = ["LossFnReading", "Weights", "CACHE", "out_dims_of", "own_loss_output",

@@ -24,7 +24,7 @@ node (:class:`Form`):
 
 A loss of form ``total`` merges by ``sum_i L_i``; one of form ``ratio`` by
 ``sum_i D_i L_i / sum_i D_i`` with ``D_i`` the count evaluated on micro-batch ``i`` (its
-program is copied out of the graph, :func:`den_program`). That is the whole batch's sum over
+program is copied out of the graph, :func:`fxpipe.checks._loss_den.den_program`). That is the whole batch's sum over
 its whole count, exactly. Anything else is not proven, and the caller computes the loss on
 the merged output or refuses (:mod:`fxpipe.checks._loss_fn`).
 
@@ -37,16 +37,16 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, fx
 
 from ._loss_shapes import ShapeReading
 from ._loss_values import (BAD, COUNT, FILLS, FREE, NLL, RANDOM, RATIO, REDUCING_LOSSES, ROWS, SCAN_OR_REDUCE, TOTAL,
-                           Den, Form, LossForm, ancestors, bad, in_place, is_pointwise, op_name, shape_of, source_of)
+                           Den, Form, LossForm, bad, in_place, is_pointwise, op_name, shape_of, source_of)
 
-__all__ = ["Form", "LossForm", "Den", "read_loss", "den_program", "nll_total_weight"]
+__all__ = ["Form", "LossForm", "Den", "read_loss"]
 
 
 class _Reader(ShapeReading):
@@ -380,59 +380,6 @@ def read_loss(gm: fx.GraphModule, inputs: Sequence[Tuple[Optional[int], bool]], 
     what = {ROWS: "is not reduced to one value per batch", FREE: "does not depend on the samples",
             COUNT: "is a size"}.get(form.kind, "carries no gradient from the model's output")
     return LossForm(None, why=f"the loss {what}")
-
-
-def nll_total_weight(target: Tensor, weight: Optional[Tensor], ignore_index: int) -> Tensor:
-    """What a cross entropy / nll_loss with ``reduction='mean'`` divides by: the class weights
-    of the targets that are not ``ignore_index`` (their count without weights). A cross
-    entropy with class probabilities as targets (a floating target shaped as the logits, class
-    dim 1) divides by its rows whatever the class weights: ``numel / classes``."""
-    if target.is_floating_point():
-        rows = target.numel() // target.shape[1] if target.dim() > 1 else 1
-        return torch.tensor(float(rows), dtype=torch.float64, device=target.device)
-    counted = target != ignore_index
-    if weight is None:
-        return counted.sum().to(torch.float64)
-    safe = torch.where(counted, target, torch.zeros_like(target))
-    return (weight.to(torch.float64)[safe] * counted).sum()
-
-
-def den_program(gm: fx.GraphModule, den: Den) -> Tuple[fx.GraphModule, List[int]]:
-    """The graph's code for ``den`` (a ``'data'`` den) as a GraphModule of its own, and the
-    placeholder indices it takes; a cross entropy's total weight is computed from its target
-    and class weights only (:func:`nll_total_weight`), never from the logits."""
-    assert den.kind == "data" and den.node is not None
-    root = den.node
-    nll = lambda n: isinstance(n, fx.Node) and n.op == "call_function" and op_name(n) in NLL  # noqa: E731
-
-    def inputs_of(n: fx.Node) -> List[fx.Node]:
-        if nll(n):
-            return [a for a in n.args[1:3] if isinstance(a, fx.Node)]
-        if n.target is operator.getitem and nll(n.args[0]) and n.args[1] == 1:
-            return [n.args[0]]
-        return list(n.all_input_nodes)
-
-    needed = ancestors(root, inputs_of)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    graph = fx.Graph()
-    env: Dict[fx.Node, fx.Node] = {}
-    used: List[int] = []
-    for n in gm.graph.nodes:
-        if n not in needed:
-            continue
-        if nll(n):
-            args = n.args
-            weight = env[args[2]] if len(args) > 2 and isinstance(args[2], fx.Node) else None
-            ignore = args[4] if len(args) > 4 else -100
-            env[n] = graph.call_function(nll_total_weight, (env[args[1]], weight, ignore))
-        elif n.target is operator.getitem and nll(n.args[0]) and n.args[1] == 1:
-            env[n] = env[n.args[0]]
-        else:
-            env[n] = graph.node_copy(n, lambda a: env[a])
-            if n.op == "placeholder":
-                used.append(placeholders.index(n))
-    graph.output(env[root])
-    return fx.GraphModule(gm, graph), used
 
 
 #: the largest constant a count of the target may add and still be read as that count
