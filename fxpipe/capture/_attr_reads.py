@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from ._opaque_calls import OpaqueCalls
 from ._values import same_plain
@@ -165,17 +165,25 @@ class AttributeReads:
                 if key not in self._written and not (r.how == MUTABLE and _changed(r))]
 
     def written_numbers(self) -> List[str]:
-        """The labels of the public number attributes of modules the traced code set
-        (``self.calls += 1``): Python state a forward keeps, which a graph neither updates nor
-        reads again, innermost first (the longest label)."""
+        """The labels of the public attributes of modules where the traced code kept Python
+        state, which a graph neither updates nor reads again, innermost first (the longest
+        label): a number it set (``self.calls += 1``), a value it computed and stored
+        (``self.aux_loss = ...``, a traced or fake tensor, or a container of them), a plain
+        container it changed in place (``self.stats['calls'] += 1``), a container it put
+        computed values in (``self.features.append(h)``)."""
         found = []
         for owner_id, name in self._written:
             owner = self._objects.get(owner_id)
             if not isinstance(owner, nn.Module) or name.startswith("_") or name in _MODULE_OWN:
                 continue
             value = owner.__dict__.get(name)
-            if isinstance(value, (int, float)):
+            if isinstance(value, (int, float)) or _holds_traced(value):
                 found.append(self._label(owner, name))
+        for r in self._reads.values():
+            if not isinstance(r.owner, nn.Module) or r.name.startswith("_") or r.label in found:
+                continue
+            if (r.how == MUTABLE and _changed(r)) or (r.how == SAME and _holds_traced(r.value)):
+                found.append(r.label)
         return sorted(found, key=lambda label: (-label.count("."), label))
 
     def _watch_class(self, cls: type) -> None:
@@ -270,6 +278,20 @@ def plain_attributes(model: nn.Module, opaque: Iterable[nn.Module] = ()) -> List
             reads[(id(m), name)] = AttrRead(m, name, copy.deepcopy(value) if mutable else value,
                                             MUTABLE if mutable else EQUAL, f"{owner}.{name}" if owner else name, True)
     return list(reads.values())
+
+
+def _holds_traced(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is, or a list/tuple/dict of it holds, a value of a trace: an fx proxy,
+    or a fake or functional tensor of torch.export (never a real tensor of the model's)."""
+    if isinstance(value, fx.Proxy):
+        return True
+    if isinstance(value, torch.Tensor):
+        return type(value).__name__ in ("FakeTensor", "FunctionalTensor")
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return any(_holds_traced(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(_holds_traced(v, depth + 1) for v in value.values())
+    return False
 
 
 def _changed(read: AttrRead) -> bool:

@@ -21,7 +21,8 @@ from ._custom_functions import applying_as_nodes
 from ._export import _Failure
 from ._grad_regions import REGION, RegionRecorder
 from ._hooks import records_now
-from ._trace_time import DrewAtTrace, TensorsReadAsNumbers, baked_at_trace, drew_since
+from ._trace_time import (DrewAtTrace, DrewFromPython, KeepsState, TensorsComputedOn, TensorsReadAsNumbers, baked_at_trace,
+                          drew_since, python_drew_since, python_states)
 from ._user_code import user_stack
 from ..runtime._randomness import generator_states
 
@@ -72,8 +73,11 @@ class _Tracer(fx.Tracer):
             self.lost_records.append(path)
         self.stack.append(path)
         before = None if self.is_leaf_module(m, path) else generator_states()
+        python = None if before is None else python_states()
         try:
             out = super().call_module(m, forward, args, kwargs)
+            if python is not None and python_drew_since(python):
+                raise DrewFromPython(path)  # refused, not retried: see fxpipe.capture._trace_time
             if before is not None and drew_since(before):
                 raise DrewAtTrace(path)  # innermost first: its callers see the exception, not a draw
             return out
@@ -106,17 +110,22 @@ def trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
     for _ in range(MAX_RETRIES):
         tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
         try:
-            before = generator_states()
+            before, python = generator_states(), python_states()
             with AttributeReads(model) as reads, \
                     TensorsReadAsNumbers(model, lambda: tracer.stack[-1]) as numbers, \
+                    TensorsComputedOn(model, lambda: tracer.stack[-1]) as computed, \
                     ContextReads(getters=False, module=lambda: tracer.stack[-1]) as context:  # fx runs no leaf: the traced code's
                 graph = tracer.trace(root)
-            baked = baked_at_trace(before, numbers, reads, context,
+            if python_drew_since(python):  # in the root's own forward
+                raise DrewFromPython("")
+            baked = baked_at_trace(before, numbers, computed, reads, context,
                                    lambda m: m in tracer.leaf_names or any(f.module == m for f in auto))
             if baked is not None:
                 tracer.failure_stack = [baked[1]]
                 raise baked[0]
             return graph, tracer.opaque, auto, reads.reads(), tracer.lost_records
+        except (DrewFromPython, KeepsState):
+            raise  # no capture can hold it (torch.export bakes it too, or loses the state): refused as it is
         except Exception as e:  # noqa: BLE001 - any failure is a reason to fall back
             stack = [s for s in (tracer.failure_stack or [""]) if s and s not in tracer.leaf_names]
             if not stack:

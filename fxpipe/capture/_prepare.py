@@ -39,6 +39,7 @@ from ._export_outputs import is_cache
 from ._open_outputs import open_output_containers
 from ..progress import Progress
 from ..runtime._randomness import generator_states, set_generator_states
+from ._trace_time import python_drew_since, python_states
 from ..tree import flatten, leaf_names
 from ._user_code import is_user_file
 
@@ -59,10 +60,14 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
     modes = [(m, m.training) for m in model.modules()]
     scalars = [(m, {k: v for k, v in vars(m).items() if v is None or type(v) in _PLAIN})
                for m in model.modules()]
-    rng = generator_states()
+    # lists and dicts a forward fills or counts in (refused, but the build's runs must not show)
+    containers = [(v, list(v) if type(v) is list else dict(v)) for m in model.modules() for v in vars(m).values()
+                  if type(v) in (list, dict)]
+    rng, python = generator_states(), python_states()
     try:
         yield
     finally:
+        python_drew_since(python)  # Python's and numpy's generators put back
         with torch.no_grad():
             for m, name, b, version, copy in buffers:
                 m._buffers[name] = b
@@ -80,6 +85,12 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
             for key, value in attrs.items():
                 if m.__dict__.get(key, value) is not value:
                     m.__dict__[key] = value
+        for container, content in containers:
+            if len(container) != len(content) or (any(a is not b for a, b in zip(container, content)) if
+                                                  type(container) is list else container.keys() != content.keys()
+                                                  or any(container[k] is not v for k, v in content.items())):
+                container.clear()
+                (container.extend if type(container) is list else container.update)(content)
         set_generator_states(rng)
 
 

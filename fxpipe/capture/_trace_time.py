@@ -5,7 +5,9 @@ real, then, and its result is a constant of the graph. Three such things were si
 at the build's value where eager recomputes them each call (new-user trials):
 
 * **random numbers** drawn without a tensor argument (:class:`DrewAtTrace`): ``torch.rand([])
-  < p`` of a LayerDrop, ``torch.randint(0, 3, ())`` of a time mask;
+  < p`` of a LayerDrop, ``torch.randint(0, 3, ())`` of a time mask; and draws from Python's
+  ``random`` or numpy (:class:`DrewFromPython`, refused wherever they are: fxpipe replays only
+  torch's generators in recomputation);
 * **Python state the forward sets** (:class:`KeepsState`): ``self.calls += 1``, a step counter
   (refused wherever it is set);
 * **a model's tensor read as a number** (:class:`ReadsAsNumber`): ``float(self.step)`` of a
@@ -23,18 +25,23 @@ forward is refused wherever it is set.
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import nn
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError
 from ._attr_reads import AttributeReads
 from ._call_context import ContextReads, ReadsCallContext
 from ..runtime._randomness import generator_states, set_generator_states
 
-__all__ = ["DrewAtTrace", "KeepsState", "ReadsAsNumber", "TensorsReadAsNumbers", "drew_since", "baked_at_trace"]
+__all__ = ["DrewAtTrace", "DrewFromPython", "KeepsState", "ReadsAsNumber", "ComputedAtTrace", "TensorsReadAsNumbers",
+           "TensorsComputedOn", "drew_since",
+           "python_states", "python_drew_since", "baked_at_trace"]
 
 
 class DrewAtTrace(TraceError):
@@ -54,9 +61,12 @@ class DrewAtTrace(TraceError):
 
 class KeepsState(TraceError):
     """A forward set a number attribute of its module (``self.calls += 1``, a step counter
-    for a warm-up): Python state, which a traced graph neither updates nor reads again. Any
-    value computed from it is baked into the graph at the build's value, and the attribute
-    stops changing: the pipeline would silently compute the model as it was at the build.
+    for a warm-up), stored a value it computed (``self.aux_loss = ...`` of a mixture of
+    experts, a list of features for deep supervision) or changed a plain container
+    (``self.stats['calls'] += 1``): Python state, which a traced graph neither updates nor
+    reads again. Any value computed from it is baked into the graph at the build's value, and
+    the attribute stops changing (or holds a value of the trace): the pipeline would silently
+    compute the model as it was at the build.
     Refused, wherever it is: a module kept opaque would count once per micro-batch, and the
     build's check takes a count that differs between runs for randomness, comparing structure
     only. A buffer updated in place is the pipeline's documented per-micro-batch state."""
@@ -64,11 +74,49 @@ class KeepsState(TraceError):
     def __init__(self, label: str) -> None:
         owner = label.rpartition(".")[0]
         super().__init__(
-            f"the traced forward sets '{label}' while it runs (Python state such as a call or step counter): a graph "
-            "neither updates it nor reads it again, so the pipeline would compute every call with the value it had at the "
-            "build. What to do: keep the state in a buffer (register_buffer, updated in place: "
+            f"the traced forward sets '{label}' while it runs (Python state: a call or step counter, an auxiliary "
+            "loss or features stored on the module): a graph neither updates it nor reads it again, so the pipeline "
+            "would leave it at the build's value. What to do: return a computed value (an auxiliary loss, features) "
+            "as an output of forward; keep a counter in a buffer (register_buffer, updated in place: "
             "self.calls.add_(1); a pipeline updates it once per micro-batch, as GPipe does), or update it "
             "outside the forward (in the training loop)", module=owner, reason="Python state set by the forward")
+
+
+class DrewFromPython(TraceError):
+    """A forward drew from Python's ``random`` or numpy's global generator while it was captured
+    (timm-style stochastic depth written ``random.random() < p``): the draw would be baked into
+    the graph (torch.fx and torch.export alike run that Python once), and kept opaque the module
+    would draw anew when a checkpointed stage is recomputed, where fxpipe replays torch's
+    generators only. Refused, naming the module, with the advice to draw with torch."""
+
+    def __init__(self, module: str) -> None:
+        where = f"module '{module}'" if module else "the model's forward"
+        super().__init__(
+            f"{where} draws from Python's random or numpy's global generator: a captured graph would keep the "
+            "build's one draw, and fxpipe replays only torch's generators when it recomputes a checkpointed stage. "
+            "What to do: draw with torch (torch.rand(()) < p, or x.new_empty(...).bernoulli_(p)), which fxpipe "
+            "follows per call and replays exactly", module=module, reason="random numbers drawn from Python or numpy")
+
+
+def python_states() -> Tuple[Any, Any]:
+    """Python's ``random`` state and numpy's global one (None where numpy is not imported)."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy.random.get_state() if numpy is not None else None
+
+
+def python_drew_since(states: Tuple[Any, Any]) -> bool:
+    """Whether Python's or numpy's generator moved since ``states``; puts them back."""
+    python, legacy = states
+    moved = random.getstate() != python
+    if moved:
+        random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if legacy is not None and numpy is not None:
+        now = numpy.random.get_state()
+        if now[2] != legacy[2] or not numpy.array_equal(now[1], legacy[1]):
+            numpy.random.set_state(legacy)
+            moved = True
+    return moved
 
 
 def drew_since(states: list[torch.Tensor]) -> bool:
@@ -90,6 +138,76 @@ class ReadsAsNumber(TraceError):
                          "traces it: the graph would hold its value at the build, and an update in place or a "
                          "load_state_dict afterwards would be silently ignored", module=module,
                          reason="a model tensor read as a number at trace time")
+
+
+class ComputedAtTrace(ReadsAsNumber):
+    """A forward computed with one of the model's tensors and no traced value while torch.fx
+    traced it (``(self.var + eps).sqrt()`` of a normaliser, ``self.mask > 0`` of a pruning
+    mask, ``self.scales[0].exp()`` of a parameter kept in a Python list): torch.fx ran it once
+    and stored the result as a constant of the graph, blind to ``load_state_dict``, updates in
+    place and training (a trial: 0.46 off after loading a normaliser's statistics; a parameter
+    so reached failed the second backward). The module doing it is kept opaque; the root forward
+    goes to torch.export, which records the ops."""
+
+    def __init__(self, module: str, tensor: str, reached: bool = False) -> None:
+        where = f"module '{module}'" if module else "the root forward"
+        if reached:  # torch.export's variant, refused: no capture keeps it live
+            TraceError.__init__(
+                self, f"the model reaches '{tensor}' other than as a module attribute (a Python list or dict holding "
+                "it, in code torch.fx could not trace), and torch.export keeps it as a constant: without its gradient, "
+                f"blind to later values. What to do: reach it as a module attribute (self.{tensor.rpartition('.')[2]}; "
+                "an nn.ParameterList for several), or move that code into a submodule, which fxpipe then keeps opaque",
+                module=module, reason="a model tensor reached through a Python container")
+            return
+        TraceError.__init__(self, f"{where} computes with '{tensor}' alone (no input involved) while torch.fx traces it: "
+                            "the graph would keep the result as a constant, blind to later updates of the tensor",
+                            module=module, reason="a model tensor computed on at trace time")
+
+
+#: Tensor methods that read a tensor's metadata, not its values: free at trace time
+_METADATA = frozenset({"__get__", "size", "dim", "numel", "stride", "is_floating_point", "is_complex", "element_size",
+                       "__len__", "__format__", "__repr__", "type", "data_ptr", "is_contiguous", "storage_offset",
+                       "nelement", "ndimension", "get_device", "is_signed", "__hash__", "__eq__", "__ne__"})
+
+
+class TensorsComputedOn(TorchFunctionMode):
+    """While active (one fx trace), notes the first torch op that takes one of ``model``'s
+    parameters, buffers or tensor attributes and no traced value (:class:`ComputedAtTrace`),
+    with the innermost module being traced then. In-place updates are left to the buffer-write
+    measurement (:mod:`fxpipe.capture._prepare`), metadata reads are free."""
+
+    def __init__(self, model: nn.Module, where: Callable[[], str]) -> None:
+        super().__init__()
+        self.names: Dict[int, str] = {}
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            self.names.setdefault(id(t), name)
+        for prefix, m in model.named_modules():
+            for key, value in vars(m).items():
+                if isinstance(value, torch.Tensor) and not key.startswith("_"):
+                    self.names.setdefault(id(value), f"{prefix}.{key}" if prefix else key)
+        self.where = where
+        self.found: List[tuple] = []
+
+    def _watched(self, value: Any) -> Optional[str]:
+        if isinstance(value, torch.Tensor):
+            name = self.names.get(id(value))
+            base = value._base if name is None else None
+            return name if base is None else self.names.get(id(base))
+        return None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.found:
+            name = getattr(func, "__name__", "")
+            if name not in _METADATA and not (name.endswith("_") and not name.endswith("__")) \
+                    and not name.startswith("__i"):
+                values = [*args, *kwargs.values()]
+                values += [v for a in values if isinstance(a, (list, tuple)) for v in a]
+                if not any(isinstance(v, fx.Proxy) for v in values):
+                    watched = next((w for w in map(self._watched, values) if w is not None), None)
+                    if watched is not None:
+                        self.found.append((self.where(), watched))
+        return func(*args, **kwargs)
 
 
 _CONVERSIONS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")
@@ -152,8 +270,9 @@ class TensorsReadAsNumbers:
                 _saved.clear()
 
 
-def baked_at_trace(before: List[torch.Tensor], numbers: TensorsReadAsNumbers, reads: AttributeReads,
-                   context: ContextReads, opaque: Callable[[str], bool]) -> Optional[Tuple[TraceError, str]]:
+def baked_at_trace(before: List[torch.Tensor], numbers: TensorsReadAsNumbers, computed: TensorsComputedOn,
+                   reads: AttributeReads, context: ContextReads,
+                   opaque: Callable[[str], bool]) -> Optional[Tuple[TraceError, str]]:
     """What a finished fx trace baked that it must not, as ``(error, module to keep opaque)``
     (``''``: none can be, the root's or refused), else None. ``before``: the generators'
     states when the trace began (a draw in a module call was raised by the tracer already);
@@ -166,6 +285,11 @@ def baked_at_trace(before: List[torch.Tensor], numbers: TensorsReadAsNumbers, re
         if module and not opaque(module):
             return ReadsAsNumber(module, tensor), module
         return ReadsAsNumber("", tensor), ""
+    if computed.found:  # the same: the module computing on it runs its own forward each call
+        module, tensor = computed.found[0]
+        if module and not opaque(module):
+            return ComputedAtTrace(module, tensor), module
+        return ComputedAtTrace("", tensor), ""
     if context.reads:  # the reading module asks again each call; the root goes to torch.export
         read = context.reads[0]
         if read.module and not opaque(read.module):

@@ -45,7 +45,7 @@ from ._reentrant import reentrant_checkpoint_in, refusing_reentrant_checkpoint
 from ._meta import has_meta_tensors
 from ..tree import flatten
 from ._values import kept_for_comparison
-from ._trace_time import KeepsState
+from ._trace_time import ComputedAtTrace, DrewFromPython, KeepsState, python_drew_since, python_states
 from ._fx_trace import is_standard_layer, trace_fx
 from ._call_context import CallContext, ContextCheck, ContextReads, TensorHookError
 
@@ -248,7 +248,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     built = CallContext.of(exported)
     with OpaqueCalls(kept_modules) as in_kept, refusing_reentrant_checkpoint(), refusing_in_export(in_kept), \
             AttributeReads(model, in_kept) as ex_reads, ContextReads(getters=True, skip=lambda: in_kept.inside) as context:
+        python = python_states()
         ex_res = export_graph(model, root, exported, names, split_dims, kept)
+        if python_drew_since(python) and not isinstance(ex_res, _Failure):  # baked into the graph as well
+            raise DrewFromPython("")
     reads = ex_reads.reads()
     if context.hooks and not isinstance(ex_res, _Failure):  # a graph of aten ops holds no tensor hook
         error = TensorHookError(context.hooks[0])
@@ -263,6 +266,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             unrecorded = export_graph(model, root, _unaliased(flat), names, split_dims, kept)
         if not isinstance(unrecorded, _Failure) or unrecorded.refusal is not None:
             ex_res, reads = unrecorded, plain_attributes(model, kept_modules)
+    kept_as_constant = [] if isinstance(ex_res, _Failure) else model_tensor_constants(model, ex_res.table)
+    if kept_as_constant:  # refused, unless torch.fx's coarser graph holds it live
+        error = ComputedAtTrace("", kept_as_constant[0], reached=True)
+        ex_res = _Failure("", error, refusal=error)
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
         gm.training = model.training
@@ -290,6 +297,18 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if ex_res.refusal is not None:  # export worked, but its graph holds what fxpipe refuses
         raise ex_res.refusal from fx_res.error
     raise trace_error(model, fx_res, ex_res) from fx_res.error
+
+
+def model_tensor_constants(model: nn.Module, table: dict[str, Any]) -> list[str]:
+    """The model's parameters and buffers that a torch.export graph holds as constants: reached
+    other than as module attributes (a Python list or dict holding them), export lifts a
+    detached copy sharing their storage, without their gradient and blind to new values."""
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    storages = {t.untyped_storage().data_ptr(): name for name, t in
+                (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+                if not t.is_meta and t.untyped_storage().data_ptr()}
+    return [storages[ptr] for value in table.values() if isinstance(value, torch.Tensor) and id(value) not in own
+            and not value.is_meta and (ptr := value.untyped_storage().data_ptr()) in storages]
 
 
 def _unaliased(flat: list[Any]) -> list[Any]:

@@ -73,3 +73,46 @@ def test_a_draw_without_a_tensor_argument_is_drawn_per_call(cls, method) -> None
 def test_a_python_branch_on_a_draw_is_refused_naming_its_line() -> None:
     with pytest.raises(TraceError, match=r"torch.rand\(\[\]\) < 0.5"):
         fxpipe.pipeline(LayerDrop(), torch.randn(8, 8), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+
+
+class PythonDrop(nn.Module):
+    """timm-style stochastic depth written with Python's random (or numpy's)."""
+
+    def __init__(self, numpy: bool) -> None:
+        super().__init__()
+        self.f, self.numpy = nn.Linear(8, 8), numpy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            import random
+
+            import numpy as np
+
+            if (float(np.random.rand()) if self.numpy else random.random()) < 0.5:
+                return x
+        return x + self.f(x)
+
+
+class PythonDropNet(Net):
+    def __init__(self, numpy: bool) -> None:
+        super().__init__()
+        self.gate = PythonDrop(numpy)
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["random", "numpy"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_draw_from_python_or_numpy_is_refused_naming_the_module(numpy, seed):
+    """Baked into the graph at the build's one draw (the build's check caught it only when its
+    eager run happened to draw otherwise: 1 distinct output over 20 calls, a trial)."""
+    import random
+
+    import numpy as np
+
+    from fxpipe.capture._trace_time import DrewFromPython
+
+    random.seed(seed)
+    np.random.seed(seed)
+    before = (random.getstate(), np.random.get_state()[1].copy())
+    with pytest.raises(DrewFromPython, match="module 'gate' draws from Python's random or numpy's"):
+        fxpipe.pipeline(PythonDropNet(numpy), torch.randn(8, 8), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()  # put back

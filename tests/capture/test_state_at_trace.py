@@ -7,6 +7,8 @@ number is kept live instead: the module reading it is kept opaque."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -131,3 +133,118 @@ def test_an_element_of_a_buffer_read_as_a_number_follows_its_updates() -> None:
         with torch.no_grad():
             model.counted.state[0] = 3.0
             torch.testing.assert_close(pipe(x), model(x))
+
+
+class Normalizer(nn.Module):
+    """An observation normaliser: math on its buffers alone, which torch.fx ran once at trace
+    time and stored as a constant (`_tensor_constant0`) until buffers were traced as get_attr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / (self.var + 1e-5).sqrt()
+
+
+class Normalized(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted = Normalizer()
+
+
+def test_math_on_buffers_alone_follows_load_state_dict_and_updates_in_place() -> None:
+    """A trial: 0.46 off after loading statistics (also FrozenBatchNorm2d, pruning masks)."""
+    torch.manual_seed(0)
+    model, x = Normalized(), torch.randn(8, 8)
+    with fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, progress=False) as pipe:
+        assert "counted" in pipe.capture.leaves  # kept opaque: it computes on its buffers each call
+        model.load_state_dict({**model.state_dict(), "counted.mean": torch.full((8,), 0.5),
+                               "counted.var": torch.full((8,), 9.0)})
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), model(x))
+            model.counted.var.mul_(4)
+            torch.testing.assert_close(pipe(x), model(x))
+
+
+class ScaledInAList(nn.Module):
+    """A parameter reached through a plain Python list: torch.fx computed ``exp`` on it once (a
+    constant holding its autograd graph: the second backward failed), torch.export lifted a
+    detached copy (its gradient silently None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.log_scale = nn.Parameter(torch.zeros(8))
+        self.scales = [self.log_scale]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.scales[0].exp())
+
+
+class WithScaled(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted = ScaledInAList()
+
+
+def test_a_parameter_reached_through_a_list_trains_in_a_submodule_and_is_refused_in_the_root() -> None:
+    from fxpipe.capture._trace_time import ComputedAtTrace
+
+    torch.manual_seed(0)
+    model, x = WithScaled(), torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    assert "counted" in pipe.capture.leaves  # kept opaque: it reads the live parameter each call
+    for _ in range(2):
+        pipe(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        torch.testing.assert_close(model.counted.log_scale.grad, ref.counted.log_scale.grad)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                p.sub_(0.5 * p.grad)
+                q.sub_(0.5 * q.grad)
+                p.grad = q.grad = None
+    with pytest.raises(ComputedAtTrace, match=r"reaches 'log_scale' other than as a module attribute"):
+        fxpipe.pipeline(ScaledInAList(), x, 2, chunks=2, devices=["cpu"] * 2, progress=False)
+
+
+class StoresAux(nn.Module):
+    """A mixture-of-experts layer storing its load-balancing loss on itself, as many do."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.how = nn.Linear(8, 8), how
+        self.aux_loss = torch.zeros(())
+        self.features: list = []
+        self.stats = {"calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.how == "aux":
+            self.aux_loss = h.softmax(-1).mean(0).pow(2).sum()
+        elif self.how == "features":
+            self.features.append(h)
+        else:
+            self.stats["calls"] += 1
+        return h
+
+
+class WithAux(Net):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.counted = StoresAux(how)
+
+
+@pytest.mark.parametrize("how, label", [("aux", "counted.aux_loss"), ("features", "counted.features"),
+                                        ("counts", "counted.stats")])
+def test_a_value_stored_on_the_module_by_forward_is_refused_naming_it(how, label) -> None:
+    """After pipe(x) the attribute held the build's detached value (aux 2.238 against eager's
+    2.214, the router's gradient 7.5e-2 off, a trial), or a list of stale features, or a count
+    the build had bumped to 3 that no call updated."""
+    model = WithAux(how)
+    before = copy.deepcopy(model.counted.stats), list(model.counted.features)
+    with pytest.raises(TraceError, match=rf"the traced forward sets '{label}' while it runs"):
+        fxpipe.pipeline(model, torch.randn(8, 8), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    assert (model.counted.stats, model.counted.features) == before
