@@ -26,7 +26,7 @@ its inputs agree (per-module outputs of the whole and the split run compared by 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,7 +36,9 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils import _pytree as pytree
 
 from ..capture._values import same_value
-from ._batching import Batching, ChunkDims, OutputMerge
+from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
+from ._dropout_off import dropout_off
+from ._varied_sample import varied
 from ._micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
 from ..errors import MicroBatchError, TraceError
 from ..capture._meta import is_meta_model
@@ -83,6 +85,10 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
     full float32 precision, with tolerances that follow what stays reduced (bf16 weights,
     autocast): :mod:`fxpipe.capture._numerics`."""
     flat = prepared.capture.flatten_inputs(args, kwargs)
+    alike = varied(flat, input_split_dims(model, args, kwargs, chunk_dims)[1])
+    if alike is not None:  # a sample of identical rows hides batch mixing: checked on varied ones
+        flat = alike
+        args, kwargs = pytree.tree_unflatten(flat, prepared.capture.in_spec)
     with checking(model, flat):
         return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge)
 
@@ -102,40 +108,47 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
     def blame_in(mode: Mode, always: bool) -> Callable[[List[List[Any]]], str]:
         return lambda micro: "" if meta else first_difference(gm, model, flat, micro, mode, always)
 
-    def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool]:
+    def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool, Quiet]:
         with preserved(model):
             whole = list(sample_run(lambda: gm(*flat), model, mode))
             random = drew_random(SAMPLE_SEED)  # none: no second, reseeded run (fxpipe.runtime._randomness)
+        quiet: Quiet = nullcontext
+        if random:  # dropout drew (F.dropout(h, p, self.training), an export graph's aten.dropout):
+            # compared with it off, values and all, where nothing else draws (fxpipe.checks._dropout_off)
+            with preserved(model), dropout_off():
+                off = list(sample_run(lambda: gm(*flat), model, mode))
+                if not drew_random(SAMPLE_SEED):
+                    whole, random, quiet = off, False, dropout_off
         b = batching or Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
-        with preserved(model):
+        with preserved(model), quiet():
             deterministic = check_split(b, gm, model, flat, whole, mode=mode, random=random, **options)
-        return b, whole, deterministic
+        return b, whole, deterministic, quiet
 
-    def against_eager(mode: Mode, whole: List[Any], deterministic: bool) -> None:
+    def against_eager(mode: Mode, whole: List[Any], deterministic: bool, quiet: Quiet) -> None:
         if not meta:  # on meta, eager code may branch on values (.item()), and none are there
             # a model whose code reads grad mode or requires_grad runs as it was captured: grad on
             reads_grad = captured.context is not None and captured.context.built.grad
-            with preserved(model):
+            with preserved(model), quiet():
                 eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
             try:
                 check_capture(eager, whole, batching.out_names, deterministic,  # type: ignore[union-attr]
                               pre_hooked)
             except TraceError:
                 # deterministic may rest on fxpipe.runtime._randomness alone: confirm before refusing
-                with preserved(model):
+                with preserved(model), quiet():
                     if not deterministic or reruns_same(gm, model, flat, whole, mode):
                         raise
                 check_capture(eager, whole, batching.out_names, False, pre_hooked)  # type: ignore[union-attr]
 
     if runs_eval:
-        batching, whole, deterministic = run_checks(evaluating, blame=blame_in(evaluating, always=False))
-        against_eager(evaluating, whole, deterministic)
+        batching, whole, deterministic, quiet = run_checks(evaluating, blame=blame_in(evaluating, always=False))
+        against_eager(evaluating, whole, deterministic, quiet)
     if runs_train:
         # Under export, BatchNorm's training is baked in and cannot be exempted: structure only.
         values = fx_graph or not any(isinstance(m, _BatchNorm) and m.training for m in model.modules())
         why = _TRAIN_WHY if runs_eval else ""  # without an eval check: the generic advice
         try:
-            batching, whole, deterministic = run_checks(
+            batching, whole, deterministic, quiet = run_checks(
                 train_mode, values=values, blame=blame_in(train_mode, always=True), why=why,
                 mode_text=" in training mode")
         except MicroBatchError as e:
@@ -148,12 +161,14 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
                 f"the build's training-mode check found that {e}{_TRAIN_TODO}")
         else:
             if prepared.mode_sensitive:  # the graph has training baked in: compared in training
-                against_eager(train_mode, whole, deterministic)
+                against_eager(train_mode, whole, deterministic, quiet)
     assert batching is not None
     return batching
 
 
 Call = Tuple[str, List[Tensor], List[Tensor]]
+#: what a check runs under: nothing, or dropout switched off (fxpipe.checks._dropout_off)
+Quiet = Callable[[], AbstractContextManager]
 
 
 def _calls(model: nn.Module, run: Callable[[], Any]) -> List[Call]:

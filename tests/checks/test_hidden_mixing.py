@@ -1,0 +1,119 @@
+"""Batch mixing the build's micro-batch check did not see (a new-user trial, all silent):
+
+* a dummy sample (``torch.zeros``, ``torch.ones``, one example repeated): with identical rows,
+  ``h - h.mean(0)`` per micro-batch equals the whole batch's; built, then 0.20 off on real data;
+* a functional dropout anywhere (``F.dropout(h, p, self.training)``): the training-mode check
+  compared structure only, so a mixing under ``if self.training`` passed (0.47 off);
+* a zero-initialised gate (``h + gamma * proj(h.mean(0))``, ReZero): no mixing at the build's
+  weights, every step wrong once the optimizer moves ``gamma``.
+
+Now the checks vary a sample of identical rows, switch dropout off to compare values in
+training mode, and compare again at nudged weights. Per-sample models still build and run exact.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from exact import assert_same
+from fxpipe.errors import MicroBatchError
+
+
+class Centered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h - h.mean(0))
+
+
+class TrainingOnlyMixing(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.p = nn.Linear(16, 16), nn.Linear(16, 4), p
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.a(x)), self.p, self.training)
+        if self.training:
+            h = h - h.mean(0)
+        return self.b(h)
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.proj, self.b = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.gamma = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h + self.gamma * self.proj(h.mean(0, keepdim=True)))
+
+
+class PerSample(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.a, self.b = nn.Embedding(20, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.gamma = nn.Parameter(torch.zeros(()))
+
+    def forward(self, ids, x):
+        h = torch.tanh(self.a(x + self.emb(ids).mean(1)))
+        h = F.dropout(h, 0.2, self.training)
+        return self.b(h + self.gamma * h)
+
+
+def _build(model, *sample, **options):
+    return fxpipe.pipeline(model, sample, 2, chunks=2, devices=["cpu"] * 2, balance_by="params", progress=False,
+                           **options)
+
+
+@pytest.mark.parametrize("sample", [torch.zeros(8, 16), torch.ones(8, 16), torch.randn(1, 16).repeat(8, 1)],
+                         ids=["zeros", "ones", "repeated"])
+def test_a_dummy_sample_does_not_hide_batch_mixing(sample):
+    with pytest.raises(MicroBatchError):
+        _build(Centered(), sample)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_a_functional_dropout_does_not_hide_training_mode_mixing(p):
+    with pytest.raises(MicroBatchError, match="in training mode"):
+        _build(TrainingOnlyMixing(p), torch.randn(8, 16))
+
+
+def test_a_mixing_behind_a_gate_at_zero_is_refused():
+    with pytest.raises(MicroBatchError, match="gate initialised at zero"):
+        _build(Gated(), torch.randn(8, 16))
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_per_sample_model_built_from_a_dummy_sample_with_dropout_runs_exact(checkpoint):
+    model = PerSample()
+    ref = copy.deepcopy(model)
+    pipe = _build(model, torch.zeros(8, 5, dtype=torch.long), torch.zeros(8, 16), checkpoint=checkpoint)
+    ids, x = torch.randint(0, 20, (8, 5)), torch.randn(8, 16)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        assert_same(pipe(ids, x), ref(ids, x))
+    model.train(), ref.train()
+    torch.manual_seed(3)
+    pipe(ids, x).pow(2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    other = _build(model, torch.zeros(8, 5, dtype=torch.long), torch.zeros(8, 16),
+                   checkpoint="never" if checkpoint == "always" else "always", plan=pipe.plan)
+    torch.manual_seed(3)
+    other(ids, x).pow(2).mean().backward()  # dropout: compared between checkpoint modes
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g)
