@@ -335,7 +335,7 @@ def pipeline(
     release_others(model, stages.modules, local, also)  # the other ranks' stages: no stale copy kept here
     evaluation = (eval_run(found_eval, model, flat, local, placement, chunks, pipe_group, where, CheckpointedStage)
                   if found_eval is not None else None)
-    reading = (LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output)
+    reading = ((lambda: LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output))
                if loss_fn is not None else None)
     step_loss = StepLoss(loss_fn, reading, (), checked.batching, chunks, where,
                          replicated=layout.replicas is not None)

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.checks._batching import Batching
 from fxpipe.checks._loss_fn import LossFnReading, own_loss_output
+from fxpipe.checks._loss_keys import loss_key
 from fxpipe.errors import DistributedError, StepError
 
 __all__ = ["StepLoss"]
@@ -41,7 +42,8 @@ class StepLoss:
 
     Args:
         loss_fn: the user's ``loss_fn(output, target)``, or None for the model's own loss.
-        reading: ``loss_fn``'s reading (:class:`LossFnReading`), when given.
+        reading: makes ``loss_fn``'s reading (:class:`LossFnReading`), when given: read again
+            whenever what ``loss_fn`` reads changed (:attr:`reading`).
         outputs: the last stage's flat outputs of one micro-batch (meta tensors).
         batching: how the model's inputs split and outputs merge.
         chunks: micro-batches per step (equal sizes).
@@ -51,11 +53,12 @@ class StepLoss:
             in :attr:`ratios` for the replicas to compare (:mod:`._failures`).
     """
 
-    def __init__(self, loss_fn: Optional[Callable[..., Tensor]], reading: Optional[LossFnReading],
+    def __init__(self, loss_fn: Optional[Callable[..., Tensor]], reading: Optional[Callable[[], LossFnReading]],
                  outputs: Sequence[Any], batching: Batching, chunks: int, device: torch.device,
                  replicated: bool = False) -> None:
         self.loss_fn = loss_fn
-        self.reading = reading
+        self._make_reading = reading
+        self._readings: Dict[Any, LossFnReading] = {}  # by loss_key: a few, the latest last
         self.outputs = list(outputs)
         self.batching = batching
         self.chunks = chunks
@@ -77,6 +80,21 @@ class StepLoss:
         #: which ``step(return_outputs=True)`` merges the kept outputs as eval_step would
         self.merge_weights: Optional[Dict[int, List[Tensor]]] = None
 
+
+    @property
+    def reading(self) -> Optional[LossFnReading]:
+        """``loss_fn``'s reading for the loss it computes now: made again when what it reads
+        changed since (a class-weight tensor reassigned, a criterion's reduction switched:
+        :func:`fxpipe.checks._loss_keys.loss_key`), as :class:`fxpipe.Pipeline` does; read once
+        at the build it weighed every later step as the first (a trial: 31% off)."""
+        if self.loss_fn is None or self._make_reading is None:
+            return None
+        key = loss_key(self.loss_fn)
+        reading = self._readings.pop(key, None) or self._make_reading()
+        self._readings[key] = reading
+        while len(self._readings) > 8:
+            del self._readings[next(iter(self._readings))]
+        return reading
     def begin(self, targets: Optional[List[Any]], flat: Sequence[Any]) -> None:
         """Fixes this step's weights from its micro-batches (``targets``, one per micro-batch,
         and the model's flat inputs ``flat`` for its own loss); on the last stage's rank only,
@@ -101,10 +119,11 @@ class StepLoss:
             else:  # a plain mean of the micro-batches' means: each counts alike
                 self._weigh(torch.ones(self.chunks, dtype=torch.float64))
             return
-        assert targets is not None and self.reading is not None
+        reading = self.reading
+        assert targets is not None and reading is not None
         self._targets = [pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, part)
                          for part in targets]
-        weights = self.reading.weights(self.outputs, self._targets, sizes, device=self.device,
+        weights = reading.weights(self.outputs, self._targets, sizes, device=self.device,
                                        alone=not self.replicated)
         if weights.kind is None:
             raise StepError(
