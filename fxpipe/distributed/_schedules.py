@@ -141,6 +141,11 @@ class ForwardGPipe(_Unmerged, ScheduleGPipe):
     """``ScheduleGPipe``, its outputs per micro-batch (``eval_step``, one stage per rank)."""
 
 
+#: what a forward-only schedule must not run: backwards, their gradients' transfers, reductions
+_BACKWARD_ACTIONS = frozenset(t for t in (getattr(_ComputationType, n, None) for n in (
+    "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD")) if t is not None)
+
+
 class PlacedLoopedBFS(_Unmerged, ScheduleLoopedBFS):
     """torch's LoopedBFS forward order (each rank runs all micro-batches of its stages in
     increasing stage order), forward only, for any placement: ``eval_step`` runs under it.
@@ -149,12 +154,20 @@ class PlacedLoopedBFS(_Unmerged, ScheduleLoopedBFS):
     backward action between two stages of one rank asks for their gradient even without
     backward), and LoopedBFS assumes the looped placement. torch infers the stage-to-rank map
     from the actions, so placing the actions places the stages; it also requires a backward
-    per forward, so they are there, and do nothing."""
+    per forward, so they are there, and dropped from what runs."""
 
     def __init__(self, stages: Sequence[Any], n_microbatches: int, placement: Sequence[int]) -> None:
         self._placement = list(placement)
         super().__init__(list(stages), n_microbatches, scale_grads=False)
-        self.register_custom_function(_ComputationType.FULL_BACKWARD, lambda action, ctx: None)  # forward only
+
+    def _prepare_schedule_with_comms(self, actions: Any, format: str = "compute_only") -> None:
+        # torch lowers the placed backwards into gradient sends and receives; run, a receive posted
+        # and never consumed by a backward made the next eval_step of that shape fail ("Recv twice
+        # ... without executing backward", a trial). Forward only: every backward action dropped.
+        super()._prepare_schedule_with_comms(actions, format=format)
+        self.pipeline_order_with_comms = {
+            rank: [a for a in order if a.computation_type not in _BACKWARD_ACTIONS]
+            for rank, order in self.pipeline_order_with_comms.items()}
 
     def _calculate_single_rank_operations(self, rank: int) -> list[Optional[_Action]]:
         mine = [k for k, r in enumerate(self._placement) if r == rank]

@@ -84,7 +84,11 @@ class ShapeRuns(Generic[Run]):
         key = shape_key(micro_flat)
         run: Optional[Run] = self._runs.pop(key, None)
         if run is None:
-            run = self._make(micro_flat)
+            # made as for training, whatever the call's mode: a run made inside inference_mode or
+            # no_grad (an eval_step at a new length) served the next step() of that shape without
+            # gradients ("Failed to run stage backward", a trial)
+            with torch.inference_mode(False), torch.enable_grad():
+                run = self._make(micro_flat)
             self.made += 1
         self._runs[key] = run  # the latest last
         while len(self._runs) > self._limit:
