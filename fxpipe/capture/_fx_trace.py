@@ -24,6 +24,7 @@ from ._hooks import records_now
 from ._trace_time import (DrewAtTrace, DrewFromPython, KeepsState, TensorsComputedOn, TensorsReadAsNumbers, baked_at_trace,
                           drew_since, python_drew_since, python_states)
 from ._user_code import user_stack
+from ..errors import TraceError
 from ..runtime._randomness import generator_states
 
 __all__ = ["trace_fx", "is_standard_layer", "MAX_RETRIES"]
@@ -74,8 +75,13 @@ class _Tracer(fx.Tracer):
         self.stack.append(path)
         before = None if self.is_leaf_module(m, path) else generator_states()
         python = None if before is None else python_states()
+        buffers = dict(m._buffers)
         try:
             out = super().call_module(m, forward, args, kwargs)
+            if _assigned_traced(m, buffers):
+                raise TraceError(f"module '{path}' assigns a traced value to a buffer (self.n += x.shape[0]): "
+                                 "torch.fx would replace the buffer with it", module=path,
+                                 reason="a buffer assigned a traced value")
             if python is not None and python_drew_since(python):
                 raise DrewFromPython(path)  # refused, not retried: see fxpipe.capture._trace_time
             if before is not None and drew_since(before):
@@ -103,6 +109,16 @@ class _Tracer(fx.Tracer):
         return AugmentedProxy(node, self)
 
 
+def _assigned_traced(m: nn.Module, buffers: dict) -> bool:
+    """Whether ``m``'s forward assigned a traced value to one of its buffers (``self.n +=
+    x.shape[0]``: the in-place add of a proxy, then the assignment); each is put back. Kept
+    opaque, the module updates the buffer itself, once per micro-batch."""
+    replaced = [name for name, b in m._buffers.items() if isinstance(b, fx.Proxy)]
+    for name in replaced:
+        m._buffers[name] = buffers.get(name)
+    return bool(replaced)
+
+
 def trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
               leaf_names: set[str]
               ) -> tuple[fx.Graph, list[str], list[_Failure], list[AttrRead], list[str]] | _Failure:
@@ -110,12 +126,15 @@ def trace_fx(model: nn.Module, root: nn.Module, leaf_types: tuple[type, ...],
     for _ in range(MAX_RETRIES):
         tracer = _Tracer(leaf_types, leaf_names | {f.module for f in auto})
         try:
-            before, python = generator_states(), python_states()
+            before, python, root_buffers = generator_states(), python_states(), dict(root._buffers)
             with AttributeReads(model) as reads, \
                     TensorsReadAsNumbers(model, lambda: tracer.stack[-1]) as numbers, \
                     TensorsComputedOn(model, lambda: tracer.stack[-1]) as computed, \
                     ContextReads(getters=False, module=lambda: tracer.stack[-1]) as context:  # fx runs no leaf: the traced code's
                 graph = tracer.trace(root)
+            if _assigned_traced(root, root_buffers):  # in the root's own forward: torch.export's to capture
+                raise TraceError("the root forward assigns a traced value to a buffer", module="",
+                                 reason="a buffer assigned a traced value")
             if python_drew_since(python):  # in the root's own forward
                 raise DrewFromPython("")
             baked = baked_at_trace(before, numbers, computed, reads, context,

@@ -248,3 +248,34 @@ def test_a_value_stored_on_the_module_by_forward_is_refused_naming_it(how, label
     with pytest.raises(TraceError, match=rf"the traced forward sets '{label}' while it runs"):
         fxpipe.pipeline(model, torch.randn(8, 8), 2, chunks=2, devices=["cpu"] * 2, progress=False)
     assert (model.counted.stats, model.counted.features) == before
+
+
+class SamplesSeen(nn.Module):
+    """Counts the samples it has seen in a buffer: ``self.n += x.shape[0]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("n", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n += x.shape[0]
+        return self.a(x)
+
+
+class WithSamplesSeen(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted = SamplesSeen()
+
+
+def test_a_buffer_counting_samples_builds_and_counts_them() -> None:
+    """Refused with a RegionError about grad mode (false, a trial): torch.fx replaced the
+    buffer with the traced sum. Kept opaque, it counts each micro-batch's samples."""
+    torch.manual_seed(0)
+    model, x = WithSamplesSeen(), torch.randn(8, 8)
+    with fxpipe.pipeline(model, x, 2, chunks=4, devices=["cpu"] * 2, progress=False) as pipe:
+        assert "counted" in pipe.capture.leaves and int(model.counted.n) == 0
+        pipe(x)
+        pipe(x[:6])
+        assert int(model.counted.n) == 14
