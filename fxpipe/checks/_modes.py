@@ -85,12 +85,38 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
     full float32 precision, with tolerances that follow what stays reduced (bf16 weights,
     autocast): :mod:`fxpipe.capture._numerics`."""
     flat = prepared.capture.flatten_inputs(args, kwargs)
-    alike = varied(flat, input_split_dims(model, args, kwargs, chunk_dims)[1])
+    names, dims = input_split_dims(model, args, kwargs, chunk_dims)
+    _refuse_fixed_batch(prepared, flat, names, dims)
+    alike = varied(flat, dims)
     if alike is not None:  # a sample of identical rows hides batch mixing: checked on varied ones
         flat = alike
         args, kwargs = pytree.tree_unflatten(flat, prepared.capture.in_spec)
     with checking(model, flat):
         return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge)
+
+
+def _refuse_fixed_batch(prepared: Prepared, flat: List[Any], names: List[str], dims: List[Optional[int]]) -> None:
+    """torch.export fixed the batch's size (the model's code depends on it: a Python loop over
+    the samples, ``for i in range(x.shape[0])``, unrolled at the sample's size): every
+    micro-batch would fail or be computed as a batch of the sample's size. Said so, rather
+    than as a micro-batch failure with advice about ``chunk_dims`` (a trial)."""
+    for i, (x, d) in enumerate(zip(flat, dims)):
+        fixed = prepared.capture.fixed.get(i)
+        if fixed is None or d is None or not isinstance(x, Tensor) or d >= len(fixed) or fixed[d] is None:
+            continue
+        if fixed[d] > 1:
+            raise MicroBatchError(_FIXED_BATCH.format(what=f"fixed the batch's size at {fixed[d]} (dim {d} of {names[i]})"))
+    guards = prepared.capture.guards
+    least = max((guards.ranges[s][0] for s in guards.batch if s in guards.ranges and guards.ranges[s][0]), default=0)
+    if least > 2:  # torch.export keeps a size of 2 or more symbolic; more is the code's own demand
+        raise MicroBatchError(_FIXED_BATCH.format(what=f"holds only for batches of at least {least} samples"))
+
+
+_FIXED_BATCH = (
+    "torch.export's capture {what}: the model's code depends on the batch's size -- a Python loop over the samples "
+    "(for i in range(x.shape[0])) unrolled at the sample's size, a reshape naming it -- so a micro-batch of another "
+    "size cannot run. What to do: move that code into a submodule, which fxpipe keeps opaque where torch.fx cannot "
+    "trace it, or write it with tensor ops over the batch")
 
 
 def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, flat: List[Any],

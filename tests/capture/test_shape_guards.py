@@ -150,3 +150,23 @@ def test_an_fx_graph_that_regroups_the_batch_keeps_its_lengths_fixed():
     heads = nn.Sequential(nn.Linear(8, 8), nn.Unflatten(2, (2, 4)), nn.Flatten(2), nn.Linear(8, 8))
     plain = fxpipe.pipeline(heads, torch.randn(4, 8, 8), 2, chunks=2, devices=["cpu"] * 2, progress=False)
     assert plain.capture.method == "fx" and plain.capture.fixed == {}  # nothing regroups: every length
+
+
+def test_a_loop_over_the_samples_in_the_root_is_refused_saying_so():
+    """torch.export unrolled the loop at the sample's 8 samples; the build's micro-batch of 4
+    then failed with an IndexError and advice about chunk_dims (a trial)."""
+    import fxpipe
+    from fxpipe.errors import MicroBatchError
+
+    class Pooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(6, 16), torch.nn.Linear(16, 2)
+
+        def forward(self, x, lengths):
+            h = self.a(x)
+            return self.b(torch.stack([h[i, :lengths[i]].mean(0) for i in range(h.shape[0])]))
+
+    with pytest.raises(MicroBatchError, match=r"holds only for batches of at least 8 samples.*Python loop over the"):
+        fxpipe.pipeline(Pooled(), (torch.randn(8, 5, 6), torch.randint(1, 6, (8,))), 2, chunks=2,
+                        devices=["cpu"] * 2, progress=False)
