@@ -31,8 +31,8 @@ def varied(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> Optional[List[
     differ in some input split along the batch (or none is split)."""
     split = [(i, x, d) for i, (x, d) in enumerate(zip(flat, dims))
              if isinstance(x, Tensor) and d is not None and x.dim() > d and x.numel()]
-    if not split or not all(_alike(x, d) for _, x, d in split):
-        return None
+    if not split or any(x.is_meta for _, x, _ in split) or not all(_alike(x, d) for _, x, d in split):
+        return None  # on meta there are no values to vary (nor does the check compare any)
     g = torch.Generator(device="cpu").manual_seed(0)
     out = list(flat)
     for i, x, d in split:

@@ -298,9 +298,13 @@ class Failures:
                     f"rank {self.rank}: a transfer with another rank failed ({failure_line(self.rank, e)}), and the "
                     "store that holds the failing rank's error cannot be reached: its host ended (rank 0, unless "
                     "torchrun holds the store). See rank 0's error.") from e
-            if line is None:  # no rank wrote first: this rank is the first to see the failure (a stuck peer)
-                self._write(failure_line(self.rank, e))
-                raise
+            if line is None:  # no rank wrote first: a peer ended without a word (killed, out of memory) or is stuck
+                said = (f"rank {self.rank}: a transfer with another rank failed ({failure_line(self.rank, e)}) and no "
+                        "rank reported an error: a peer process ended (killed, out of memory, an error outside the "
+                        "pipeline's calls) or is stuck")
+                self._write(said)
+                raise PeerFailedError(f"{said}. See the other ranks' logs; a new pipeline needs every rank running.",
+                                      None, said) from e
             rank = int(line.split(":", 1)[0].split()[-1])
             raise PeerFailedError(f"stopped because another rank failed: {line}", rank, line) from e
 

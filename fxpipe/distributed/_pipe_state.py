@@ -43,6 +43,21 @@ class PipelineState:
         step on ``pipe.shard(batch)``: the replicas' step then equals eager's on the batch."""
         return shard(batch, self.layout)
 
+    @property
+    def training(self) -> bool:
+        """The model's mode: the pipeline follows it (``step`` and ``eval_step`` read it)."""
+        return self.module.training
+
+    def train(self, mode: bool = True) -> "PipelineState":
+        """``model.train(mode)``, as ``fxpipe.Pipeline.train`` does; on every rank alike (a mode
+        switched on some ranks only is refused at the next step). Returns the pipeline."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "PipelineState":
+        """``model.eval()`` (see :meth:`train`)."""
+        return self.train(False)
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters (those its stages use), by the model's names and in its order."""
         mine = {id(p) for k in self.local for p in parameters_of(self.stages[k])}

@@ -7,7 +7,8 @@ whole in any process. The forms ``state_dict=`` takes, each read as lazily as it
 * the path of a file written by ``torch.save(model.state_dict(), path)``: opened with
   ``torch.load(mmap=True, weights_only=True)``, so only the pages of the local keys are read;
 * the path of a ``torch.distributed.checkpoint`` directory (``dcp.save(model.state_dict(),
-  checkpoint_id=path)``): each rank asks ``dcp.load`` for its keys alone (a collective call);
+  checkpoint_id=path)``, or a training loop's ``dcp.save({"model": ..., "optim": ...})``, whose
+  keys are found under ``model.``): each rank asks ``dcp.load`` for its keys alone (a collective call);
 * a ``torch.distributed.checkpoint`` ``StorageReader``, read the same way: e.g.
   ``dcp.HuggingFaceStorageReader(folder)`` reads the ``*.safetensors`` files of a folder;
 * a callable ``keys -> mapping``: called with this rank's keys (every name of each tensor,
@@ -87,16 +88,25 @@ class Checkpoint(Source):
                                    "a file torch.save wrote") from e
         self._shapes = {k: m.size for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)}
 
+    def _stored(self, key: str) -> str:
+        """The name ``key`` is stored under: as it is, or under ``model.`` -- a training loop's
+        checkpoint, ``dcp.save({"model": pipe.state_dict(), "optim": ...})`` (the guide's)."""
+        return key if key in self._shapes or _WRAPPED + key not in self._shapes else _WRAPPED + key
+
     def keys(self) -> set[str]:
-        return set(self._shapes)
+        return set(self._shapes) | {k[len(_WRAPPED):] for k in self._shapes if k.startswith(_WRAPPED)}
 
     def shape(self, key: str) -> torch.Size:
-        return self._shapes[key]
+        return self._shapes[self._stored(key)]
 
     def read(self, targets: dict[str, torch.Tensor], group: dist.ProcessGroup) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(dict(targets), storage_reader=self._reader, process_group=group)
+        dcp.load({self._stored(k): t for k, t in targets.items()}, storage_reader=self._reader, process_group=group)
+
+
+#: where a training loop's checkpoint keeps the model's keys
+_WRAPPED = "model."
 
 
 def open_source(state_dict: StateDictSource, wanted: Sequence[str]) -> Source:

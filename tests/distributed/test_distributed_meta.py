@@ -240,16 +240,19 @@ def _worker(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _save(name: str, tmp: Path, checkpoint_dir: bool = False) -> str:
-    """The eager model's weights as a torch.save file, or as a torch.distributed.checkpoint directory."""
+def _save(name: str, tmp: Path, checkpoint_dir: bool = False, wrapped: bool = False) -> str:
+    """The eager model's weights as a torch.save file, or as a torch.distributed.checkpoint
+    directory (``wrapped``: as the guide's training loop saves, ``{"model": ..., "optim": ...}``)."""
     state = _weights(name).state_dict()
     if not checkpoint_dir:
         torch.save(state, tmp / f"{name}.pt")
         return str(tmp / f"{name}.pt")
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=str(tmp / f"{name}-dcp"), no_dist=True)
-    return str(tmp / f"{name}-dcp")
+    where = str(tmp / f"{name}-dcp{'-wrapped' if wrapped else ''}")
+    dcp.save({"model": state, "optim": {"step": torch.tensor(3.0)}} if wrapped else state, checkpoint_id=where,
+             no_dist=True)
+    return where
 
 
 def _check_trajectory(results: list[dict], key: str, name: str, full: str | None = None) -> None:
@@ -358,6 +361,7 @@ def test_meta_build_from_every_state_dict_form_and_hf_llama(tmp_path: Path) -> N
             "llama-safetensors": ("llama", ("safetensors", str(tmp_path / "llama-st")), "gpipe", {}),
             "gpt-dcp": ("gpt", _save("gpt", tmp_path, checkpoint_dir=True), "gpipe", {"save": trained}),
             "gpt-callable": ("gpt", ("callable", _save("gpt", tmp_path)), "1f1b", {}),
+            "gpt-wrapped": ("gpt", _save("gpt", tmp_path, checkpoint_dir=True, wrapped=True), "1f1b", {}),
             "gpt-interleaved": ("gpt", _save("gpt", tmp_path), "interleaved1f1b", {"stages_per_rank": 2}),
             "rotary-meta": ("rotary", rotary, "gpipe", {"init_buffers": True}),
             "rotary-refused": ("rotary", rotary, "gpipe", {})}
@@ -366,6 +370,7 @@ def test_meta_build_from_every_state_dict_form_and_hf_llama(tmp_path: Path) -> N
     _check_trajectory(results, "llama-labels", "llamalabels")  # was a bare .item() on meta at the build
     _check_saved(trained, "gpt")
     _check_trajectory(results, "gpt-callable", "gpt")
+    _check_trajectory(results, "gpt-wrapped", "gpt")  # the guide's loop's checkpoint: MaterialiseError before
     for res in results:  # asked for its own keys only: every name of the tied weight, no other rank's
         held = res["gpt-callable"]["held"]
         assert {"tok.weight", "head.weight"} <= set(held["asked"]), held["asked"]

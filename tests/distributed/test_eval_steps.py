@@ -47,10 +47,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     said = []
     pipe = fpd.pipeline(model, batch(6, 0)[0], chunks=2, loss_fn=loss_fn, schedule="zbv", stages_per_rank=2,
                         timeout=60)
+    assert pipe.eval() is pipe and not model.training  # as fxpipe.Pipeline: the model's mode
     for seed in (1, 2):  # two validation batches of one shape
         x, y = batch(6, seed)
         with torch.no_grad():
             said.append((float(pipe.eval_step(x, target=y)), float(loss_fn(eager(x), y))))
+    pipe.train()
     x, y = batch(5, 3)  # a length not seen yet, validated under inference_mode, then trained on
     with torch.inference_mode():
         said.append((float(pipe.eval_step(x, target=y)), float(loss_fn(eager(x), y))))
