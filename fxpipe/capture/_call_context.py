@@ -52,6 +52,7 @@ from ..errors import ModelChangedError, TraceError
 from ..runtime._autocast import AutocastState, autocast_state
 from ..runtime._autocast import entered as entered_autocast
 from ..runtime._randomness import generator_states, set_generator_states
+from ._shared_patch import SharedPatch
 from ._user_code import is_user_file
 
 __all__ = ["CallContext", "ContextRead", "ContextReads", "ContextCheck", "ReadsCallContext", "TensorHookError", "LIMIT"]
@@ -154,18 +155,22 @@ def _user_line() -> str:
 
 
 # -- recording -------------------------------------------------------------------------------
-_lock = threading.Lock()
-_sessions: List["ContextReads"] = []
-_saved: Dict[str, Any] = {}
+def _replacements() -> List[Tuple[Any, str, Any]]:
+    return ([(torch, name, _function(name, getattr(torch, name))) for name in _FUNCTIONS]
+            + [(torch.Tensor, name, _getter(name, torch._C.TensorBase.__dict__[name])) for name in _GETTERS]
+            + [(torch.Tensor, "register_hook", _hook_registration(torch.Tensor.register_hook))])
+
+
+_PATCH: "SharedPatch[ContextReads]" = SharedPatch(_replacements)
 
 
 def _function(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def asked(*args: Any, **kwargs: Any) -> Any:
         value = original(*args, **kwargs)
-        if _sessions:
+        if _PATCH.sessions:
             where = _user_line()
             if where:
-                for session in _sessions:
+                for session in _PATCH.sessions:
                     session._saw(f"torch.{name}()", where, value)
         return value
     asked.__wrapped__ = original  # type: ignore[attr-defined]
@@ -178,10 +183,10 @@ def _getter(name: str, descriptor: Any) -> property:
 
     def get(t: Any) -> Any:
         value = descriptor.__get__(t)
-        if _sessions:
+        if _PATCH.sessions:
             where = _user_line()
             if where:
-                for session in _sessions:
+                for session in _PATCH.sessions:
                     if session.getters:
                         session._saw(f"a tensor's .{name}", where, value)
         return value
@@ -190,10 +195,10 @@ def _getter(name: str, descriptor: Any) -> property:
 
 def _hook_registration(original: Callable[..., Any]) -> Callable[..., Any]:
     def registered(t: Any, hook: Any) -> Any:
-        if _sessions:
+        if _PATCH.sessions:
             where = _user_line()
             if where:
-                for session in _sessions:
+                for session in _PATCH.sessions:
                     session._hooked(where)
         return original(t, hook)
     return registered
@@ -228,28 +233,11 @@ class ContextReads:
 
     def __enter__(self) -> "ContextReads":
         self._thread = threading.get_ident()
-        with _lock:
-            if not _sessions:
-                for name in _FUNCTIONS:
-                    _saved[name] = getattr(torch, name)
-                    setattr(torch, name, _function(name, _saved[name]))
-                for name in _GETTERS:
-                    setattr(torch.Tensor, name, _getter(name, torch._C.TensorBase.__dict__[name]))
-                _saved["register_hook"] = torch.Tensor.__dict__["register_hook"]
-                torch.Tensor.register_hook = _hook_registration(_saved["register_hook"])  # type: ignore[method-assign]
-            _sessions.append(self)
+        _PATCH.enter(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        with _lock:
-            _sessions.remove(self)
-            if not _sessions:
-                torch.Tensor.register_hook = _saved.pop("register_hook")  # type: ignore[method-assign]
-                for name, original in _saved.items():
-                    setattr(torch, name, original)
-                _saved.clear()
-                for name in _GETTERS:
-                    delattr(torch.Tensor, name)
+        _PATCH.exit(self)
 
 
 # -- the check per call ----------------------------------------------------------------------

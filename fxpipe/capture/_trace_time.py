@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import TraceError
 from ._attr_reads import AttributeReads
 from ._call_context import ContextReads, ReadsCallContext
+from ._shared_patch import SharedPatch
 from ..runtime._randomness import generator_states, set_generator_states
 
 __all__ = ["DrewAtTrace", "DrewFromPython", "KeepsState", "ReadsAsNumber", "ComputedAtTrace", "TensorsReadAsNumbers",
@@ -213,17 +214,16 @@ class TensorsComputedOn(TorchFunctionMode):
 _CONVERSIONS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")
 
 
-_lock = threading.Lock()
-_sessions: List["TensorsReadAsNumbers"] = []  # the traces watching now (builds may run in threads)
-_saved: Dict[str, Any] = {}  # torch.Tensor's own conversion methods while wrapped
-
-
 def _watching(original: Any) -> Any:
     def converted(t: Any, *args: Any, **kwargs: Any) -> Any:
-        for session in _sessions:
+        for session in _PATCH.sessions:
             session._saw(t)
         return original(t, *args, **kwargs)
     return converted
+
+
+_PATCH: "SharedPatch[TensorsReadAsNumbers]" = SharedPatch(
+    lambda: [(torch.Tensor, method, _watching(getattr(torch.Tensor, method))) for method in _CONVERSIONS])
 
 
 class TensorsReadAsNumbers:
@@ -250,24 +250,11 @@ class TensorsReadAsNumbers:
 
     def __enter__(self) -> "TensorsReadAsNumbers":
         self._thread = threading.get_ident()
-        with _lock:
-            if not _sessions:
-                for method in _CONVERSIONS:
-                    _saved[method] = torch.Tensor.__dict__.get(method)
-                    setattr(torch.Tensor, method, _watching(getattr(torch.Tensor, method)))
-            _sessions.append(self)
+        _PATCH.enter(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        with _lock:
-            _sessions.remove(self)
-            if not _sessions:
-                for method, saved in _saved.items():
-                    if saved is None:
-                        delattr(torch.Tensor, method)
-                    else:
-                        setattr(torch.Tensor, method, saved)
-                _saved.clear()
+        _PATCH.exit(self)
 
 
 def baked_at_trace(before: List[torch.Tensor], numbers: TensorsReadAsNumbers, computed: TensorsComputedOn,
