@@ -202,6 +202,9 @@ class Batching:
         if merge is None:
             if not isinstance(first, Tensor):
                 return first  # checked at build time: equal in every micro-batch
+            squeezed = _squeezed(name, parts, sizes)
+            if squeezed:
+                raise MicroBatchError(squeezed)
             if first.dim() == 0:
                 raise MicroBatchError(
                     f"{_output_label(name)} is a 0-dim tensor (a loss, a mean): per micro-batch values cannot "
@@ -229,6 +232,9 @@ class Batching:
                 isinstance(p, Tensor) and p.dim() == first.dim() and p.shape[:dim] == first.shape[:dim]
                 and p.shape[dim + 1:] == first.shape[dim + 1:] for p in parts):
             shapes = [tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__ for p in parts]
+            squeezed = _squeezed(name, parts, sizes)
+            if squeezed:
+                raise MicroBatchError(squeezed)
             raise MicroBatchError(
                 f"{_output_label(name)} cannot be concatenated along dim {dim}: the micro-batches gave shapes "
                 f"{shapes}, which differ in another dim. A model that trims its output to the batch's longest "
@@ -256,3 +262,21 @@ def _check_merge(key: str, merge: Any) -> None:
     if not ok:
         raise MicroBatchError(f"output_merge[{key!r}] must be a dim (int), one of {MERGES} or a callable, "
                               f"got {merge!r}")
+
+
+def _squeezed(name: str, parts: List[Any], sizes: Sequence[int]) -> str:
+    """The refusal for an output whose micro-batches of one sample lost a dim the others have
+    (``.squeeze()`` without a dim drops a batch of one's batch dim: a trial was told to merge by
+    'mean'), or '' when that is not what happened."""
+    dims = [p.dim() for p in parts if isinstance(p, Tensor)]
+    if len(dims) != len(parts) or len(sizes) != len(parts):
+        return ""
+    most = max(dims)  # all 0-dim: the build's output had a dim (a 0-dim one needs a declared merge)
+    lost = [k for k, d in enumerate(dims) if d < most] or (list(range(len(dims))) if most == 0 else [])
+    if not lost or any(sizes[k] != 1 for k in lost):
+        return ""
+    return (f"{_output_label(name)} has fewer dims for a micro-batch of one sample ({dims} dims for micro-batches of "
+            f"{list(sizes)} samples): the model's code drops the batch's dim when it holds one sample -- a .squeeze() "
+            "without a dim does -- so a batch split into micro-batches of one (a batch no larger than chunks, a "
+            "smaller last batch) comes out otherwise than whole. What to do: name the dim to drop (.squeeze(-1)), "
+            "or give every micro-batch two samples or more")

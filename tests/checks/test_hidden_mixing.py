@@ -117,3 +117,21 @@ def test_a_per_sample_model_built_from_a_dummy_sample_with_dropout_runs_exact(ch
     other(ids, x).pow(2).mean().backward()  # dropout: compared between checkpoint modes
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(p.grad, g)
+
+
+def test_a_squeeze_dropping_a_batch_of_one_is_named():
+    """A regression head ending in .squeeze(): a micro-batch of one sample came out 0-dim, and the
+    refusal suggested output_merge='mean' (a trial)."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x))).squeeze()
+
+    pipe = fxpipe.pipeline(Head(), torch.randn(8, 16), 2, chunks=4, devices=["cpu"] * 2, progress=False)
+    for batch in (5, 4):  # a smaller last batch; a batch of chunks samples
+        with pytest.raises(MicroBatchError, match=r"fewer dims for a micro-batch of one sample.*\.squeeze\(-1\)"):
+            pipe(torch.randn(batch, 16))
