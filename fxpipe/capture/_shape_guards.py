@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -292,9 +293,12 @@ def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Seque
         if split is not None and not isinstance(dims[split], int):
             batch |= dims[split].free_symbols
     seen: list[tuple[str, Any]] = []
+    began = time.perf_counter()
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
+            if time.perf_counter() - began > SCAN_SECONDS:
+                raise _OverBudget
             out = super().run_node(n)
             seen.append((n.name, out))
             return out
@@ -310,12 +314,23 @@ def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Seque
                 with mode, torch.no_grad(), dispatcher(), _fake_state(gm, mode):
                     _Recorder(gm).run(*values)
                 break
+            except _OverBudget:  # sympy over many symbols (GroupNorm blocks: 15 s each, a trial): sizes kept
+                return f"a size (the scan over any size ran past its {SCAN_SECONDS:g} s budget)"
             except Exception:  # noqa: BLE001 - code that needs concrete sizes: no symbolic claim
                 if dispatcher is enable_python_dispatcher:
                     return None
     finally:
         quiet.setLevel(level)
     return _entangled(((name, v) for name, out in seen for v in pytree.tree_leaves(out)), batch)
+
+
+#: seconds the symbolic scan of a torch.fx graph may take; past it the capture keeps every size but
+#: the batch's, as where a size regroups the rows (a diffusion U-Net's scan took minutes, a trial)
+SCAN_SECONDS = 5.0
+
+
+class _OverBudget(Exception):
+    """The symbolic scan ran past :data:`SCAN_SECONDS`."""
 
 
 #: ops that can lay out a tensor's rows anew, or read sizes to compute with: a graph without any

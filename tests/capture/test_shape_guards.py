@@ -170,3 +170,27 @@ def test_a_loop_over_the_samples_in_the_root_is_refused_saying_so():
     with pytest.raises(MicroBatchError, match=r"holds only for batches of at least 8 samples.*Python loop over the"):
         fxpipe.pipeline(Pooled(), (torch.randn(8, 5, 6), torch.randint(1, 6, (8,))), 2, chunks=2,
                         devices=["cpu"] * 2, progress=False)
+
+
+def test_a_symbolic_scan_past_its_budget_keeps_every_size_but_the_batch(monkeypatch):
+    """A diffusion U-Net's scan over symbolic sizes took minutes (a trial); past its budget the
+    capture keeps the sizes, as where a size regroups the rows: other sizes are refused, typed."""
+    import fxpipe
+    import fxpipe.capture._shape_guards as guards
+    from fxpipe.errors import InputMismatchError
+
+    class Folds(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(self.a(x).reshape(x.shape[0], -1, 8))
+
+    monkeypatch.setattr(guards, "SCAN_SECONDS", 0.0)
+    x = torch.randn(4, 6, 8)
+    pipe = fxpipe.pipeline(Folds(), x, 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    assert pipe.capture.method == "fx" and pipe.capture.fixed
+    torch.testing.assert_close(pipe(torch.randn(6, 6, 8)).shape, torch.Size([6, 6, 8]))  # any batch
+    with pytest.raises(InputMismatchError):
+        pipe(torch.randn(4, 5, 8))
