@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import keyword
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -342,6 +343,8 @@ def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytr
     for node in graph.nodes:
         if node.op == "call_module" and node.target in why:
             node.meta["fxpipe_auto_leaf"] = why[node.target]
+    for node in graph.nodes:  # np.sqrt(d_k) in `scores / np.sqrt(d_k)`: generated code cannot name numpy
+        node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), _python_number)
     for node, users in inference_values(graph):  # an inference tensor cannot cross stages
         node.meta.setdefault(KEEP_WITH, []).extend(u.name for u in users)
         node.meta[KEEP_REASON] = ("it computes in torch.inference_mode() and its result, an inference tensor, "
@@ -353,6 +356,15 @@ def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytr
     # fx fixes no size, unless one regroups the batch's rows with another (fxpipe.capture._shape_guards)
     fixed = _every_size_but_the_batch(flat, split_dims) if fx_entangled_size(gm, flat, split_dims) else {}
     return Capture(gm, in_spec, out_spec, "fx", specialized, list(opaque), call_signature(model), fixed, reads=reads)
+
+
+def _python_number(value: Any) -> Any:
+    """A numpy scalar as the Python number it equals (``np.float64`` is a ``float`` already: the
+    same arithmetic), anything else as it is."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.generic) and not isinstance(value, numpy.ndarray):
+        return value.item()
+    return value
 
 
 def _every_size_but_the_batch(flat: list[Any], split_dims: Sequence[int | None] | None

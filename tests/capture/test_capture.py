@@ -429,3 +429,24 @@ def test_a_torch_size_output_under_torch_export_is_rebuilt():
     out, size = pipe(x)
     assert isinstance(size, torch.Size) and size == model(x)[1] == torch.Size([3, 8])
     torch.testing.assert_close(out, model(x)[0])
+
+
+def test_a_numpy_scalar_in_traced_code_becomes_a_python_number():
+    """``scores / np.sqrt(d_k)`` put ``np.float64(4.0)`` into the generated code, which failed
+    with a bare NameError: name 'np' is not defined (a trial)."""
+    import numpy as np
+
+    import fxpipe
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.o = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            scores = self.q(x) @ self.k(x).transpose(1, 2) / np.sqrt(16)
+            return self.o(scores.softmax(-1) @ x)
+
+    model, x = Attention(), torch.randn(4, 5, 16)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    torch.testing.assert_close(pipe(x), model(x))
