@@ -196,7 +196,7 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
         _refuse_failing_sample(model, args, kwargs, e)  # the model's own error first, when it has one
         raise
     with report.phase("checking micro-batches against the whole batch"):
-        batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge)
+        batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge, options.chunks)
     refuse_backward_mixing(prepared.capture.graph_module, options.chunks)
     if options.chunks > 1 and batching.batch_size(prepared.capture.flatten_inputs(args, kwargs)) == 1:
         raise MicroBatchError(

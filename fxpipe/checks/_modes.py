@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from ..capture._values import same_value
 from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from ._dropout_off import dropout_off
-from ._varied_sample import varied
+from ._varied_sample import ATTEMPTS, alike, varied
 from ._micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
 from ..errors import MicroBatchError, TraceError
 from ..capture._meta import is_meta_model
@@ -79,7 +79,7 @@ def training(model: nn.Module, exempt: bool = True) -> Iterator[None]:
 
 
 def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, chunk_dims: ChunkDims,
-                output_merge: Optional[OutputMerge]) -> Batching:
+                output_merge: Optional[OutputMerge], chunks: int = 2) -> Batching:
     """The split/merge checked in each mode the graph runs in, and the graph against eager
     in the mode(s) it is compared in. Call inside ``preserved(model)``. The checks run at
     full float32 precision, with tolerances that follow what stays reduced (bf16 weights,
@@ -87,12 +87,38 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
     flat = prepared.capture.flatten_inputs(args, kwargs)
     names, dims = input_split_dims(model, args, kwargs, chunk_dims)
     _refuse_fixed_batch(prepared, flat, names, dims)
-    alike = varied(flat, dims)
-    if alike is not None:  # a sample of identical rows hides batch mixing: checked on varied ones
-        flat = alike
-        args, kwargs = pytree.tree_unflatten(flat, prepared.capture.in_spec)
+    if alike(flat, dims):  # a sample of identical rows hides batch mixing: checked on varied ones
+        for attempt in range(ATTEMPTS):
+            other = varied(flat, dims, attempt)
+            failure = "its inputs hold one value throughout" if other is None else _fails_on(prepared, model, other)
+            if not failure or other is None:
+                break
+        if not failure:
+            flat = other  # type: ignore[assignment]
+            args, kwargs = pytree.tree_unflatten(flat, prepared.capture.in_spec)
+        elif chunks > 1:
+            raise MicroBatchError(
+                "every sample of the sample is the same (a dummy input: torch.zeros, torch.ones, one example "
+                "repeated), and such a batch cannot show whether the model mixes its samples: h - h.mean(0) gives "
+                "each micro-batch the whole batch's result there. fxpipe checks such a sample with its samples made to "
+                f"differ, but {failure}. What to do: build from a sample of real data (two or more samples that "
+                "differ), or with chunks=1")
     with checking(model, flat):
         return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge)
+
+
+def _fails_on(prepared: Prepared, model: nn.Module, flat: List[Any]) -> str:
+    """'' where the graph runs on ``flat`` (the varied sample) to finite outputs where the
+    sample's were, else what went wrong, said."""
+    gm = prepared.capture.graph_module
+    try:
+        with preserved(model):
+            outs = list(sample_run(lambda: gm(*flat), model))
+    except Exception as e:  # noqa: BLE001 - a value the model rejects (a BCE target out of [0, 1])
+        return f"the model fails on the varied copy ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})"
+    if any(isinstance(o, Tensor) and o.is_floating_point() and not bool(torch.isfinite(o).all()) for o in outs):
+        return "the model's outputs on the varied copy are not finite (a log or a division at its own inputs' edge)"
+    return ""
 
 
 def _refuse_fixed_batch(prepared: Prepared, flat: List[Any], names: List[str], dims: List[Optional[int]]) -> None:

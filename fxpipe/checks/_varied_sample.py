@@ -6,9 +6,13 @@ from -- hides every batch mixing: ``h - h.mean(0)`` is the same per micro-batch 
 batch when every row is the same (a trial: built, then 0.20 off on real batches). When every
 input split along the batch has identical slices there, :func:`varied` gives the checks a
 copy whose samples differ: floating inputs get seeded noise of their own scale (1 where they
-are constant), integer ones (token ids, labels) each sample's values permuted, so that every
+are constant; else a shift up, or down, where the model rejects the noise), integer ones (token ids, labels) each sample's values permuted, so that every
 value stays one the model was given. The capture, the plan and the profile keep the user's
-sample; only the checks run on the varied one.
+sample; only the checks run on the varied one. A sample that cannot be varied (integer inputs
+holding one value throughout: ``torch.zeros`` ids), or on whose varied copy the model fails or
+overflows (a BCE target pushed out of [0, 1], a log of a silent spectrogram), is refused with
+more than one micro-batch: it cannot show whether the model mixes its samples
+(:mod:`fxpipe.checks._modes`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["varied"]
+__all__ = ["varied", "alike"]
 
 
 def _alike(x: Tensor, dim: int) -> bool:
@@ -26,23 +30,44 @@ def _alike(x: Tensor, dim: int) -> bool:
     return rows.shape[0] > 1 and bool((rows == rows[:1]).all())
 
 
-def varied(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> Optional[List[Any]]:
+def alike(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> bool:
+    """Whether every input split along the batch has the same values in every sample (on meta
+    there are no values: not alike)."""
+    split = _split(flat, dims)
+    return bool(split) and not any(x.is_meta for _, x, _ in split) and all(_alike(x, d) for _, x, d in split)
+
+
+def _split(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> List[Any]:
+    return [(i, x, d) for i, (x, d) in enumerate(zip(flat, dims))
+            if isinstance(x, Tensor) and d is not None and x.dim() > d and x.numel()]
+
+
+#: how floating inputs are varied, tried in turn until the model runs on one: seeded noise of the
+#: input's scale, then a shift upwards, then downwards (a zeros image into a BCE target stays in
+#: [0, 1] shifted up, a ones image shifted down)
+ATTEMPTS = 3
+
+
+def varied(flat: Sequence[Any], dims: Sequence[Optional[int]], attempt: int = 0) -> Optional[List[Any]]:
     """``flat`` with its samples made to differ (see the module), or None where they already
-    differ in some input split along the batch (or none is split)."""
-    split = [(i, x, d) for i, (x, d) in enumerate(zip(flat, dims))
-             if isinstance(x, Tensor) and d is not None and x.dim() > d and x.numel()]
-    if not split or any(x.is_meta for _, x, _ in split) or not all(_alike(x, d) for _, x, d in split):
-        return None  # on meta there are no values to vary (nor does the check compare any)
+    differ in some input split along the batch (or none is split), and where they cannot be
+    made to (integer inputs holding one value throughout, such as ``torch.zeros`` ids)."""
+    split = _split(flat, dims)
+    if not alike(flat, dims):
+        return None
     g = torch.Generator(device="cpu").manual_seed(0)
     out = list(flat)
     for i, x, d in split:
         if x.is_floating_point():
             scale = float(x.detach().double().abs().max()) or 1.0
-            noise = torch.randn(x.shape, generator=g, dtype=torch.float32) * (0.5 * scale)
+            if attempt == 0:
+                noise = torch.randn(x.shape, generator=g, dtype=torch.float32) * (0.5 * scale)
+            else:
+                noise = torch.rand(x.shape, generator=g, dtype=torch.float32) * (scale if attempt == 1 else -scale)
             out[i] = (x.detach() + noise.to(dtype=x.dtype, device=x.device)).requires_grad_(x.requires_grad)
         elif x.dim() > d + 1 and not x.is_complex() and x.dtype is not torch.bool:
             rows = x.movedim(d, 0).reshape(x.shape[d], -1)
             order = torch.stack([torch.randperm(rows.shape[1], generator=g) for _ in range(rows.shape[0])])
             permuted = torch.gather(rows, 1, order.to(rows.device))
             out[i] = permuted.reshape(x.movedim(d, 0).shape).movedim(0, d).contiguous()
-    return out
+    return None if alike(out, dims) else out
