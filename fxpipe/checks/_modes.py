@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture._values import same_value
 from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
-from ._dropout_off import dropout_off
+from ._randomness_off import randomness_off
 from ._varied_sample import ATTEMPTS, alike, varied
 from ._micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
 from ..errors import MicroBatchError, TraceError
@@ -165,12 +165,12 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
             whole = list(sample_run(lambda: gm(*flat), model, mode))
             random = drew_random(SAMPLE_SEED)  # none: no second, reseeded run (fxpipe.runtime._randomness)
         quiet: Quiet = nullcontext
-        if random:  # dropout drew (F.dropout(h, p, self.training), an export graph's aten.dropout):
-            # compared with it off, values and all, where nothing else draws (fxpipe.checks._dropout_off)
-            with preserved(model), dropout_off():
+        if random:  # dropout or an elementwise draw (F.dropout(h, p, self.training), DropPath, noise):
+            # compared with them constant, values and all, where nothing else draws (fxpipe.checks._randomness_off)
+            with preserved(model), randomness_off():
                 off = list(sample_run(lambda: gm(*flat), model, mode))
                 if not drew_random(SAMPLE_SEED):
-                    whole, random, quiet = off, False, dropout_off
+                    whole, random, quiet = off, False, randomness_off
         b = batching or Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
         with preserved(model), quiet():
             deterministic = check_split(b, gm, model, flat, whole, mode=mode, random=random, **options)
@@ -219,7 +219,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
 
 
 Call = Tuple[str, List[Tensor], List[Tensor]]
-#: what a check runs under: nothing, or dropout switched off (fxpipe.checks._dropout_off)
+#: what a check runs under: nothing, or randomness made constant (fxpipe.checks._randomness_off)
 Quiet = Callable[[], AbstractContextManager]
 
 

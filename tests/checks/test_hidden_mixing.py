@@ -176,3 +176,32 @@ def test_a_dummy_image_into_a_bce_loss_is_varied_within_its_range(fill):
     pipe = _build(model, torch.full((8, 16), fill))
     x = torch.rand(8, 16)
     assert_same(pipe(x), model(x))
+
+
+class DropPathMixing(nn.Module):
+    """timm's DropPath and Gaussian noise draw elementwise; a mixing under `if self.training`."""
+
+    def __init__(self, mixes: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.mixes = nn.Linear(16, 16), nn.Linear(16, 4), mixes
+
+    def forward(self, x):
+        if self.training:
+            x = x + torch.randn_like(x) * 0.1
+        h = torch.tanh(self.a(x))
+        if self.training:
+            keep = h.new_empty(h.shape[0], 1).bernoulli_(0.9)
+            h = h * keep / 0.9
+            if self.mixes:
+                h = h - h.mean(0)
+        return self.b(h)
+
+
+def test_droppath_and_noise_do_not_hide_training_mode_mixing():
+    with pytest.raises(MicroBatchError, match="in training mode"):
+        _build(DropPathMixing(True), torch.randn(8, 16))
+    model = DropPathMixing(False)
+    pipe = _build(model, torch.randn(8, 16))  # per sample: built, and its draws stay random
+    x = torch.randn(8, 16)
+    assert len({round(float(pipe(x).sum()), 4) for _ in range(4)}) > 1

@@ -1,0 +1,80 @@
+"""torch's dropout and elementwise random draws made constant while the build's training-mode
+checks run.
+
+The training-mode check compares the whole batch with its micro-batches merged; a graph that
+draws random numbers there is compared for structure only, since the micro-batches draw other
+values. Dropout is by far the commonest draw, and a functional one (``F.dropout(h, p,
+self.training)``, as transformers' attention writes it; an export graph's ``aten.dropout``)
+stays random when the check switches dropout modules off; so do timm's DropPath
+(``x.new_empty(B, 1).bernoulli_(keep)``) and noise augmentation (``x + torch.randn_like(x) *
+std``). Batch mixing anywhere in such a model went unchecked in training mode (new-user trials:
+``h - h.mean(0)`` under ``if self.training``, 0.47 and 0.32 off). Under :func:`randomness_off`
+every dropout returns its input and every elementwise draw a constant of its distribution
+(``rand`` 0.5, ``randn`` 0, ``bernoulli`` 1, ``uniform_(a, b)`` its middle, ``normal_(m, s)`` m),
+drawing nothing, so a model that draws nothing else (``randperm``, ``randint``,
+``multinomial`` stay random) is compared value for value.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["randomness_off"]
+
+_aten = torch.ops.aten
+_IDENTITY = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+             torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout,
+             _aten.dropout.default, _aten.feature_dropout.default, _aten.alpha_dropout.default,
+             _aten.feature_alpha_dropout.default}
+#: draws that make a new tensor: the constant each is made of (name before any overload)
+_MADE = {"rand": 0.5, "randn": 0.0, "rand_like": 0.5, "randn_like": 0.0}
+_NOT_FACTORY = ("generator", "pin_memory")
+
+
+def _in_place(name: str, args: tuple, kwargs: dict) -> Optional[float]:
+    """The constant an in-place draw fills with, or None when ``name`` is none."""
+    if name == "bernoulli_":
+        return 1.0
+    if name == "uniform_":
+        low = args[1] if len(args) > 1 else kwargs.get("from", kwargs.get("a", 0.0))
+        high = args[2] if len(args) > 2 else kwargs.get("to", kwargs.get("b", 1.0))
+        return (float(low) + float(high)) / 2
+    if name == "normal_":
+        return float(args[1] if len(args) > 1 else kwargs.get("mean", 0.0))
+    return None
+
+
+class _Constant(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _IDENTITY:
+            return args[0] if args else kwargs["input"]
+        if func is _aten.native_dropout.default:
+            return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
+        name = getattr(func, "__name__", "").split(".")[0]
+        if name in _MADE:
+            made = {k: v for k, v in kwargs.items() if k not in _NOT_FACTORY}
+            if name.endswith("_like"):
+                return torch.full_like(args[0], _MADE[name], **made)
+            size = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)) else args
+            return torch.full(tuple(size), _MADE[name], **{"dtype": torch.get_default_dtype(), **made})
+        if name == "bernoulli":  # bernoulli(probabilities) or bernoulli(input, p): every draw a 1
+            return torch.ones_like(args[0])
+        fill = _in_place(name, args, kwargs)
+        if fill is not None:
+            with torch.no_grad():
+                return args[0].fill_(fill)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def randomness_off() -> Iterator[None]:
+    """While the block runs (this thread), torch's dropout returns its input and its elementwise
+    draws a constant (see the module)."""
+    with _Constant():
+        yield
