@@ -51,8 +51,8 @@ from torch import fx, nn
 from ._opaque_calls import OpaqueCalls
 from ._values import same_plain
 
-__all__ = ["AttrRead", "AttributeReads", "plain_attributes", "is_plain", "SAME", "EQUAL", "MUTABLE", "NONE",
-           "ABSENT", "REGISTRIES"]
+__all__ = ["AttrRead", "AttributeReads", "plain_attributes", "is_plain", "tensor_items", "same_items", "SAME", "EQUAL",
+           "MUTABLE", "NONE", "ABSENT", "ITEMS", "REGISTRIES"]
 
 # Names nn.Module itself defines or sets: never what a user's forward configures itself with.
 _MODULE_OWN = frozenset(dir(nn.Module)) | frozenset(vars(nn.Module()))
@@ -65,7 +65,7 @@ _NOT_WATCHED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctio
                 torch.Tensor, nn.Module)
 
 #: how a read is compared at call time
-SAME, EQUAL, MUTABLE, NONE, ABSENT = "same", "equal", "mutable", "none", "absent"
+SAME, EQUAL, MUTABLE, NONE, ABSENT, ITEMS = "same", "equal", "mutable", "none", "absent", "items"
 #: where nn.Module keeps what its attributes resolve to besides ``__dict__``
 REGISTRIES = ("_parameters", "_buffers", "_modules")
 
@@ -182,7 +182,8 @@ class AttributeReads:
         for r in self._reads.values():
             if not isinstance(r.owner, nn.Module) or r.name.startswith("_") or r.label in found:
                 continue
-            if (r.how == MUTABLE and _changed(r)) or (r.how == SAME and _holds_traced(r.value)):
+            if (r.how == MUTABLE and _changed(r)) or (r.how == SAME and _holds_traced(r.value)) \
+                    or (r.how == ITEMS and _holds_traced(r.value[0])):
                 found.append(r.label)
         return sorted(found, key=lambda label: (-label.count("."), label))
 
@@ -218,6 +219,8 @@ class AttributeReads:
                 mutable = _holds_mutable(value)
                 kept = copy.deepcopy(value) if mutable else value
                 self._add(AttrRead(obj, name, kept, MUTABLE if mutable else EQUAL, self._label(obj, name), in_dict))
+            elif in_dict and tensor_items(value) is not None:  # a list of tensors: the graph holds each
+                self._add(AttrRead(obj, name, (value, tensor_items(value)), ITEMS, self._label(obj, name), True))
             elif in_dict:  # a function, an object, a tensor that is no parameter or buffer
                 label = self._label(obj, name)
                 self._add(AttrRead(obj, name, value, SAME, label, True))
@@ -278,6 +281,25 @@ def plain_attributes(model: nn.Module, opaque: Iterable[nn.Module] = ()) -> List
             reads[(id(m), name)] = AttrRead(m, name, copy.deepcopy(value) if mutable else value,
                                             MUTABLE if mutable else EQUAL, f"{owner}.{name}" if owner else name, True)
     return list(reads.values())
+
+
+def tensor_items(value: Any) -> Any:
+    """A list, tuple or dict holding tensors as ``((key, item), ...)``, each item by reference
+    (``self.temps = [t]``: the graph holds ``t`` itself, and a new ``temps[0]`` would not reach
+    it), else None."""
+    if isinstance(value, (list, tuple)):
+        items = tuple(enumerate(value))
+    elif isinstance(value, dict):
+        items = tuple(value.items())
+    else:
+        return None
+    return items if any(isinstance(v, torch.Tensor) for _, v in items) else None
+
+
+def same_items(a: Any, b: Any) -> bool:
+    """Whether two :func:`tensor_items` hold the same keys and the very same items."""
+    return a is not None and b is not None and len(a) == len(b) and all(
+        ka == kb and va is vb for (ka, va), (kb, vb) in zip(a, b))
 
 
 def _holds_traced(value: Any, depth: int = 0) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-from ._attr_reads import ABSENT, EQUAL, MUTABLE, NONE, REGISTRIES, SAME, AttrRead
+from ._attr_reads import ABSENT, EQUAL, ITEMS, MUTABLE, NONE, REGISTRIES, SAME, AttrRead, same_items, tensor_items
 from ._global_reads import GlobalReads
 from ._hooks import HOOK_DICTS, holds_live_hook
 from ._values import same_plain
@@ -162,6 +162,9 @@ class ModelCheck:
                 if r.how == ABSENT:
                     out.append(f"'{r.label}' was set after the build, now {_describe(now)} (the traced forward looked "
                                "for it and found none: the graph was traced without it)")
+                elif r.how == ITEMS and now is not _MISSING:
+                    out.append(f"'{r.label}' holds other tensors than at the build (the graph holds the tensors it "
+                               "held then: change their values in place instead, .copy_())")
                 elif now is _MISSING:
                     out.append(f"'{r.label}' was deleted (was {_describe(r.value)}; the traced forward read it, and "
                                "the graph has its value baked in)")
@@ -197,6 +200,8 @@ def _read_holds(r: AttrRead) -> bool:
         return now is r.value
     if r.how == NONE:
         return now is None
+    if r.how == ITEMS:  # the same container, holding the very same tensors
+        return now is r.value[0] and same_items(tensor_items(now), r.value[1])
     if r.how in (EQUAL, MUTABLE):
         return same_plain(now, r.value)
     if r.how == ABSENT:  # as the per-call check looks: the instance and its registries

@@ -184,8 +184,16 @@ class TensorsComputedOn(TorchFunctionMode):
             self.names.setdefault(id(t), name)
         for prefix, m in model.named_modules():
             for key, value in vars(m).items():
-                if isinstance(value, torch.Tensor) and not key.startswith("_"):
-                    self.names.setdefault(id(value), f"{prefix}.{key}" if prefix else key)
+                if key.startswith("_"):
+                    continue
+                label = f"{prefix}.{key}" if prefix else key
+                if isinstance(value, torch.Tensor):
+                    self.names.setdefault(id(value), label)
+                elif isinstance(value, (list, tuple, dict)):  # self.temps[0].sqrt(): one level in
+                    items = value.items() if isinstance(value, dict) else enumerate(value)
+                    for k, v in items:
+                        if isinstance(v, torch.Tensor):
+                            self.names.setdefault(id(v), f"{label}[{k!r}]")
         self.where = where
         self.found: List[tuple] = []
 

@@ -499,3 +499,45 @@ def test_a_global_the_traced_forward_read_is_checked(which):
     finally:
         SCALE, ReadsGlobals.alpha, SETTINGS.temp = 1.0, 1.0, 1.0
     torch.testing.assert_close(pipe(x), model(x))
+
+
+class Rooted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.roots = [torch.tensor(4.0)]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.roots[0].sqrt()  # computed on alone: the module is kept opaque, live
+
+
+class Tempered3(nn.Module):
+    """Tensors kept in a plain list and a dict, which the graph holds itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.inner = nn.Linear(8, 8), nn.Linear(8, 4), Rooted()
+        self.temps = [torch.tensor(2.0)]
+        self.scales = {"out": torch.tensor(0.5)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.inner(self.a(x)) * self.temps[0]) * self.scales["out"]
+
+
+def test_tensors_in_a_list_or_dict_changed_in_place_are_followed_and_replaced_are_refused():
+    """Frozen at the build: a new temps[0] (0.30 off) or scales['out'] (0.35 off) was not seen,
+    nor an in-place change of a tensor computed on at trace time (a trial)."""
+    model = Tempered3()
+    pipe = build(model, "fx")
+    x = torch.randn(BATCH, 8)
+    assert "inner" in pipe.capture.leaves
+    with torch.no_grad():
+        model.temps[0].fill_(9.0)
+        model.scales["out"].fill_(3.0)
+        model.inner.roots[0].fill_(2.0)
+        torch.testing.assert_close(pipe(x), model(x))
+    model.temps[0] = torch.tensor(4.0)
+    with pytest.raises(fxpipe.errors.ModelChangedError, match="'temps' holds other tensors than at the build"):
+        pipe(x)
+    model.temps = [model.temps[0]]  # the list itself replaced
+    with pytest.raises(fxpipe.errors.ModelChangedError):
+        pipe(x)
