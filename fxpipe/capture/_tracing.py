@@ -48,7 +48,7 @@ from ..tree import flatten
 from ._values import kept_for_comparison
 from ._trace_time import ComputedAtTrace, DrewFromPython, KeepsState, python_drew_since, python_states
 from ._fx_trace import is_standard_layer, trace_fx
-from ._call_context import CallContext, ContextCheck, ContextReads, TensorHookError
+from ._call_context import CallContext, ContextCheck, ContextReads, ReadsCallContext, TensorHookError
 
 __all__ = ["Capture", "TraceError", "capture", "flatten_output", "retarget_devices"]
 
@@ -270,6 +270,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     kept_as_constant = [] if isinstance(ex_res, _Failure) else model_tensor_constants(model, ex_res.table)
     if kept_as_constant:  # refused, unless torch.fx's coarser graph holds it live
         error = ComputedAtTrace("", kept_as_constant[0], reached=True)
+        ex_res = _Failure("", error, refusal=error)
+    asks = [r for r in context.reads if r.what.startswith("torch.")]  # is_grad_enabled(), is_autocast_enabled()
+    if asks and not isinstance(ex_res, _Failure) and not isinstance(fx_res, _Failure):
+        # torch.fx kept the modules asking opaque (they ask each call); torch.export would fix the answer
+        # and refuse a validation under no_grad (a trial: checkpointing only when grad is on)
+        error = ReadsCallContext(asks[0])
         ex_res = _Failure("", error, refusal=error)
     if not isinstance(ex_res, _Failure):
         gm = fx.GraphModule(ex_res.table, ex_res.graph, class_name=type(model).__name__)
