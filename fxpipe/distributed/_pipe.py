@@ -187,13 +187,7 @@ class DistributedPipeline(PipelineState):
         divides, after checking that the model did not change since the build
         (:mod:`fxpipe.capture._model_check`). ``run``: the eval capture ``eval_step`` runs in
         eval mode (:mod:`._eval_mode`), None for the build's."""
-        released = [name for name, t in self._held() if t.is_meta]
-        if released:
-            raise PipelineClosedError(
-                f"this rank's weights of this pipeline ({released[0]!r} and {len(released) - 1} more) were released "
-                "to meta since its build: another fxpipe.distributed.pipeline built from the same model with another "
-                "layout released the stages it places on other ranks. Nothing was sent. What to do: use the newer "
-                "pipeline (close this one), or build both with the same layout (schedule, stages_per_rank)")
+        self._refuse_released()
         if run is not None:
             run.variant.model_check.check()
             run.variant.dtypes.check()

@@ -11,6 +11,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from fxpipe.errors import PipelineClosedError
+
 from ._mesh import Layout, shard
 from ._ties import parameters_of
 from ._weights import load_local_state_dict, local_state_dict
@@ -73,6 +75,17 @@ class PipelineState:
         mine = {id(b) for k in self.local for b in self.stages[k].buffers()}
         buffers = [(n, b) for n, b in self.module.named_buffers() if id(b) in mine]
         return [*self.named_parameters(), *buffers]
+
+    def _refuse_released(self) -> None:
+        """A later build from the same model with another layout released weights this rank's
+        stages hold (to meta): their next step failed in torch ('Tensor on device meta')."""
+        released = [name for name, t in self._held() if t.is_meta]
+        if released:
+            raise PipelineClosedError(
+                f"this rank's weights of this pipeline ({released[0]!r} and {len(released) - 1} more) were released "
+                "to meta since its build: another fxpipe.distributed.pipeline built from the same model with another "
+                "layout released the stages it places on other ranks. Nothing was sent. What to do: use the newer "
+                "pipeline (close this one), or build both with the same layout (schedule, stages_per_rank)")
 
     # -- checkpoints (fxpipe.distributed._weights) -----------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
