@@ -32,7 +32,7 @@ SAMPLE_SEED = 0
 def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any], *,
           mode: Optional[Callable[[nn.Module], Any]] = None, values: bool = True,
           blame: Optional[Callable[[List[List[Any]]], str]] = None, why: str = "", mode_text: str = "",
-          random: Optional[bool] = None) -> bool:
+          random: Optional[bool] = None, nudge: bool = True) -> bool:
     """Runs ``gm`` split on the sample and compares with ``whole`` (:func:`sample_run`, in
     the same ``mode``); refuses when the results differ.
 
@@ -45,8 +45,10 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     ('' when unknown); ``why`` replaces the generic advice of a refusal, ``mode_text``
     (' in training mode') says which mode differed. ``random=False`` says the whole run
     drew no random numbers from torch (:func:`fxpipe.runtime._randomness.drew_random`): the second, reseeded run
-    is then made only before refusing on a value difference. Returns whether the graph is
-    deterministic on the sample.
+    is then made only before refusing on a value difference. ``nudge``: the checks made once per
+    build, in the first mode checked (the forward again at nudged weights, the merged loss's and
+    backward code's gradients: the same in either mode once dropout is off). Returns whether the
+    graph is deterministic on the sample.
     """
     mode = mode or evaluating
     if batching.counted is None:
@@ -79,14 +81,14 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
         if not same_value(a, b, values=compare):
             found = blame(micro) if blame is not None and compare else ""
             _refuse(batching, i, a, b, list(column), k, found, why, mode_text)
-    if compare:  # and where training will move the weights: a mixing behind a gate initialised at 0
+    if compare and nudge:  # and where training will move the weights: a mixing behind a gate initialised at 0
         _check_nudged(batching, gm, model, flat, micro, sizes, weights, mode, k, why, mode_text)
     reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
                and a.is_floating_point() and batching.merges[i] is not None]
     unseen = unseen_backward(gm)  # backward code of the model's own: its gradients compared too
     per_sample = [i for i, a in enumerate(whole) if unseen and isinstance(a, Tensor) and a.dim() > 0
                   and a.is_floating_point() and (batching.merges[i] is None or isinstance(batching.merges[i], int))]
-    if compare and (reduced or per_sample):  # a merged loss: its gradient must be the batch's too
+    if compare and nudge and (reduced or per_sample):  # a merged loss: its gradient must be the batch's too
         with mode(model):
             torch.manual_seed(1)
             bad = gradient_mismatch(gm, flat, micro, reduced + per_sample,

@@ -202,7 +202,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
         try:
             batching, whole, deterministic, quiet = run_checks(
                 train_mode, values=values, blame=blame_in(train_mode, always=True), why=why,
-                mode_text=" in training mode")
+                mode_text=" in training mode", nudge=not runs_eval)  # nudged once: in the first mode checked
         except MicroBatchError as e:
             if not why:
                 raise
