@@ -141,9 +141,11 @@ class ForwardGPipe(_Unmerged, ScheduleGPipe):
     """``ScheduleGPipe``, its outputs per micro-batch (``eval_step``, one stage per rank)."""
 
 
-#: what a forward-only schedule must not run: backwards, their gradients' transfers, reductions
+#: what a forward-only schedule must not run: backwards and their gradients' transfers (its
+#: REDUCE_GRAD stays: under 'fsdp' it puts the stage's parameters back to their shards, which a
+#: forward-only step without it left unsharded in the model)
 _BACKWARD_ACTIONS = frozenset(t for t in (getattr(_ComputationType, n, None) for n in (
-    "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD")) if t is not None)
+    "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B")) if t is not None)
 
 
 class PlacedLoopedBFS(_Unmerged, ScheduleLoopedBFS):
