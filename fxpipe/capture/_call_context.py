@@ -53,7 +53,7 @@ from ..runtime._autocast import AutocastState, autocast_state
 from ..runtime._autocast import entered as entered_autocast
 from ..runtime._randomness import generator_states, set_generator_states
 from ._shared_patch import SharedPatch
-from ._user_code import is_user_file
+from ._user_code import cached_is_user_file
 
 __all__ = ["CallContext", "ContextRead", "ContextReads", "ContextCheck", "ReadsCallContext", "TensorHookError", "LIMIT"]
 
@@ -141,17 +141,12 @@ def _autocast_said(state: AutocastState) -> str:
     return f"on ({', '.join(on)})" if on else "off"
 
 
-_user_files: Dict[str, bool] = {}  # is_user_file per file name: asked on every dtype read of an export
-
-
 def _user_line() -> str:
-    """The innermost frame of the model's own code calling now, as 'file, line N' ('' if none)."""
+    """The innermost frame of the model's own code calling now, as 'file, line N' ('' if none).
+    Asked on every dtype read of an export: the file test is the cached one."""
     frame = sys._getframe(2)
     name = frame.f_code.co_filename
-    user = _user_files.get(name)
-    if user is None:
-        user = _user_files[name] = is_user_file(name)
-    return f"{name}, line {frame.f_lineno}" if user else ""
+    return f"{name}, line {frame.f_lineno}" if cached_is_user_file(name) else ""
 
 
 # -- recording -------------------------------------------------------------------------------

@@ -171,6 +171,36 @@ _METADATA = frozenset({"__get__", "size", "dim", "numel", "stride", "is_floating
                        "nelement", "ndimension", "get_device", "is_signed", "__hash__", "__eq__", "__ne__"})
 
 
+def _tensor_names(model: nn.Module, attributes: bool = False) -> Dict[int, str]:
+    """id -> name of ``model``'s parameters and buffers; with ``attributes``, also of the tensors
+    its modules keep as attributes or one level inside a list, tuple or dict attribute."""
+    names: Dict[int, str] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), name)
+    if not attributes:
+        return names
+    for prefix, m in model.named_modules():
+        for key, value in vars(m).items():
+            if key.startswith("_"):
+                continue
+            label = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, torch.Tensor):
+                names.setdefault(id(value), label)
+            elif isinstance(value, (list, tuple, dict)):  # self.temps[0].sqrt(): one level in
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for k, v in items:
+                    if isinstance(v, torch.Tensor):
+                        names.setdefault(id(v), f"{label}[{k!r}]")
+    return names
+
+
+def _name_of(names: Dict[int, str], t: Any) -> Optional[str]:
+    """The name of ``t`` in ``names``, or of the tensor it is a view of (``self.state[0]``)."""
+    name = names.get(id(t))
+    base = getattr(t, "_base", None)
+    return names.get(id(base)) if name is None and base is not None else name
+
+
 class TensorsComputedOn(TorchFunctionMode):
     """While active (one fx trace), notes the first torch op that takes one of ``model``'s
     parameters, buffers or tensor attributes and no traced value (:class:`ComputedAtTrace`),
@@ -179,30 +209,12 @@ class TensorsComputedOn(TorchFunctionMode):
 
     def __init__(self, model: nn.Module, where: Callable[[], str]) -> None:
         super().__init__()
-        self.names: Dict[int, str] = {}
-        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-            self.names.setdefault(id(t), name)
-        for prefix, m in model.named_modules():
-            for key, value in vars(m).items():
-                if key.startswith("_"):
-                    continue
-                label = f"{prefix}.{key}" if prefix else key
-                if isinstance(value, torch.Tensor):
-                    self.names.setdefault(id(value), label)
-                elif isinstance(value, (list, tuple, dict)):  # self.temps[0].sqrt(): one level in
-                    items = value.items() if isinstance(value, dict) else enumerate(value)
-                    for k, v in items:
-                        if isinstance(v, torch.Tensor):
-                            self.names.setdefault(id(v), f"{label}[{k!r}]")
+        self.names = _tensor_names(model, attributes=True)
         self.where = where
         self.found: List[tuple] = []
 
     def _watched(self, value: Any) -> Optional[str]:
-        if isinstance(value, torch.Tensor):
-            name = self.names.get(id(value))
-            base = value._base if name is None else None
-            return name if base is None else self.names.get(id(base))
-        return None
+        return _name_of(self.names, value) if isinstance(value, torch.Tensor) else None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -241,18 +253,13 @@ class TensorsReadAsNumbers:
     trace watches (their behaviour unchanged) and put back when the last one ends."""
 
     def __init__(self, model: nn.Module, where: Callable[[], str]) -> None:
-        self.names: Dict[int, str] = {}
-        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-            self.names.setdefault(id(t), name)
+        self.names = _tensor_names(model)
         self.where = where
         self.found: List[tuple] = []
         self._thread = 0
 
     def _saw(self, t: Any) -> None:
-        name: Optional[str] = self.names.get(id(t))
-        base = getattr(t, "_base", None)
-        if name is None and base is not None:  # a view of one: self.state[0].item()
-            name = self.names.get(id(base))
+        name = _name_of(self.names, t)
         if name is not None and threading.get_ident() == self._thread:
             self.found.append((self.where(), name))
 

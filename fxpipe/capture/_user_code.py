@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_user_file", "user_stack", "user_line", "source_location"]
+__all__ = ["is_user_file", "cached_is_user_file", "user_stack", "user_line", "source_location"]
 
 _FRAME_RE = re.compile(r'^File "(.+)", line (\d+), in (.+)$')
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -43,7 +43,7 @@ def is_user_file(filename: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_is_user(filename: str) -> bool:
+def cached_is_user_file(filename: str) -> bool:
     return is_user_file(filename)
 
 
@@ -62,7 +62,7 @@ def user_stack() -> str:
     if start is None:
         return ""
     kept = [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames[start:]
-            if _cached_is_user(f.f_code.co_filename)]
+            if cached_is_user_file(f.f_code.co_filename)]
     return "".join(traceback.StackSummary.from_list(kept).format()).strip() if kept else ""
 
 

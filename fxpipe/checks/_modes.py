@@ -108,8 +108,8 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
 
 
 def _fails_on(prepared: Prepared, model: nn.Module, flat: List[Any]) -> str:
-    """'' where the graph runs on ``flat`` (the varied sample) to finite outputs where the
-    sample's were, else what went wrong, said."""
+    """'' where the graph runs on ``flat`` (the varied sample) to finite floating outputs, else
+    what went wrong, said."""
     gm = prepared.capture.graph_module
     try:
         with preserved(model):
