@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ._values import Kind, kind_of, meta_of
 
-__all__ = ["StageMeta", "stage_metas", "fake_of", "fake_runs", "metas_of", "on_device", "uncompiled", "unhooked"]
+__all__ = ["StageMeta", "stage_metas", "stage_runs", "fake_of", "fake_runs", "metas_of", "on_device", "uncompiled", "unhooked"]
 
 
 @dataclass
@@ -114,13 +114,17 @@ def stage_metas(stages: Sequence[torch.fx.GraphModule], micro_flat: Sequence[Any
     flat inputs (``micro_flat``: the model's flat inputs, tensors cut to the micro-batch size),
     and returns each stage's :class:`StageMeta`. ``input_names[k]`` name stage ``k``'s values
     in errors."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        values = [fake_of(x, device) if isinstance(x, torch.Tensor) else x for x in micro_flat]
-        runs = fake_runs(stages, values, device, mode)
-    return metas_of(runs, input_names)
+    return metas_of(stage_runs(stages, micro_flat, device), input_names)
 
 
 Runs = list[tuple[list[Any], list[Any]]]
+
+
+def stage_runs(stages: Sequence[torch.fx.GraphModule], micro_flat: Sequence[Any], device: torch.device) -> Runs:
+    """Each stage's fake inputs and outputs, the stages run in turn on fakes of ``micro_flat``."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        values = [fake_of(x, device) if isinstance(x, torch.Tensor) else x for x in micro_flat]
+        return fake_runs(stages, values, device, mode)
 
 
 def fake_runs(stages: Sequence[torch.fx.GraphModule], values: list[Any], device: torch.device, mode: Any) -> Runs:

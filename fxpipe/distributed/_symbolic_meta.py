@@ -29,7 +29,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.capture._shape_guards import bound, size_expr, symbolic_inputs
 
-from ._meta import Runs, StageMeta, fake_of, fake_runs, metas_of, on_device, stage_metas, uncompiled, unhooked
+from ._graph_meta import GraphMetas
+from ._meta import (Runs, StageMeta, fake_of, fake_runs, metas_of, on_device, stage_metas, stage_runs, uncompiled,
+                    unhooked)
 
 __all__ = ["SymbolicMetas", "ShapeMetas"]
 
@@ -110,16 +112,19 @@ class SymbolicMetas:
 
 class ShapeMetas:
     """Metadata per micro-batch shape for one set of stages: the build's shape by a fake run, each
-    later one from the symbolic run (made at the first new shape, so that a pipeline that keeps
-    its shape pays nothing more), or by a fake run of its own where that does not cover it."""
+    later one read from a torch.export graph's symbolic values (:mod:`._graph_meta`), else from
+    the symbolic run (made at the first new shape, so that a pipeline that keeps its shape pays
+    nothing more), or by a fake run of its own where neither covers it."""
 
     def __init__(self, stages: Sequence[torch.fx.GraphModule], input_names: Sequence[Sequence[str]],
                  device: torch.device) -> None:
         self.stages, self.input_names, self.device = stages, input_names, device
+        self._graph: Optional[GraphMetas] = None
         self._symbolic: Optional[SymbolicMetas] = None
         self._first = True
-        #: shapes whose metadata came from the symbolic run, and from a fake run of their own
-        self.evaluated = self.fake_runs = 0
+        #: shapes whose metadata was read from the graph, evaluated from the symbolic run, and
+        #: made by a fake run of their own
+        self.read = self.evaluated = self.fake_runs = 0
 
     def __call__(self, micro_flat: Sequence[Any]) -> list[StageMeta]:
         # the metadata is made once per shape and kept for step() too: its requires_grad must be
@@ -130,10 +135,19 @@ class ShapeMetas:
             return self._metas(micro_flat)
 
     def _metas(self, micro_flat: Sequence[Any]) -> list[StageMeta]:
-        if not self._first and self._symbolic is None:
+        if self._first:  # the build's shape: the fake run, and the template of the graph's reading
+            self._first = False
+            self.fake_runs += 1
+            runs = stage_runs(self.stages, micro_flat, self.device)
+            self._graph = GraphMetas.of(self.stages, runs, micro_flat)
+            return metas_of(runs, self.input_names)
+        read = self._graph.at(micro_flat) if self._graph is not None else None
+        if read is not None:
+            self.read += 1
+            return metas_of(read, self.input_names)
+        if self._symbolic is None:
             self._symbolic = SymbolicMetas.trace(self.stages, micro_flat, self.input_names, self.device) \
                 or _NOT_SYMBOLIC
-        self._first = False
         metas = self._symbolic.at(micro_flat) if isinstance(self._symbolic, SymbolicMetas) else None
         if metas is not None:
             self.evaluated += 1

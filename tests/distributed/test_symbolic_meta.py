@@ -1,8 +1,8 @@
-"""A new micro-batch shape's ``PipelineStage`` metadata from the build's one symbolic fake run
-(issue #31): equal to a fake run at that shape, field by field, for every shape it covers; a
-shape it does not cover (a micro-batch of one sample, a size the run fixed) says so, and gets a
-fake run of its own. No ranks needed: the stages are emitted as ``fxpipe.distributed`` emits
-them (portals carried) and run in this process."""
+"""A new micro-batch shape's ``PipelineStage`` metadata read from a torch.export graph's symbolic
+values, or from one symbolic fake run (issue #31): equal to a fake run at that shape, field by
+field, for every shape it covers; a shape it does not cover (a micro-batch of one sample, a size
+the run fixed) says so, and gets a fake run of its own. No ranks needed: the stages are emitted
+as ``fxpipe.distributed`` emits them (portals carried) and run in this process."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed._carry import carried_plan
-from fxpipe.distributed._meta import stage_metas
+from fxpipe.distributed._graph_meta import GraphMetas
+from fxpipe.distributed._meta import stage_metas, stage_runs
 from fxpipe.distributed._symbolic_meta import ShapeMetas, SymbolicMetas
 from fxpipe.emit._stages import emit_stages
 
 transformers = pytest.importorskip("transformers")
 
-from hf_families import VOCAB, no_dropout, padding_mask  # noqa: E402
+from hf_families import BY_NAME, VOCAB, no_dropout, padded_labels, padding_mask  # noqa: E402
 
 
 class _Sizes(nn.Module):
@@ -79,7 +80,35 @@ def test_gpt2s_metadata_at_every_length_equals_a_fake_run():
     shapes = ShapeMetas(stages.modules, stages.input_names, cpu)
     for b, t in ((2, 8), (2, 13), (1, 9), (2, 21)):
         _same(shapes(micro(b, t)), stage_metas(stages.modules, micro(b, t), stages.input_names, cpu))
-    assert (shapes.evaluated, shapes.fake_runs) == (2, 2)  # the build's shape and the one-sample one: fake runs
+    # lengths 13 and 21 read from the graph; the build's shape and the one-sample one: fake runs
+    assert (shapes.read, shapes.evaluated, shapes.fake_runs) == (2, 0, 2)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "bart", "vit"])
+def test_the_export_graphs_sizes_give_every_shapes_metadata_without_a_run(name):
+    family = BY_NAME[name]
+    model = family.model()
+
+    def batch(b: int, t: int) -> dict:
+        inputs = family.inputs(batch=b, seq=t)
+        if family.labels is not None:
+            labels = family.labels(batch=b, seq=t)
+            mask = inputs.get("attention_mask")
+            inputs["labels"] = padded_labels(labels, mask) if mask is not None and labels.dim() == 2 else labels
+        return inputs
+
+    capture, stages = _stages(model, batch(4, 8))
+    assert capture.method == "export"
+    cpu = torch.device("cpu")
+    micro = lambda b, t: capture.flatten_inputs((), batch(b, t))  # noqa: E731 - one micro-batch
+    reading = GraphMetas.of(stages.modules, stage_runs(stages.modules, micro(2, 8), cpu), micro(2, 8))
+    assert reading is not None
+    shapes = [(2, 8), (2, 5), (3, 17), (2, 31)] if family.lengths else [(2, 8), (3, 8)]
+    for b, t in shapes:
+        want = stage_metas(stages.modules, micro(b, t), stages.input_names, cpu)
+        from fxpipe.distributed._meta import metas_of
+        _same(metas_of(reading.at(micro(b, t)), stages.input_names), want)
+    assert reading.at(micro(1, 8)) is None  # a micro-batch of one: below the batch symbol's range
 
 
 def test_an_fx_models_size_arithmetic_is_evaluated_or_refused_to_a_fake_run():
