@@ -161,16 +161,16 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
         return lambda micro: "" if meta else first_difference(gm, model, flat, micro, mode, always)
 
     def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool, Quiet]:
-        with preserved(model):
+        # dropout and elementwise draws (F.dropout(h, p, self.training), attention's dropout_p, DropPath,
+        # noise) made constant: compared values and all where nothing else draws (fxpipe.checks._randomness_off)
+        with preserved(model), randomness_off() as off:
             whole = list(sample_run(lambda: gm(*flat), model, mode))
             random = drew_random(SAMPLE_SEED)  # none: no second, reseeded run (fxpipe.runtime._randomness)
-        quiet: Quiet = nullcontext
-        if random:  # dropout or an elementwise draw (F.dropout(h, p, self.training), DropPath, noise):
-            # compared with them constant, values and all, where nothing else draws (fxpipe.checks._randomness_off)
-            with preserved(model), randomness_off():
-                off = list(sample_run(lambda: gm(*flat), model, mode))
-                if not drew_random(SAMPLE_SEED):
-                    whole, random, quiet = off, False, randomness_off
+        quiet: Quiet = randomness_off if off.replaced else nullcontext  # nothing to switch off: nothing to pay
+        if random:  # draws it cannot make constant (randperm, randint): the model's own run, structure compared
+            with preserved(model):
+                whole = list(sample_run(lambda: gm(*flat), model, mode))
+            quiet = nullcontext
         b = batching or Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
         with preserved(model), quiet():
             deterministic = check_split(b, gm, model, flat, whole, mode=mode, random=random, **options)

@@ -11,8 +11,11 @@ std``). Batch mixing anywhere in such a model went unchecked in training mode (n
 ``h - h.mean(0)`` under ``if self.training``, 0.47 and 0.32 off). Under :func:`randomness_off`
 every dropout returns its input and every elementwise draw a constant of its distribution
 (``rand`` 0.5, ``randn`` 0, ``bernoulli`` 1, ``uniform_(a, b)`` its middle, ``normal_(m, s)`` m),
-drawing nothing, so a model that draws nothing else (``randperm``, ``randint``,
-``multinomial`` stay random) is compared value for value.
+and attention's own dropout (``scaled_dot_product_attention(..., dropout_p=0.1)``, GPT-2's in
+training) runs with ``dropout_p=0``, drawing nothing, so a model that draws nothing else
+(``randperm``, ``randint``, ``multinomial`` stay random) is compared value for value.
+:func:`randomness_off` says whether it replaced anything: where it did not, the checks run
+without it (nothing to switch off, and no per-op interception to pay).
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ _IDENTITY = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, 
              _aten.feature_alpha_dropout.default}
 #: draws that make a new tensor: the constant each is made of (name before any overload)
 _MADE = {"rand": 0.5, "randn": 0.0, "rand_like": 0.5, "randn_like": 0.0}
+#: attention ops with a dropout of their own: the position of ``dropout_p`` in their arguments
+_ATTENTION_DROPOUT = {F.scaled_dot_product_attention: 4, _aten.scaled_dot_product_attention.default: 4,
+                      _aten._scaled_dot_product_attention_math.default: 4,
+                      _aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+                      _aten._scaled_dot_product_flash_attention.default: 3,
+                      _aten._scaled_dot_product_efficient_attention.default: 5}
 _NOT_FACTORY = ("generator", "pin_memory")
 
 
@@ -50,12 +59,37 @@ def _in_place(name: str, args: tuple, kwargs: dict) -> Optional[float]:
 
 
 class _Constant(TorchFunctionMode):
+    """The switch: every random op of the block made constant; ``replaced`` once one was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced = False
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        done = self._constant(func, args, kwargs)
+        if done is _NOT_RANDOM:
+            return func(*args, **kwargs)
+        self.replaced = True
+        return done
+
+    @staticmethod
+    def _constant(func: Any, args: tuple, kwargs: dict) -> Any:
+        """What ``func`` returns with its randomness constant, or :data:`_NOT_RANDOM`."""
         if func in _IDENTITY:
             return args[0] if args else kwargs["input"]
         if func is _aten.native_dropout.default:
             return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
+        at = _ATTENTION_DROPOUT.get(func)
+        if at is not None:
+            p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
+            if not p:
+                return _NOT_RANDOM
+            if len(args) > at:
+                args = (*args[:at], 0.0, *args[at + 1:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "").split(".")[0]
         if name in _MADE:
             made = {k: v for k, v in kwargs.items() if k not in _NOT_FACTORY}
@@ -69,12 +103,16 @@ class _Constant(TorchFunctionMode):
         if fill is not None:
             with torch.no_grad():
                 return args[0].fill_(fill)
-        return func(*args, **kwargs)
+        return _NOT_RANDOM
+
+
+_NOT_RANDOM: Any = object()
 
 
 @contextmanager
-def randomness_off() -> Iterator[None]:
+def randomness_off() -> Iterator[_Constant]:
     """While the block runs (this thread), torch's dropout returns its input and its elementwise
-    draws a constant (see the module)."""
-    with _Constant():
-        yield
+    draws a constant (see the module). Yields the switch: its ``replaced`` says afterwards
+    whether anything was made constant."""
+    with _Constant() as mode:
+        yield mode

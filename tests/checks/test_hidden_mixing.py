@@ -205,3 +205,35 @@ def test_droppath_and_noise_do_not_hide_training_mode_mixing():
     pipe = _build(model, torch.randn(8, 16))  # per sample: built, and its draws stay random
     x = torch.randn(8, 16)
     assert len({round(float(pipe(x).sum()), 4) for _ in range(4)}) > 1
+
+
+class AttentionDropoutMixing(nn.Module):
+    """Attention with a dropout of its own (``dropout_p`` of scaled_dot_product_attention, as
+    GPT-2 trains), and a mixing under ``if self.training``."""
+
+    def __init__(self, mixes: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.b, self.mixes = nn.Linear(16, 48), nn.Linear(16, 4), mixes
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], 4, 3, 16).unbind(2)
+        h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0).mean(1)
+        if self.training and self.mixes:
+            h = h - h.mean(0)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_attentions_own_dropout_does_not_hide_training_mode_mixing(capture, monkeypatch):
+    if capture == "export":  # the way transformers models are captured: aten.scaled_dot_product_attention
+        import fxpipe.capture._tracing as tracing
+        from fxpipe.errors import TraceError
+        monkeypatch.setattr(tracing, "trace_fx", lambda *a, **k: tracing._Failure("", TraceError("export it")))
+    with pytest.raises(MicroBatchError, match="in training mode"):
+        _build(AttentionDropoutMixing(True), torch.randn(8, 4, 16))
+    model = AttentionDropoutMixing(False)
+    pipe = _build(model, torch.randn(8, 4, 16))  # per sample: built, and its dropout stays random
+    assert pipe.capture.method == capture
+    x = torch.randn(8, 4, 16)
+    assert len({round(float(pipe(x).sum()), 4) for _ in range(4)}) > 1
