@@ -90,25 +90,38 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
 def nudged(gm: fx.GraphModule) -> Iterator[None]:
     """Every floating parameter of ``gm`` moved by ``NUDGE`` times its root mean square in a
     random direction (a tensor of zeros by ``NUDGE`` times the model's typical one), put back
-    exactly afterwards. Seeded by a generator of its own: torch's global RNG is untouched."""
+    exactly afterwards. Seeded by a generator of its own: torch's global RNG is untouched.
+
+    The direction is one block of :data:`_PERIOD` normal draws repeated, each tensor starting
+    at another place in it (two zero gates nudged alike could cancel): drawing a normal
+    number for every parameter cost 4.6 s for GPT-2 124M on one thread, 2.4 of its forwards,
+    at every build; a block and a copy cost a memory pass."""
     params = [p for p in gm.parameters() if p.is_floating_point() and p.numel()]
     kept = [p.detach().clone() for p in params]
-    rms = [float(p.detach().double().pow(2).mean().sqrt()) for p in params]
+    rms = [float(torch.linalg.vector_norm(p.detach(), dtype=torch.float32)) / math.sqrt(p.numel()) for p in params]
     nonzero = sorted(r for r in rms if r > 0)
     typical = nonzero[len(nonzero) // 2] if nonzero else 0.02
-    g = torch.Generator(device="cpu").manual_seed(0)
+    block = torch.randn(_PERIOD, generator=torch.Generator(device="cpu").manual_seed(0), dtype=torch.float32)
     # through .data: the parameters' version counters stay as they were, so a graph the user
     # recorded before the build (weights saved for its backward) still backpropagates
     try:
         with torch.no_grad():
-            for p, r in zip(params, rms):
-                noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            for k, (p, r) in enumerate(zip(params, rms)):
+                start = (k * _STRIDE) % _PERIOD
+                n = p.numel()
+                noise = block.repeat(-(-(start + n) // _PERIOD))[start:start + n].view(p.shape)
                 p.data.add_(noise.to(device=p.device, dtype=p.dtype), alpha=NUDGE * (r if r > 0 else typical))
         yield
     finally:
         with torch.no_grad():
             for p, k in zip(params, kept):
                 p.data.copy_(k)
+
+
+#: the length of the nudge's block of draws (a prime: its repeats line up with no layer's width)
+_PERIOD = 10007
+#: how far each next tensor's noise starts into the block
+_STRIDE = 3001
 
 
 def _compare(gm: fx.GraphModule, named: List[Any], params: List[Tensor], flat: Sequence[Any],

@@ -64,25 +64,30 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     with mode(model), torch.no_grad():
         micro, sizes = batching.split(flat, k)
         weights = batching.weights(flat, micro, "the sample")  # decided as for a call
-        try:
-            outs = [list(gm(*m)) for m in micro]
-        except Exception as e:  # noqa: BLE001 - the split inputs are what broke it
-            raise MicroBatchError(
-                f"the model fails on a micro-batch ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
-                f"The inputs are split along {batching.dims_text()}; if the batch is in another dim of an "
-                "input, say so with chunk_dims={'<argument>': dim} (None for an argument that must not "
-                "be split).") from e
-    for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
-        b = batching._merge_leaf(i, list(column), sizes, weights.get(i))
-        if compare and provisional and not same_value(a, b):
-            provisional = False
-            deterministic = reruns_same(gm, model, flat, whole, mode)
-            compare = deterministic and values
-        if not same_value(a, b, values=compare):
-            found = blame(micro) if blame is not None and compare else ""
-            _refuse(batching, i, a, b, list(column), k, found, why, mode_text)
-    if compare and nudge:  # and where training will move the weights: a mixing behind a gate initialised at 0
-        _check_nudged(batching, gm, model, flat, micro, sizes, weights, mode, k, why, mode_text)
+    # the split compared at nudged weights alone where it agrees there: a mixing shows at either
+    # weights, and behind a gate initialised at zero only there (a forward saved per build);
+    # where it does not agree, or the nudged model fails, the checks at the build's weights say why
+    if not (compare and nudge and _agrees_nudged(batching, gm, model, flat, micro, sizes, weights, mode)):
+        with mode(model), torch.no_grad():
+            try:
+                outs = [list(gm(*m)) for m in micro]
+            except Exception as e:  # noqa: BLE001 - the split inputs are what broke it
+                raise MicroBatchError(
+                    f"the model fails on a micro-batch ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
+                    f"The inputs are split along {batching.dims_text()}; if the batch is in another dim of an "
+                    "input, say so with chunk_dims={'<argument>': dim} (None for an argument that must not "
+                    "be split).") from e
+        for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
+            b = batching._merge_leaf(i, list(column), sizes, weights.get(i))
+            if compare and provisional and not same_value(a, b):
+                provisional = False
+                deterministic = reruns_same(gm, model, flat, whole, mode)
+                compare = deterministic and values
+            if not same_value(a, b, values=compare):
+                found = blame(micro) if blame is not None and compare else ""
+                _refuse(batching, i, a, b, list(column), k, found, why, mode_text)
+        if compare and nudge:  # and where training will move the weights: a mixing behind a gate initialised at 0
+            _check_nudged(batching, gm, model, flat, micro, sizes, weights, mode, k, why, mode_text)
     reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
                and a.is_floating_point() and batching.merges[i] is not None]
     unseen = unseen_backward(gm)  # backward code of the model's own: its gradients compared too
@@ -114,6 +119,36 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
                 f"differ from the model. {_LOSS_NOTE}")
     return deterministic
 
+def _nudged_runs(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], micro: List[List[Any]],
+                 mode: Callable[[nn.Module], Any]) -> Optional[tuple[List[Any], List[List[Any]]]]:
+    """The whole sample's and each micro-batch's outputs at nudged weights; None where the
+    model fails there (a parameter read as an index)."""
+    try:
+        with mode(model), torch.no_grad(), nudged(gm):
+            return list(gm(*flat)), [list(gm(*m)) for m in micro]
+    except Exception:  # noqa: BLE001 - weights the model cannot run at
+        return None
+
+
+def _agrees_nudged(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
+                   micro: List[List[Any]], sizes: List[int], weights: Any, mode: Callable[[nn.Module], Any]) -> bool:
+    """Whether the micro-batches merged give the whole sample's every output at nudged weights,
+    all finite (an overflow there compares nothing)."""
+    runs = _nudged_runs(gm, model, flat, micro, mode)
+    if runs is None:
+        return False
+    whole, outs = runs
+    try:
+        for i, (a, column) in enumerate(zip(whole, zip(*outs))):
+            if isinstance(a, Tensor) and a.is_floating_point() and not bool(torch.isfinite(a).all()):
+                return False
+            if not same_value(a, batching._merge_leaf(i, list(column), sizes, weights.get(i))):
+                return False
+    except MicroBatchError:  # an output that does not merge: said by the check at the build's weights
+        return False
+    return True
+
+
 def _check_nudged(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
                   micro: List[List[Any]], sizes: List[int], weights: Any, mode: Callable[[nn.Module], Any], k: int,
                   why: str, mode_text: str) -> None:
@@ -122,12 +157,10 @@ def _check_nudged(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat
     (``h + gamma * proj(h.mean(0))``, ReZero / LayerScale) is invisible at the build's weights
     and appears at the first optimizer step (a trial: 5.8e-2 off after 5 Adam steps). A model
     that fails or overflows at nudged weights is left to the check at its own."""
-    try:
-        with mode(model), torch.no_grad(), nudged(gm):
-            whole = list(gm(*flat))
-            outs = [list(gm(*m)) for m in micro]
-    except Exception:  # noqa: BLE001 - weights the model cannot run at (a parameter read as an index)
+    runs = _nudged_runs(gm, model, flat, micro, mode)
+    if runs is None:
         return
+    whole, outs = runs
     for i, (a, column) in enumerate(zip(whole, zip(*outs))):
         b = batching._merge_leaf(i, list(column), sizes, weights.get(i))
         finite = not isinstance(a, Tensor) or not a.is_floating_point() or bool(torch.isfinite(a).all())
