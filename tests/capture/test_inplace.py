@@ -364,3 +364,40 @@ def test_embedding_with_max_norm_is_exact_when_checkpointed(mode, functional):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
     # renormalised alike (a row renormalised twice may move by an ulp: its norm lands on max_norm)
     torch.testing.assert_close(piped.emb.weight, ref.emb.weight)
+
+
+class _NormAfterInplace(nn.Module):
+    """An in-place add and BatchNorm's running statistics (a write its aten schema does not
+    declare), or neither."""
+
+    def __init__(self, writes: bool):
+        super().__init__()
+        self.a, self.b, self.writes = nn.Linear(8, 8), nn.Linear(8, 8), writes
+        self.norm = nn.BatchNorm1d(8) if writes else nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.writes:
+            h.add_(1.0)
+        return self.b(torch.relu(self.norm(h)))
+
+
+@pytest.mark.parametrize("writes", [False, True])
+def test_an_export_graph_that_writes_nothing_is_not_run_to_find_writes(writes, monkeypatch):
+    import fxpipe.capture._mutation as mutation
+    import fxpipe.capture._tracing as tracing
+    from fxpipe.errors import TraceError
+
+    monkeypatch.setattr(tracing, "trace_fx", lambda *a, **k: tracing._Failure("", TraceError("export it")))
+    runs = []
+    real = mutation._Watcher.run
+    monkeypatch.setattr(mutation._Watcher, "run", lambda self, *a, **k: runs.append(1) or real(self, *a, **k))
+    torch.manual_seed(0)
+    model = _NormAfterInplace(writes).train()
+    # BatchNorm in training mixes the batch: one micro-batch there
+    pipe = assert_exact(model, (torch.randn(8, 8),), 2, chunks=1 if writes else 2, balance_by="params",
+                        progress=False)
+    assert pipe.capture.method == "export"
+    assert mutation.writes_nothing(pipe.capture.graph_module) is not writes and len(runs) == int(writes)
+    if writes:  # the writes found: BatchNorm's statistics updated by the pipeline's call as by eager's
+        assert int(pipe.module.norm.num_batches_tracked) == 1  # the build left it at 0: one call since
