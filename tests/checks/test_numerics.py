@@ -266,3 +266,26 @@ def test_transformers_causal_lm_in_half_precision_with_labels_matches_eager(dtyp
     grads = [(n, p.grad is None) for n, p in model.named_parameters()]
     assert grads == [(n, p.grad is None) for n, p in ref.named_parameters()]
     assert_close_at(eps, [p.grad for p in model.parameters()], [p.grad for p in ref.parameters()], grads=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_checks_comparison_decides_as_torchs_allclose_in_double(dtype):
+    """Decided in float32 where the absolute part of the tolerance covers it (a double copy of
+    GPT-2's logits cost a second), torch's allclose in double otherwise: the same answers. inf
+    and NaN compare by place (a NaN raised torch's "atol must be greater than or equal to zero")."""
+    from fxpipe.capture._values import same_value
+
+    torch.manual_seed(0)
+    rtol, atol = numerics.tolerance(dtype)
+    a = (torch.randn(64, 33) * 3).to(dtype)
+    scale = float(a.double().abs().max())
+    step = (atol * scale) / 4
+    cases = [a.clone(), (a.double() + step).to(dtype), (a.double() + step * 8).to(dtype),
+             (a.double() * (1 + rtol / 2)).to(dtype), (a.double() * (1 + rtol * 8)).to(dtype)]
+    inf, nan = a.clone(), a.clone()
+    inf[3, 4], nan[5, 6] = float("inf"), float("nan")
+    for b in cases:
+        want = torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol * max(scale, 1.0))
+        assert same_value(a, b) is want
+    assert same_value(inf, inf.clone()) and not same_value(a, inf) and not same_value(inf, a)
+    assert same_value(nan, nan.clone()) and not same_value(a, nan) and not same_value(nan, a)
