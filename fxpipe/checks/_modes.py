@@ -104,7 +104,7 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
                 f"differ, but {failure}. What to do: build from a sample of real data (two or more samples that "
                 "differ), or with chunks=1")
     with checking(model, flat):
-        return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge)
+        return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge, chunks)
 
 
 def _fails_on(prepared: Prepared, model: nn.Module, flat: List[Any]) -> str:
@@ -146,7 +146,7 @@ _FIXED_BATCH = (
 
 
 def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, flat: List[Any],
-                 chunk_dims: ChunkDims, output_merge: Optional[OutputMerge]) -> Batching:
+                 chunk_dims: ChunkDims, output_merge: Optional[OutputMerge], chunks: int) -> Batching:
     captured = prepared.capture
     gm = captured.graph_module
     meta = is_meta_model(model)
@@ -173,7 +173,8 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
             quiet = nullcontext
         b = batching or Batching.build(model, args, kwargs, captured.unflatten_output(whole), chunk_dims, output_merge)
         with preserved(model), quiet():
-            deterministic = check_split(b, gm, model, flat, whole, mode=mode, random=random, **options)
+            deterministic = check_split(b, gm, model, flat, whole, mode=mode, random=random, chunks=chunks,
+                                        **options)
         return b, whole, deterministic, quiet
 
     def against_eager(mode: Mode, whole: List[Any], deterministic: bool, quiet: Quiet) -> None:

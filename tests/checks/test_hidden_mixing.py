@@ -237,3 +237,33 @@ def test_attentions_own_dropout_does_not_hide_training_mode_mixing(capture, monk
     assert pipe.capture.method == capture
     x = torch.randn(8, 4, 16)
     assert len({round(float(pipe(x).sum()), 4) for _ in range(4)}) > 1
+
+
+class _Trim(nn.Module):
+    def forward(self, h, mask):
+        return h[:, :int(mask.sum(1).max())].mean(1)
+
+
+class TrimToLongest(nn.Module):
+    """Pools each batch over its longest sequence, as dynamic-padding code trims: a sample's
+    output depends on which samples share its batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.a, self.trim, self.b = nn.Embedding(20, 16), nn.Linear(16, 16), _Trim(), nn.Linear(16, 3)
+
+    def forward(self, ids, mask):
+        return self.b(self.trim(torch.tanh(self.a(self.emb(ids))), mask))
+
+
+def test_the_split_is_checked_in_as_many_micro_batches_as_the_pipeline_runs():
+    # each half holds a sequence of the full length (exact in halves), not each quarter
+    lengths = torch.tensor([7, 2, 6, 3, 7, 5, 1, 4])
+    mask = (torch.arange(7) < lengths[:, None]).long()
+    ids = torch.randint(1, 20, (8, 7), generator=torch.Generator().manual_seed(0)) * mask
+    _build(TrimToLongest(), ids, mask)  # chunks=2: exact on any batch of such halves
+    with pytest.raises(MicroBatchError, match="4 micro-batches"):
+        fxpipe.pipeline(TrimToLongest(), (ids, mask), 2, chunks=4, devices=["cpu"] * 2, balance_by="params",
+                        progress=False)
+
