@@ -89,33 +89,43 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
 @contextmanager
 def nudged(gm: fx.GraphModule) -> Iterator[None]:
     """Every floating parameter of ``gm`` moved by ``NUDGE`` times its root mean square in a
-    random direction (a tensor of zeros by ``NUDGE`` times the model's typical one), put back
-    exactly afterwards. Seeded by a generator of its own: torch's global RNG is untouched.
+    random direction (a tensor of zeros by ``NUDGE`` times the model's typical one), and every
+    floating buffer each element by ``NUDGE`` of itself (its sign kept: a variance stays
+    positive, a mask's ``-inf`` stays) or, where it is 0, of the typical size -- a mixing gate
+    the training loop ramps up from 0 in a buffer (a warm-up schedule) hid behind it, 0.025 off
+    (a trial); all put back exactly afterwards. Seeded by a generator of its own: torch's global
+    RNG is untouched.
 
     The direction is one block of :data:`_PERIOD` normal draws repeated, each tensor starting
     at another place in it (two zero gates nudged alike could cancel): drawing a normal
     number for every parameter cost 4.6 s for GPT-2 124M on one thread, 2.4 of its forwards,
     at every build; a block and a copy cost a memory pass."""
     params = [p for p in gm.parameters() if p.is_floating_point() and p.numel()]
-    kept = [p.detach().clone() for p in params]
+    buffers = [b for b in gm.buffers() if b.is_floating_point() and b.numel()]
+    kept = [t.detach().clone() for t in (*params, *buffers)]
     rms = [float(torch.linalg.vector_norm(p.detach(), dtype=torch.float32)) / math.sqrt(p.numel()) for p in params]
     nonzero = sorted(r for r in rms if r > 0)
     typical = nonzero[len(nonzero) // 2] if nonzero else 0.02
     block = torch.randn(_PERIOD, generator=torch.Generator(device="cpu").manual_seed(0), dtype=torch.float32)
-    # through .data: the parameters' version counters stay as they were, so a graph the user
+
+    def noise(k: int, t: Tensor) -> Tensor:
+        start, n = (k * _STRIDE) % _PERIOD, t.numel()
+        return block.repeat(-(-(start + n) // _PERIOD))[start:start + n].view(t.shape).to(t.device, t.dtype)
+
+    # through .data: the tensors' version counters stay as they were, so a graph the user
     # recorded before the build (weights saved for its backward) still backpropagates
     try:
         with torch.no_grad():
             for k, (p, r) in enumerate(zip(params, rms)):
-                start = (k * _STRIDE) % _PERIOD
-                n = p.numel()
-                noise = block.repeat(-(-(start + n) // _PERIOD))[start:start + n].view(p.shape)
-                p.data.add_(noise.to(device=p.device, dtype=p.dtype), alpha=NUDGE * (r if r > 0 else typical))
+                p.data.add_(noise(k, p), alpha=NUDGE * (r if r > 0 else typical))
+            for k, b in enumerate(buffers, start=len(params)):
+                d = noise(k, b) * NUDGE
+                b.data.copy_(torch.where(b == 0, d * typical, b * (1 + d)))
         yield
     finally:
         with torch.no_grad():
-            for p, k in zip(params, kept):
-                p.data.copy_(k)
+            for t, k in zip((*params, *buffers), kept):
+                t.data.copy_(k)
 
 
 #: the length of the nudge's block of draws (a prime: its repeats line up with no layer's width)

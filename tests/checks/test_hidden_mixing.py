@@ -267,3 +267,22 @@ def test_the_split_is_checked_in_as_many_micro_batches_as_the_pipeline_runs():
         fxpipe.pipeline(TrimToLongest(), (ids, mask), 2, chunks=4, devices=["cpu"] * 2, balance_by="params",
                         progress=False)
 
+
+class BufferGate(nn.Module):
+    """Mixes each sample with its neighbour by a strength the training loop ramps up from 0 in a
+    buffer (a warm-up schedule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)
+        self.register_buffer("mix", torch.zeros(()))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b((1 - self.mix) * h + self.mix * h.roll(1, 0))
+
+
+def test_a_mixing_behind_a_buffer_at_zero_is_refused():
+    with pytest.raises(MicroBatchError):
+        _build(BufferGate(), torch.randn(16, 8))
