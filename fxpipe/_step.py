@@ -102,7 +102,7 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
         else:
             losses.backward_all(batches)
     if pipe.training:
-        commit_deferred_batch_norm(pipe._deferred)
+        commit_deferred_batch_norm(pipe._deferred, len(batches), pipe.module)
     return kept.result(loss if loss is not None else losses.merged(), sizes, weights)
 
 

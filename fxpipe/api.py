@@ -227,7 +227,7 @@ class Pipeline(PlacedModule):
         with deferring(self._deferred):
             self._runtime.run(batches, stop)
         if self.training:  # as eager BatchNorm: training mode updates statistics, grad or not
-            commit_deferred_batch_norm(self._deferred)
+            commit_deferred_batch_norm(self._deferred, len(batches), self.module)
         merged = self.batching.merge([b.values for b in batches], sizes, weights)
         return self.capture.unflatten_output(merged)
 

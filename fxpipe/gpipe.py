@@ -174,5 +174,5 @@ class GPipe(PlacedModule):
         with deferring(self._deferred):
             self._runtime.run(batches, stop)
         if self.training:
-            commit_deferred_batch_norm(self._deferred)
+            commit_deferred_batch_norm(self._deferred, len(batches), self.partitions)
         return microbatch.gather(batches)

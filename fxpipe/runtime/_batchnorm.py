@@ -199,7 +199,20 @@ def deferring(modules: List[DeferredBatchNorm]) -> Iterator[None]:
             bn._running -= 1
 
 
-def commit_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:
+def commit_deferred_batch_norm(modules: List[DeferredBatchNorm], micro_batches: int,
+                               root: Optional[nn.Module] = None) -> None:
+    """Commits each layer's statistics of the mini-batch just run in ``micro_batches``; a layer
+    that tracked more calls than that ran more than once per micro-batch (inside an opaque
+    module, where :func:`_refuse_repeated` cannot see it): refused, nothing committed."""
+    for bn in modules:
+        if bn._tracked > micro_batches:
+            names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
+            error = _repeated_error(names.get(id(bn), type(bn).__name__),
+                                    f"{bn._tracked} calls over {micro_batches} micro-batches; no statistics of "
+                                    "this call were committed")
+            for other in modules:
+                other._reset_deferred()
+            raise error
     for bn in modules:
         bn.commit()
 
@@ -207,8 +220,12 @@ def commit_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:
 def refuse_deferred_in_graph(graph: torch.fx.GraphModule, method: str, chunks: int) -> None:
     """``deferred_batch_norm=True`` swaps the BatchNorm modules' classes; a torch.export graph
     calls aten's batch norm itself, which the swap never reaches: in training its running
-    statistics would be updated once per micro-batch, silently. Refused."""
-    if method != "export" or chunks < 2:
+    statistics would be updated once per micro-batch, silently. Refused, as is a layer the
+    graph calls more than once (:func:`_refuse_repeated`)."""
+    if chunks < 2:
+        return
+    if method != "export":
+        _refuse_repeated(graph)
         return
     if any(_trains_batch_norm(n) for n in graph.graph.nodes):
         raise BatchNormConversionError(
@@ -217,6 +234,31 @@ def refuse_deferred_in_graph(graph: torch.fx.GraphModule, method: str, chunks: i
             "updated once per micro-batch, not once per mini-batch. What to do: make the model traceable by "
             "torch.fx (keep the code torch.fx cannot trace opaque with leaf_modules=[...]), or build with "
             "chunks=1, or with the BatchNorm layers in eval mode (frozen statistics).")
+
+
+def _refuse_repeated(graph: torch.fx.GraphModule) -> None:
+    """A BatchNorm layer called more than once per forward (a weight-shared block applied N
+    times, two views through one encoder): eager updates its running statistics once per call,
+    each with that call's batch; deferred, the calls' statistics would be pooled into one update
+    per mini-batch (0.15-0.25 off, a trial). Refused at the build, naming the layer."""
+    calls: Dict[str, int] = {}
+    for node in graph.graph.nodes:
+        if node.op == "call_module":
+            module = graph.get_submodule(node.target)
+            if isinstance(module, _BatchNorm) and module.track_running_stats:
+                calls[node.target] = calls.get(node.target, 0) + 1
+    for name, count in calls.items():
+        if count > 1:
+            raise _repeated_error(name, f"the graph calls it {count} times per forward")
+
+
+def _repeated_error(name: str, how: str) -> BatchNormConversionError:
+    return BatchNormConversionError(
+        f"deferred_batch_norm=True, but BatchNorm layer '{name}' runs more than once per forward ({how}): "
+        "the model updates its running statistics once per call, each with that call's batch, and deferred "
+        "statistics would pool the calls into one update per mini-batch. What to do: build without "
+        "deferred_batch_norm (each micro-batch updates the statistics), give each call a BatchNorm layer of its "
+        "own, or keep the layers in eval mode (frozen statistics).")
 
 
 def _trains_batch_norm(node: torch.fx.Node) -> bool:

@@ -145,3 +145,51 @@ def test_the_model_run_eagerly_while_the_pipeline_is_open_updates_its_statistics
     assert_all_close([(n, a, b) for (n, a), b in zip(model.named_buffers(), ref.buffers())])
     assert model[1].num_batches_tracked.item() == 4
     pipe.close()
+
+
+class _Looped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            h = h + torch.relu(self.bn(h))
+        return h
+
+
+class _SharedBN(nn.Module):
+    """One BatchNorm applied twice (ALBERT-style weight sharing), by the traced code or inside a
+    module kept opaque, where the graph cannot see the repeated calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.i, self.block, self.o = nn.Linear(4, 8), _Looped(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.block(self.i(x)))
+
+
+@pytest.mark.parametrize("where", ["graph", "opaque"])
+def test_deferred_batch_norm_called_twice_per_forward_is_refused(where):
+    """Eager updates the statistics once per call; deferred, both calls pooled into one update
+    per mini-batch (0.15-0.25 off, a trial). Refused: at the build where the graph calls the
+    layer twice, at the first call (nothing committed) where an opaque module does."""
+    import fxpipe
+    from fxpipe.errors import BatchNormConversionError
+
+    torch.manual_seed(0)
+    model = _SharedBN()
+    x = torch.randn(8, 4)
+    leaves = [] if where == "graph" else [_Looped]
+    build = lambda: fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True,  # noqa: E731
+                                    progress=False, balance_by="params", leaf_modules=leaves)
+    if where == "graph":
+        with pytest.raises(BatchNormConversionError, match="'block.bn' runs more than once per forward"):
+            build()
+        return
+    pipe = build()
+    before = model.block.bn.running_mean.clone()
+    with pytest.raises(BatchNormConversionError, match="'block.bn' .*4 calls over 2 micro-batches"):
+        pipe(x)
+    assert torch.equal(model.block.bn.running_mean, before)
