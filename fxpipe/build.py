@@ -148,7 +148,17 @@ def check_plan(plan: Plan, captured: Capture, n_stages: int, path: Optional[str]
 
 def _refuse_inference_state(model: nn.Module) -> None:
     """Parameters or buffers created under ``torch.inference_mode()`` cannot be built on (their
-    versions are not tracked, they cannot be saved for backward)."""
+    versions are not tracked, they cannot be saved for backward); nor can a lazy module's, which
+    have no shape until the model's first call (torch's bare "uninitialized parameter" error)."""
+    from torch.nn.parameter import is_lazy
+
+    lazy = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)]
+    if lazy:
+        raise ArgumentError(
+            f"{type(model).__name__}'s {', '.join(lazy[:3])}{' ...' if len(lazy) > 3 else ''} "
+            f"{'are' if len(lazy) > 1 else 'is'} not initialised yet (a lazy module: nn.LazyLinear, nn.LazyConv2d, "
+            "...), which have no shape until the model's first call. What to do: call the model once on a batch "
+            "(model(sample)) before building the pipeline, as before creating an optimizer", argument="model")
     bad = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()]
     if bad:
         raise ArgumentError(

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from exact import assert_all_close, assert_grads_equal
+from exact import assert_all_close, assert_exact, assert_grads_equal
 from zoo import ZOO
 
 MODES = ["always", "except_last", "never"]
@@ -421,6 +421,18 @@ def test_model_made_inside_inference_mode_is_refused():
                                             r"torch.inference_mode\(\)") as info:
         fxpipe.pipeline(model, torch.randn(2, 4), 2, devices=["cpu"] * 2)
     assert isinstance(info.value, ValueError) and info.value.argument == "model"
+
+
+def test_a_lazy_module_not_yet_called_is_refused_and_builds_after_one_call():
+    from fxpipe.errors import ArgumentError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 6)
+    with pytest.raises(ArgumentError, match=r"0.weight, 0.bias are not initialised yet.*model\(sample\)"):
+        fxpipe.pipeline(model, x, 2, devices=["cpu"] * 2, progress=False)
+    model(x)  # initialised, as before creating an optimizer
+    assert_exact(model, (x,), 2, chunks=2, progress=False)
 
 
 @pytest.mark.parametrize("mode", MODES)
