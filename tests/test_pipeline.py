@@ -436,6 +436,27 @@ def test_a_lazy_module_not_yet_called_is_refused_and_builds_after_one_call():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_torch_func_grad_through_the_pipeline_is_exact_or_refused_naming_checkpoint(mode):
+    """torch.func.grad's transform refuses the saved-tensor hooks checkpointing runs on (torch's
+    bare RuntimeError before): refused naming checkpoint=; without checkpointing, exact."""
+    from fxpipe.errors import ArgumentError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, torch.randn(8, 8), 2, chunks=2, devices=["cpu"] * 2, balance_by="params",
+                           progress=False, checkpoint=mode)
+    x = torch.randn(8, 8)
+    saliency = lambda m: torch.func.grad(lambda z: m(z).pow(2).sum())(x)  # noqa: E731
+    if mode == "never":
+        torch.testing.assert_close(saliency(pipe), saliency(ref))
+    else:
+        with pytest.raises(ArgumentError, match="checkpoint='never'"):
+            saliency(pipe)
+    torch.testing.assert_close(torch.func.vmap(pipe)(x[:, None]), torch.func.vmap(ref)(x[:, None]))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_running_stats_updated_once_when_built_in_eval_and_trained(mode):
     """The sample run (which finds buffers updated in forward) saw eval mode, where BatchNorm
     updates nothing; trained afterwards, a checkpointed stage's recomputation must still run on

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ._devices import Device
-from ..errors import ChunksError, PlacementError
+from ..errors import ArgumentError, ChunksError, PlacementError
 from ._batchnorm import (
     DeferredBatchNorm, convert_deferred_batch_norm, defer_batch_norms, release_deferred_batch_norm,
 )
@@ -32,10 +32,29 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 def checkpoint_stop(mode: str, num_microbatches: int, training: bool) -> int:
-    """How many leading micro-batches are checkpointed (none in eval or under no_grad)."""
+    """How many leading micro-batches are checkpointed (none in eval or under no_grad).
+    Under ``torch.func.grad`` / ``vjp`` / ``jacrev`` a checkpointed one cannot run: their
+    transforms refuse the saved-tensor hooks checkpointing recomputes by (torch's bare "don't
+    yet support saved tensor hooks"); refused naming the option that runs there."""
     if not (training and torch.is_grad_enabled()):
         return 0
-    return {"always": num_microbatches, "except_last": num_microbatches - 1, "never": 0}[mode]
+    stop = {"always": num_microbatches, "except_last": num_microbatches - 1, "never": 0}[mode]
+    if stop and _under_func_grad():
+        raise ArgumentError(
+            f"this pipeline checkpoints its micro-batches (checkpoint={mode!r}) and is called under torch.func.grad "
+            "(or vjp, jacrev, hessian), whose transforms cannot run checkpointed code (torch refuses the "
+            "saved-tensor hooks recomputation needs). What to do: build the pipeline with checkpoint='never' for "
+            "use under torch.func, or take the gradient with torch.autograd.grad / backward()",
+            argument="checkpoint")
+    return stop
+
+
+def _under_func_grad() -> bool:
+    """Whether a torch.func gradient transform (grad, vjp, jacrev) is active in this thread."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
 
 
 def check_chunks(chunks: object) -> int:
