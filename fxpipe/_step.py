@@ -83,7 +83,7 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
     loss: Optional[Tensor] = None  # set where the loss is not the merge of the micro-batches'
     if pipe.schedule == "1f1b":
         try:
-            with deferring(pipe._deferred):
+            with deferring(pipe._deferred), pipe.batching.naming_sizes(sizes):
                 pipe._runtime.run(batches, stop, on_output=losses.backward_now)
         except BaseException as e:
             if losses.backwarded:
@@ -91,7 +91,7 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
                            "1F1B step: .grad holds part of its gradients; zero them before another step.")
             raise
     else:
-        with deferring(pipe._deferred):
+        with deferring(pipe._deferred), pipe.batching.naming_sizes(sizes):
             pipe._runtime.run(batches, stop)
         if fn is not None and not fn.decide(batches[0].values).kind:
             for i, b in enumerate(batches):

@@ -224,7 +224,7 @@ class Pipeline(PlacedModule):
         flat, micro, sizes, weights, batches = self._micro_batches(args, kwargs)
         refuse_forward_with_grad(self.schedule, self.training)  # 1F1B's backward is step()'s
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
-        with deferring(self._deferred):
+        with deferring(self._deferred), self.batching.naming_sizes(sizes):
             self._runtime.run(batches, stop)
         if self.training:  # as eager BatchNorm: training mode updates statistics, grad or not
             commit_deferred_batch_norm(self._deferred, len(batches), self.module)

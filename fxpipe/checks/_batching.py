@@ -20,8 +20,9 @@ splits; a cross entropy mean over counted labels by their counts, :mod:`fxpipe.c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ..capture._tracing import positional_names
 from ._counted_labels import CountedLabels
 from ._weighted_mean import weighted_mean
-from ..errors import MicroBatchError
+from ..errors import FxpipeError, MicroBatchError
 from ..runtime._microbatch import split_sizes as _split_sizes
 from ..tree import leaf_names
 
@@ -124,6 +125,28 @@ class Batching:
     #: how the 0-dim outputs merged by 'mean' are weighed (:mod:`fxpipe.checks._counted_labels`):
     #: found on the captured graph by the first :meth:`check` (None: not looked for)
     counted: Optional[CountedLabels] = None
+    #: the micro-batch sizes the build's check ran (:func:`fxpipe.checks._micro_batches.check_split`)
+    checked_sizes: List[int] = field(default_factory=list)
+
+    @contextmanager
+    def naming_sizes(self, sizes: List[int]) -> Iterator[None]:
+        """A failure of the model's code on micro-batches smaller than the build checked (rows
+        grouped by a view, ``scores.view(-1, 4)``, cut by a smaller last batch) raised as
+        :class:`MicroBatchError` saying so, the model's error as its cause: torch's bare error
+        named a line of stage code, not the sizes nor what to change (a trial)."""
+        try:
+            yield
+        except (FxpipeError, torch.cuda.OutOfMemoryError):
+            raise
+        except Exception as e:
+            if not self.checked_sizes or not sizes or min(sizes) >= min(self.checked_sizes):
+                raise
+            raise MicroBatchError(
+                f"the model fails on this call's micro-batches of {sizes} samples ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0][:200]}); the build checked micro-batches of {self.checked_sizes}. "
+                "A model that groups its rows (a view over the batch, a reshape to groups) needs micro-batches that "
+                "keep whole groups: give a batch size that splits into micro-batches like the build's, or build "
+                "with another chunks") from e
 
     @classmethod
     def build(cls, model: nn.Module, args: tuple, kwargs: dict, out_structure: Any,

@@ -66,6 +66,7 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     k = max(2, min(chunks, total))
     with mode(model), torch.no_grad():
         micro, sizes = batching.split(flat, k)
+        batching.checked_sizes = list(sizes)
         weights = batching.weights(flat, micro, "the sample")  # decided as for a call
     # the split compared at nudged weights alone where it agrees there: a mixing shows at either
     # weights, and behind a gate initialised at zero only there (a forward saved per build);

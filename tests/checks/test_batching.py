@@ -389,3 +389,31 @@ def test_a_micro_batch_of_one_through_batchnorm_is_a_micro_batch_error() -> None
         with pytest.raises(MicroBatchError, match=r"micro-batches of \[4, 4, 4, 1\] samples"):
             pipe(torch.randn(13, 8))
         assert pipe(torch.randn(12, 8)).shape == (12, 2)
+
+
+class _Listwise(nn.Module):
+    """A re-ranker scoring each query's 4 candidates, in consecutive rows, against each other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).squeeze(-1).view(-1, 4).log_softmax(-1).flatten()
+
+
+def test_micro_batches_that_break_the_models_row_groups_are_named():
+    """chunks=8 on 16 rows: refused at the build (the check runs as many micro-batches as the
+    pipeline); a smaller last batch cutting the groups: MicroBatchError naming the sizes (torch's
+    bare view error before), the model's error as its cause."""
+    with pytest.raises(MicroBatchError, match="fails on a micro-batch"):
+        fxpipe.pipeline(_Listwise(), torch.randn(16, 8), 2, chunks=8, devices=["cpu"] * 2, progress=False)
+    model = _Listwise()
+    pipe = fxpipe.pipeline(model, torch.randn(16, 8), 2, chunks=4, devices=["cpu"] * 2, progress=False)
+    x = torch.randn(16, 8)
+    torch.testing.assert_close(pipe(x), model(x))
+    with pytest.raises(MicroBatchError, match=r"micro-batches of \[2, 2, 2, 2\] samples.*checked micro-batches of "
+                                              r"\[4, 4, 4, 4\]") as info:
+        pipe(torch.randn(8, 8))
+    assert isinstance(info.value.__cause__, RuntimeError)
