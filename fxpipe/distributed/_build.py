@@ -41,7 +41,7 @@ from ._carry import carried_plan
 from ._device import DeviceOption, check_one_gpu_per_rank, ensure_process_group, rank_device
 from ._eval_mode import capture_eval, eval_run
 from ._eager_guard import guard_eager, unguard_eager
-from ._failures import Failures
+from ._failures import Failures, joining
 from ._loss import StepLoss
 from ._materialise import InitBuffers, check_sample, local_weights
 from ._mesh import layout_of, refuse_replicated_state
@@ -267,15 +267,16 @@ def pipeline(
     wait = _check_timeout(timeout)
     compile_options = check_compile_option(compile)  # before any collective: a bad option on every rank alike
     ensure_process_group(wait, device)
-    layout = layout_of(mesh, data_parallel, wait)  # collective: every rank, before any other check can differ
-    _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, checkpoint, layout.pp)
-    chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
-    check_split_points(split_points, plan)
-    where = rank_device(device)
-    check_one_gpu_per_rank(where, wait)  # before NCCL's first collective, which would stop on it
-    report = as_progress(progress) if dist.get_rank() == 0 else Progress(enabled=False)
-    world, group, pipe_group = layout.pp, layout.world, layout.pipe
-    agree_on_arguments({"schedule": schedule, "chunks": chunks}, group)  # else a hang or an abort in a step
+    with joining(wait):  # a rank building alone: said, not the store's bare timeout
+        layout = layout_of(mesh, data_parallel, wait)  # collective: every rank, before any other check can differ
+        _check_args(model, chunks, loss_fn, schedule, stages_per_rank, balance_by, checkpoint, layout.pp)
+        chunks = check_chunks(chunks)  # an int from here on (chunks=4.0 is 4)
+        check_split_points(split_points, plan)
+        where = rank_device(device)
+        check_one_gpu_per_rank(where, wait)  # before NCCL's first collective, which would stop on it
+        report = as_progress(progress) if dist.get_rank() == 0 else Progress(enabled=False)
+        world, group, pipe_group = layout.pp, layout.world, layout.pipe
+        agree_on_arguments({"schedule": schedule, "chunks": chunks}, group)  # else a hang or an abort in a step
     n_stages = world * stages_per_rank
     args: tuple = sample if isinstance(sample, tuple) else (sample,)
     kwargs = dict(sample_kwargs or {})

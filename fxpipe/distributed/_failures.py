@@ -39,8 +39,10 @@ from __future__ import annotations
 import math
 import re
 import sys
+import time
 import weakref
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,7 +54,7 @@ from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError,
 from ._copies import Copies, as_integers, refuse_different_copies
 from ._flags import FLAG_COUNT, refuse_different_flags
 
-__all__ = ["Failures", "Agreement", "failure_line", "fingerprint"]
+__all__ = ["Failures", "Agreement", "failure_line", "fingerprint", "joining"]
 
 #: the longest error message carried to the other ranks (one line of a terminal log)
 _MAX_CHARS = 2000
@@ -94,8 +96,32 @@ def _from_transport(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(_TRANSPORT.search(str(error).split("\n", 1)[0]))
 
 
+@contextmanager
+def joining(wait: Any) -> Iterator[None]:
+    """The build's first collectives: a rank that builds alone (the others still in an earlier
+    pipeline's ``step``) waited out ``timeout`` and raised the store's bare "wait timeout"
+    (a trial). Said as :class:`DistributedError`, and written to the store key of each
+    pipeline open in this process, so a peer waiting in one of them names this rank's cause."""
+    try:
+        yield
+    except Exception as e:
+        if not _from_transport(e):
+            raise
+        seconds = wait.total_seconds() if isinstance(wait, timedelta) else float(wait)
+        error = DistributedError(
+            f"the other ranks did not join this build within the timeout ({seconds:g} s): fxpipe.distributed.pipeline is "
+            "a collective, every rank calls it at the same point of the program (a rank still running an earlier "
+            "pipeline's step(), or a build behind 'if rank == 0:'?)")
+        for failures in list(_OPEN):
+            failures._write(failure_line(failures.rank, error))
+        raise error from e
+
+
+#: how long a rank whose transfer failed waits for the failing peer's line in the store
+_GRACE_S = 2.0
+
 #: the calls a rank can be in when the ranks agree (their index travels)
-_CALLS = ("", "step()", "eval_step()")
+_CALLS = ("", "step()", "eval_step()", "clip_grad_norm_()", "trace.record()")
 
 #: numbers in a batch's fingerprint
 _PRINT = 3
@@ -251,8 +277,8 @@ class Failures:
             named = ", ".join(f"rank {r}: {_CALLS[c] if c < len(_CALLS) else 'another call'}"
                               for r, c in enumerate(calls))
             raise DistributedError(
-                f"the ranks called different methods of this pipeline ({named}): each would run another schedule, "
-                "and their transfers would not match. Nothing was sent. Call the same method on every rank, with "
+                f"the ranks called different methods of this pipeline ({named}): each would run other transfers "
+                "and collectives, which would not match (gloo aborts the process). Nothing was sent. Call the same method on every rank, with "
                 "the same batch.")
         failed = [r for r, flag in enumerate(values[:world]) if flag]
         if not failed:
@@ -292,7 +318,7 @@ class Failures:
                     raise own.with_traceback(own.__traceback__) from None
                 raise
             try:
-                line = self._read()
+                line = self._read_waiting()
             except Exception:  # noqa: BLE001 - the store went away with its host
                 raise PeerFailedError(
                     f"rank {self.rank}: a transfer with another rank failed ({failure_line(self.rank, e)}), and the "
@@ -315,6 +341,17 @@ class Failures:
             dist.distributed_c10d._get_default_store().compare_set(self.key, "", line)
         except Exception:  # noqa: BLE001 - never hide the rank's own error behind the store's
             pass
+
+    def _read_waiting(self) -> Optional[str]:
+        """The failing rank's line, waited for up to :data:`_GRACE_S`: a peer whose own wait
+        timed out at the same moment (a rank building alone, :func:`joining`) writes it a moment
+        after this rank's transfer failed."""
+        deadline = time.monotonic() + _GRACE_S
+        while True:
+            line = self._read()
+            if line is not None or time.monotonic() >= deadline:
+                return line
+            time.sleep(0.1)
 
     def _read(self) -> Optional[str]:
         store = dist.distributed_c10d._get_default_store()

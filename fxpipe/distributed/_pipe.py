@@ -43,7 +43,7 @@ from torch import nn
 from fxpipe.capture._tracing import Capture
 from fxpipe.checks._loss_fn import split_target
 from fxpipe.emit._stages import Stages
-from fxpipe.errors import BatchShapeError, DistributedError, ModeError, PipelineClosedError
+from fxpipe.errors import BatchShapeError, DistributedError, ModeError, PipelineClosedError, StepError
 from fxpipe.capture._baked_dtypes import BakedDtypes
 from fxpipe.capture._mode_flags import ModeFlags
 from fxpipe.capture._model_check import ModelCheck
@@ -166,8 +166,11 @@ class DistributedPipeline(PipelineState):
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the norm of every rank's
         gradients (a tied parameter counted once), and the same scale on every rank, so tied
         copies stay equal. Call it on every rank, between ``step`` and the optimizer's step;
-        returns the total norm (0-dim) on every rank (:mod:`._clip`)."""
+        returns the total norm (0-dim) on every rank (:mod:`._clip`). Called on some ranks only
+        (``if rank == 0:``), every rank refuses it before anything is summed: gloo aborted the
+        process on the mismatched collectives (a trial)."""
         self._check_open()
+        self.agree_on_call("clip_grad_norm_()", "clip its gradients")
         with self._failures.reported():
             # 'fsdp': each replica holds a shard of most gradients, so the norm sums over every rank, and a
             # gradient every replica holds whole (a weight two local stages share) counts on the first replica
@@ -179,6 +182,13 @@ class DistributedPipeline(PipelineState):
 
             return clip_grad_norm_(list(self.parameters()), counted, max_norm, norm_type, group, self.device,
                                    error_if_nonfinite)
+
+    def agree_on_call(self, call: str, doing: str) -> None:
+        """Every rank is in ``call`` (one of the calls ``Failures`` knows), or every rank refuses
+        it naming each rank's call: the agreement ``step`` and ``eval_step`` begin with, whose
+        all-reduce has the same size for every call, so mismatched calls meet in it."""
+        with self._failures.agreed(doing, call=call) as agreement:
+            agreement.copies = self._copies  # the agreement's size: as in step()
 
     # -- running -------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict, run: Optional[EvalRun] = None) -> tuple[list[Any], list[Any]]:
@@ -259,6 +269,10 @@ class DistributedPipeline(PipelineState):
         own = self._step_loss is not None and self._step_loss.own is not None
         kept_weights: Optional[dict] = None  # return_outputs=True: the counts the outputs merge by
         with self._failures.agreed("check its batch", call="step()") as agreement:  # refused on one: on all
+            if not torch.is_grad_enabled():  # torch's schedule raises once the step began: pipeline lost
+                raise StepError("step() is called under torch.no_grad() or torch.inference_mode() (a validation "
+                                "block left open?), and a training step needs gradients. Nothing was sent. What to do: "
+                                "call step() outside that block, or eval_step() for a forward without gradients")
             if not (return_outputs is False or return_outputs is True or callable(return_outputs)):
                 raise TypeError(f"return_outputs must be False, True or a callable taking one micro-batch's output, "
                                 f"got {type(return_outputs).__name__}")

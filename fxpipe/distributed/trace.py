@@ -333,6 +333,7 @@ def record(pipe: DistributedPipeline) -> Iterator[Trace]:
                         f"got {type(pipe).__name__}")
     group = pipe.group
     trace = Trace(world_size=pipe.world_size)
+    pipe.agree_on_call("trace.record()", "start recording")  # entered on some ranks only: refused on every rank
     offsets = clock_offsets(group)
     recorder = _Recorder(pipe)
     with recorder:

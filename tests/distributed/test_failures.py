@@ -407,3 +407,82 @@ def test_a_rank_failing_between_steps_is_named_by_its_peers(tmp_path: Path) -> N
     assert line.startswith("PeerFailedError: stopped because another rank failed: rank 1: ValueError: the data "
                            "loader broke"), line
     assert codes == [0, 1], codes
+
+
+def _one_rank_calls_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Calls that only some ranks make (a rank-guarded branch), and step() left under no_grad:
+    each refused on every rank before anything is sent, the pipeline usable afterwards."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+    from fxpipe.distributed import trace
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=30, progress=False)
+    pipe.step(x, target=y)
+    try:  # gloo aborted the clipping process ("collective mismatch")
+        if rank == 0:
+            pipe.clip_grad_norm_(0.1)
+        else:
+            pipe.step(x, target=y)
+    except Exception as e:
+        _record(out, rank, "clip", e)
+    try:  # the recording rank waited out gloo's timeout, then torch's bare RuntimeError
+        if rank == 0:
+            with trace.record(pipe):
+                pipe.step(x, target=y)
+        else:
+            pipe.step(x, target=y)
+    except Exception as e:
+        _record(out, rank, "record", e)
+    try:  # torch's schedule raised after the step began: the pipeline was lost
+        with torch.no_grad():
+            pipe.step(x, target=y)
+    except Exception as e:
+        _record(out, rank, "nograd", e)
+    loss = pipe.step(x, target=y)  # still usable
+    Path(out, f"rank{rank}.after.txt").write_text(f"{float(loss):.6f}")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def test_calls_some_ranks_skip_or_make_under_no_grad_are_refused_on_every_rank(tmp_path: Path) -> None:
+    assert _run(_one_rank_calls_worker, 2, (), tmp_path) == [0, 0]
+    for line in _read(tmp_path, 2, "clip"):
+        assert line.startswith("DistributedError") and "rank 0: clip_grad_norm_(), rank 1: step()" in line
+    for line in _read(tmp_path, 2, "record"):
+        assert line.startswith("DistributedError") and "rank 0: trace.record(), rank 1: step()" in line
+    for line in _read(tmp_path, 2, "nograd"):
+        assert line.startswith("StepError") and "torch.no_grad()" in line and "Nothing was sent" in line
+    assert all(float(v) > 0 for v in _read(tmp_path, 2, "after"))
+
+
+def _build_alone_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=5, progress=False)
+    pipe.step(x, target=y)
+    try:
+        if rank == 0:  # the store's bare "wait timeout" on the building rank
+            fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=5, progress=False)
+        else:
+            pipe.step(x, target=y)
+    except Exception as e:
+        _record(out, rank, "build", e)
+
+
+@pytest.mark.slow
+def test_a_build_on_one_rank_alone_is_named_on_every_rank(tmp_path: Path) -> None:
+    _run(_build_alone_worker, 2, (), tmp_path)
+    building, stepping = _read(tmp_path, 2, "build")
+    assert building.startswith("DistributedError") and "did not join this build" in building
+    assert stepping.startswith("PeerFailedError") and "rank 0: DistributedError: the other ranks did not join" in stepping
