@@ -54,8 +54,15 @@ def micro_batch(flat: Sequence[Any], chunks: int, what: str = "the batch") -> li
     :class:`BatchShapeError` unless every tensor has one batch size that ``chunks`` divides."""
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     sizes = {x.shape[0] if x.dim() else None for x in tensors}
-    if len(sizes) != 1 or None in sizes or next(iter(sizes)) % chunks:
-        shapes = [tuple(x.shape) for x in tensors]
+    shapes = [tuple(x.shape) for x in tensors]
+    if None in sizes:  # a count given as a tensor (the HF Trainer's num_items_in_batch): not a batch-size matter
+        raise BatchShapeError(
+            f"{what}'s tensor inputs have shapes {shapes}, one of them 0-dim (a count such as transformers' "
+            "num_items_in_batch?): torch's schedules split every tensor input along dim 0 into micro-batches, and a "
+            "0-dim tensor has no dim 0. What to do: leave it out (a labels= loss is weighed by each micro-batch's "
+            "counted labels: the step's loss is the mean over the whole batch's; to accumulate several steps, scale "
+            "the gradients by each step's share of the labels), or use it outside the pipeline")
+    if len(sizes) != 1 or next(iter(sizes)) % chunks:
         raise BatchShapeError(
             f"every tensor input must have the same batch size along dim 0, a multiple of chunks={chunks} (torch's "
             f"schedules run micro-batches of one size, which also keeps a mean loss exact); {what}'s tensor inputs "

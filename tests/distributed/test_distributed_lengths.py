@@ -156,3 +156,16 @@ def test_a_tied_gpt2_sharded_over_replicas_trains_as_eager_at_each_length(tmp_pa
         opt.zero_grad()
         for r in ranks:
             assert_close_scaled(r["losses"][step], loss.detach(), what=f"loss of step {step}")
+
+
+def test_a_0_dim_tensor_input_is_named_as_such_not_as_a_batch_size() -> None:
+    """The HF Trainer's ``num_items_in_batch`` as a 0-dim tensor was told to make its last batch
+    a multiple of chunks (a trial): torch's schedules split every tensor input along dim 0."""
+    from fxpipe.distributed._shape_runs import micro_batch
+    from fxpipe.errors import BatchShapeError
+
+    ids = torch.zeros(8, 12, dtype=torch.long)
+    with pytest.raises(BatchShapeError, match=r"one of them 0-dim .*num_items_in_batch") as info:
+        micro_batch([ids, ids, torch.tensor(40)], 4)
+    assert "multiple of" not in str(info.value)
+    assert [x.shape[0] for x in micro_batch([ids, ids, 3], 4)[:2]] == [2, 2]
