@@ -40,7 +40,10 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     two, uneven when the batch does not divide): two are enough to see a wrong split dim or an
     output that is not per sample, but not a mixing that depends on which samples share a
     micro-batch (a batch trimmed to its longest sequence: exact in halves that each hold a
-    longest one, 0.067 off in the quarters ``chunks=4`` made, a trial). Runs under ``mode(model)`` (default: eval
+    longest one, 0.067 off in the quarters ``chunks=4`` made, a trial). Micro-batches keep two
+    samples at least where the sample allows: a sample of ``chunks`` samples built from would
+    otherwise be checked one sample at a time (BatchNorm1d fails on one, a ``.squeeze()`` drops
+    its batch), which calls of a larger batch never run. Runs under ``mode(model)`` (default: eval
     mode; :mod:`fxpipe.checks._modes` runs the training mode too) and under no_grad; the
     caller restores the model's state. A graph that gives another result with another
     seed (random ops the mode does not switch off) is checked for structure only, as is
@@ -63,7 +66,7 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     total = batching.batch_size(flat)
     if total < 2:
         return deterministic
-    k = max(2, min(chunks, total))
+    k = max(2, min(chunks, total // 2))  # micro-batches of two samples at least where the batch allows
     with mode(model), torch.no_grad():
         micro, sizes = batching.split(flat, k)
         batching.checked_sizes = list(sizes)
