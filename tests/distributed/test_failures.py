@@ -409,20 +409,29 @@ def test_a_rank_failing_between_steps_is_named_by_its_peers(tmp_path: Path) -> N
     assert codes == [0, 1], codes
 
 
-def _one_rank_calls_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Calls that only some ranks make (a rank-guarded branch), and step() left under no_grad:
-    each refused on every rank before anything is sent, the pipeline usable afterwards."""
+def _stepped(rank: int, world: int, port: int, timeout: float) -> tuple:
+    """A gloo rank's two-stage MLP pipeline after one step: (pipe, model, x, y, loss_fn)."""
     import torch.distributed as dist
 
     import fxpipe.distributed as fpd
-    from fxpipe.distributed import trace
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     model, x, y, loss_fn, _ = case("mlp", 2)
-    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=30, progress=False)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=timeout, progress=False)
     pipe.step(x, target=y)
+    return pipe, model, x, y, loss_fn
+
+
+def _one_rank_calls_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Calls that only some ranks make (a rank-guarded branch), and step() left under no_grad:
+    each refused on every rank before anything is sent, the pipeline usable afterwards."""
+    import torch.distributed as dist
+
+    from fxpipe.distributed import trace
+
+    pipe, _, x, y, _ = _stepped(rank, world, port, 30)
     try:  # gloo aborted the clipping process ("collective mismatch")
         if rank == 0:
             pipe.clip_grad_norm_(0.1)
@@ -461,16 +470,9 @@ def test_calls_some_ranks_skip_or_make_under_no_grad_are_refused_on_every_rank(t
 
 
 def _build_alone_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
     import fxpipe.distributed as fpd
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    model, x, y, loss_fn, _ = case("mlp", 2)
-    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=5, progress=False)
-    pipe.step(x, target=y)
+    pipe, model, x, y, loss_fn = _stepped(rank, world, port, 5)
     try:
         if rank == 0:  # the store's bare "wait timeout" on the building rank
             fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=5, progress=False)
