@@ -126,6 +126,7 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
                 f"differ from the model. {_LOSS_NOTE}")
     return deterministic
 
+
 def _nudged_runs(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], micro: List[List[Any]],
                  mode: Callable[[nn.Module], Any]) -> Optional[tuple[List[Any], List[List[Any]]]]:
     """The whole sample's and each micro-batch's outputs at nudged weights; None where the
