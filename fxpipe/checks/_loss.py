@@ -77,7 +77,7 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
         return None
     params = [p for _, p in named]
     try:
-        with nudged(gm):
+        with nudged(gm, buffers=False):
             found = _compare(gm, named, params, flat, micro, indices, merge)
         if found is None or all(math.isfinite(v) for v in found[2:]):
             return found
@@ -87,21 +87,22 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
 
 
 @contextmanager
-def nudged(gm: fx.GraphModule) -> Iterator[None]:
+def nudged(gm: fx.GraphModule, buffers: bool = True) -> Iterator[None]:
     """Every floating parameter of ``gm`` moved by ``NUDGE`` times its root mean square in a
     random direction (a tensor of zeros by ``NUDGE`` times the model's typical one), and every
     floating buffer each element by ``NUDGE`` of itself (its sign kept: a variance stays
     positive, a mask's ``-inf`` stays) or, where it is 0, of the typical size -- a mixing gate
     the training loop ramps up from 0 in a buffer (a warm-up schedule) hid behind it, 0.025 off
     (a trial); all put back exactly afterwards. Seeded by a generator of its own: torch's global
-    RNG is untouched.
+    RNG is untouched. ``buffers=False``: parameters only (the merged-loss gradient check, whose
+    merge weights -- class weights a loss reads from a buffer -- are counted at the model's own).
 
     The direction is one block of :data:`_PERIOD` normal draws repeated, each tensor starting
     at another place in it (two zero gates nudged alike could cancel): drawing a normal
     number for every parameter cost 4.6 s for GPT-2 124M on one thread, 2.4 of its forwards,
     at every build; a block and a copy cost a memory pass."""
     params = [p for p in gm.parameters() if p.is_floating_point() and p.numel()]
-    buffers = [b for b in gm.buffers() if b.is_floating_point() and b.numel()]
+    buffers = [b for b in gm.buffers() if b.is_floating_point() and b.numel()] if buffers else []
     kept = [t.detach().clone() for t in (*params, *buffers)]
     rms = [float(torch.linalg.vector_norm(p.detach(), dtype=torch.float32)) / math.sqrt(p.numel()) for p in params]
     nonzero = sorted(r for r in rms if r > 0)

@@ -19,6 +19,7 @@ from ..capture._mode_flags import modes_kept
 from ..capture._values import concatenated_dim, exactly_same, same_value
 from ..errors import MicroBatchError
 from ._batching import _LOSS_NOTE, Batching, _merge_hint, _output_label
+from ..runtime._microbatch import split_sizes
 from ._counted_labels import CountedLabels
 from ._backward_mixing import unseen_backward
 from ._loss import NUDGE, gradient_mismatch, nudged
@@ -66,7 +67,7 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     total = batching.batch_size(flat)
     if total < 2:
         return deterministic
-    k = max(2, min(chunks, total // 2))  # micro-batches of two samples at least where the batch allows
+    k = _micro_batch_count(total, chunks)
     with mode(model), torch.no_grad():
         micro, sizes = batching.split(flat, k)
         batching.checked_sizes = list(sizes)
@@ -74,7 +75,7 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     # the split compared at nudged weights alone where it agrees there: a mixing shows at either
     # weights, and behind a gate initialised at zero only there (a forward saved per build);
     # where it does not agree, or the nudged model fails, the checks at the build's weights say why
-    if not (compare and nudge and _agrees_nudged(batching, gm, model, flat, micro, sizes, weights, mode)):
+    if not (compare and nudge and _agrees_nudged(batching, gm, model, flat, micro, sizes, mode)):
         with mode(model), torch.no_grad():
             try:
                 outs = [list(gm(*m)) for m in micro]
@@ -94,7 +95,7 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
                 found = blame(micro) if blame is not None and compare else ""
                 _refuse(batching, i, a, b, list(column), k, found, why, mode_text)
         if compare and nudge:  # and where training will move the weights: a mixing behind a gate initialised at 0
-            _check_nudged(batching, gm, model, flat, micro, sizes, weights, mode, k, why, mode_text)
+            _check_nudged(batching, gm, model, flat, micro, sizes, mode, k, why, mode_text)
     reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
                and a.is_floating_point() and batching.merges[i] is not None]
     unseen = unseen_backward(gm)  # backward code of the model's own: its gradients compared too
@@ -127,25 +128,38 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     return deterministic
 
 
-def _nudged_runs(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], micro: List[List[Any]],
-                 mode: Callable[[nn.Module], Any]) -> Optional[tuple[List[Any], List[List[Any]]]]:
-    """The whole sample's and each micro-batch's outputs at nudged weights; None where the
-    model fails there (a parameter read as an index)."""
+def _micro_batch_count(total: int, chunks: int) -> int:
+    """The most micro-batches up to ``chunks`` into which a batch of ``total`` splits (as the
+    pipeline splits) with two samples in each, at least two micro-batches: [3, 3, 1] of a
+    sample of 7 in 3 checked a micro-batch of one (a trial's ``.squeeze()`` head refused)."""
+    for k in range(min(chunks, total // 2), 2, -1):
+        if min(split_sizes(total, k)) >= 2:
+            return k
+    return 2
+
+
+def _nudged_runs(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
+                 micro: List[List[Any]], mode: Callable[[nn.Module], Any]) -> Optional[tuple[List[Any], List[List[Any]], Any]]:
+    """The whole sample's and each micro-batch's outputs at nudged weights, and the merge's
+    weights counted there (class weights a loss reads from a buffer are nudged too: counted at
+    the model's own, a class-weighted loss was refused, a trial); None where the model fails
+    there (a parameter read as an index)."""
     try:
         with mode(model), torch.no_grad(), nudged(gm):
-            return list(gm(*flat)), [list(gm(*m)) for m in micro]
+            weights = batching.weights(flat, micro, "the sample")
+            return list(gm(*flat)), [list(gm(*m)) for m in micro], weights
     except Exception:  # noqa: BLE001 - weights the model cannot run at
         return None
 
 
 def _agrees_nudged(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
-                   micro: List[List[Any]], sizes: List[int], weights: Any, mode: Callable[[nn.Module], Any]) -> bool:
+                   micro: List[List[Any]], sizes: List[int], mode: Callable[[nn.Module], Any]) -> bool:
     """Whether the micro-batches merged give the whole sample's every output at nudged weights,
     all finite (an overflow there compares nothing)."""
-    runs = _nudged_runs(gm, model, flat, micro, mode)
+    runs = _nudged_runs(batching, gm, model, flat, micro, mode)
     if runs is None:
         return False
-    whole, outs = runs
+    whole, outs, weights = runs
     try:
         for i, (a, column) in enumerate(zip(whole, zip(*outs))):
             if isinstance(a, Tensor) and a.is_floating_point() and not bool(torch.isfinite(a).all()):
@@ -158,17 +172,17 @@ def _agrees_nudged(batching: Batching, gm: fx.GraphModule, model: nn.Module, fla
 
 
 def _check_nudged(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
-                  micro: List[List[Any]], sizes: List[int], weights: Any, mode: Callable[[nn.Module], Any], k: int,
+                  micro: List[List[Any]], sizes: List[int], mode: Callable[[nn.Module], Any], k: int,
                   why: str, mode_text: str) -> None:
     """The split check again at weights nudged as the merged-loss gradient check nudges them
     (:func:`fxpipe.checks._loss.nudged`): a batch mixing behind a zero-initialised gate
     (``h + gamma * proj(h.mean(0))``, ReZero / LayerScale) is invisible at the build's weights
     and appears at the first optimizer step (a trial: 5.8e-2 off after 5 Adam steps). A model
     that fails or overflows at nudged weights is left to the check at its own."""
-    runs = _nudged_runs(gm, model, flat, micro, mode)
+    runs = _nudged_runs(batching, gm, model, flat, micro, mode)
     if runs is None:
         return
-    whole, outs = runs
+    whole, outs, weights = runs
     for i, (a, column) in enumerate(zip(whole, zip(*outs))):
         b = batching._merge_leaf(i, list(column), sizes, weights.get(i))
         finite = not isinstance(a, Tensor) or not a.is_floating_point() or bool(torch.isfinite(a).all())
