@@ -186,10 +186,14 @@ def release_deferred_batch_norm(modules: List[DeferredBatchNorm]) -> None:
 @contextmanager
 def deferring(modules: List[DeferredBatchNorm]) -> Iterator[None]:
     """While a pipeline runs its micro-batches: ``modules`` (layers it borrowed) track their
-    statistics for its commit. Outside, a borrowed layer is the BatchNorm it was (the model
-    called eagerly updates its running statistics at once, as without a pipeline), while the
-    recomputation of a checkpointed stage, in backward, tracks nothing either way."""
+    statistics for its commit, from nothing (a step that raised left its micro-batches'
+    statistics behind, pooled into the next commit). Outside, a borrowed layer is the
+    BatchNorm it was (the model called eagerly updates its running statistics at once, as
+    without a pipeline), while the recomputation of a checkpointed stage, in backward, tracks
+    nothing either way."""
     borrowed = [bn for bn in modules if getattr(bn, "_running", None) is not None]
+    for bn in modules:  # a run starts a mini-batch: what a failed run tracked is not committed with it
+        bn._reset_deferred()
     for bn in borrowed:
         bn._running += 1
     try:
@@ -244,8 +248,9 @@ def _refuse_repeated(graph: torch.fx.GraphModule) -> None:
     calls: Dict[str, int] = {}
     for node in graph.graph.nodes:
         if node.op == "call_module":
-            module = graph.get_submodule(node.target)
-            if isinstance(module, _BatchNorm) and module.track_running_stats:
+            module = graph.get_submodule(node.target)  # in eval mode (frozen) it updates nothing; switched
+            # to training later, the first commit counts its calls (commit_deferred_batch_norm)
+            if isinstance(module, _BatchNorm) and module.track_running_stats and module.training:
                 calls[node.target] = calls.get(node.target, 0) + 1
     for name, count in calls.items():
         if count > 1:

@@ -193,3 +193,40 @@ def test_deferred_batch_norm_called_twice_per_forward_is_refused(where):
     with pytest.raises(BatchNormConversionError, match="'block.bn' .*4 calls over 2 micro-batches"):
         pipe(x)
     assert torch.equal(model.block.bn.running_mean, before)
+
+
+def test_deferred_batch_norm_after_a_failed_step_and_a_shared_layer_held_in_eval():
+    """A step that raised left its micro-batches' statistics behind: the next commit pooled them
+    and counted a layer called twice (a false refusal). A layer shared by two views but held in
+    eval mode updates nothing: built, exact."""
+    import fxpipe
+    from fxpipe.errors import BatchNormConversionError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(8, 4)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True, progress=False,
+                           balance_by="params")
+
+    def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a bad label")
+
+    def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).pow(2).mean()
+
+    with pytest.raises(ValueError, match="a bad label"):
+        pipe.step(x, loss_fn=failing, target=torch.randn(8, 2))
+    before = model[1].running_mean.clone()
+    pipe.step(x, loss_fn=mse, target=torch.randn(8, 2))  # committed once, with this step's statistics
+    assert not torch.equal(model[1].running_mean, before)
+    pipe.close()
+
+    shared = _SharedBN()
+    shared.block.bn.eval()  # frozen statistics
+    y = torch.randn(8, 4)
+    pipe = fxpipe.pipeline(shared, y, 2, chunks=2, devices=["cpu"] * 2, deferred_batch_norm=True, progress=False,
+                           balance_by="params")
+    torch.testing.assert_close(pipe(y), shared(y))
+    with pytest.raises(BatchNormConversionError, match="4 calls over 2 micro-batches"):  # switched to training
+        shared.block.bn.train()
+        pipe(y)
