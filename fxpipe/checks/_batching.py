@@ -20,6 +20,7 @@ splits; a cross entropy mean over counted labels by their counts, :mod:`fxpipe.c
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -34,6 +35,9 @@ from ._weighted_mean import weighted_mean
 from ..errors import FxpipeError, MicroBatchError
 from ..runtime._microbatch import split_sizes as _split_sizes
 from ..tree import leaf_names
+
+#: torch's errors of an op given a tensor of the wrong size (a view, reshape or expand)
+_SHAPE_ERROR = re.compile(r"\bshape\b|\bsize\b|\bsizes\b", re.IGNORECASE)
 
 __all__ = ["Batching", "Merge", "ChunkDims", "OutputMerge", "MERGES", "input_split_dims"]
 
@@ -130,10 +134,11 @@ class Batching:
 
     @contextmanager
     def naming_sizes(self, sizes: List[int]) -> Iterator[None]:
-        """A failure of the model's code on micro-batches smaller than the build checked (rows
-        grouped by a view, ``scores.view(-1, 4)``, cut by a smaller last batch) raised as
-        :class:`MicroBatchError` saying so, the model's error as its cause: torch's bare error
-        named a line of stage code, not the sizes nor what to change (a trial)."""
+        """An error of the model's code on micro-batches smaller than the build checked, said so:
+        a shape error (rows grouped by a view, ``scores.view(-1, 4)``, cut by a smaller last
+        batch: torch's bare error named a line of stage code, not the sizes nor what to change,
+        a trial) as :class:`MicroBatchError`, the model's error as its cause; any other error
+        (an index out of range in the data) as it was raised, with a note of the sizes."""
         try:
             yield
         except (FxpipeError, torch.cuda.OutOfMemoryError):
@@ -141,12 +146,17 @@ class Batching:
         except Exception as e:
             if not self.checked_sizes or not sizes or min(sizes) >= min(self.checked_sizes):
                 raise
+            said = (f"this call's micro-batches hold {sizes} samples; the build checked micro-batches of "
+                    f"{self.checked_sizes}")
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            if not (isinstance(e, RuntimeError) and _SHAPE_ERROR.search(first)):
+                e.add_note(f"fxpipe: {said}")
+                raise
             raise MicroBatchError(
-                f"the model fails on this call's micro-batches of {sizes} samples ({type(e).__name__}: "
-                f"{str(e).strip().splitlines()[0][:200]}); the build checked micro-batches of {self.checked_sizes}. "
-                "A model that groups its rows (a view over the batch, a reshape to groups) needs micro-batches that "
-                "keep whole groups: give a batch size that splits into micro-batches like the build's, or build "
-                "with another chunks") from e
+                f"the model fails on micro-batches smaller than the build checked ({type(e).__name__}: {first}): "
+                f"{said}. A model that groups its rows (a view over the batch, a reshape to groups) needs "
+                "micro-batches that keep whole groups: give a batch size that splits into micro-batches like the "
+                "build's, or build with another chunks") from e
 
     @classmethod
     def build(cls, model: nn.Module, args: tuple, kwargs: dict, out_structure: Any,

@@ -413,7 +413,29 @@ def test_micro_batches_that_break_the_models_row_groups_are_named():
     pipe = fxpipe.pipeline(model, torch.randn(16, 8), 2, chunks=4, devices=["cpu"] * 2, progress=False)
     x = torch.randn(16, 8)
     torch.testing.assert_close(pipe(x), model(x))
-    with pytest.raises(MicroBatchError, match=r"micro-batches of \[2, 2, 2, 2\] samples.*checked micro-batches of "
+    with pytest.raises(MicroBatchError, match=r"micro-batches hold \[2, 2, 2, 2\] samples.*checked micro-batches of "
                                               r"\[4, 4, 4, 4\]") as info:
         pipe(torch.randn(8, 8))
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+class _Vocab(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(10, 8), nn.Linear(8, 2)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+
+def test_an_error_in_the_data_on_a_smaller_last_batch_keeps_its_type():
+    """An id out of the vocabulary in a smaller last batch is the data's IndexError, as in eager
+    (a DataLoader loop catching it), with a note of the micro-batch sizes; not a MicroBatchError."""
+    pipe = fxpipe.pipeline(_Vocab(), torch.randint(0, 10, (16, 5)), 2, chunks=4, devices=["cpu"] * 2,
+                           balance_by="params", progress=False)
+    bad = torch.randint(0, 10, (6, 5))
+    bad[0, 0] = 12
+    with pytest.raises(IndexError) as info:
+        pipe(bad)
+    assert any("micro-batches hold [2, 2, 2] samples" in n for n in getattr(info.value, "__notes__", []))
