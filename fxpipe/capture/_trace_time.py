@@ -220,8 +220,8 @@ class TensorsComputedOn(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self.found:
             name = getattr(func, "__name__", "")
-            if name not in _METADATA and not (name.endswith("_") and not name.endswith("__")) \
-                    and not name.startswith("__i"):
+            if (name not in _METADATA or _compares_values(name, args)) \
+                    and not (name.endswith("_") and not name.endswith("__")) and not name.startswith("__i"):
                 values = [*args, *kwargs.values()]
                 values += [v for a in values if isinstance(a, (list, tuple)) for v in a]
                 if not any(isinstance(v, fx.Proxy) for v in values):
@@ -229,6 +229,13 @@ class TensorsComputedOn(TorchFunctionMode):
                     if watched is not None:
                         self.found.append((self.where(), watched))
         return func(*args, **kwargs)
+
+
+def _compares_values(name: str, args: tuple) -> bool:
+    """``==`` / ``!=`` of a tensor with a number or a tensor: a computation on its values
+    (``self.calibrated == 0``, baked at trace as a constant: 0.50 off once the loop set the flag,
+    a trial), not the identity test a container's lookup makes (``tensor == None``)."""
+    return name in ("__eq__", "__ne__") and len(args) == 2 and isinstance(args[1], (torch.Tensor, int, float, bool))
 
 
 _CONVERSIONS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")

@@ -168,6 +168,31 @@ def test_math_on_buffers_alone_follows_load_state_dict_and_updates_in_place() ->
             torch.testing.assert_close(pipe(x), model(x))
 
 
+class Calibrated(nn.Module):
+    """A flag buffer compared with a number in the root forward (torch.fx froze the comparison's
+    result at trace: 0.50 off once the loop set the flag, a trial)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("calibrated", torch.zeros(()))
+        self.register_buffer("center", torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        use = (self.calibrated == 0).to(h.dtype)
+        return self.b(torch.relu(h - (1 - use) * self.center))
+
+
+def test_a_buffer_compared_with_a_number_follows_its_updates() -> None:
+    torch.manual_seed(0)
+    model, x = Calibrated().eval(), torch.randn(8, 8)
+    with fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, progress=False) as pipe:
+        torch.testing.assert_close(pipe(x), model(x))
+        model.calibrated.fill_(1.0)
+        torch.testing.assert_close(pipe(x), model(x))
+
+
 class ScaledInAList(nn.Module):
     """A parameter reached through a plain Python list: torch.fx computed ``exp`` on it once (a
     constant holding its autograd graph: the second backward failed), torch.export lifted a
