@@ -67,43 +67,45 @@ class _Constant(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        done = self._constant(func, args, kwargs)
+        done = _constant(func, args, kwargs)
         if done is _NOT_RANDOM:
             return func(*args, **kwargs)
         self.replaced = True
         return done
 
-    @staticmethod
-    def _constant(func: Any, args: tuple, kwargs: dict) -> Any:
-        """What ``func`` returns with its randomness constant, or :data:`_NOT_RANDOM`."""
-        if func in _IDENTITY:
-            return args[0] if args else kwargs["input"]
-        if func is _aten.native_dropout.default:
-            return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
-        at = _ATTENTION_DROPOUT.get(func)
-        if at is not None:
-            p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
-            if not p:
-                return _NOT_RANDOM
-            if len(args) > at:
-                args = (*args[:at], 0.0, *args[at + 1:])
-            else:
-                kwargs = {**kwargs, "dropout_p": 0.0}
-            return func(*args, **kwargs)
-        name = getattr(func, "__name__", "").split(".")[0]
-        if name in _MADE:
-            made = {k: v for k, v in kwargs.items() if k not in _NOT_FACTORY}
-            if name.endswith("_like"):
-                return torch.full_like(args[0], _MADE[name], **made)
-            size = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)) else args
-            return torch.full(tuple(size), _MADE[name], **{"dtype": torch.get_default_dtype(), **made})
-        if name == "bernoulli":  # bernoulli(probabilities) or bernoulli(input, p): every draw a 1
-            return torch.ones_like(args[0])
-        fill = _in_place(name, args, kwargs)
-        if fill is not None:
-            with torch.no_grad():
-                return args[0].fill_(fill)
-        return _NOT_RANDOM
+
+def _constant(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What ``func`` returns with its randomness constant, or :data:`_NOT_RANDOM` (a module
+    function, not a static method: torch.dynamo, tracing a model that compiles a region
+    under this mode, failed on the static method's missing ``__func__``)."""
+    if func in _IDENTITY:
+        return args[0] if args else kwargs["input"]
+    if func is _aten.native_dropout.default:
+        return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
+    at = _ATTENTION_DROPOUT.get(func)
+    if at is not None:
+        p = args[at] if len(args) > at else kwargs.get("dropout_p", 0.0)
+        if not p:
+            return _NOT_RANDOM
+        if len(args) > at:
+            args = (*args[:at], 0.0, *args[at + 1:])
+        else:
+            kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+    name = getattr(func, "__name__", "").split(".")[0]
+    if name in _MADE:
+        made = {k: v for k, v in kwargs.items() if k not in _NOT_FACTORY}
+        if name.endswith("_like"):
+            return torch.full_like(args[0], _MADE[name], **made)
+        size = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)) else args
+        return torch.full(tuple(size), _MADE[name], **{"dtype": torch.get_default_dtype(), **made})
+    if name == "bernoulli":  # bernoulli(probabilities) or bernoulli(input, p): every draw a 1
+        return torch.ones_like(args[0])
+    fill = _in_place(name, args, kwargs)
+    if fill is not None:
+        with torch.no_grad():
+            return args[0].fill_(fill)
+    return _NOT_RANDOM
 
 
 _NOT_RANDOM: Any = object()
