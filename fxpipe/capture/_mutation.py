@@ -37,6 +37,7 @@ from torch import fx, nn
 
 from ..errors import MutationError
 from ._node_kinds import COMPUTE_OPS
+from ._op_writes import writes_nothing
 from ._user_code import source_location
 from ..tree import flatten
 
@@ -358,35 +359,6 @@ def _restore(originals: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for t, copy in originals.values():
             t.data.copy_(copy)  # values back, version counter left alone (see prepare.preserved)
-
-
-#: aten ops that update their running-statistics arguments without declaring it in their schema
-_UNDECLARED_WRITERS = ("batch_norm", "instance_norm")
-#: Python functions an export graph calls on sizes (SymInts), none of which writes
-_PURE_PYTHON = {operator.getitem, operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
-                operator.mod, operator.pow, operator.neg, operator.eq, operator.ne, operator.lt, operator.le,
-                operator.gt, operator.ge, operator.and_, operator.or_, operator.not_}
-
-
-def writes_nothing(gm: fx.GraphModule) -> bool:
-    """Whether no node of ``gm`` can change a tensor in place, read from the ops' schemas: every
-    call is an aten op whose schema declares no written argument (and not one of the few that
-    write undeclared), or size arithmetic. A torch.export graph of a model without buffer
-    updates or in-place ops is such a graph (GPT-2, Llama, BERT); an fx graph calls modules
-    and Python functions, which only running them can tell about."""
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "get_attr", "output"):
-            continue
-        target = n.target
-        if n.op != "call_function":
-            return False
-        if isinstance(target, torch._ops.OpOverload):
-            if target.namespace != "aten" or any(w in target.name() for w in _UNDECLARED_WRITERS) \
-                    or any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
-                return False
-        elif target not in _PURE_PYTHON:
-            return False
-    return True
 
 
 def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> Mutations:
