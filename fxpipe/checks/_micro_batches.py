@@ -10,7 +10,7 @@ in eval and in training mode.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, fx, nn
@@ -75,7 +75,8 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     # the split compared at nudged weights alone where it agrees there: a mixing shows at either
     # weights, and behind a gate initialised at zero only there (a forward saved per build);
     # where it does not agree, or the nudged model fails, the checks at the build's weights say why
-    if not (compare and nudge and _agrees_nudged(batching, gm, model, flat, micro, sizes, mode)):
+    runs = _nudged_runs(batching, gm, model, flat, micro, mode) if compare and nudge else None
+    if runs is None or not _agrees_nudged(batching, runs, sizes):
         with mode(model), torch.no_grad():
             try:
                 outs = [list(gm(*m)) for m in micro]
@@ -94,8 +95,12 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
             if not same_value(a, b, values=compare):
                 found = blame(micro) if blame is not None and compare else ""
                 _refuse(batching, i, a, b, list(column), k, found, why, mode_text)
-        if compare and nudge:  # and where training will move the weights: a mixing behind a gate initialised at 0
-            _check_nudged(batching, gm, model, flat, micro, sizes, mode, k, why, mode_text)
+        differs = _nudged_difference(batching, runs, sizes) if compare and runs is not None else None
+        if differs is not None:  # where training will move the weights: a mixing behind a gate initialised at 0
+            i, a, b, column = differs
+            _refuse(batching, i, a, b, column, k, "(at the build's weights it did not: a mixing behind a gate "
+                    "initialised at zero, which the first optimizer step opens; found at weights nudged by "
+                    f"{NUDGE:g} of each tensor's size)", why, mode_text)
     reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
                and a.is_floating_point() and batching.merges[i] is not None]
     unseen = unseen_backward(gm)  # backward code of the model's own: its gradients compared too
@@ -138,8 +143,12 @@ def _micro_batch_count(total: int, chunks: int) -> int:
     return 2
 
 
+#: the outputs at nudged weights: the whole sample's, each micro-batch's, and the merge's weights there
+NudgedRuns = Tuple[List[Any], List[List[Any]], Any]
+
+
 def _nudged_runs(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
-                 micro: List[List[Any]], mode: Callable[[nn.Module], Any]) -> Optional[tuple[List[Any], List[List[Any]], Any]]:
+                 micro: List[List[Any]], mode: Callable[[nn.Module], Any]) -> Optional[NudgedRuns]:
     """The whole sample's and each micro-batch's outputs at nudged weights, and the merge's
     weights counted there (class weights a loss reads from a buffer are nudged too: counted at
     the model's own, a class-weighted loss was refused, a trial); None where the model fails
@@ -152,44 +161,31 @@ def _nudged_runs(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat:
         return None
 
 
-def _agrees_nudged(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
-                   micro: List[List[Any]], sizes: List[int], mode: Callable[[nn.Module], Any]) -> bool:
+def _agrees_nudged(batching: Batching, runs: NudgedRuns, sizes: List[int]) -> bool:
     """Whether the micro-batches merged give the whole sample's every output at nudged weights,
     all finite (an overflow there compares nothing)."""
-    runs = _nudged_runs(batching, gm, model, flat, micro, mode)
-    if runs is None:
+    whole = runs[0]
+    if any(isinstance(a, Tensor) and a.is_floating_point() and not bool(torch.isfinite(a).all()) for a in whole):
         return False
-    whole, outs, weights = runs
     try:
-        for i, (a, column) in enumerate(zip(whole, zip(*outs))):
-            if isinstance(a, Tensor) and a.is_floating_point() and not bool(torch.isfinite(a).all()):
-                return False
-            if not same_value(a, batching._merge_leaf(i, list(column), sizes, weights.get(i))):
-                return False
+        return _nudged_difference(batching, runs, sizes) is None
     except MicroBatchError:  # an output that does not merge: said by the check at the build's weights
         return False
-    return True
 
 
-def _check_nudged(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
-                  micro: List[List[Any]], sizes: List[int], mode: Callable[[nn.Module], Any], k: int,
-                  why: str, mode_text: str) -> None:
-    """The split check again at weights nudged as the merged-loss gradient check nudges them
-    (:func:`fxpipe.checks._loss.nudged`): a batch mixing behind a zero-initialised gate
-    (``h + gamma * proj(h.mean(0))``, ReZero / LayerScale) is invisible at the build's weights
-    and appears at the first optimizer step (a trial: 5.8e-2 off after 5 Adam steps). A model
-    that fails or overflows at nudged weights is left to the check at its own."""
-    runs = _nudged_runs(batching, gm, model, flat, micro, mode)
-    if runs is None:
-        return
+def _nudged_difference(batching: Batching, runs: NudgedRuns, sizes: List[int]) -> Optional[tuple]:
+    """``(output index, whole, merged, parts)`` of the first finite output whose micro-batches
+    merged differ from the whole sample's at nudged weights (:func:`_nudged_runs`), or None. A
+    batch mixing behind a zero-initialised gate (``h + gamma * proj(h.mean(0))``, ReZero /
+    LayerScale) is invisible at the build's weights and appears at the first optimizer step (a
+    trial: 5.8e-2 off after 5 Adam steps)."""
     whole, outs, weights = runs
     for i, (a, column) in enumerate(zip(whole, zip(*outs))):
         b = batching._merge_leaf(i, list(column), sizes, weights.get(i))
         finite = not isinstance(a, Tensor) or not a.is_floating_point() or bool(torch.isfinite(a).all())
         if finite and not same_value(a, b):
-            _refuse(batching, i, a, b, list(column), k, "(at the build's weights it did not: a mixing behind a "
-                    "gate initialised at zero, which the first optimizer step opens; found at weights nudged by "
-                    f"{NUDGE:g} of each tensor's size)", why, mode_text)
+            return i, a, b, list(column)
+    return None
 
 
 def reruns_same(gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any], whole: Sequence[Any],
