@@ -109,11 +109,10 @@ def joining(wait: Any) -> Iterator[None]:
             raise
         seconds = wait.total_seconds() if isinstance(wait, timedelta) else float(wait)
         error = DistributedError(
-            f"the other ranks did not join this build within the timeout ({seconds:g} s): fxpipe.distributed.pipeline is "
-            "a collective, every rank calls it at the same point of the program (a rank still running an earlier "
-            "pipeline's step(), or a build behind 'if rank == 0:'?)")
-        for failures in list(_OPEN):
-            failures._write(failure_line(failures.rank, error))
+            f"the other ranks did not join this build within the timeout ({seconds:g} s): "
+            "fxpipe.distributed.pipeline is a collective, every rank calls it at the same point of the program (a "
+            "rank still running an earlier pipeline's step(), or a build behind 'if rank == 0:'?)")
+        _tell_open_pipelines(error)
         raise error from e
 
 
@@ -186,9 +185,15 @@ _HOOKED: list = []  # the excepthook installed before fxpipe's, once chained
 def _uncaught(kind: type, error: BaseException, tb: Any) -> None:
     """``sys.excepthook`` while a pipeline is open: the error's line into each open pipeline's
     store key (peers waiting in a step name it), then the hook installed before."""
+    _tell_open_pipelines(error)
+    _HOOKED[0](kind, error, tb)
+
+
+def _tell_open_pipelines(error: BaseException) -> None:
+    """``error``'s line into the store key of each pipeline open in this process: its peers,
+    waiting in one of them, name this rank's error."""
     for failures in list(_OPEN):
         failures._write(failure_line(failures.rank, error))
-    _HOOKED[0](kind, error, tb)
 
 
 class Failures:

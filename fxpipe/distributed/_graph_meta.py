@@ -34,7 +34,7 @@ from fxpipe.capture._shape_guards import bound, size_expr
 
 from ._meta import Runs
 
-__all__ = ["GraphMetas"]
+__all__ = ["GraphMetas", "evaluated_size", "meta_like"]
 
 
 @dataclass
@@ -78,7 +78,7 @@ class GraphMetas:
         if bindings is None:
             return None
         try:
-            values = [_meta_like(x, x.shape) if isinstance(x, torch.Tensor) else x for x in micro_flat]
+            values = [meta_like(x, x.shape) if isinstance(x, torch.Tensor) else x for x in micro_flat]
             runs: Runs = []
             for vals, (_, outs) in zip(self.outputs, self.template):
                 out = [_evaluated(v, t, bindings) for v, t in zip(vals, outs)]
@@ -138,11 +138,14 @@ def _val(arg: Any) -> Any:
     return arg
 
 
-def _meta_like(template: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+def meta_like(template: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """A meta tensor of ``shape`` with ``template``'s dtype and ``requires_grad``."""
     return torch.empty(tuple(shape), dtype=template.dtype, device="meta").requires_grad_(template.requires_grad)
 
 
-def _size(n: Any, bindings: dict[Any, Any]) -> int:
+def evaluated_size(n: Any, bindings: dict[Any, Any]) -> int:
+    """A size at ``bindings``: a SymInt's expression evaluated, an int as it is (TypeError if a
+    symbol is left: a size the inputs' sizes do not determine)."""
     expr = size_expr(n)
     if isinstance(expr, int):
         return expr
@@ -160,17 +163,17 @@ def _evaluated(val: Any, template: Any, bindings: dict[Any, Any]) -> Any:
     if isinstance(template, torch.Tensor):
         if not isinstance(val, torch.Tensor) or val.dim() != template.dim():
             raise TypeError("a tensor the graph did not record as one")
-        return _meta_like(template, [_size(n, bindings) for n in val.shape])
+        return meta_like(template, [evaluated_size(n, bindings) for n in val.shape])
     if isinstance(template, bool) or not isinstance(template, int):
         if type(template) in (tuple, list):
             if type(val) not in (tuple, list) or len(val) != len(template):
                 raise TypeError("a container the graph did not record as one")
             return type(template)(_evaluated(v, t, bindings) for v, t in zip(val, template))
         if isinstance(template, torch.Size):
-            return torch.Size([_size(n, bindings) for n in val])
+            return torch.Size([evaluated_size(n, bindings) for n in val])
         return template
     if isinstance(val, (int, torch.SymInt)):
-        return _size(val, bindings)
+        return evaluated_size(val, bindings)
     raise TypeError("an int the graph did not record as one")
 
 

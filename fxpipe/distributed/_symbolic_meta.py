@@ -27,9 +27,9 @@ import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpipe.capture._shape_guards import bound, size_expr, symbolic_inputs
+from fxpipe.capture._shape_guards import bound, symbolic_inputs
 
-from ._graph_meta import GraphMetas
+from ._graph_meta import GraphMetas, evaluated_size, meta_like
 from ._meta import (Runs, StageMeta, fake_of, fake_runs, metas_of, on_device, stage_metas, stage_runs, uncompiled,
                     unhooked)
 
@@ -159,26 +159,15 @@ class ShapeMetas:
 _NOT_SYMBOLIC: Any = object()  # the stages could not run symbolically: a fake run per shape
 
 
-def _size(n: Any, bindings: dict[Any, Any]) -> int:
-    """A size, evaluated: a SymInt's expression at ``bindings`` (TypeError if a symbol is left)."""
-    if isinstance(n, torch.SymInt):
-        value = size_expr(n).xreplace(bindings)
-        if not value.is_number:
-            raise TypeError(f"size {n.node.expr} is not determined by the inputs' sizes")
-        return int(value)
-    return int(n)
-
-
 def _concrete(value: Any, bindings: dict[Any, Any]) -> Any:
     """A value of the symbolic run at ``bindings``: a tensor as a meta tensor of that shape (its
     dtype and ``requires_grad``), sizes and ints evaluated, containers item by item."""
     if isinstance(value, torch.Tensor):
-        shape = [_size(n, bindings) for n in value.shape]
-        return torch.empty(shape, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+        return meta_like(value, [evaluated_size(n, bindings) for n in value.shape])
     if isinstance(value, torch.Size):
-        return torch.Size([_size(n, bindings) for n in value])
+        return torch.Size([evaluated_size(n, bindings) for n in value])
     if isinstance(value, torch.SymInt):
-        return _size(value, bindings)
+        return evaluated_size(value, bindings)
     if isinstance(value, (torch.SymFloat, torch.SymBool)):
         raise TypeError("a symbolic float or bool crosses a stage boundary")
     if type(value) in (tuple, list):
