@@ -207,16 +207,14 @@ def commit_deferred_batch_norm(modules: List[DeferredBatchNorm], micro_batches: 
                                root: Optional[nn.Module] = None) -> None:
     """Commits each layer's statistics of the mini-batch just run in ``micro_batches``; a layer
     that tracked more calls than that ran more than once per micro-batch (inside an opaque
-    module, where :func:`_refuse_repeated` cannot see it): refused, nothing committed."""
+    module, where :func:`_refuse_repeated` cannot see it): refused, nothing committed (the next
+    run starts its layers from nothing, :func:`deferring`)."""
     for bn in modules:
         if bn._tracked > micro_batches:
             names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
-            error = _repeated_error(names.get(id(bn), type(bn).__name__),
-                                    f"{bn._tracked} calls over {micro_batches} micro-batches; no statistics of "
-                                    "this call were committed")
-            for other in modules:
-                other._reset_deferred()
-            raise error
+            raise _repeated_error(names.get(id(bn), type(bn).__name__),
+                                  f"{bn._tracked} calls over {micro_batches} micro-batches; no statistics of this "
+                                  "call were committed")
     for bn in modules:
         bn.commit()
 
