@@ -219,8 +219,8 @@ class AttributeReads:
                 mutable = _holds_mutable(value)
                 kept = copy.deepcopy(value) if mutable else value
                 self._add(AttrRead(obj, name, kept, MUTABLE if mutable else EQUAL, self._label(obj, name), in_dict))
-            elif in_dict and tensor_items(value) is not None:  # a list of tensors: the graph holds each
-                self._add(AttrRead(obj, name, (value, tensor_items(value)), ITEMS, self._label(obj, name), True))
+            elif in_dict and (items := tensor_items(value)) is not None:  # a list of tensors: the graph holds each
+                self._add(AttrRead(obj, name, (value, items), ITEMS, self._label(obj, name), True))
             elif in_dict:  # a function, an object, a tensor that is no parameter or buffer
                 label = self._label(obj, name)
                 self._add(AttrRead(obj, name, value, SAME, label, True))
