@@ -22,7 +22,10 @@ What is recorded, per compute node, in graph order (:class:`NodeRecord`):
   0 on meta;
 * ``grad_storage``: from the same backward, the storage each input gradient keeps alive
   where it is larger than the input (a slice of a concatenation's gradient keeps all of it
-  while it waits for the stage that sent the input); none on meta.
+  while it waits for the stage that sent the input); none on meta;
+* ``grad_shared``: from the same backward, the inputs whose gradients are one storage (the
+  slices of a concatenation's gradient, the one gradient an addition hands both inputs),
+  each mapped to the first of them: they wait for the stages that sent them as one.
 
 Storages that exist before the step (parameters, buffers, the sample) are ``external``:
 they are not activation memory. Every output is kept alive during the run, so no storage is
@@ -69,6 +72,8 @@ class NodeRecord:
     #: storages of ``grad_in`` whose gradient, as this node's backward makes it, keeps a larger
     #: storage alive (a view: a concatenation's input gradient is a slice of its output's)
     grad_storage: Dict[int, int] = field(default_factory=dict)
+    #: storages of ``grad_in`` whose gradients share one storage, each -> the first of them
+    grad_shared: Dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -202,13 +207,19 @@ class _Recorder(fx.Interpreter):
         """``fn`` (of node ``index``) made ``grads`` for its inputs: note those that keep a
         storage larger than the input they are for."""
         rec = self.records[index]
+        by_storage: Dict[int, List[int]] = {}
         for (nf, nr), g in zip(fn.next_functions, grads):
             key = self.values.get((id(nf), nr)) if nf is not None else None
             if key is None or key not in rec.grad_in or not isinstance(g, torch.Tensor):
                 continue
-            nbytes = _key(g)[1]
+            storage, nbytes = _key(g)
             if nbytes > rec.grad_in[key]:
                 rec.grad_storage[key] = max(nbytes, rec.grad_storage.get(key, 0))
+            by_storage.setdefault(storage, []).append(key)
+        for keys in by_storage.values():
+            if len(set(keys)) > 1:
+                for key in keys:
+                    rec.grad_shared.setdefault(key, keys[0])
 
     def run_backward(self, out: Any) -> None:
         """One backward of the recorded graph from gradients of ones, each autograd function

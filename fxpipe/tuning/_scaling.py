@@ -70,6 +70,9 @@ def fit(a: Recording, s1: int, b: Recording, s2: int) -> Optional[Fit]:
             return None  # shared differently: not the same structure
         if other.setdefault(key_a, bytes_b) != bytes_b:
             return None
+    for na, nb in zip(a.nodes, b.nodes):
+        if {forward[k]: forward[v] for k, v in na.grad_shared.items()} != nb.grad_shared:
+            return None
     return Fit(a, s1, b, s2, other, {k: other[k] for k in a.outputs})
 
 
@@ -104,6 +107,7 @@ def derive(f: Fit, size: int) -> Optional[Recording]:
             if v is None:
                 return None
             setattr(made, name, int(v) if whole else float(v))
+        made.grad_shared = dict(na.grad_shared)  # keys, not bytes: the same at every size
         nodes.append(made)
     outputs = {}
     for key, bytes_a in f.first.outputs.items():

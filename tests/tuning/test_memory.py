@@ -374,6 +374,50 @@ def test_recorder_measures_scratch_and_gradient_views() -> None:
     assert all(p.grad is None for p in conv.parameters())
 
 
+def test_one_gradient_storage_for_two_earlier_stages_waits_once_by_hand() -> None:
+    """A concatenation on stage 2 of a skip from stage 0 and a value from stage 1, all on one
+    device: both input gradients are slices of one 200-byte storage, which waits for stage 0's
+    backward (the last to run) and is counted there alone, not once per stage."""
+    rec = Recording([
+        NodeRecord("a", makes={10: 100}, grad_out={10: 100}),
+        NodeRecord("b", makes={11: 100}, reads={10: 100}, grad_in={10: 100}, grad_out={11: 100}),
+        NodeRecord("cat", makes={12: 200}, reads={10: 100, 11: 100}, grad_in={10: 100, 11: 100},
+                   grad_storage={10: 200, 11: 200}, grad_shared={10: 10, 11: 10}, grad_out={12: 200}),
+        NodeRecord("d", makes={13: 8}, reads={12: 200}, saves={12: 200}, grad_in={12: 200}, grad_out={13: 8}),
+    ], outputs={13: 8}, external={1})
+    assignment = {"a": 0, "b": 1, "cat": 2, "d": 2}
+    assert stage_activations(rec, assignment, 3, pool=[0, 0, 0])[2].grads_back == ((0, 200),)
+    # stage 1 on a device of its own: the storage still waits, for stage 0, once
+    assert stage_activations(rec, assignment, 3, pool=[0, 1, 0])[2].grads_back == ((0, 200),)
+    rec.nodes[2].grad_shared = {}  # two storages of their own: each waits for its stage
+    assert stage_activations(rec, assignment, 3, pool=[0, 0, 0])[2].grads_back == ((0, 200), (1, 200))
+
+
+def test_recorder_notes_input_gradients_sharing_one_storage() -> None:
+    """A concatenation's input gradients are slices of one storage, an addition hands both
+    inputs one gradient: the recording maps each to the first of its group."""
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, g = self.a(x), self.b(x)
+            return torch.cat([h, g], dim=1).sum(1) + (h + g).sum(1)
+
+    torch.manual_seed(0)
+    model, x = Both(), torch.randn(8, 16)
+    with preserved(model):
+        checked = capture_and_check(model, (x,), {}, BuildOptions(1, balance_by="params"))
+        rec = record_nodes(checked.capture.graph_module, checked.capture.flatten_inputs((x,), {}))
+    by_name = {r.name: r for r in rec.nodes}
+    h, g = (next(iter(by_name[n].makes)) for n in ("a", "b"))
+    assert by_name["cat"].grad_shared == {h: h, g: h}
+    add = next(r for r in rec.nodes if set(r.grad_in) == {h, g} and r.name != "cat")
+    assert add.grad_shared == {h: h, g: h}
+    assert not by_name["a"].grad_shared
+
+
 def test_recording_on_meta_measures_nothing() -> None:
     model = Concat().to("meta")
     x = torch.randn(64, 16, device="meta")
