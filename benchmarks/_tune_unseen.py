@@ -33,7 +33,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -118,13 +118,16 @@ def side_by_side(choices: List[Any], model: torch.nn.Module, x: torch.Tensor, y:
     return [{"median_s": statistics.median(t), "spread": (max(t) - min(t)) / statistics.median(t)} for t in times]
 
 
-def run(name: str, chunks: List[int], steps: int, rounds: int = 9) -> Dict[str, Any]:
+def run(name: str, chunks: List[int], steps: int, rounds: int = 9,
+        balance_by: Optional[str] = None) -> Dict[str, Any]:
+    """``balance_by``: tune's (default: profiled time, a cut that moves with the machine's load;
+    'params' or 'memory' for a cut that does not, another one to validate the memory on)."""
     model, x, y, loss_fn, what = MODELS[name]()
     devices = ["cpu"] * 4
     t0 = time.perf_counter()
-    free = fxpipe.tune(model, x, devices, chunks=chunks, loss_fn=loss_fn, target=y)
+    free = fxpipe.tune(model, x, devices, chunks=chunks, loss_fn=loss_fn, target=y, balance_by=balance_by)
     budget = statistics.median(c.peak for c in free.choices if c.peak_bytes)
-    tuning = fxpipe.tune(model, x, devices, budget, chunks=chunks, loss_fn=loss_fn, target=y)
+    tuning = fxpipe.tune(model, x, devices, budget, chunks=chunks, loss_fn=loss_fn, target=y, balance_by=balance_by)
     tune_s = time.perf_counter() - t0
     print(f"\n{what}: two fxpipe.tune calls took {tune_s:.1f} s; memory={budget / MIB:.2f} MiB\n{tuning}")
     rows = []
@@ -146,7 +149,9 @@ def run(name: str, chunks: List[int], steps: int, rounds: int = 9) -> Dict[str, 
     rejected = sorted((r for r in rows if not r["fits"]), key=lambda r: r["predicted_bytes"])
     first = fit[0] if fit else None  # rows follow tune's ranking
     best = min(fit, key=lambda r: r["side_by_side_s"]) if fit else None
-    return {"model": name, "description": what, "budget_bytes": budget, "tune_s": tune_s, "rows": rows,
+    return {"model": name, "description": what, "balance_by": balance_by or "time",
+            "plan": [[int(s.index), s.nodes[0], s.nodes[-1]] for s in tuning.choices[0].plan.stages]
+            if tuning.choices and tuning.choices[0].plan else None, "budget_bytes": budget, "tune_s": tune_s, "rows": rows,
             "notes": tuning.notes,
             "fits_honoured": all(r["measured_bytes"] <= 1.02 * r["predicted_bytes"] for r in fit),
             "fits_within_budget": all(r["measured_bytes"] <= budget for r in fit),

@@ -231,7 +231,7 @@ def unseen(a: argparse.Namespace, argv: Optional[Sequence[str]]) -> None:
 
     results = []
     for name in a.unseen or ["vit", "unet", "qwen3"]:
-        res = _tune_unseen.run(name, a.unseen_chunks, a.steps, a.rounds)
+        res = _tune_unseen.run(name, a.unseen_chunks, a.steps, a.rounds, balance_by=a.balance_by)
         _tune_unseen.print_table(res)
         results.append(res)
     rows = [r for res in results for r in res["rows"]]
