@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from ..capture._values import same_value
 from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from ._randomness_off import randomness_off
-from ._varied_sample import ATTEMPTS, alike, varied
+from ._varied_sample import ATTEMPTS, alike, padded, varied
 from ._micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
 from ..errors import MicroBatchError, TraceError
 from ..capture._meta import is_meta_model
@@ -103,6 +103,25 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
                 "each micro-batch the whole batch's result there. fxpipe checks such a sample with its samples made to "
                 f"differ, but {failure}. What to do: build from a sample of real data (two or more samples that "
                 "differ), or with chunks=1")
+    else:
+        found = padded(flat, dims) if chunks > 1 else None
+        if found is not None:  # an all-ones mask hides a mixing through it: checked padded, as batches come
+            flat_padded, which = found
+            args_padded, kwargs_padded = pytree.tree_unflatten(flat_padded, prepared.capture.in_spec)
+            try:
+                with checking(model, flat_padded):
+                    return _check_modes(model, prepared, args_padded, kwargs_padded, flat_padded, chunk_dims,
+                                        output_merge, chunks)
+            except MicroBatchError as e:
+                masks = ", ".join(names[i] for i in which)
+                raise MicroBatchError(
+                    f"{e} (Checked with {masks} padded: the sample's is all ones, and a mixing through the mask "
+                    "shows only where rows differ in length; it was given rows with trailing zeros, a different "
+                    "length per row, as a collator pads a batch. A model that trims or sizes each batch by its mask, "
+                    "h[:, :mask.sum(1).max()], gives a sample a result that depends on the batch it came in: trim in "
+                    "the collator instead, or build with chunks=1.)") from e
+            except Exception:  # noqa: BLE001 - the model does not take such a mask: checked as given
+                pass
     with checking(model, flat):
         return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge, chunks)
 

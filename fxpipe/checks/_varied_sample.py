@@ -13,6 +13,12 @@ holding one value throughout: ``torch.zeros`` ids), or on whose varied copy the 
 overflows (a BCE target pushed out of [0, 1], a log of a silent spectrogram), is refused with
 more than one micro-batch: it cannot show whether the model mixes its samples
 (:mod:`fxpipe.checks._modes`).
+
+A mask of all ones beside inputs that do differ hides the mixings that go through the mask: a
+model trimming each batch to its longest sequence (``h[:, :mask.sum(1).max()]``) gives each
+micro-batch the whole batch's result when every row is full (a trial: built from a tokenizer's
+unpadded batch, then 0.067 off on padded ones). :func:`padded` gives the checks a copy whose
+masks are padded as a collator pads: trailing zeros, a different length per row.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["varied", "alike"]
+__all__ = ["varied", "alike", "padded"]
 
 
 def _alike(x: Tensor, dim: int) -> bool:
@@ -71,3 +77,28 @@ def varied(flat: Sequence[Any], dims: Sequence[Optional[int]], attempt: int = 0)
             permuted = torch.gather(rows, 1, order.to(rows.device))
             out[i] = permuted.reshape(x.movedim(d, 0).shape).movedim(0, d).contiguous()
     return None if alike(out, dims) else out
+
+
+def _all_ones_mask(x: Tensor, dim: int) -> bool:
+    """An integer or boolean input of two dims or more, the batch's not the last, all ones: an
+    attention mask of a batch without padding."""
+    return (not x.is_floating_point() and not x.is_complex() and not x.is_meta and x.dim() >= 2
+            and dim < x.dim() - 1 and x.shape[-1] > 1 and bool((x == 1).all()))
+
+
+def padded(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> Optional[tuple[List[Any], List[int]]]:
+    """``flat`` with every all-ones mask split along the batch padded (see the module): row
+    ``r`` keeps its first ``n - 1 - (r - 1) % (n - 1)`` positions of ``n``, row 0 all of them,
+    so that micro-batches of neighbouring rows differ in their longest row; and the indices of
+    the inputs padded. None where no input is such a mask."""
+    found = [(i, x, d) for i, x, d in _split(flat, dims) if _all_ones_mask(x, d)]
+    if not found:
+        return None
+    out = list(flat)
+    for i, x, d in found:
+        n, rows = x.shape[-1], x.shape[d]
+        keep = torch.tensor([n] + [n - 1 - (r - 1) % (n - 1) for r in range(1, rows)], device=x.device)
+        position = torch.arange(n, device=x.device).view([-1 if k == x.dim() - 1 else 1 for k in range(x.dim())])
+        mask = position < keep.view([-1 if k == d else 1 for k in range(x.dim())])
+        out[i] = mask.expand(x.shape).to(x.dtype).contiguous()
+    return out, [i for i, _, _ in found]
