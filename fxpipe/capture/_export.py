@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -31,6 +30,7 @@ from ._export_leaves import collapse_leaf_calls
 from ._export_hops import hop_error, keep_body, unsupported_hop
 from ._export_outputs import encoding_root
 from ._meta import exported_as_cpu
+from ._module_paths import module_path
 from ._shape_guards import entangled_size, split_dim
 
 __all__ = ["export_graph", "Exported"]
@@ -235,10 +235,7 @@ def _body_name(model: nn.Module, name: str, taken: dict[str, Any]) -> str:
 def _clean_path(path: str, attr: Any) -> str:
     if isinstance(attr, str):  # owner of a parameter / buffer
         return attr.rpartition(".")[0]
-    if "nn_module_stack" in path:  # export's placeholder for nodes without a module
-        return ""
-    path = re.sub(r"^L\['self'\]\.?|^L__self___?", "", path)
-    return re.sub(r"\.?_modules\['([^']*)'\]", r".\1", path).strip(".")
+    return module_path(path)
 
 
 def _attr_table(model: nn.Module, graph: fx.Graph, ep_consts: dict[str, Any],

@@ -21,6 +21,12 @@ baked a mode in), a new attribute nothing traced reads, a buffer reassigned insi
 that runs its own code each call (an opaque module: a torch.nn layer, a leaf), and anything
 inside such a module's own forward. Replacing a parameter anywhere in the stages does count:
 the runtime lists each stage's parameters once (recomputation checks, placement).
+
+The traced modules are every module whose forward ran while tracing, containers included (an
+``nn.Sequential``, a block whose forward only calls its children): a hook registered on one
+afterwards would run in eager and never in the stages (a trial: 0.54 off). So do a ``forward``
+replaced on one of them or its class (``module.forward = ...``, ``__class__`` swapped), and a
+global module hook (``register_module_forward_hook``) registered after the build.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch import fx, nn
 
 from ._attr_reads import ABSENT, EQUAL, ITEMS, MUTABLE, NONE, REGISTRIES, SAME, AttrRead, same_items, tensor_items
 from ._global_reads import GlobalReads
+from ._module_paths import module_path
 from ._hooks import HOOK_DICTS, holds_live_hook
 from ._values import same_plain
 from ..errors import ModelChangedError
@@ -76,6 +83,12 @@ class ModelCheck:
         self._containers = _containers(model, called, labels)
         self._globals = GlobalReads([model, *traced])
         self._traced: List[Tuple[nn.Module, str]] = [(m, labels.get(id(m), "")) for m in traced]
+        # the code the stages were traced from: each traced module's class and forward (its own
+        # forward None, not a sentinel: a copy of the pipeline would copy the sentinel)
+        self._code: List[Tuple[nn.Module, str, type, Any, Any]] = [
+            (m, label, type(m), m.__dict__.get("forward"), getattr(type(m), "forward", None))
+            for m, label in self._traced]
+        self._global_hooks: Tuple[Tuple[Any, ...], ...] = _global_hook_keys()
         self._reads: List[AttrRead] = list(reads)
         self._compile()
 
@@ -93,7 +106,8 @@ class ModelCheck:
         self._hooks = [m.__dict__[h] for m, _ in self._traced for h in HOOK_DICTS]
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k in ("_held", "_traced", "_reads", "_containers", "_globals")}
+        return {k: v for k, v in self.__dict__.items()
+                if k in ("_held", "_traced", "_reads", "_containers", "_globals", "_code", "_global_hooks")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -129,6 +143,11 @@ class ModelCheck:
             if len(registry) != n:
                 return False
         if self._globals.reads and self._globals.changes():
+            return False
+        for m, _, cls, own, forward in self._code:
+            if type(m) is not cls or m.__dict__.get("forward") is not own or cls.forward is not forward:
+                return False
+        if _global_hook_keys() != self._global_hooks:
             return False
         # any(): a C loop over mostly empty dicts; only a model with hooks looks at them
         return not (any(self._hooks) and any(holds_live_hook(hooks) for hooks in self._hooks))
@@ -177,6 +196,18 @@ class ModelCheck:
                 now = len(owner.__dict__[registry])
                 out.append(f"'{label or type(owner).__name__}' holds {now} entries, {n} when the pipeline was built "
                            f"(the traced forward went through those {n}: the stages hold no others)")
+        for m, label, cls, own, forward in self._code:
+            where = f"'{label}'" if label else "the model itself"
+            if type(m) is not cls:
+                out.append(f"{where} is now a {type(m).__name__}, was a {cls.__name__} (__class__ replaced): the stages "
+                           f"hold the code of {cls.__name__}.forward, traced at the build")
+            elif m.__dict__.get("forward") is not own or cls.forward is not forward:
+                out.append(f"{where} has another forward than at the build (assigned to the module or its class "
+                           f"{cls.__name__}): the stages hold the code traced from the old one")
+        if _global_hook_keys() != self._global_hooks:
+            out.append("a global module hook (torch.nn.modules.module.register_module_forward_hook and its kin) was "
+                       "registered or removed after the build: the modules whose forward was traced into the stages "
+                       "never run module hooks (register it before building, or hook the pipeline itself)")
         for module, label in self._traced:
             hooks = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if holds_live_hook(module.__dict__[h])]
             if hooks:
@@ -188,6 +219,17 @@ class ModelCheck:
 
     def _refresh(self) -> None:
         self._fast = [(attrs, name, attrs.get(name, value)) for attrs, name, value in self._fast]
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _global_hook_keys() -> Tuple[Tuple[Any, ...], ...]:
+    """The handles of torch's global module hooks, per kind (empty tuples for most programs)."""
+    from torch.nn.modules import module as torch_module
+
+    return tuple(tuple(getattr(torch_module, name, {})) for name in _GLOBAL_HOOKS)
 
 
 def _read_holds(r: AttrRead) -> bool:
@@ -229,6 +271,9 @@ def _used(model: nn.Module, graph: fx.GraphModule, stages: Iterable[fx.GraphModu
             path = node.meta.get("fxpipe_module")
             if isinstance(path, str):
                 traced_paths.append(path)
+            for entry in (node.meta.get("nn_module_stack") or {}).values():  # the modules whose forward ran
+                if isinstance(entry, tuple) and entry and isinstance(entry[0], str):
+                    traced_paths.append(module_path(entry[0]))
     traced_paths += [labels[id(r.owner)] for r in reads if isinstance(r.owner, nn.Module) and id(r.owner) in labels]
     held: Dict[Tuple[int, str, str], Held] = {}
     modules: Dict[str, Optional[nn.Module]] = {}
