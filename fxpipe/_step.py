@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .checks._loss_fn import Weights, own_loss_output, split_target
+from .capture._hooks import HOOK_DICTS, holds_live_hook
 from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm, deferring
 from .runtime._frontend import checkpoint_stop
@@ -153,6 +154,11 @@ def _check_call(pipe: Any, loss_fn: Any, reduction: str, given: Sequence[str]) -
     if not torch.is_grad_enabled():
         raise StepError("pipe.step() runs backward, and gradients are disabled here (torch.no_grad() or "
                         "torch.inference_mode()); call pipe(x) for outputs without gradients, or step outside it")
+    hooked = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if holds_live_hook(pipe.__dict__[h])]
+    if hooked:  # they run around pipe(x), Module.__call__; step() calls no module, and skipped them (a trial)
+        raise StepError(f"the pipeline has {' and '.join(hooked)}, which run around pipe(x) and not inside "
+                        "pipe.step(), whose losses and backward run per micro-batch: the step would silently leave "
+                        "them out. Remove them for step(), or train with loss_fn(pipe(x)).backward() (GPipe)")
     if loss_fn is not None and not callable(loss_fn):
         raise ArgumentError(f"loss_fn must be callable as loss_fn(output) or loss_fn(output, target), got "
                             f"{type(loss_fn).__name__}", argument="loss_fn")
