@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..errors import MicroBatchError
+from ..errors import MicroBatchError, ModelChangedError
 from ._loss_den import nll_total_weight
 from ._loss_values import ancestors
 from ._uncounted import divisor_of, inputs_program, refuse_divisor, refuse_selection
@@ -94,14 +94,32 @@ class TokenCount:
     inputs: List[int]
     ignore_index: Optional[int] = None
     weight: Optional[Callable[[], Optional[Tensor]]] = None
+    #: the loss module (``nn.CrossEntropyLoss``, ``nn.NLLLoss``) whose ``ignore_index``, ``weight``
+    #: and ``reduction`` are read at each call: it runs its own code, so a change made after the
+    #: build reaches its loss (a trial: ``weight`` or ``ignore_index`` set later, 0.03 off)
+    module: Optional[nn.Module] = None
+    label: str = ""
 
     def __call__(self, leaves: Sequence[Any]) -> Tensor:
         with torch.no_grad():
             value = self.program(*[leaves[i] for i in self.inputs])
             if self.ignore_index is None:
                 return value
+            if self.module is not None:
+                ignore, weight = self._module_counting()
+                return nll_total_weight(value, weight, ignore)
             weight = self.weight() if self.weight is not None else None
             return nll_total_weight(value, weight, self.ignore_index)
+
+    def _module_counting(self) -> Tuple[int, Optional[Tensor]]:
+        module = self.module
+        if module.reduction != "mean":  # type: ignore[union-attr]
+            change = (f"'{self.label}.reduction' is {module.reduction!r}, was 'mean' when the pipeline was built, "  # type: ignore[union-attr]
+                      "which merges its loss as a mean over counted labels")
+            raise ModelChangedError(
+                f"the model changed after the pipeline was built: rebuild it (call fxpipe.pipeline(model, ...) again, "
+                f"with the output's merge to match). What changed:\n  - {change}", changes=[change])
+        return int(module.ignore_index), module.weight  # type: ignore[union-attr]
 
 
 @dataclass
@@ -213,7 +231,8 @@ def _token_count(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int]) -> Op
     program = inputs_program(gm, loss[0], index)
     if program is None:
         return None
-    return TokenCount(program[0], program[1], loss[1], weight or None)
+    module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+    return TokenCount(program[0], program[1], loss[1], weight or None, module, str(node.target))
 
 
 def _through(node: Any) -> Any:
