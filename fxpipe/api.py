@@ -31,7 +31,7 @@ from .plan._value import Plan
 from .progress import Progress, ProgressOption, as_progress
 from .runtime._batchnorm import commit_deferred_batch_norm, deferring, refuse_deferred_in_graph
 from .runtime._devices import Device, default_devices
-from .runtime._frontend import CHECKPOINT_MODES, PlacedModule, check_chunks, checkpoint_stop
+from .runtime._frontend import PlacedModule, check_checkpoint, check_chunks, checkpoint_stop
 from .runtime._microbatch import Batch
 from .runtime._orders import check_schedule
 from .runtime._pipeline import PipelineRunner
@@ -48,10 +48,7 @@ def _check_args(model: nn.Module, n_stages: int, chunks: int, checkpoint: str, b
         raise StagesError(f"n_stages must be a positive integer (the number of pipeline stages), got "
                           f"n_stages={n_stages!r}; pass n_stages=1 or more", argument="n_stages")
     check_chunks(chunks)
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ArgumentError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got "
-                            f"checkpoint={checkpoint!r}; pass one of them (the default is 'except_last')",
-                            argument="checkpoint")
+    check_checkpoint(checkpoint)
     if balance_by not in BALANCE_BY:
         raise ArgumentError(f"balance_by must be one of {', '.join(map(repr, BALANCE_BY))}, got "
                             f"balance_by={balance_by!r}; pass one of them (the default is 'time')",
@@ -104,8 +101,7 @@ class Pipeline(PlacedModule):
         self.devices = devices
         self.chunks = chunks
         self.checkpoint = checkpoint
-        #: the order of a training step: 'gpipe' or '1f1b' (:mod:`fxpipe.runtime._orders`)
-        self.schedule = check_schedule(schedule)
+        self.schedule = schedule
         #: why the graph holds each module's training mode ('' when it follows them)
         self.mode_sensitive = mode_sensitive
         self.training = model.training  # the pipeline starts in the model's mode
@@ -178,6 +174,25 @@ class Pipeline(PlacedModule):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:  # type: ignore[override]
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    @property
+    def checkpoint(self) -> str:
+        """``'always'``, ``'except_last'`` or ``'never'``; may be set between calls."""
+        return self.__dict__["_checkpoint_mode"]
+
+    @checkpoint.setter
+    def checkpoint(self, mode: str) -> None:  # checked: a wrong one was a bare KeyError at the next call
+        self.__dict__["_checkpoint_mode"] = check_checkpoint(mode)
+
+    @property
+    def schedule(self) -> str:
+        """The order of a training step: ``'gpipe'`` or ``'1f1b'`` (:mod:`fxpipe.runtime._orders`);
+        may be set between calls."""
+        return self.__dict__["_schedule"]
+
+    @schedule.setter
+    def schedule(self, schedule: str) -> None:  # checked: 'zbv' was taken, and ran as something else
+        self.__dict__["_schedule"] = check_schedule(schedule)
 
     def __getattr__(self, name: str) -> Any:
         # The names above are the model's: torch.func.functional_call(pipe, {"0.weight": w}, x) looks

@@ -411,3 +411,17 @@ def test_a_micro_batch_counting_nothing_gives_no_nan_gradient(how):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.isfinite(p.grad).all(), name
         assert_close_scaled(p.grad, q.grad, what=f"grad of {name}")
+
+
+def test_checkpoint_and_schedule_set_after_the_build_are_checked():
+    # a trial: pipe.checkpoint = 'bogus' was a bare KeyError at the next call, 'zbv' taken silently
+    model = _mlp()
+    x, y = torch.randn(8, 8), torch.randint(0, 5, (8,))
+    with _build(model, x, 2, chunks=4) as pipe:
+        with pytest.raises(ArgumentError, match="checkpoint must be one of"):
+            pipe.checkpoint = "bogus"
+        with pytest.raises(ArgumentError, match="schedule must be one of"):
+            pipe.schedule = "zbv"
+        assert (pipe.checkpoint, pipe.schedule) == ("except_last", "gpipe")
+        pipe.checkpoint, pipe.schedule = "never", "1f1b"
+        pipe.step(x, loss_fn=F.cross_entropy, target=y)

@@ -25,10 +25,20 @@ from ._batchnorm import (
 )
 from ._pipeline import PipelineRunner
 
-__all__ = ["PlacedModule", "CHECKPOINT_MODES", "checkpoint_stop", "check_chunks"]
+__all__ = ["PlacedModule", "CHECKPOINT_MODES", "checkpoint_stop", "check_checkpoint", "check_chunks"]
 
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def check_checkpoint(checkpoint: object) -> str:
+    """``checkpoint`` if it is a mode, else :class:`~fxpipe.errors.ArgumentError` (at the build,
+    and when ``pipe.checkpoint`` is set later)."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ArgumentError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got "
+                            f"checkpoint={checkpoint!r}; pass one of them (the default is 'except_last')",
+                            argument="checkpoint")
+    return str(checkpoint)
 
 
 def checkpoint_stop(mode: str, num_microbatches: int, training: bool) -> int:
