@@ -32,6 +32,7 @@ CORE = (
     "tests/distributed/test_failures.py::test_every_rank_names_the_failing_rank_and_its_error",
     "tests/distributed/test_dp_accumulation.py::test_accumulated_gradients_survive_eval_step_and_a_new_length",
     "tests/distributed/test_distributed_labels.py::test_the_models_own_labels_loss_is_weighed_as_in_one_process",
+    "tests/distributed/test_dp_loss_weights.py::test_replicas_of_other_shapes_are_weighed_exactly_or_refused[ddp]",
     "tests/test_pipeline.py::test_awkward_cuts_keep_every_gradient[never-cut0]",
     "tests/test_step.py::test_step_with_tied_weights[1f1b]",
     "tests/test_any_length.py::test_training_on_a_length_per_step_and_a_smaller_last_batch_is_eagers[gpipe]",

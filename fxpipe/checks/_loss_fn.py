@@ -53,6 +53,9 @@ class Weights:
     #: micro-batches against the first's (proportional in every micro-batch, so one number
     #: each), which the parts of a larger batch (data-parallel replicas) must share too
     ratios: Tuple[float, ...] = ()
+    #: a count is the micro-batches' samples, standing for what the loss divides by (a mean over
+    #: every position): proportional within one call, not between calls of other shapes
+    by_samples: bool = False
 
     def merge(self, parts: Sequence[Tensor]) -> Tensor:
         from ._weighted_mean import weighted_mean
@@ -190,6 +193,7 @@ class LossFnReading:
         if kind == "sum" or (len(sizes) == 1 and alone):
             return Weights("sum" if kind == "sum" else "mean", counts=[torch.ones((), dtype=torch.float64)])
         per_count: List[List[Tensor]] = []  # per count the loss divides by, per micro-batch
+        by_samples = False
         eps = 0.0  # the rounding of the dtype the counts were computed in
         for k in range(len(reads[0].programs)):
             column = []
@@ -197,6 +201,7 @@ class LossFnReading:
                 found = r.programs[k]
                 if found is None:  # proportional to the samples
                     column.append(torch.tensor(float(m), dtype=torch.float64))
+                    by_samples = True
                     continue
                 program, used = found
                 leaves = self._leaves(stand_ins[m], None if targets is None else targets[i])
@@ -228,7 +233,7 @@ class LossFnReading:
                     "one weight per micro-batch gives every term its whole-batch mean"))
         first = float(sum(counts))
         ratios = tuple(float(sum(other)) / first if first else math.inf for other in per_count[1:])
-        return Weights("mean", counts=counts, ratios=ratios)
+        return Weights("mean", counts=counts, ratios=ratios, by_samples=by_samples)
 
     # -- reading ---------------------------------------------------------------------------
     def _dims(self, n: int) -> List[Optional[int]]:

@@ -52,6 +52,7 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError, StepError
 
 from ._copies import Copies, as_integers, refuse_different_copies
+from ._loss_shapes import refuse_unshared_shapes
 from ._flags import FLAG_COUNT, refuse_different_flags
 
 __all__ = ["Failures", "Agreement", "failure_line", "fingerprint", "joining"]
@@ -175,6 +176,10 @@ class Agreement:
         self.ratios: Optional[Sequence[float]] = None
         #: the model's fingerprints (:meth:`._flags.ModelFlags.fingerprints`), the same on every rank
         self.flags: Optional[Tuple[int, ...]] = None
+        #: on a replica's last rank whose loss is weighed by samples where its count is not read (a
+        #: mean over every position): the shapes that count stands for (:func:`._loss.shape_key`),
+        #: which every such replica must share
+        self.shape: Optional[int] = None
 
 
 #: the open pipelines' failure reporting, told of an uncaught exception before the process ends
@@ -247,7 +252,7 @@ class Failures:
             if failure is None and agreement.ratios is not None and len(agreement.ratios) > _RATIOS:
                 failure = StepError(f"loss_fn adds {len(agreement.ratios) + 1} means over different counts: with "
                                     f"data-parallel replicas at most {_RATIOS + 1} are weighed. Nothing was sent")
-            flags = torch.zeros((2 + _PRINT) * world + copies + (1 + _RATIOS) * world + FLAG_COUNT * world,
+            flags = torch.zeros((2 + _PRINT) * world + copies + (1 + _RATIOS) * world + world + FLAG_COUNT * world,
                                 dtype=torch.int64, device=self.device)
             flags[self.rank] = failure is not None
             flags[world + self.rank] = _CALLS.index(call) if call in _CALLS else len(_CALLS)
@@ -268,6 +273,8 @@ class Failures:
                 ratios = torch.tensor(list(agreement.ratios) + [0.0] * (_RATIOS - len(agreement.ratios)),
                                       dtype=torch.float64)
                 flags[at + 1:at + 1 + _RATIOS] = ratios.view(torch.int64).to(self.device)  # bits, summed with zeros
+            if failure is None and agreement.shape is not None:
+                flags[flags.numel() - (1 + FLAG_COUNT) * world + self.rank] = agreement.shape
             if failure is None and agreement.flags is not None:
                 end = flags.numel() - FLAG_COUNT * world + FLAG_COUNT * self.rank
                 flags[end:end + FLAG_COUNT] = torch.tensor(agreement.flags, dtype=torch.int64)
@@ -275,8 +282,9 @@ class Failures:
             values = flags.tolist()
         base = (2 + _PRINT) * world
         states = values[len(values) - FLAG_COUNT * world:]  # ModelFlags.fingerprints() per rank
+        shapes = values[len(values) - (1 + FLAG_COUNT) * world:len(values) - FLAG_COUNT * world]
         values, prints, held = values[:2 * world], values[2 * world:base], values[base:base + copies]
-        reported = flags[base + copies:flags.numel() - FLAG_COUNT * world].cpu().view(world, 1 + _RATIOS)
+        reported = flags[base + copies:flags.numel() - (1 + FLAG_COUNT) * world].cpu().view(world, 1 + _RATIOS)
         calls = values[world:]
         if len(set(calls)) > 1:  # raised outside reported(): not a failure for the store to keep
             named = ", ".join(f"rank {r}: {_CALLS[c] if c < len(_CALLS) else 'another call'}"
@@ -296,6 +304,7 @@ class Failures:
                 refuse_different_flags([tuple(states[FLAG_COUNT * r:FLAG_COUNT * (r + 1)]) for r in range(world)])
             refuse_different_copies(agreement.copies, held, world)
             _refuse_unshared_ratios(reported)
+            refuse_unshared_shapes(shapes)
             return
         with self.reported():
             lines: list[Optional[str]] = [None] * self.world_size

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.checks._batching import Batching
 from fxpipe.checks._loss_fn import LossFnReading, own_loss_output
 from fxpipe.checks._loss_keys import loss_key
+from ._loss_shapes import shape_key
 from fxpipe.errors import DistributedError, StepError
 
 __all__ = ["StepLoss"]
@@ -67,6 +68,9 @@ class StepLoss:
         self.replicated = replicated
         #: this step's further counts of a loss adding several means, against its first (see Weights)
         self.ratios: tuple[float, ...] = ()
+        #: where a count is the samples, standing for positions: the shapes it stands for
+        #: (:func:`._loss_shapes.shape_key`), which the replicas must share; else None
+        self.shape: Optional[int] = None
         self._counts: Optional[Tensor] = None  # what each micro-batch counts (float64); None: a sum
         self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
         self._weighed: List[bool] = []  # per micro-batch: whether it counts anything
@@ -105,6 +109,7 @@ class StepLoss:
         self._targets = []
         self.kept = []
         self.ratios = ()
+        self.shape = None
         self.merge_weights = None
         if self.own is not None:
             merge = self.batching.merges[self.own]
@@ -116,8 +121,9 @@ class StepLoss:
                 self._weigh(None)
             elif counts is not None:
                 self._weigh(_counted(counts))
-            else:  # a plain mean of the micro-batches' means: each counts alike
-                self._weigh(torch.ones(self.chunks, dtype=torch.float64))
+            else:  # a plain mean of the micro-batches' means: weighed by samples, as replicas' may differ
+                self._weigh(torch.tensor(sizes, dtype=torch.float64))
+                self.shape = shape_key(flat, self.outputs)
             return
         reading = self.reading
         assert targets is not None and reading is not None
@@ -134,6 +140,8 @@ class StepLoss:
                 "mixes the samples outside the pipeline (eval_step gives the outputs)")
         self._weigh(None if weights.kind == "sum" else _counted(weights.counts or []))
         self.ratios = weights.ratios
+        if weights.by_samples:
+            self.shape = shape_key(self.outputs, self._targets)
 
     def _weigh(self, counts: Optional[Tensor]) -> None:
         """This step's counts (None: a sum), each micro-batch's share of them, and which count

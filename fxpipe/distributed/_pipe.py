@@ -306,8 +306,9 @@ class DistributedPipeline(PipelineState):
                     kept_weights = self._step_loss.merge_weights
                     if kept_weights is None:  # a loss_fn step: the outputs' own counts, read here
                         kept_weights = self._batching.weights(flat, self._batching.split(flat, self.chunks)[0])
-                if self.layout.replicas is not None:  # the replicas' further counts must agree
+                if self.layout.replicas is not None:  # the replicas' further counts, and samples, must agree
                     agreement.ratios = self._step_loss.ratios
+                    agreement.shape = self._step_loss.shape
         # torch's schedules split a target tensor and hand each micro-batch's to the loss, which
         # takes the real one from StepLoss: a stand-in, split alike
         stand_in = torch.zeros(batch, device=self.device) if last else None

@@ -1,0 +1,111 @@
+"""Replicas given batches of other shapes, and a loss weighed by samples: exact or refused.
+
+A step's loss is weighed by what its code divides by where fxpipe reads it, else by each
+micro-batch's samples. A trial (2 replicas x 2 pipeline ranks, 'ddp' and 'fsdp') found two
+silent results there:
+
+* the model's own plain mean (``F.mse_loss`` in its forward, ``loss_fn=None``) counted every
+  micro-batch alike, whatever its rows: replicas of 4 and 2 rows gave the mean of the two
+  replicas' means (28.53 against eager's 21.31 on the 6-row global batch);
+* a mean over every position (``.mean()`` of a per-token value) weighed by rows while the
+  replicas' sequences had other lengths (259.61 against 255.08).
+
+Now the own mean is weighed by rows (exact), and a mean weighed by samples whose replicas hold
+samples of other shapes is refused on every rank before anything is sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_harness import run_ranks
+from exact import assert_close_scaled
+from test_data_parallel import _join, _leave
+
+
+class Regress(nn.Module):
+    """A regression returning its own mean squared error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> dict:
+        pred = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return {"loss": F.mse_loss(pred, target), "pred": pred}
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.a, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(self.emb(ids))))
+
+
+def _position_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.logsumexp(-1) - y.float()).pow(2).mean()
+
+
+def _rows() -> list:
+    g = torch.Generator().manual_seed(9)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g) * 3),
+            (torch.randn(2, 8, generator=g), torch.randn(2, 3, generator=g) * 3 + 5)]
+
+
+def _tokens(length: int, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 16, (4, length), generator=g), torch.randint(0, 4, (4, length), generator=g)
+
+
+def _worker(rank: int, world: int, port: int, data_parallel: str, out: str) -> None:
+    import fxpipe.distributed as fpd
+    from fxpipe.errors import StepError
+
+    mesh = _join(rank, world, port)
+    result: dict = {}
+    rows = _rows()
+    pipe = fpd.pipeline(Regress(), rows[0], chunks=2, mesh=mesh, data_parallel=data_parallel, timeout=60,
+                        progress=False)
+    x, y = rows[pipe.dp_rank]
+    result["loss"] = float(pipe.step(x, y))
+    result["grads"] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                       for n, p in pipe.named_parameters() if p.grad is not None}
+    pipe.close()
+    tokens = fpd.pipeline(Tokens(), _tokens(6, 0)[0], chunks=2, loss_fn=_position_mean, schedule="1f1b", mesh=mesh,
+                          data_parallel=data_parallel, timeout=60, progress=False)
+    ids, y = _tokens(6 if tokens.dp_rank == 0 else 5, tokens.dp_rank)
+    try:
+        tokens.step(ids, target=y)
+        result["lengths"] = "ran"
+    except StepError as e:  # on every rank, before anything was sent: the pipeline goes on
+        result["lengths"] = str(e)
+        ids, y = _tokens(6, tokens.dp_rank)  # one length: weighed by samples, exact
+        result["after"] = float(tokens.step(ids, target=y))
+    tokens.close()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    _leave()
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_replicas_of_other_shapes_are_weighed_exactly_or_refused(data_parallel: str, tmp_path: Path) -> None:
+    ranks: list[Any] = run_ranks(_worker, 4, (data_parallel,), tmp_path)
+    model = Regress()
+    rows = _rows()
+    loss = model(torch.cat([rows[0][0], rows[1][0]]), torch.cat([rows[0][1], rows[1][1]]))["loss"]
+    loss.backward()
+    for got in ranks:
+        assert_close_scaled(torch.tensor(got["loss"]), loss.detach(), what="loss")
+        for name, g in got["grads"].items():
+            assert_close_scaled(g, dict(model.named_parameters())[name].grad, what=name)
+        assert "other shapes beyond the batch dim" in got["lengths"], got["lengths"]
+        assert got["after"] > 0
