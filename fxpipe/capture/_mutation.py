@@ -135,6 +135,7 @@ class _Watcher(fx.Interpreter):
             for a in n.all_input_nodes:
                 self.last_use[a] = max(self.last_use.get(a, -1), self.order[n])
         self.placeholders: Set[Optional[int]] = set()
+        self.reassigned: List[Tuple[nn.Module, str, torch.Tensor]] = []  # buffers a module's forward replaced
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in COMPUTE_OPS:
@@ -149,9 +150,11 @@ class _Watcher(fx.Interpreter):
                 watched.append((slot, a, value))
             else:
                 watched += [(None, a, t) for t in _tensors(value)]
+        owned: List[Tuple[nn.Module, str, torch.Tensor]] = []
         if n.op == "call_module":
             module = self.module.get_submodule(n.target)
             watched += [(None, None, t) for t in (*module.parameters(), *module.buffers())]
+            owned = [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None]
         before = [t._version for _, _, t in watched]
         touched = {s for s in (_storage(t) for _, _, t in watched) if s in self.state_by_storage}
         for s in touched:
@@ -171,6 +174,10 @@ class _Watcher(fx.Interpreter):
         del values, kept
         for slot, a, t in _written(n, changed, out):
             self._mutated(n, slot, a, t, out)
+        for m, key, b in owned:  # self.ema = 0.9 * self.ema + ...: a state write too (it drifted per replica)
+            if m._buffers.get(key) is not b and _storage(b) in self.state_by_storage:
+                self.reassigned.append((m, key, b))
+                self._mutated(n, None, None, b, out)
         mutated = bool(changed)
         if not mutated and isinstance(out, torch.Tensor):
             storage = _storage(out)
@@ -382,6 +389,8 @@ def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Se
         raise MutationError(e.detail, node=e.node) from None
     finally:
         _restore(watcher.originals)
+        for m, key, b in reversed(watcher.reassigned):
+            m._buffers[key] = b
         torch.set_rng_state(rng)
     found = watcher.found
     result = Mutations(sample_outputs=outputs)

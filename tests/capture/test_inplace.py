@@ -244,6 +244,42 @@ def test_buffers_updated_once_per_micro_batch_never_by_recomputation(mode, chunk
     assert_grads_equal(model, reference)
 
 
+class ReassignedAverage(nn.Module):
+    """Replaces its buffer in forward (not in place): torch.fx cannot trace that, so it is kept
+    opaque; its writes were not seen, recomputation applied them again (0.18 off) and
+    data-parallel replicas drifted apart (a trial)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        self.avg = 0.9 * self.avg + 0.1 * x.detach().mean(0)
+        return x - self.avg
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_replaced_in_forward_is_updated_once_per_micro_batch(mode):
+    from fxpipe.build import BuildOptions, capture_and_check
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ReassignedAverage(), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    checked = capture_and_check(model, (x,), {}, BuildOptions(2, balance_by="params", chunks=2))
+    assert checked.prepared.mutations.state_names() == ["1.avg"]  # what replicas refuse (distributed/_mesh)
+    before = _state(model)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, checkpoint=mode, devices=["cpu"] * 2, balance_by="params",
+                           progress=False)
+    _assert_state(model, before)  # the build put the buffer back
+    for _ in range(2):
+        _row_loss(pipe(x)).backward()
+        for part in x.chunk(2):
+            _row_loss(reference(part)).backward()
+    _assert_state(model, _state(reference))
+    assert_grads_equal(model, reference)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_batchnorm_running_stats_not_updated_again_by_recomputation(mode):
     """Without deferred_batch_norm, each micro-batch updates the statistics once, like the
