@@ -30,7 +30,7 @@ from torch import nn
 
 from .capture._meta import is_meta_model, refuse_timing, to_meta
 from .capture._mode_flags import flags_of, modes_kept
-from .capture._mutation import check_kept_together
+from .capture._kept_together import check_kept_together
 from .capture._prepare import Prepared, prepare, preserved
 from .capture._signature import sample_mismatch
 from .capture._tracing import Capture

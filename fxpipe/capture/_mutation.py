@@ -37,6 +37,7 @@ from torch import fx, nn
 
 from ..errors import MutationError
 from ._node_kinds import COMPUTE_OPS
+from ._other_mode import flipped_modes, opaque_with_buffers
 from ._op_writes import writes_nothing
 from ._user_code import source_location
 from ..tree import flatten
@@ -379,20 +380,17 @@ def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Se
     if writes_nothing(gm):
         return Mutations()
     inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-    rng = torch.get_rng_state()
-    buffers = {_storage(b) for b in model.buffers() if b is not None} - {None}
-    watcher = _Watcher(gm, _state_tensors(model), buffers)
-    try:
-        with torch.no_grad():
-            outputs = watcher.run(*inputs)
-    except MutationError as e:  # without the notes the fx interpreter appends
-        raise MutationError(e.detail, node=e.node) from None
-    finally:
-        _restore(watcher.originals)
-        for m, key, b in reversed(watcher.reassigned):
-            m._buffers[key] = b
-        torch.set_rng_state(rng)
-    found = watcher.found
+    found, outputs = _watch(model, gm, inputs)
+    # a module of the user's kept opaque may write state in the other mode only (an average
+    # updated under `if self.training:`, a pipeline built in eval then trained: its recomputation
+    # applied the update again, a trial): searched in that mode too, for its state writes
+    with flipped_modes(opaque_with_buffers(gm)) as flipped:
+        if flipped:
+            other, _ = _watch(model, gm, inputs)
+            for name, writers in other.state.items():
+                found.state.setdefault(name, []).extend(w for w in writers if w not in found.state[name])
+            for name, nodes in other.touch.items():
+                found.touch.setdefault(name, set()).update(nodes)
     result = Mutations(sample_outputs=outputs)
     if found.values:
         result.rewritten = _rewrite(gm, found)
@@ -410,16 +408,19 @@ def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Se
     return result
 
 
-def check_kept_together(gm: fx.GraphModule, assignment: Dict[str, int]) -> None:
-    """Refuses an assignment (a loaded plan, split points) that separates nodes which must
-    share a stage: the readers and writers of an updated buffer, an op and the copy it fills."""
-    for node in gm.graph.nodes:
-        for other in node.meta.get(KEEP_WITH, ()):
-            if node.name in assignment and other in assignment and assignment[node.name] != assignment[other]:
-                what = node.meta.get(MUTATES_STATE) or ["a copy made for an in-place op"]
-                why = node.meta.get(KEEP_REASON) or f"they touch {what}"
-                raise MutationError(
-                    f"the plan puts {node.name!r} in stage {assignment[node.name]} and {other!r} in stage "
-                    f"{assignment[other]}, but they must share a stage: {why} ({_where(node)}). "
-                    "What to do: make a new plan (omit plan=), or choose split points outside that group.",
-                    node=node.name)
+def _watch(model: nn.Module, gm: fx.GraphModule, inputs: List[Any]) -> Tuple[_Found, Any]:
+    """One run of ``gm`` watched for writes; the model's values, buffers and RNG put back."""
+    rng = torch.get_rng_state()
+    buffers = {_storage(b) for b in model.buffers() if b is not None} - {None}
+    watcher = _Watcher(gm, _state_tensors(model), buffers)
+    try:
+        with torch.no_grad():
+            outputs = watcher.run(*inputs)
+    except MutationError as e:  # without the notes the fx interpreter appends
+        raise MutationError(e.detail, node=e.node) from None
+    finally:
+        _restore(watcher.originals)
+        for m, key, b in reversed(watcher.reassigned):
+            m._buffers[key] = b
+        torch.set_rng_state(rng)
+    return watcher.found, outputs

@@ -30,7 +30,7 @@ from fxpipe.emit._stages import Stages, emit_stages
 from fxpipe.checks._batching import OutputMerge
 from fxpipe.errors import MicroBatchError, StepError
 from fxpipe.runtime._frontend import CHECKPOINT_MODES, check_chunks, checkpoint_stop
-from fxpipe.capture._mutation import check_kept_together
+from fxpipe.capture._kept_together import check_kept_together
 from fxpipe.plan._value import Plan
 from fxpipe.plan._make import BALANCE_BY
 from fxpipe.capture._prepare import preserved

@@ -440,3 +440,40 @@ def test_an_export_graph_that_writes_nothing_is_not_run_to_find_writes(writes, m
     assert mutation.writes_nothing(pipe.capture.graph_module) is not writes and len(runs) == int(writes)
     if writes:  # the writes found: BatchNorm's statistics updated by the pipeline's call as by eager's
         assert int(pipe.module.norm.num_batches_tracked) == 1  # the build left it at 0: one call since
+
+
+class TrainingAverage(nn.Module):
+    """Updates its average in training mode only."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(8))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.avg.mul_(0.9).add_(0.1 * x.mean(0))
+                self.steps.add_(1)
+        return x - self.avg
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_write_in_training_only_is_found_when_built_in_eval(mode):
+    # a trial: kept opaque by a hook, built in eval for a first validation, then trained: the
+    # search ran in eval, found no write, and recomputation applied the update again (4 for 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), TrainingAverage(), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 4))
+    model[1].register_forward_hook(lambda m, i, o: None)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    model.eval()
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, checkpoint=mode, devices=["cpu"] * 2, balance_by="params",
+                           progress=False)
+    model.train()
+    _row_loss(pipe(x)).backward()
+    for part in x.chunk(2):
+        _row_loss(reference(part)).backward()
+    assert int(model[1].steps) == 2
+    _assert_state(model, _state(reference))
+    assert_grads_equal(model, reference)
