@@ -66,6 +66,7 @@ _NOT_WATCHED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctio
 
 #: how a read is compared at call time
 SAME, EQUAL, MUTABLE, NONE, ABSENT, ITEMS = "same", "equal", "mutable", "none", "absent", "items"
+_NO_VALUE = object()
 #: where nn.Module keeps what its attributes resolve to besides ``__dict__``
 REGISTRIES = ("_parameters", "_buffers", "_modules")
 
@@ -160,9 +161,21 @@ class AttributeReads:
 
     def reads(self) -> List[AttrRead]:
         """The reads recorded, first read of each attribute, less those the code wrote: set
-        anew, or a container it changed in place (``self.stats['calls'] += 1``)."""
-        return [r for key, r in self._reads.items()
-                if key not in self._written and not (r.how == MUTABLE and _changed(r))]
+        anew, or a container it changed in place (``self.stats['calls'] += 1``). A plain value
+        the code wrote on an object that is no module (a config: transformers' classifiers set
+        ``config.problem_type`` at their first call, then branch on it) is watched at the value
+        it left: the graph holds the branch it took for that value (a trial: switched to
+        ``'regression'`` afterwards, 0.14 off)."""
+        found = [r for key, r in self._reads.items()
+                 if key not in self._written and not (r.how == MUTABLE and _changed(r))]
+        for owner_id, name in self._written:
+            owner = self._objects.get(owner_id)
+            if owner is None or isinstance(owner, nn.Module) or name.startswith("_"):
+                continue
+            value = getattr(owner, "__dict__", {}).get(name, _NO_VALUE)
+            if value is not _NO_VALUE and is_plain(value) and not _holds_mutable(value):
+                found.append(AttrRead(owner, name, value, EQUAL, self._label(owner, name), True))
+        return found
 
     def written_numbers(self) -> List[str]:
         """The labels of the public attributes of modules where the traced code kept Python

@@ -610,3 +610,36 @@ def test_tensors_in_a_list_or_dict_changed_in_place_are_followed_and_replaced_ar
     model.temps = [model.temps[0]]  # the list itself replaced
     with pytest.raises(fxpipe.errors.ModelChangedError):
         pipe(x)
+
+
+class Config:
+    """A config object: the forward sets ``kind`` at its first call, as transformers'
+    classifiers set ``config.problem_type``, then branches on it."""
+
+    def __init__(self) -> None:
+        self.kind = None
+
+
+class Decides(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cfg, self.a, self.b = Config(), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.kind is None:
+            self.cfg.kind = "double"
+        h = self.a(x)
+        return self.b(2 * h if self.cfg.kind == "double" else -h)
+
+
+def test_a_config_value_the_forward_set_then_changed_is_refused():
+    model = Decides()
+    pipe = fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2,
+                           balance_by="params", progress=False)
+    x = torch.randn(BATCH, 8)
+    assert model.cfg.kind == "double"
+    torch.testing.assert_close(pipe(x), model(x))
+    model.cfg.kind = "negate"
+    e = refused(pipe, x)
+    assert "'cfg.kind' is 'negate', was 'double'" in str(e)
