@@ -129,8 +129,11 @@ def shard(value: Any, layout: Layout) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
         if t.shape[0] % layout.dp:
-            raise ValueError(f"a global batch of {t.shape[0]} samples does not split into {layout.dp} equal replica "
-                             f"shares: pass a multiple of {layout.dp} (times chunks)")
+            from fxpipe.errors import BatchShapeError
+
+            raise BatchShapeError(f"a global batch of {t.shape[0]} samples does not split into {layout.dp} equal "
+                                  f"replica shares: pass a multiple of {layout.dp} (times chunks), or give each "
+                                  "replica its own share (a smaller last share runs: pipe.step(x_of_this_replica))")
         n = t.shape[0] // layout.dp
         return t[layout.replica * n:(layout.replica + 1) * n]
 

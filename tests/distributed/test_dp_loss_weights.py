@@ -109,3 +109,14 @@ def test_replicas_of_other_shapes_are_weighed_exactly_or_refused(data_parallel: 
             assert_close_scaled(g, dict(model.named_parameters())[name].grad, what=name)
         assert "other shapes beyond the batch dim" in got["lengths"], got["lengths"]
         assert got["after"] > 0
+
+
+def test_a_global_batch_that_does_not_split_over_the_replicas_is_a_batch_shape_error() -> None:
+    # a trial: a bare ValueError on every rank
+    from fxpipe.distributed._mesh import Layout, shard
+    from fxpipe.errors import BatchShapeError
+
+    layout = Layout(None, None, None, [[0, 1], [2, 3]], 1, "ddp")  # type: ignore[arg-type]
+    assert torch.equal(shard(torch.arange(8), layout), torch.arange(4, 8))
+    with pytest.raises(BatchShapeError, match="does not split into 2 equal replica shares"):
+        shard(torch.arange(7), layout)
