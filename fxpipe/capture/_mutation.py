@@ -385,12 +385,14 @@ def find_and_fix_mutations(model: nn.Module, gm: fx.GraphModule, flat_inputs: Se
     # updated under `if self.training:`, a pipeline built in eval then trained: its recomputation
     # applied the update again, a trial): searched in that mode too, for its state writes
     with flipped_modes(opaque_with_buffers(gm)) as flipped:
-        if flipped:
-            other, _ = _watch(model, gm, inputs)
-            for name, writers in other.state.items():
-                found.state.setdefault(name, []).extend(w for w in writers if w not in found.state[name])
-            for name, nodes in other.touch.items():
-                found.touch.setdefault(name, set()).update(nodes)
+        try:
+            other = _watch(model, gm, inputs)[0] if flipped else _Found()
+        except Exception:  # noqa: BLE001 - a module that does not run in its other mode: searched as built
+            other = _Found()
+    for name, writers in other.state.items():
+        found.state.setdefault(name, []).extend(w for w in writers if w not in found.state[name])
+    for name, nodes in other.touch.items():
+        found.touch.setdefault(name, set()).update(nodes)
     result = Mutations(sample_outputs=outputs)
     if found.values:
         result.rewritten = _rewrite(gm, found)
