@@ -87,8 +87,7 @@ captures = pytest.mark.parametrize("method", list(MODELS))
 
 
 def build(model: nn.Module, method: str) -> fxpipe.Pipeline:
-    pipe = fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2,
-                           balance_by="params", progress=False)
+    pipe = _built(model)
     assert pipe.capture.method == method
     return pipe
 
@@ -256,6 +255,12 @@ class Gate(nn.Module):
         return self.act(self.lin(x))
 
 
+def _built(model: nn.Module) -> fxpipe.Pipeline:
+    """A pipeline of ``model``, whatever its capture."""
+    return fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2,
+                           balance_by="params", progress=False)
+
+
 def _containers_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), Gate(), nn.Linear(8, 4))
@@ -266,8 +271,7 @@ def _containers_model() -> nn.Module:
 def test_a_hook_on_a_container_whose_forward_was_traced_is_refused(where, hook):
     # a trial: the hook ran in eager and never in the stages (0.54 off; a gradient 13.2 off)
     model = _containers_model()
-    pipe = fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2,
-                           balance_by="params", progress=False)
+    pipe = _built(model)
     x = torch.randn(BATCH, 8)
     torch.testing.assert_close(pipe(x), model(x))
     register = getattr(model.get_submodule(where), f"register_{hook}_hook")
@@ -279,8 +283,7 @@ def test_a_hook_on_a_container_whose_forward_was_traced_is_refused(where, hook):
 @pytest.mark.parametrize("change", ["instance", "class", "__class__"])
 def test_a_forward_replaced_after_the_build_is_refused(change, monkeypatch):
     model = _containers_model()
-    pipe = fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2,
-                           balance_by="params", progress=False)
+    pipe = _built(model)
     x = torch.randn(BATCH, 8)
     gate = model[2]
 
@@ -302,8 +305,7 @@ def test_a_global_module_hook_registered_after_the_build_is_refused():
     from torch.nn.modules.module import register_module_forward_hook
 
     model = _containers_model()
-    pipe = fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2,
-                           balance_by="params", progress=False)
+    pipe = _built(model)
     x = torch.randn(BATCH, 8)
     handle = register_module_forward_hook(lambda m, i, o: o)
     try:
@@ -635,8 +637,7 @@ class Decides(nn.Module):
 
 def test_a_config_value_the_forward_set_then_changed_is_refused():
     model = Decides()
-    pipe = fxpipe.pipeline(model, torch.randn(BATCH, 8), 2, chunks=CHUNKS, devices=["cpu"] * 2,
-                           balance_by="params", progress=False)
+    pipe = _built(model)
     x = torch.randn(BATCH, 8)
     assert model.cfg.kind == "double"
     torch.testing.assert_close(pipe(x), model(x))
