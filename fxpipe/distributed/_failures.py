@@ -36,7 +36,6 @@ The failures before anything is sent need no store.
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 import time
@@ -47,12 +46,12 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
-from fxpipe.errors import BatchMismatchError, DistributedError, PeerFailedError, StepError
+from fxpipe.errors import DistributedError, PeerFailedError, StepError
 
-from ._copies import Copies, as_integers, refuse_different_copies
-from ._loss_shapes import refuse_unshared_shapes
+from ._copies import Copies, refuse_different_copies
+from ._batch_prints import PRINT, fingerprint, refuse_different_batches, refuse_same_batches
+from ._loss_shapes import refuse_unshared_ratios, refuse_unshared_shapes
 from ._flags import FLAG_COUNT, refuse_different_flags
 
 __all__ = ["Failures", "Agreement", "failure_line", "fingerprint", "joining"]
@@ -123,43 +122,8 @@ _GRACE_S = 2.0
 #: the calls a rank can be in when the ranks agree (their index travels)
 _CALLS = ("", "step()", "eval_step()", "clip_grad_norm_()", "trace.record()")
 
-#: numbers in a batch's fingerprint
-_PRINT = 3
 #: a loss's further means a replica's last rank may report (:attr:`Agreement.ratios`)
 _RATIOS = 4
-_WEIGHTS: dict = {}  # (numel, device) -> the fixed weights of the second sum
-
-
-def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """Fixed odd 32-bit weights, one per position (Knuth's multiplicative hash of the index),
-    so two batches with the same values in another order (rows swapped between ranks' shards)
-    weigh differently."""
-    key = (n, str(device))
-    w = _WEIGHTS.get(key)
-    if w is None:
-        if len(_WEIGHTS) > 16:
-            _WEIGHTS.clear()
-        w = _WEIGHTS[key] = (torch.arange(n, dtype=torch.int64, device=device) * 2654435761 % 4294967296) | 1
-    return w
-
-
-def fingerprint(values: Any, device: torch.device) -> torch.Tensor:
-    """Three int64 numbers that differ between two calls' tensors that differ (``values``: any
-    structure of them), but by a rare accident: their element count, the sum of their bits and
-    a sum of their bits weighted by position. Sums of integers wrap but never round, so every
-    rank gets the same numbers for the same tensors whatever the order of the reduction (float
-    sums could differ in their last bit with the memory's alignment). Computed where each tensor
-    is (two numbers then moved to ``device``), without a sync: a few passes over the inputs and
-    targets."""
-    out = torch.zeros(_PRINT, dtype=torch.int64, device=device)
-    for t in pytree.tree_leaves(values):
-        if not isinstance(t, torch.Tensor):
-            continue
-        x = as_integers(t).to(torch.int64)
-        part = torch.stack([x.sum(), (x * _weights(x.numel(), x.device)).sum()])
-        out[0] += x.numel()
-        out[1:] += part.to(device, non_blocking=True)
-    return out
 
 
 class Agreement:
@@ -252,18 +216,18 @@ class Failures:
             if failure is None and agreement.ratios is not None and len(agreement.ratios) > _RATIOS:
                 failure = StepError(f"loss_fn adds {len(agreement.ratios) + 1} means over different counts: with "
                                     f"data-parallel replicas at most {_RATIOS + 1} are weighed. Nothing was sent")
-            flags = torch.zeros((2 + _PRINT) * world + copies + (1 + _RATIOS) * world + world + FLAG_COUNT * world,
+            flags = torch.zeros((2 + PRINT) * world + copies + (1 + _RATIOS) * world + world + FLAG_COUNT * world,
                                 dtype=torch.int64, device=self.device)
             flags[self.rank] = failure is not None
             flags[world + self.rank] = _CALLS.index(call) if call in _CALLS else len(_CALLS)
             if failure is None and agreement.batch is not None:
-                start = 2 * world + _PRINT * self.rank
+                start = 2 * world + PRINT * self.rank
                 try:
-                    flags[start:start + _PRINT] = fingerprint(agreement.batch, self.device)
+                    flags[start:start + PRINT] = fingerprint(agreement.batch, self.device)
                 except Exception as e:  # noqa: BLE001 - told to every rank as this rank's failure
                     failure = e
                     flags[self.rank] = 1
-            base = (2 + _PRINT) * world
+            base = (2 + PRINT) * world
             for i, copy in enumerate(agreement.copies):
                 if copy.held is not None:
                     flags[base + i * world + self.rank] = copy.bits().to(self.device)
@@ -280,7 +244,7 @@ class Failures:
                 flags[end:end + FLAG_COUNT] = torch.tensor(agreement.flags, dtype=torch.int64)
             dist.all_reduce(flags, group=self.group)
             values = flags.tolist()
-        base = (2 + _PRINT) * world
+        base = (2 + PRINT) * world
         states = values[len(values) - FLAG_COUNT * world:]  # ModelFlags.fingerprints() per rank
         shapes = values[len(values) - (1 + FLAG_COUNT) * world:len(values) - FLAG_COUNT * world]
         values, prints, held = values[:2 * world], values[2 * world:base], values[base:base + copies]
@@ -295,15 +259,15 @@ class Failures:
                 "the same batch.")
         failed = [r for r, flag in enumerate(values[:world]) if flag]
         if not failed:
-            every = [tuple(prints[_PRINT * r:_PRINT * (r + 1)]) for r in range(world)]
+            every = [tuple(prints[PRINT * r:PRINT * (r + 1)]) for r in range(world)]
             for row in self.rows or [list(range(world))]:
-                _refuse_different_batches([every[r] for r in row], call, row)
+                refuse_different_batches([every[r] for r in row], call, row)
             if self.rows is not None and len(self.rows) > 1 and call == "step()":
-                _refuse_same_batches([every[row[0]] for row in self.rows], self.rows)
+                refuse_same_batches([every[row[0]] for row in self.rows], self.rows)
             if agreement.flags is not None:
                 refuse_different_flags([tuple(states[FLAG_COUNT * r:FLAG_COUNT * (r + 1)]) for r in range(world)])
             refuse_different_copies(agreement.copies, held, world)
-            _refuse_unshared_ratios(reported)
+            refuse_unshared_ratios(reported)
             refuse_unshared_shapes(shapes)
             return
         with self.reported():
@@ -372,64 +336,3 @@ class Failures:
         if not store.check([self.key]):
             return None
         return store.get(self.key).decode("utf-8", "replace")
-
-
-def _refuse_different_batches(prints: List[tuple], call: str, ranks: List[int]) -> None:
-    """Every rank's fingerprint of its batch (all zeros: none given) the same, else
-    :class:`BatchMismatchError` naming which ranks (``ranks``, of ``prints`` in order) got which batch."""
-    given = [p for p in prints if any(p)]
-    if len(set(given)) <= 1:
-        return
-    groups: dict = {}
-    for rank, p in zip(ranks, prints):
-        groups.setdefault(p, []).append(rank)
-    listed = "; ".join(f"ranks {', '.join(map(str, g))}" if len(g) > 1 else f"rank {g[0]}" for g in groups.values())
-    sizes = ""
-    if len({p[0] for p in groups}) > 1:  # each fingerprint's first number counts the batch's elements
-        sizes = "; their batches hold " + ", ".join(f"{p[0]} elements on rank{'s' if len(g) > 1 else ''} "
-                                                    f"{', '.join(map(str, g))}" for p, g in groups.items()) \
-            + ": another length or batch size"
-    raise BatchMismatchError(
-        f"the ranks were given different batches in {call or 'this call'} ({listed} each got another one{sizes}). "
-        "A pipeline's first stage's rank reads the inputs and its last stage's rank the targets, so different "
-        "batches would train one rank's inputs against another's targets. Nothing was sent. Pass the same batch "
-        "(inputs and targets) on every rank of the pipeline: give them the same data loader order (the same seed, "
-        "and a DistributedSampler over the data-parallel replicas only: num_replicas=pipe.dp_size, "
-        "rank=pipe.dp_rank); batches of another length on one rank come from a loader that pads each rank's batch "
-        "on its own.",
-        groups=list(groups.values()))
-
-
-def _refuse_same_batches(prints: List[tuple], rows: List[List[int]]) -> None:
-    """Replicas given the same batch in a step are refused: each would compute the same
-    gradient, and the sum over replicas would train on ``dp`` copies of one shard."""
-    if len(set(prints)) > 1 or not any(prints[0]):
-        return
-    raise BatchMismatchError(
-        f"every one of the {len(prints)} data-parallel replicas was given the same batch in step(): the replicas would "
-        "compute the same gradient, and their sum would train on that one batch counted once per replica, not on a "
-        "global batch. Nothing was sent. Give each replica its own shard: pipe.shard(global_batch) on every rank, or "
-        "DistributedSampler(dataset, num_replicas=pipe.dp_size, rank=pipe.dp_rank).",
-        groups=[sorted(r for row in rows for r in row)])
-
-
-def _refuse_unshared_ratios(reported: torch.Tensor) -> None:
-    """The replicas' last ranks (a row each of ``reported``: 1 + how many ratios, then the
-    ratios' bits) must report the same ratios of a loss's further counts to its first: each
-    micro-batch's loss is weighed by its share of the global batch's first count, which gives
-    every further mean its global value only where its count is in the same proportion on every
-    replica (within one replica's micro-batches it is checked when the loss is read). Refused on
-    every rank alike, before anything is sent."""
-    rows = [(r, row[1:int(row[0])].contiguous().view(torch.float64).tolist()) for r, row in enumerate(reported)
-            if int(row[0]) > 0]
-    for r, ratios in rows[1:]:
-        first, mine = rows[0]
-        if len(ratios) != len(mine) or not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(mine, ratios)):
-            raise StepError(
-                "loss_fn adds means over different counts (a token mean and a mean over every position, say), and "
-                f"the data-parallel replicas count them in other proportions: rank {first}'s further counts are "
-                f"{[round(x, 6) for x in mine]} of its first, rank {r}'s {[round(x, 6) for x in ratios]}. Each "
-                "micro-batch's loss is weighed by its share of the global batch's first count, which would give the "
-                "other means another value than eager's on the global batch. Nothing was sent. Divide every term by "
-                "one count (the same mask's sum), return sums and divide after the step, or give each replica "
-                "batches padded alike")

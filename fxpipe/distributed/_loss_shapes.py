@@ -1,4 +1,9 @@
-"""Data-parallel replicas whose loss is weighed by samples must have samples alike.
+"""What data-parallel replicas must share for their losses to weigh as eager's global batch:
+the proportions of a loss's counts, and samples alike where a loss is weighed by samples.
+
+Each micro-batch's loss is weighed by its share of the global batch's first count; a loss adding
+means over several counts (a token mean plus a z-loss) gets every further mean right only where
+each replica counts them in one proportion (:func:`refuse_unshared_ratios`).
 
 A step's loss is weighed by each micro-batch's count (:mod:`._loss`): what its code divides by
 where fxpipe reads it (counted labels, a mask's sum), else its number of samples, for a mean
@@ -14,6 +19,7 @@ before anything is sent.
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Sequence
 
 import torch
@@ -21,7 +27,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import StepError
 
-__all__ = ["shape_key", "refuse_unshared_shapes"]
+__all__ = ["shape_key", "refuse_unshared_ratios", "refuse_unshared_shapes"]
 
 
 def shape_key(*values: Any) -> int:
@@ -47,3 +53,25 @@ def refuse_unshared_shapes(keys: Sequence[int]) -> None:
                 "the global batch. Nothing was sent. Give every replica batches of one shape (padded to one "
                 "length), divide by a count the loss computes (a mask's sum, labels that are not ignore_index), or "
                 "return a sum and divide after the step")
+
+
+def refuse_unshared_ratios(reported: torch.Tensor) -> None:
+    """The replicas' last ranks (a row each of ``reported``: 1 + how many ratios, then the
+    ratios' bits) must report the same ratios of a loss's further counts to its first: each
+    micro-batch's loss is weighed by its share of the global batch's first count, which gives
+    every further mean its global value only where its count is in the same proportion on every
+    replica (within one replica's micro-batches it is checked when the loss is read). Refused on
+    every rank alike, before anything is sent."""
+    rows = [(r, row[1:int(row[0])].contiguous().view(torch.float64).tolist()) for r, row in enumerate(reported)
+            if int(row[0]) > 0]
+    for r, ratios in rows[1:]:
+        first, mine = rows[0]
+        if len(ratios) != len(mine) or not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(mine, ratios)):
+            raise StepError(
+                "loss_fn adds means over different counts (a token mean and a mean over every position, say), and "
+                f"the data-parallel replicas count them in other proportions: rank {first}'s further counts are "
+                f"{[round(x, 6) for x in mine]} of its first, rank {r}'s {[round(x, 6) for x in ratios]}. Each "
+                "micro-batch's loss is weighed by its share of the global batch's first count, which would give the "
+                "other means another value than eager's on the global batch. Nothing was sent. Divide every term by "
+                "one count (the same mask's sum), return sums and divide after the step, or give each replica "
+                "batches padded alike")
