@@ -40,7 +40,7 @@ from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from ._randomness_off import randomness_off
 from ._varied_sample import ATTEMPTS, alike, padded, varied
 from ._micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
-from ..errors import MicroBatchError, TraceError
+from ..errors import FxpipeError, MicroBatchError, TraceError
 from ..capture._meta import is_meta_model
 from ..capture._mode_flags import modes_kept
 from ..capture._numerics import checking
@@ -112,8 +112,12 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
                 with checking(model, flat_padded):
                     return _check_modes(model, prepared, args_padded, kwargs_padded, flat_padded, chunk_dims,
                                         output_merge, chunks)
-            except MicroBatchError as e:
+            except FxpipeError as e:  # what the padded copy shows, a padded batch at a call would meet
                 masks = ", ".join(names[i] for i in which)
+                if not isinstance(e, MicroBatchError):
+                    e.add_note(f"(found on a copy of the sample with {masks} padded, as a collator pads: the sample's "
+                               "is all ones)")
+                    raise
                 raise MicroBatchError(
                     f"{e} (Checked with {masks} padded: the sample's is all ones, and a mixing through the mask "
                     "shows only where rows differ in length; it was given rows with trailing zeros, a different "
