@@ -254,18 +254,49 @@ class Chain:
                 best, hi = cut, cost
         else:
             raise RuntimeError(f"partition: no optimum after {self.MAX_PROBES} probes (internal error)")
-        # Canonical answer: latest cuts among all partitions with the optimal bottleneck.
+        # Canonical answer: latest cuts among all partitions with the optimal bottleneck, none
+        # without compute where one exists (balanced by parameters, a stage of a GELU alone held
+        # no parameter: its rank's optimizer got an empty list, a trial)
         R = self.reach(hi)
         S = self.layers(R, k)
-        return self.reconstruct(S, R, m) if S is not None else best
+        cut = self.reconstruct(S, R, m) if S is not None else best
+        if not all((self.cost[a:b] > 0).any() for a, b in zip(cut, cut[1:] + [m])):
+            cut = self.with_compute(R, k) or cut
+        return cut
+
+    def with_compute(self, R: np.ndarray, k: int) -> list[int] | None:
+        """The latest cut into k stages each ending by ``R`` of its start and each holding
+        some compute (a position of cost > 0), or None if there is none."""
+        m = self.m
+        positive = np.flatnonzero(self.cost > 0)
+        if positive.size < k:
+            return None
+        # P[a]: the least end of a stage starting at a that holds compute (m + 1: none)
+        after = np.searchsorted(positive, np.arange(m), side="left")
+        P = np.where(after < positive.size, positive[np.minimum(after, positive.size - 1)] + 1, m + 1)
+        layers = [np.arange(m) == 0]
+        for _ in range(1, k):
+            a = np.flatnonzero(layers[-1] & (P <= R))
+            diff = np.zeros(m + 2, np.int64)
+            np.add.at(diff, P[a], 1)
+            np.add.at(diff, R[a] + 1, -1)
+            layers.append(np.cumsum(diff)[:m] > 0)
+        starts, end = [0] * k, m
+        for j in range(k - 1, -1, -1):
+            fit = np.flatnonzero(layers[j][:end] & (P[:end] <= end) & (R[:end] >= end))
+            if fit.size == 0:
+                return None
+            starts[j], end = int(fit[-1]), int(fit[-1])
+        return starts if end == 0 else None
 
 
 def split_chain(costs: Sequence[float], n_parts: int) -> list[int]:
     """Optimal contiguous split of a chain minimising the largest block sum; block sizes.
 
     Exact (unlike torchgpipe's block-partition heuristic), which matters for balance_by_size
-    where one huge layer dominates. Among optimal splits, the last block starts as late as
-    possible, then the one before it, and so on.
+    where one huge layer dominates. Among optimal splits (those whose every block holds a cost
+    above zero, where any does), the last block starts as late as possible, then the one before
+    it, and so on.
     """
     n = len(costs)
     if n_parts < 1 or n_parts > n:

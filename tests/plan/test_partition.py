@@ -347,3 +347,20 @@ def test_speed_20k_nodes() -> None:
         elapsed = time.perf_counter() - t0
         assert elapsed < 2.0, f"n_stages={k}: {elapsed:.2f}s"
         assert sorted(set(a.values())) == list(range(k))
+
+
+def test_balanced_by_parameters_every_stage_holds_some_where_a_cut_allows():
+    # a trial: four parameterised layers in four stages, and one stage of a GELU alone (the cut
+    # with the latest starts among the optimal ones): its rank's optimizer got an empty list
+    import torch
+    from torch import nn
+
+    import fxpipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 32))
+    pipe = fxpipe.pipeline(model, torch.randint(0, 32, (8, 6)), 4, chunks=4, devices=["cpu"] * 4,
+                           balance_by="params", progress=False)
+    assert all(stage.param_bytes > 0 for stage in pipe.plan.stages), pipe.plan
+    assert pipe.plan.stages[2].param_bytes == max(stage.param_bytes for stage in pipe.plan.stages)
