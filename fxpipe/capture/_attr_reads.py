@@ -139,6 +139,7 @@ class AttributeReads:
         self._opaque = opaque if opaque is not None else OpaqueCalls()
         self._reads: Dict[Tuple[int, str], AttrRead] = {}
         self._written: Set[Tuple[int, str]] = set()
+        self._reread: Set[Tuple[int, str]] = set()  # written, then read again (a branch on it)
         self._classes: List[type] = []
         self._busy = False
         self._thread = 0
@@ -162,13 +163,13 @@ class AttributeReads:
     def reads(self) -> List[AttrRead]:
         """The reads recorded, first read of each attribute, less those the code wrote: set
         anew, or a container it changed in place (``self.stats['calls'] += 1``). A plain value
-        the code wrote on an object that is no module (a config: transformers' classifiers set
-        ``config.problem_type`` at their first call, then branch on it) is watched at the value
-        it left: the graph holds the branch it took for that value (a trial: switched to
+        the code wrote on an object that is no module and read again after (a config:
+        transformers' classifiers set ``config.problem_type`` at their first call, then branch
+        on it; not a counter it only adds to) is watched at the value it left: the graph holds the branch it took for that value (a trial: switched to
         ``'regression'`` afterwards, 0.14 off)."""
         found = [r for key, r in self._reads.items()
                  if key not in self._written and not (r.how == MUTABLE and _changed(r))]
-        for owner_id, name in self._written:
+        for owner_id, name in self._reread:  # read again after the code wrote it: the graph follows it
             owner = self._objects.get(owner_id)
             if owner is None or isinstance(owner, nn.Module) or name.startswith("_"):
                 continue
@@ -224,6 +225,8 @@ class AttributeReads:
     def _saw(self, obj: Any, name: str, value: Any) -> None:
         self._busy = True
         try:
+            if (id(obj), name) in self._written:
+                self._reread.add((id(obj), name))
             if self._skipped(obj, name) or isinstance(value, nn.Module):
                 return
             attrs = object.__getattribute__(obj, "__dict__")

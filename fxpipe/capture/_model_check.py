@@ -86,7 +86,7 @@ class ModelCheck:
         # the code the stages were traced from: each traced module's class and forward (its own
         # forward None, not a sentinel: a copy of the pipeline would copy the sentinel)
         self._code: List[Tuple[nn.Module, str, type, Any, Any]] = [
-            (m, label, type(m), m.__dict__.get("forward"), getattr(type(m), "forward", None))
+            (m, label, type(m), m.__dict__.get("forward"), _class_forward(type(m)))
             for m, label in self._traced]
         self._global_hooks: Tuple[Tuple[Any, ...], ...] = _global_hook_keys()
         self._reads: List[AttrRead] = list(reads)
@@ -145,7 +145,7 @@ class ModelCheck:
         if self._globals.reads and self._globals.changes():
             return False
         for m, _, cls, own, forward in self._code:
-            if type(m) is not cls or m.__dict__.get("forward") is not own or cls.forward is not forward:
+            if type(m) is not cls or m.__dict__.get("forward") is not own or _class_forward(cls) is not forward:
                 return False
         if _global_hook_keys() != self._global_hooks:
             return False
@@ -201,7 +201,7 @@ class ModelCheck:
             if type(m) is not cls:
                 out.append(f"{where} is now a {type(m).__name__}, was a {cls.__name__} (__class__ replaced): the stages "
                            f"hold the code of {cls.__name__}.forward, traced at the build")
-            elif m.__dict__.get("forward") is not own or cls.forward is not forward:
+            elif m.__dict__.get("forward") is not own or _class_forward(cls) is not forward:
                 out.append(f"{where} has another forward than at the build (assigned to the module or its class "
                            f"{cls.__name__}): the stages hold the code traced from the old one")
         if _global_hook_keys() != self._global_hooks:
@@ -226,10 +226,23 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 
 def _global_hook_keys() -> Tuple[Tuple[Any, ...], ...]:
-    """The handles of torch's global module hooks, per kind (empty tuples for most programs)."""
+    """The handles of the global module hooks registered by code other than torch's, per kind
+    (empty tuples for most programs). torch's own observers (``FlopCounterMode``,
+    ``ModuleTracker``) register some for the span of a ``with`` block and change no value."""
     from torch.nn.modules import module as torch_module
 
-    return tuple(tuple(getattr(torch_module, name, {})) for name in _GLOBAL_HOOKS)
+    return tuple(tuple(k for k, hook in getattr(torch_module, name, {}).items()
+                       if not str(getattr(hook, "__module__", "") or "").startswith("torch."))
+                 for name in _GLOBAL_HOOKS)
+
+
+def _class_forward(cls: type) -> Any:
+    """The ``forward`` a class defines or inherits, as stored (a ``partialmethod`` makes a new
+    object at each attribute access: compared as it is in the class's dict)."""
+    for klass in cls.__mro__:
+        if "forward" in klass.__dict__:
+            return klass.__dict__["forward"]
+    return None
 
 
 def _read_holds(r: AttrRead) -> bool:

@@ -176,7 +176,9 @@ class _Watcher(fx.Interpreter):
         for slot, a, t in _written(n, changed, out):
             self._mutated(n, slot, a, t, out)
         for m, key, b in owned:  # self.ema = 0.9 * self.ema + ...: a state write too (it drifted per replica)
-            if m._buffers.get(key) is not b and _storage(b) in self.state_by_storage:
+            now = m._buffers.get(key)  # a cache made anew at another size (rotary tables) is not state
+            if (now is not b and isinstance(now, torch.Tensor) and now.shape == b.shape and now.dtype == b.dtype
+                    and _storage(b) in self.state_by_storage):
                 self.reassigned.append((m, key, b))
                 self._mutated(n, None, None, b, out)
         mutated = bool(changed)

@@ -477,3 +477,28 @@ def test_a_write_in_training_only_is_found_when_built_in_eval(mode):
     assert int(model[1].steps) == 2
     _assert_state(model, _state(reference))
     assert_grads_equal(model, reference)
+
+
+
+class GrownCache(nn.Module):
+    """A rotary-style table made anew, larger, when a longer sequence comes: a cache, not state."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.cos(torch.arange(4.0)[:, None] * torch.ones(8)), persistent=False)
+
+    def forward(self, x):
+        if x.shape[1] > self.table.shape[0]:
+            self.table = torch.cos(torch.arange(float(x.shape[1]))[:, None] * torch.ones(x.shape[-1]))
+        return x * self.table[:x.shape[1]]
+
+
+def test_a_cache_buffer_made_anew_at_another_size_is_not_state():
+    # a regression trial: counted as a state write, the build ended in a bare size mismatch
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), GrownCache(), nn.Linear(8, 8)).eval()
+    pipe = fxpipe.pipeline(model, torch.randn(4, 6, 8), 2, chunks=2, devices=["cpu"] * 2, balance_by="params",
+                           progress=False, leaf_modules=[GrownCache])
+    x = torch.randn(4, 10, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))

@@ -14,6 +14,7 @@ outputs and every gradient, for torch.fx and torch.export captures alike.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -644,3 +645,50 @@ def test_a_config_value_the_forward_set_then_changed_is_refused():
     model.cfg.kind = "negate"
     e = refused(pipe, x)
     assert "'cfg.kind' is 'negate', was 'double'" in str(e)
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class Counts(nn.Module):
+    """Adds to a counter on a plain object at each call, never reading it for the math."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stats, self.a, self.b = Stats(), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats.calls += 1
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Partial(nn.Module):
+    """A forward made by functools.partialmethod: a new object at each class attribute access."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def _forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * scale
+
+    forward = functools.partialmethod(_forward, scale=2.0)
+
+
+def test_counters_observers_and_partial_forwards_are_no_change():
+    # a regression trial: each was refused by the wider watch, every call
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = Counts()
+    pipe = _built(model)
+    x = torch.randn(BATCH, 8)
+    for _ in range(2):  # eager calls between add to the counter: not a value the graph branches on
+        torch.testing.assert_close(pipe(x), model(x))
+    with FlopCounterMode(display=False):  # torch's own observer: global hooks for the block's span
+        torch.testing.assert_close(pipe(x), model(x))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(Partial(), nn.Linear(8, 8)), nn.Linear(8, 4))
+    torch.testing.assert_close(_built(model)(x), model(x))
