@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.checks._batching import Batching
 from fxpipe.checks._loss_fn import LossFnReading, own_loss_output
 from fxpipe.checks._loss_keys import loss_key
-from ._loss_shapes import shape_key
+from ._loss_shapes import loss_fn_key, own_loss_key
 from fxpipe.errors import DistributedError, StepError
 
 __all__ = ["StepLoss"]
@@ -123,7 +123,7 @@ class StepLoss:
                 self._weigh(_counted(counts))
             else:  # a plain mean of the micro-batches' means: weighed by samples, as replicas' may differ
                 self._weigh(torch.tensor(sizes, dtype=torch.float64))
-                self.shape = shape_key(flat, self.outputs)
+                self.shape = own_loss_key(flat, self.outputs)
             return
         reading = self.reading
         assert targets is not None and reading is not None
@@ -141,7 +141,7 @@ class StepLoss:
         self._weigh(None if weights.kind == "sum" else _counted(weights.counts or []))
         self.ratios = weights.ratios
         if weights.by_samples:
-            self.shape = shape_key(self.outputs, self._targets)
+            self.shape = loss_fn_key(self.outputs, self._targets)
 
     def _weigh(self, counts: Optional[Tensor]) -> None:
         """This step's counts (None: a sum), each micro-batch's share of them, and which count

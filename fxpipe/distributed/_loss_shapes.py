@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import StepError
 
-__all__ = ["shape_key", "refuse_unshared_ratios", "refuse_unshared_shapes"]
+__all__ = ["shape_key", "loss_fn_key", "own_loss_key", "refuse_unshared_ratios", "refuse_unshared_shapes"]
 
 
 def shape_key(*values: Any) -> int:
@@ -37,6 +37,26 @@ def shape_key(*values: Any) -> int:
     shapes = tuple(tuple(t.shape[1:]) if t.dim() else () for t in pytree.tree_leaves(values)
                    if isinstance(t, torch.Tensor))
     return hash(shapes) % (1 << 40) + 1
+
+
+def _batched(values: Any) -> List[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def loss_fn_key(outputs: Any, targets: Any) -> int:
+    """What a ``loss_fn`` weighed by samples is a mean over, as shapes: its targets' (the values
+    it is compared with: a target per position for a token mean, per sample for a sequence's
+    score, whatever the outputs' length), else the outputs' (a loss of the output alone). A
+    regression on a pooled score from sequences of another length per replica is a mean over
+    samples (a regression trial: refused while eager's on the global batch)."""
+    return shape_key(_batched(targets) or _batched(outputs))
+
+
+def own_loss_key(inputs: Any, outputs: Any) -> int:
+    """The same for the model's own loss: its outputs other than the loss (the logits a mean
+    over positions is taken of; a classifier's scores for a mean over samples), else, where it
+    returns the loss alone, its inputs (refused where they differ: on the safe side)."""
+    return shape_key(_batched(outputs) or _batched(inputs))
 
 
 def refuse_unshared_shapes(keys: Sequence[int]) -> None:

@@ -11,7 +11,9 @@ silent results there:
   replicas' sequences had other lengths (259.61 against 255.08).
 
 Now the own mean is weighed by rows (exact), and a mean weighed by samples whose replicas hold
-samples of other shapes is refused on every rank before anything is sent.
+samples of other shapes (targets, or the outputs where there are none) is refused on every rank
+before anything is sent; a mean over samples of another length per replica (a pooled
+regression) is exact.
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ class Tokens(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.a(self.emb(ids))))
+
+
+class Scores(nn.Module):
+    """A score per position; the loss pools it per sequence (a regression head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _pooled_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out.mean(1).squeeze(-1), y)
+
+
+def _sequences(length: int, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, length, 8, generator=g), torch.randn(4, generator=g)
 
 
 def _position_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -92,6 +115,14 @@ def _worker(rank: int, world: int, port: int, data_parallel: str, out: str) -> N
         ids, y = _tokens(6, tokens.dp_rank)  # one length: weighed by samples, exact
         result["after"] = float(tokens.step(ids, target=y))
     tokens.close()
+    # a mean over samples (a pooled regression) from sequences of another length per replica: exact
+    scores = fpd.pipeline(Scores(), _sequences(6, 0)[0], chunks=2, loss_fn=_pooled_mse, mesh=mesh,
+                          data_parallel=data_parallel, timeout=60, progress=False)
+    x, y = _sequences(6 if scores.dp_rank == 0 else 4, 1 + scores.dp_rank)
+    result["pooled"] = float(scores.step(x, target=y))
+    result["pooled grads"] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                              for n, p in scores.named_parameters() if p.grad is not None}
+    scores.close()
     torch.save(result, Path(out) / f"rank{rank}.pt")
     _leave()
 
@@ -103,7 +134,14 @@ def test_replicas_of_other_shapes_are_weighed_exactly_or_refused(data_parallel: 
     rows = _rows()
     loss = model(torch.cat([rows[0][0], rows[1][0]]), torch.cat([rows[0][1], rows[1][1]]))["loss"]
     loss.backward()
+    pooled = Scores()
+    (x0, y0), (x1, y1) = _sequences(6, 1), _sequences(4, 2)
+    want = (_pooled_mse(pooled(x0), y0) + _pooled_mse(pooled(x1), y1)) / 2  # 4 samples each
+    want.backward()
     for got in ranks:
+        assert_close_scaled(torch.tensor(got["pooled"]), want.detach(), what="pooled loss")
+        for name, g in got["pooled grads"].items():
+            assert_close_scaled(g, dict(pooled.named_parameters())[name].grad, what=f"pooled {name}")
         assert_close_scaled(torch.tensor(got["loss"]), loss.detach(), what="loss")
         for name, g in got["grads"].items():
             assert_close_scaled(g, dict(model.named_parameters())[name].grad, what=name)
