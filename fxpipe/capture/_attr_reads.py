@@ -66,6 +66,9 @@ _NOT_WATCHED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctio
 
 #: how a read is compared at call time
 SAME, EQUAL, MUTABLE, NONE, ABSENT, ITEMS = "same", "equal", "mutable", "none", "absent", "items"
+#: a value the traced code wrote and then read: compared by value, at what it holds when the
+#: pipeline is made (the build's own eager runs may have written it again since the capture)
+WRITTEN = "written"
 _NO_VALUE = object()
 #: where nn.Module keeps what its attributes resolve to besides ``__dict__``
 REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -165,7 +168,8 @@ class AttributeReads:
         anew, or a container it changed in place (``self.stats['calls'] += 1``). A plain value
         the code wrote on an object that is no module and read again after (a config:
         transformers' classifiers set ``config.problem_type`` at their first call, then branch
-        on it; not a counter it only adds to) is watched at the value it left: the graph holds the branch it took for that value (a trial: switched to
+        on it; not a number, a counter calls move) is watched at the value it holds when the pipeline
+        is made: the graph holds the branch it took for that value (a trial: switched to
         ``'regression'`` afterwards, 0.14 off)."""
         found = [r for key, r in self._reads.items()
                  if key not in self._written and not (r.how == MUTABLE and _changed(r))]
@@ -174,8 +178,8 @@ class AttributeReads:
             if owner is None or isinstance(owner, nn.Module) or name.startswith("_"):
                 continue
             value = getattr(owner, "__dict__", {}).get(name, _NO_VALUE)
-            if value is not _NO_VALUE and is_plain(value) and not _holds_mutable(value):
-                found.append(AttrRead(owner, name, value, EQUAL, self._label(owner, name), True))
+            if value is None or isinstance(value, (str, bool)):  # a setting; a number is a counter, moved by calls
+                found.append(AttrRead(owner, name, value, WRITTEN, self._label(owner, name), True))
         return found
 
     def written_numbers(self) -> List[str]:

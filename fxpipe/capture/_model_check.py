@@ -31,12 +31,14 @@ global module hook (``register_module_forward_hook``) registered after the build
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
 
-from ._attr_reads import ABSENT, EQUAL, ITEMS, MUTABLE, NONE, REGISTRIES, SAME, AttrRead, same_items, tensor_items
+from ._attr_reads import (ABSENT, EQUAL, ITEMS, MUTABLE, NONE, REGISTRIES, SAME, WRITTEN, AttrRead, same_items,
+                          tensor_items)
 from ._global_reads import GlobalReads
 from ._module_paths import module_path
 from ._hooks import HOOK_DICTS, holds_live_hook
@@ -89,7 +91,9 @@ class ModelCheck:
             (m, label, type(m), m.__dict__.get("forward"), _class_forward(type(m)))
             for m, label in self._traced]
         self._global_hooks: Tuple[Tuple[Any, ...], ...] = _global_hook_keys()
-        self._reads: List[AttrRead] = list(reads)
+        # a value the traced code wrote and read is compared at what it holds now, the build done
+        self._reads: List[AttrRead] = [
+            replace(r, value=getattr(r.owner, r.name, None), how=EQUAL) if r.how == WRITTEN else r for r in reads]
         self._compile()
 
     def _compile(self) -> None:
@@ -147,7 +151,7 @@ class ModelCheck:
         for m, _, cls, own, forward in self._code:
             if type(m) is not cls or m.__dict__.get("forward") is not own or _class_forward(cls) is not forward:
                 return False
-        if _global_hook_keys() != self._global_hooks:
+        if not _global_hooks_kept(self._global_hooks):
             return False
         # any(): a C loop over mostly empty dicts; only a model with hooks looks at them
         return not (any(self._hooks) and any(holds_live_hook(hooks) for hooks in self._hooks))
@@ -204,10 +208,11 @@ class ModelCheck:
             elif m.__dict__.get("forward") is not own or _class_forward(cls) is not forward:
                 out.append(f"{where} has another forward than at the build (assigned to the module or its class "
                            f"{cls.__name__}): the stages hold the code traced from the old one")
-        if _global_hook_keys() != self._global_hooks:
+        if not _global_hooks_kept(self._global_hooks):
             out.append("a global module hook (torch.nn.modules.module.register_module_forward_hook and its kin) was "
-                       "registered or removed after the build: the modules whose forward was traced into the stages "
-                       "never run module hooks (register it before building, or hook the pipeline itself)")
+                       "registered after the build: the modules whose forward was traced into the stages never run "
+                       "module hooks (register it before building, where the build's checks see what it does, or "
+                       "hook the pipeline itself, or the layers it acts on)")
         for module, label in self._traced:
             hooks = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if holds_live_hook(module.__dict__[h])]
             if hooks:
@@ -234,6 +239,12 @@ def _global_hook_keys() -> Tuple[Tuple[Any, ...], ...]:
     return tuple(tuple(k for k, hook in getattr(torch_module, name, {}).items()
                        if not str(getattr(hook, "__module__", "") or "").startswith("torch."))
                  for name in _GLOBAL_HOOKS)
+
+
+def _global_hooks_kept(built: Tuple[Tuple[Any, ...], ...]) -> bool:
+    """No global hook of the user's added since the build (one removed is no change: present at
+    the build, its effect on traced modules was checked against eager, and it is gone from both)."""
+    return all(set(now) <= set(then) for now, then in zip(_global_hook_keys(), built))
 
 
 def _class_forward(cls: type) -> Any:

@@ -692,3 +692,33 @@ def test_counters_observers_and_partial_forwards_are_no_change():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(Partial(), nn.Linear(8, 8)), nn.Linear(8, 4))
     torch.testing.assert_close(_built(model)(x), model(x))
+
+
+class LogsEvery(nn.Module):
+    """Adds to a counter and reads it again (logs every 100 calls): a number calls move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stats, self.a, self.b = Stats(), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats.calls += 1
+        if self.stats.calls % 100 == 0:
+            print("calls", self.stats.calls)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_counter_read_after_it_is_written_and_a_global_hook_removed_are_no_change():
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = LogsEvery()
+    pipe = _built(model)
+    x = torch.randn(BATCH, 8)
+    for _ in range(2):
+        torch.testing.assert_close(pipe(x), model(x))
+    handle = register_module_forward_hook(lambda m, i, o: None)  # present at the build: checked there
+    model = _containers_model()
+    pipe = _built(model)
+    handle.remove()
+    torch.testing.assert_close(pipe(x), model(x))
