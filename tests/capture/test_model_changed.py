@@ -653,15 +653,18 @@ class Stats:
 
 
 class Counts(nn.Module):
-    """Adds to a counter on a plain object at each call, never reading it for the math."""
+    """Adds to a counter on a plain object at each call, never reading it for the math; with
+    ``logs``, reads it again after (logs every 100 calls): a number calls move either way."""
 
-    def __init__(self) -> None:
+    def __init__(self, logs: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.stats, self.a, self.b = Stats(), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.stats, self.a, self.b, self.logs = Stats(), nn.Linear(8, 8), nn.Linear(8, 4), logs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.stats.calls += 1
+        if self.logs and self.stats.calls % 100 == 0:
+            print("calls", self.stats.calls)
         return self.b(torch.tanh(self.a(x)))
 
 
@@ -694,25 +697,10 @@ def test_counters_observers_and_partial_forwards_are_no_change():
     torch.testing.assert_close(_built(model)(x), model(x))
 
 
-class LogsEvery(nn.Module):
-    """Adds to a counter and reads it again (logs every 100 calls): a number calls move."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.stats, self.a, self.b = Stats(), nn.Linear(8, 8), nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.stats.calls += 1
-        if self.stats.calls % 100 == 0:
-            print("calls", self.stats.calls)
-        return self.b(torch.tanh(self.a(x)))
-
-
 def test_a_counter_read_after_it_is_written_and_a_global_hook_removed_are_no_change():
     from torch.nn.modules.module import register_module_forward_hook
 
-    model = LogsEvery()
+    model = Counts(logs=True)
     pipe = _built(model)
     x = torch.randn(BATCH, 8)
     for _ in range(2):
