@@ -339,7 +339,7 @@ def pipeline(
     reading = ((lambda: LossFnReading(loss_fn, out_dims_of(checked.batching.merges), captured.unflatten_output))
                if loss_fn is not None else None)
     step_loss = StepLoss(loss_fn, reading, (), checked.batching, chunks, where,
-                         replicated=layout.replicas is not None)
+                         replicated=layout.replicas is not None, graph=captured.graph_module.graph)
 
     metas_at = ShapeMetas(stages.modules, stages.input_names, where)
 

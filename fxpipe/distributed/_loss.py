@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.checks._batching import Batching
 from fxpipe.checks._loss_fn import LossFnReading, own_loss_output
 from fxpipe.checks._loss_keys import loss_key
-from ._loss_shapes import loss_fn_key, own_loss_key
+from ._loss_shapes import loss_fn_key, loss_only_inputs, own_loss_key
 from fxpipe.errors import DistributedError, StepError
 
 __all__ = ["StepLoss"]
@@ -56,7 +56,7 @@ class StepLoss:
 
     def __init__(self, loss_fn: Optional[Callable[..., Tensor]], reading: Optional[Callable[[], LossFnReading]],
                  outputs: Sequence[Any], batching: Batching, chunks: int, device: torch.device,
-                 replicated: bool = False) -> None:
+                 replicated: bool = False, graph: Optional[Any] = None) -> None:
         self.loss_fn = loss_fn
         self._make_reading = reading
         self._readings: Dict[Any, LossFnReading] = {}  # by loss_key: a few, the latest last
@@ -65,6 +65,8 @@ class StepLoss:
         self.chunks = chunks
         self.device = device
         self.own = own_loss_output(batching, "loss_fn=None", "Pass loss_fn=...") if loss_fn is None else None
+        #: the flat inputs only the own loss reads (its labels), for what its mean is over
+        self.loss_inputs = loss_only_inputs(graph, self.own) if self.own is not None and graph is not None else []
         self.replicated = replicated
         #: this step's further counts of a loss adding several means, against its first (see Weights)
         self.ratios: tuple[float, ...] = ()
@@ -123,7 +125,8 @@ class StepLoss:
                 self._weigh(_counted(counts))
             else:  # a plain mean of the micro-batches' means: weighed by samples, as replicas' may differ
                 self._weigh(torch.tensor(sizes, dtype=torch.float64))
-                self.shape = own_loss_key(flat, self.outputs)
+                self.shape = own_loss_key(flat, [o for i, o in enumerate(self.outputs) if i != self.own],
+                                          [flat[k] for k in self.loss_inputs if k < len(flat)])
             return
         reading = self.reading
         assert targets is not None and reading is not None

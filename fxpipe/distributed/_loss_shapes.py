@@ -24,10 +24,12 @@ from typing import Any, List, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch import fx
 
+from fxpipe.checks._loss_values import ancestors
 from fxpipe.errors import StepError
 
-__all__ = ["shape_key", "loss_fn_key", "own_loss_key", "refuse_unshared_ratios", "refuse_unshared_shapes"]
+__all__ = ["shape_key", "loss_fn_key", "own_loss_key", "loss_only_inputs", "refuse_unshared_ratios", "refuse_unshared_shapes"]
 
 
 def shape_key(*values: Any) -> int:
@@ -52,11 +54,29 @@ def loss_fn_key(outputs: Any, targets: Any) -> int:
     return shape_key(_batched(targets) or _batched(outputs))
 
 
-def own_loss_key(inputs: Any, outputs: Any) -> int:
+def own_loss_key(inputs: Any, outputs: Any, targets: Any = ()) -> int:
     """The same for the model's own loss: its outputs other than the loss (the logits a mean
-    over positions is taken of; a classifier's scores for a mean over samples), else, where it
-    returns the loss alone, its inputs (refused where they differ: on the safe side)."""
-    return shape_key(_batched(outputs) or _batched(inputs))
+    over positions is taken of; a classifier's scores for a mean over samples) and the inputs
+    only the loss reads (its labels: :func:`loss_only_inputs`), else, where it returns the loss
+    alone, all its inputs (refused where they differ: on the safe side)."""
+    batched = _batched(outputs)
+    return shape_key(batched + _batched(targets)) if batched else shape_key(_batched(inputs))
+
+
+def loss_only_inputs(graph: fx.Graph, loss: int) -> List[int]:
+    """The flat inputs of ``graph`` that its output ``loss`` is computed from and no other
+    output is: the labels of a model's own loss, whose shape says what its mean is over."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    if not 0 <= loss < len(returned) or not isinstance(returned[loss], fx.Node):
+        return []
+    others: set = set()
+    for i, node in enumerate(returned):
+        if i != loss and isinstance(node, fx.Node):
+            others |= ancestors(node)
+    mine = ancestors(returned[loss])
+    return [k for k, p in enumerate(placeholders) if p in mine and p not in others]
 
 
 def refuse_unshared_shapes(keys: Sequence[int]) -> None:

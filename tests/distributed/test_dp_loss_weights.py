@@ -158,3 +158,28 @@ def test_a_global_batch_that_does_not_split_over_the_replicas_is_a_batch_shape_e
     assert torch.equal(shard(torch.arange(8), layout), torch.arange(4, 8))
     with pytest.raises(BatchShapeError, match="does not split into 2 equal replica shares"):
         shard(torch.arange(7), layout)
+
+
+class OwnPositionMean(nn.Module):
+    """Its own loss a mean over every position of its labels; it returns a pooled score only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        h = self.a(x).squeeze(-1)
+        return (h - labels).pow(2).mean(), h.mean(1)
+
+
+def test_the_own_losss_labels_say_what_its_mean_is_over() -> None:
+    # returned a per-sample score only, its outputs looked alike across lengths: its labels do not
+    from fxpipe.distributed._loss_shapes import loss_only_inputs, own_loss_key
+
+    graph = torch.fx.symbolic_trace(OwnPositionMean()).graph
+    assert loss_only_inputs(graph, 0) == [1]  # the labels: read by the loss alone
+    assert loss_only_inputs(graph, 1) == []
+    pooled = torch.zeros(4)
+    six, five = own_loss_key((), [pooled], [torch.zeros(4, 6)]), own_loss_key((), [pooled], [torch.zeros(4, 5)])
+    assert six != five
+    assert own_loss_key((), [pooled], [torch.zeros(4)]) == own_loss_key((), [pooled], [torch.ones(4)])
