@@ -52,7 +52,9 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
     frozen parameters and of those a forward renormalises in place (``nn.Embedding(max_norm=)``:
     the build's runs changed 25 rows of a trial's by up to 3.4), every parameter's ``.grad``,
     every submodule's training flag and plain Python attributes (numbers, strings, None: a
-    forward counting its calls), and the RNG states. Values are written back through ``.data``,
+    forward counting its calls), the submodules, parameters and buffers each module registers (a
+    forward creating one at its first call: the build's runs are not that call), and the RNG
+    states. Values are written back through ``.data``,
     which leaves the tensors' version counters alone: a graph the user recorded before the
     build still backpropagates."""
     buffers = [(m, name, b, b._version, b.detach().clone())
@@ -68,11 +70,22 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
     # lists and dicts a forward fills or counts in (refused, but the build's runs must not show)
     containers = [(v, list(v) if type(v) is list else dict(v)) for m in model.modules() for v in vars(m).values()
                   if type(v) in (list, dict)]
+    # what each module registers: a forward creating a submodule or buffer on its first call (in
+    # one mode) registers it during the build's runs; the model keeps the ones it had
+    registries = [(m, {k: dict(m.__dict__[k]) for k in ("_modules", "_parameters", "_buffers")})
+                  for m in model.modules()]
     rng, python = generator_states(), python_states()
     try:
         yield
     finally:
         python_drew_since(python)  # Python's and numpy's generators put back
+        for m, held in registries:
+            for key, entries in held.items():
+                now = m.__dict__[key]
+                if now.keys() != entries.keys():
+                    for name in [n for n in now if n not in entries]:
+                        del now[name]
+                    now.update({n: v for n, v in entries.items() if n not in now})
         with torch.no_grad():
             for m, name, b, version, copy in buffers:
                 m._buffers[name] = b
@@ -88,7 +101,7 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
             m.training = training
         for m, attrs in scalars:
             for key, value in attrs.items():
-                if m.__dict__.get(key, value) is not value:
+                if key not in m.__dict__ or m.__dict__[key] is not value:  # also one a module was set to
                     m.__dict__[key] = value
         for container, content in containers:
             if len(container) != len(content) or (any(a is not b for a, b in zip(container, content)) if

@@ -502,3 +502,36 @@ def test_a_cache_buffer_made_anew_at_another_size_is_not_state():
     x = torch.randn(4, 10, 8)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), model(x))
+
+
+class CalibratesOnce(nn.Module):
+    """Creates a submodule and a buffer at its first call in training mode (a calibration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(8))
+        self.calibrated, self.extra = False, None
+
+    def forward(self, x):
+        if self.training and not self.calibrated:
+            self.calibrated = True
+            self.extra = nn.Linear(8, 8)
+            self.register_buffer("seen", torch.zeros(8))
+        if self.extra is not None:
+            x = self.extra(x)
+        return x * self.scale
+
+
+def test_building_leaves_what_each_module_registers_as_it_was():
+    # a regression trial: the build's training-mode runs created the submodule, and putting the
+    # attribute back lost it (a bare AttributeError; an IndexError before today)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), CalibratesOnce(), nn.Linear(8, 2)).eval()
+    x = torch.randn(8, 8)
+    before = model(x)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, balance_by="params", progress=False,
+                           leaf_modules=[CalibratesOnce])
+    assert model[1].extra is None and not model[1].calibrated
+    assert [n for n, _ in model.named_buffers()] == ["1.scale"]
+    torch.testing.assert_close(model(x), before)
+    torch.testing.assert_close(pipe(x), before)
