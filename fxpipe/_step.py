@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .checks._loss_fn import Weights, own_loss_output, split_target
-from .capture._hooks import HOOK_DICTS, holds_live_hook
+from .capture._hooks import live_hook_kinds
 from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm, deferring
 from .runtime._frontend import checkpoint_stop
@@ -154,7 +154,7 @@ def _check_call(pipe: Any, loss_fn: Any, reduction: str, given: Sequence[str]) -
     if not torch.is_grad_enabled():
         raise StepError("pipe.step() runs backward, and gradients are disabled here (torch.no_grad() or "
                         "torch.inference_mode()); call pipe(x) for outputs without gradients, or step outside it")
-    hooked = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if holds_live_hook(pipe.__dict__[h])]
+    hooked = live_hook_kinds(pipe)
     if hooked:  # they run around pipe(x), Module.__call__; step() calls no module, and skipped them (a trial)
         raise StepError(f"the pipeline has {' and '.join(hooked)}, which run around pipe(x) and not inside "
                         "pipe.step(), whose losses and backward run per micro-batch: the step would silently leave "

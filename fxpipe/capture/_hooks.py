@@ -24,7 +24,8 @@ from torch import nn
 
 from ..errors import TraceError
 
-__all__ = ["FXPIPE_GUARD", "HOOK_DICTS", "has_hooks", "hooked_modules", "holds_live_hook", "records_now"]
+__all__ = ["FXPIPE_GUARD", "HOOK_DICTS", "has_hooks", "hooked_modules", "holds_live_hook", "live_hook_kinds",
+           "records_now"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -77,6 +78,12 @@ def holds_live_hook(hooks: Dict[Any, Any]) -> bool:
 
 def has_hooks(module: nn.Module) -> bool:
     return any(holds_live_hook(getattr(module, name, None) or {}) for name in HOOK_DICTS)
+
+
+def live_hook_kinds(module: nn.Module) -> List[str]:
+    """The kinds of hook ``module`` holds live, as a message names them ('forward pre hooks')."""
+    return [name.strip("_").replace("_", " ") for name in HOOK_DICTS
+            if holds_live_hook(module.__dict__.get(name) or {})]
 
 
 def hooked_modules(model: nn.Module, already_opaque: Callable[[nn.Module], bool],

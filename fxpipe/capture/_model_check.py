@@ -41,7 +41,7 @@ from ._attr_reads import (ABSENT, EQUAL, ITEMS, MUTABLE, NONE, REGISTRIES, SAME,
                           tensor_items)
 from ._global_reads import GlobalReads
 from ._module_paths import module_path
-from ._hooks import HOOK_DICTS, holds_live_hook
+from ._hooks import HOOK_DICTS, holds_live_hook, live_hook_kinds
 from ._values import same_plain
 from ..errors import ModelChangedError
 
@@ -149,7 +149,7 @@ class ModelCheck:
         if self._globals.reads and self._globals.changes():
             return False
         for m, _, cls, own, forward in self._code:
-            if type(m) is not cls or m.__dict__.get("forward") is not own or _class_forward(cls) is not forward:
+            if not _code_kept(m, cls, own, forward):
                 return False
         if not _global_hooks_kept(self._global_hooks):
             return False
@@ -205,7 +205,7 @@ class ModelCheck:
             if type(m) is not cls:
                 out.append(f"{where} is now a {type(m).__name__}, was a {cls.__name__} (__class__ replaced): the stages "
                            f"hold the code of {cls.__name__}.forward, traced at the build")
-            elif m.__dict__.get("forward") is not own or _class_forward(cls) is not forward:
+            elif not _code_kept(m, cls, own, forward):
                 out.append(f"{where} has another forward than at the build (assigned to the module or its class "
                            f"{cls.__name__}): the stages hold the code traced from the old one")
         if not _global_hooks_kept(self._global_hooks):
@@ -214,7 +214,7 @@ class ModelCheck:
                        "module hooks (register it before building, where the build's checks see what it does, or "
                        "hook the pipeline itself, or the layers it acts on)")
         for module, label in self._traced:
-            hooks = [h.strip("_").replace("_", " ") for h in HOOK_DICTS if holds_live_hook(module.__dict__[h])]
+            hooks = live_hook_kinds(module)
             if hooks:
                 where = f"'{label}'" if label else "the model itself"
                 out.append(f"{where} has {' and '.join(hooks)} now: its forward was traced into the stages, which "
@@ -245,6 +245,12 @@ def _global_hooks_kept(built: Tuple[Tuple[Any, ...], ...]) -> bool:
     """No global hook of the user's added since the build (one removed is no change: present at
     the build, its effect on traced modules was checked against eager, and it is gone from both)."""
     return all(set(now) <= set(then) for now, then in zip(_global_hook_keys(), built))
+
+
+def _code_kept(m: nn.Module, cls: type, own: Any, forward: Any) -> bool:
+    """Whether ``m`` still runs the forward the stages were traced from: its class, its own
+    ``forward`` (None: none) and its class's."""
+    return type(m) is cls and m.__dict__.get("forward") is own and _class_forward(cls) is forward
 
 
 def _class_forward(cls: type) -> Any:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ._attr_reads import REGISTRIES
 from ._mode_flags import modes_kept
 from ._tracing import Capture, capture
 from ._values import same_value
@@ -72,8 +73,7 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
                   if type(v) in (list, dict)]
     # what each module registers: a forward creating a submodule or buffer on its first call (in
     # one mode) registers it during the build's runs; the model keeps the ones it had
-    registries = [(m, {k: dict(m.__dict__[k]) for k in ("_modules", "_parameters", "_buffers")})
-                  for m in model.modules()]
+    registries = [(m, {k: dict(m.__dict__[k]) for k in REGISTRIES}) for m in model.modules()]
     rng, python = generator_states(), python_states()
     try:
         yield

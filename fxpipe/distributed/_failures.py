@@ -54,7 +54,7 @@ from ._batch_prints import PRINT, fingerprint, refuse_different_batches, refuse_
 from ._loss_shapes import refuse_unshared_ratios, refuse_unshared_shapes
 from ._flags import FLAG_COUNT, refuse_different_flags
 
-__all__ = ["Failures", "Agreement", "failure_line", "fingerprint", "joining"]
+__all__ = ["Failures", "Agreement", "failure_line", "joining"]
 
 #: the longest error message carried to the other ranks (one line of a terminal log)
 _MAX_CHARS = 2000

@@ -29,7 +29,8 @@ from torch import fx
 from fxpipe.checks._loss_values import ancestors
 from fxpipe.errors import StepError
 
-__all__ = ["shape_key", "loss_fn_key", "own_loss_key", "loss_only_inputs", "refuse_unshared_ratios", "refuse_unshared_shapes"]
+__all__ = ["shape_key", "loss_fn_key", "own_loss_key", "loss_only_inputs", "refuse_unshared_ratios",
+           "refuse_unshared_shapes"]
 
 
 def shape_key(*values: Any) -> int:

@@ -205,7 +205,7 @@ class _Recorder(fx.Interpreter):
 
     def _grads_made(self, index: int, fn: Any, grads: Sequence[Any]) -> None:
         """``fn`` (of node ``index``) made ``grads`` for its inputs: note those that keep a
-        storage larger than the input they are for."""
+        storage larger than the input they are for, and those that share one storage."""
         rec = self.records[index]
         by_storage: Dict[int, List[int]] = {}
         for (nf, nr), g in zip(fn.next_functions, grads):
