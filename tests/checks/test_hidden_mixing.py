@@ -61,6 +61,14 @@ class Gated(nn.Module):
         return self.b(h + self.gamma * self.proj(h.mean(0, keepdim=True)))
 
 
+class GatedDropout(Gated):
+    """Gated with a functional dropout, which the training-mode check makes constant."""
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.a(x)), 0.1, self.training)
+        return self.b(h + self.gamma * self.proj(h.mean(0, keepdim=True)))
+
+
 class PerSample(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -95,6 +103,12 @@ def test_a_functional_dropout_does_not_hide_training_mode_mixing(p):
 def test_a_mixing_behind_a_gate_at_zero_is_refused():
     with pytest.raises(MicroBatchError, match="gate initialised at zero"):
         _build(Gated(), torch.randn(8, 16))
+
+
+def test_a_mixing_behind_a_gate_at_zero_is_refused_beside_dropout():
+    # the nudge's draws were made constant (0) with the dropout: the check ran at the build's weights
+    with pytest.raises(MicroBatchError, match="gate initialised at zero"):
+        _build(GatedDropout(), torch.randn(8, 16))
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
