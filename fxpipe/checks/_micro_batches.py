@@ -24,7 +24,8 @@ from ._counted_labels import CountedLabels
 from ._backward_mixing import unseen_backward
 from ._loss import NUDGE, gradient_mismatch, nudged
 
-__all__ = ["SAMPLE_SEED", "check_split", "reruns_same", "sample_run", "evaluating", "concatenated_dim"]
+__all__ = ["SAMPLE_SEED", "check_split", "check_merged_gradients", "micro_batch_count", "reruns_same", "sample_run",
+           "evaluating", "concatenated_dim"]
 
 #: the seed of :func:`sample_run` (:func:`fxpipe.runtime._randomness.drew_random` compares against it)
 SAMPLE_SEED = 0
@@ -67,7 +68,7 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
     total = batching.batch_size(flat)
     if total < 2:
         return deterministic
-    k = _micro_batch_count(total, chunks)
+    k = micro_batch_count(total, chunks)
     with mode(model), torch.no_grad():
         micro, sizes = batching.split(flat, k)
         batching.checked_sizes = list(sizes)
@@ -101,39 +102,57 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
             _refuse(batching, i, a, b, column, k, "(at the build's weights it did not: a mixing behind a gate "
                     "initialised at zero, which the first optimizer step opens; found at weights nudged by "
                     f"{NUDGE:g} of each tensor's size)", why, mode_text)
+    if compare and nudge:  # a merged loss: its gradient must be the batch's too
+        confirm = (lambda: reruns_same(gm, model, flat, whole, mode)) if provisional else None
+        deterministic = check_merged_gradients(batching, gm, model, flat, whole, micro, sizes, weights, mode, confirm)
+    return deterministic
+
+
+def check_merged_gradients(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: Sequence[Any],
+                           whole: Sequence[Any], micro: List[List[Any]], sizes: List[int], weights: Any,
+                           mode: Callable[[nn.Module], Any], confirm: Optional[Callable[[], bool]]) -> bool:
+    """Refuses a merged loss (a 0-dim output merged by mean or sum) whose gradient at nudged
+    weights is not the whole sample's, and a per-sample output whose gradient differs where the
+    model runs backward code fxpipe cannot read; its value may agree while its gradient does not.
+    ``whole``: the sample's outputs, for their structure. ``confirm()``, where the graph's
+    determinism rests on one run alone: whether a reseeded run gives the same, asked before
+    refusing (a graph drawing from a generator of its own is not compared). Returns whether
+    the graph is deterministic."""
+    k = len(micro)
     reduced = [i for i, a in enumerate(whole) if isinstance(a, Tensor) and a.dim() == 0
                and a.is_floating_point() and batching.merges[i] is not None]
     unseen = unseen_backward(gm)  # backward code of the model's own: its gradients compared too
     per_sample = [i for i, a in enumerate(whole) if unseen and isinstance(a, Tensor) and a.dim() > 0
                   and a.is_floating_point() and (batching.merges[i] is None or isinstance(batching.merges[i], int))]
-    if compare and nudge and (reduced or per_sample):  # a merged loss: its gradient must be the batch's too
-        with mode(model):
-            torch.manual_seed(1)
-            bad = gradient_mismatch(gm, flat, micro, reduced + per_sample,
-                                    lambda i, parts: batching._merge_leaf(i, parts, sizes, weights.get(i)))
-        if bad is not None and provisional and not reruns_same(gm, model, flat, whole, mode):
-            bad, deterministic = None, False  # random after all: values are not compared
-        if bad is not None and bad[0] in per_sample:
-            i, param, diff, scale = bad
-            raise MicroBatchError(
-                f"{_output_label(batching.out_names[i])} merged over {k} micro-batches is the full batch's, but its "
-                f"gradient is not: the gradient of parameter '{param}' differs by up to {diff:.3g} (largest "
-                f"|gradient| {scale:.3g}). The model runs backward code fxpipe cannot read -- {'; '.join(unseen[:3])} "
-                "-- and one of them mixes the samples in backward only (a gradient normalised over the batch); a "
-                "pipeline runs it per micro-batch, and training would silently differ from the model. What to do: "
-                "make that backward act per sample, or chunks=1")
-        if bad is not None:
-            i, param, diff, scale = bad
-            raise MicroBatchError(
-                f"{_output_label(batching.out_names[i])} merged over {k} micro-batches is close to the full "
-                f"batch's value but its gradient is not the full batch's at weights near the model's (as training will "
-                f"move them): the gradient of parameter '{param}' differs by up to "
-                f"{diff:.3g} (largest |gradient| {scale:.3g}). Training the pipeline would silently "
-                f"differ from the model. {_LOSS_NOTE}")
-    return deterministic
+    if not (reduced or per_sample):
+        return True
+    with mode(model):
+        torch.manual_seed(1)
+        bad = gradient_mismatch(gm, flat, micro, reduced + per_sample,
+                                lambda i, parts: batching._merge_leaf(i, parts, sizes, weights.get(i)))
+    if bad is not None and confirm is not None and not confirm():
+        return False  # random after all: values are not compared
+    if bad is not None and bad[0] in per_sample:
+        i, param, diff, scale = bad
+        raise MicroBatchError(
+            f"{_output_label(batching.out_names[i])} merged over {k} micro-batches is the full batch's, but its "
+            f"gradient is not: the gradient of parameter '{param}' differs by up to {diff:.3g} (largest "
+            f"|gradient| {scale:.3g}). The model runs backward code fxpipe cannot read -- {'; '.join(unseen[:3])} "
+            "-- and one of them mixes the samples in backward only (a gradient normalised over the batch); a "
+            "pipeline runs it per micro-batch, and training would silently differ from the model. What to do: "
+            "make that backward act per sample, or chunks=1")
+    if bad is not None:
+        i, param, diff, scale = bad
+        raise MicroBatchError(
+            f"{_output_label(batching.out_names[i])} merged over {k} micro-batches is close to the full "
+            f"batch's value but its gradient is not the full batch's at weights near the model's (as training will "
+            f"move them): the gradient of parameter '{param}' differs by up to "
+            f"{diff:.3g} (largest |gradient| {scale:.3g}). Training the pipeline would silently "
+            f"differ from the model. {_LOSS_NOTE}")
+    return True
 
 
-def _micro_batch_count(total: int, chunks: int) -> int:
+def micro_batch_count(total: int, chunks: int) -> int:
     """The most micro-batches up to ``chunks`` into which a batch of ``total`` splits (as the
     pipeline splits) with two samples in each, at least two micro-batches: [3, 3, 1] of a
     sample of 7 in 3 checked a micro-batch of one (a trial's ``.squeeze()`` head refused)."""

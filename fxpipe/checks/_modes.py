@@ -39,7 +39,8 @@ from ..capture._values import same_value
 from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from ._randomness_off import randomness_off
 from ._varied_sample import ATTEMPTS, alike, padded, varied
-from ._micro_batches import SAMPLE_SEED, check_split, evaluating, reruns_same, sample_run
+from ._micro_batches import SAMPLE_SEED, check_merged_gradients, check_split, evaluating, reruns_same, sample_run
+from ._one_pass import one_pass
 from ..errors import FxpipeError, MicroBatchError, TraceError
 from ..capture._meta import is_meta_model
 from ..capture._mode_flags import modes_kept
@@ -183,7 +184,23 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
     def blame_in(mode: Mode, always: bool) -> Callable[[List[List[Any]]], str]:
         return lambda micro: "" if meta else first_difference(gm, model, flat, micro, mode, always)
 
-    def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool, Quiet]:
+    def run_checks(mode: Mode, **options: Any) -> Tuple[Batching, List[Any], bool, Quiet, bool]:
+        """(batching, the graph's whole outputs, deterministic, the quiet it ran under, whether
+        the graph was compared with the eager model already: :mod:`fxpipe.checks._one_pass`)."""
+        if batching is None and not meta and options.get("values", True) and options.get("nudge", True):
+            # the first mode checked is the one compared with eager: all of it in one pass where it agrees
+            reads_grad = captured.context is not None and captured.context.built.grad
+            done = one_pass(captured, model, args, kwargs, flat, mode, chunks, reads_grad,
+                            lambda leaves: Batching.build(model, args, kwargs, captured.unflatten_output(leaves),
+                                                          chunk_dims, output_merge))
+            if done is not None:
+                quiet: Quiet = randomness_off if done.quieted else nullcontext
+                with preserved(model), quiet():
+                    deterministic = check_merged_gradients(
+                        done.batching, gm, model, flat, done.whole, done.micro, done.sizes, done.weights, mode,
+                        confirm=lambda: reruns_same(gm, model, flat, list(sample_run(lambda: gm(*flat), model, mode)),
+                                                    mode))
+                return done.batching, done.whole, deterministic, quiet, True
         # dropout and elementwise draws (F.dropout(h, p, self.training), attention's dropout_p, DropPath,
         # noise) made constant: compared values and all where nothing else draws (fxpipe.checks._randomness_off)
         with preserved(model), randomness_off() as off:
@@ -198,7 +215,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
         with preserved(model), quiet():
             deterministic = check_split(b, gm, model, flat, whole, mode=mode, random=random, chunks=chunks,
                                         **options)
-        return b, whole, deterministic, quiet
+        return b, whole, deterministic, quiet, False
 
     def against_eager(mode: Mode, whole: List[Any], deterministic: bool, quiet: Quiet) -> None:
         if not meta:  # on meta, eager code may branch on values (.item()), and none are there
@@ -217,14 +234,15 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
                 check_capture(eager, whole, batching.out_names, False, pre_hooked)  # type: ignore[union-attr]
 
     if runs_eval:
-        batching, whole, deterministic, quiet = run_checks(evaluating, blame=blame_in(evaluating, always=False))
-        against_eager(evaluating, whole, deterministic, quiet)
+        batching, whole, deterministic, quiet, compared = run_checks(evaluating, blame=blame_in(evaluating, always=False))
+        if not compared:
+            against_eager(evaluating, whole, deterministic, quiet)
     if runs_train:
         # Under export, BatchNorm's training is baked in and cannot be exempted: structure only.
         values = fx_graph or not any(isinstance(m, _BatchNorm) and m.training for m in model.modules())
         why = _TRAIN_WHY if runs_eval else ""  # without an eval check: the generic advice
         try:
-            batching, whole, deterministic, quiet = run_checks(
+            batching, whole, deterministic, quiet, compared = run_checks(
                 train_mode, values=values, blame=blame_in(train_mode, always=True), why=why,
                 mode_text=" in training mode", nudge=not runs_eval)  # nudged once: in the first mode checked
         except MicroBatchError as e:
@@ -236,7 +254,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
                 f"this pipeline was built in eval mode, where it is exact, and cannot run in training mode: "
                 f"the build's training-mode check found that {e}{_TRAIN_TODO}")
         else:
-            if prepared.mode_sensitive:  # the graph has training baked in: compared in training
+            if prepared.mode_sensitive and not compared:  # the graph has training baked in: compared in training
                 against_eager(train_mode, whole, deterministic, quiet)
     assert batching is not None
     return batching
