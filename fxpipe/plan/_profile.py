@@ -12,7 +12,9 @@ Why once per distinct node: a transformer is N copies of one block. Nodes with t
 shapes) are timed once; the copies reuse that time and record which node it came from
 (``NodeCost.reused_from``), so a plan can say which of its costs were measured. There is no
 whole-model warm-up run: every distinct node is timed at least twice (the fastest counts),
-so one-time set-up billed to a first run does not count.
+so one-time set-up billed to a first run does not count; a node whose forward, run just
+before, took 25 ms or more is timed once (its set-up was paid by that forward, and is small
+beside it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..runtime._stream import synchronize
 __all__ = ["NodeCost", "profile_graph", "count_params_only", "tensor_bytes", "shape_str", "cuda_device_of"]
 
 # a node is re-run only while its runs so far took less than this (a single slow, e.g.
-# pre-empted, run still gets company; an expensive node runs once)
+# pre-empted, run still gets company); a node whose forward alone took a quarter of it runs once
 _NODE_BUDGET_S = 0.1
 # after this long, remaining nodes are timed once: keeps big models' profiles to seconds
 _TOTAL_BUDGET_S = 10.0
@@ -111,6 +113,10 @@ def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Se
         leaves: list[torch.Tensor] = []
 
         def prep(t: Any) -> Any:  # fresh non-leaf copy: in-place ops are safe, grads go to `leaves`
+            if isinstance(t, torch.nn.Parameter):  # a weight an export graph's op takes: a leaf, as in training
+                leaf = t.detach().requires_grad_(t.requires_grad)  # (a copy of lm_head's: 154 MB a run)
+                leaves.append(leaf)
+                return leaf
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 leaf = t.detach().requires_grad_()
                 leaves.append(leaf)
@@ -144,16 +150,21 @@ class _Profiler(fx.Interpreter):
         self.on_node = on_node
 
     def run_node(self, n: fx.Node) -> Any:
+        start = time.perf_counter()
         out = super().run_node(n)
-        seconds, source = self._time(n) if self.timed and n.op in COMPUTE_OPS else (0.0, "")
+        forward = time.perf_counter() - start  # untimed, but a node this slow is timed once
+        seconds, source = self._time(n, forward) if self.timed and n.op in COMPUTE_OPS else (0.0, "")
         self.costs[n.name] = NodeCost(seconds, _param_count(self.module, n), tensor_bytes(out),
                                       _param_bytes(self.module, n), shape_str(out), source)
         if self.on_node is not None:
             self.on_node()
         return out
 
-    def _time(self, n: fx.Node) -> tuple[float, str]:
-        """(seconds, the node they were measured on: '' for this one)."""
+    def _time(self, n: fx.Node, forward: float) -> tuple[float, str]:
+        """(seconds, the node they were measured on: '' for this one). ``forward``: the seconds
+        of the node's forward just run; one that took a quarter of :data:`_NODE_BUDGET_S`
+        is timed once (its one-time costs were paid by that run, and a second run of GPT-2's
+        head cost 0.16 s, a sixteenth of its eager step)."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         key = cost_key(self.module, n, args, kwargs)
         if key is not None and key in self.measured:
@@ -167,7 +178,8 @@ class _Profiler(fx.Interpreter):
         def call(*a: Any, **k: Any) -> Any:
             return run(n.target, a, k)
 
-        repeat = max(2, self.repeat) if time.perf_counter() < self.deadline else 1
+        slow = forward >= _NODE_BUDGET_S / 4 or time.perf_counter() >= self.deadline
+        repeat = 1 if slow else max(2, self.repeat)
         try:
             seconds = _time_fwd_bwd(call, args, kwargs, params, repeat, self.device)
         except RuntimeError:  # e.g. an op without a derivative: time the forward alone
@@ -216,7 +228,8 @@ def profile_graph(gm: fx.GraphModule, flat_inputs: Sequence[Any], *, repeat: int
                   device: torch.device | str | None = None,
                   on_node: Callable[[], None] | None = None) -> dict[str, NodeCost]:
     """Time every distinct compute node of ``gm`` (forward + backward, the fastest of 2 to
-    ``repeat`` runs); copies of a timed node reuse its time (``NodeCost.reused_from``).
+    ``repeat`` runs, one run for a node whose forward took 25 ms); copies of a timed node
+    reuse its time (``NodeCost.reused_from``).
 
     ``flat_inputs`` are the graph's placeholders' values (``Capture.flatten_inputs``). With
     ``device`` the inputs are moved there and CUDA is synchronised around each timing; the
