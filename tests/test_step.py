@@ -413,6 +413,33 @@ def test_a_micro_batch_counting_nothing_gives_no_nan_gradient(how):
         assert_close_scaled(p.grad, q.grad, what=f"grad of {name}")
 
 
+@pytest.mark.parametrize("how", ["gpipe", "1f1b", "call"])
+@pytest.mark.parametrize("loss", ["cross entropy", "masked mean"])
+def test_a_batch_counting_nothing_backpropagates_as_eager(how, loss):
+    """Every label -100 (or every mask 0): eager's loss is 0 / 0 and still backpropagates, zeros
+    through a cross entropy (nan through a masked mean). The pipeline gave None gradients,
+    and AdamW's momentum and weight decay then moved eager's weights alone (a trial)."""
+    torch.manual_seed(0)
+    model = CountedLoss() if loss == "cross entropy" else MaskedMeanLM()
+    ref = copy.deepcopy(model)
+    ids = _tokens(0, (4, 5))
+    counted = _tokens(1, (4, 5)) if loss == "cross entropy" else torch.ones(4, 5)
+    nothing = torch.full_like(counted, -100) if loss == "cross entropy" else torch.zeros(4, 5)
+    pipe = fxpipe.pipeline(model, (ids, counted), 2, chunks=2, devices=["cpu"] * 2, progress=False,
+                           output_merge={"loss": "mean", "logits": 0}, **({} if how == "call" else {"schedule": how}))
+    if how == "call":
+        got = pipe(ids, nothing)["loss"]
+        got.backward()
+    else:
+        got = pipe.step(ids, nothing)
+    want = ref(ids, nothing)["loss"]
+    want.backward()
+    assert got.isnan() and want.isnan()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True, msg=f"grad of {name}")
+
+
 def test_checkpoint_and_schedule_set_after_the_build_are_checked():
     # a trial: pipe.checkpoint = 'bogus' was a bare KeyError at the next call, 'zbv' taken silently
     model = _mlp()

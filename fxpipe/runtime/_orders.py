@@ -95,8 +95,11 @@ class StepLosses:
             self._scales = loss_scales(self.merge, self.m, loss.detach())
             # a micro-batch the merge weighs 0 (a mean over what it counts, counting nothing) runs
             # no backward: its loss is sum / 0, whose backward turns even a zero gradient into nan
-            # in every parameter (measured); eager's whole-batch loss gives those terms nothing
+            # in every parameter (measured); eager's whole-batch loss gives those terms nothing.
+            # Where none counts anything, eager's 0 / 0 still backpropagates: every backward runs
             self._weighed = torch.stack(self._scales).reshape(self.m, -1).ne(0).any(1).tolist()
+            if not any(self._weighed):
+                self._weighed = [True] * self.m
         return loss
 
     def backward_now(self, i: int, output: Batch) -> Batch:
