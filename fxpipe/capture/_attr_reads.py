@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import threading
 import types
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from torch import fx, nn
 from ._opaque_calls import OpaqueCalls
 from ._values import same_plain
 
-__all__ = ["AttrRead", "AttributeReads", "plain_attributes", "is_plain", "tensor_items", "same_items", "SAME", "EQUAL",
+__all__ = ["AttrRead", "AttributeReads", "plain_attributes", "is_plain", "held_items", "same_items", "SAME", "EQUAL",
            "MUTABLE", "NONE", "ABSENT", "ITEMS", "REGISTRIES"]
 
 # Names nn.Module itself defines or sets: never what a user's forward configures itself with.
@@ -239,7 +240,7 @@ class AttributeReads:
                 mutable = _holds_mutable(value)
                 kept = copy.deepcopy(value) if mutable else value
                 self._add(AttrRead(obj, name, kept, MUTABLE if mutable else EQUAL, self._label(obj, name), in_dict))
-            elif in_dict and (items := tensor_items(value)) is not None:  # a list of tensors: the graph holds each
+            elif in_dict and (items := held_items(value)) is not None:  # tensors, functions: the graph holds each
                 self._add(AttrRead(obj, name, (value, items), ITEMS, self._label(obj, name), True))
             elif in_dict:  # a function, an object, a tensor that is no parameter or buffer
                 label = self._label(obj, name)
@@ -303,23 +304,33 @@ def plain_attributes(model: nn.Module, opaque: Iterable[nn.Module] = ()) -> List
     return list(reads.values())
 
 
-def tensor_items(value: Any) -> Any:
-    """A list, tuple or dict holding tensors as ``((key, item), ...)``, each item by reference
-    (``self.temps = [t]``: the graph holds ``t`` itself, and a new ``temps[0]`` would not reach
-    it), else None."""
+def held_items(value: Any) -> Any:
+    """A list, tuple or dict holding tensors or callables as ``((key, item), ...)``, each item by
+    reference (``self.temps = [t]``: the graph holds ``t`` itself, and a new ``temps[0]`` would
+    not reach it; ``self.acts = [torch.tanh]``: the graph holds the op it called), or a
+    ``functools.partial``'s function, arguments and keywords (``keywords['negative_slope']``
+    set in place); else None. A function put in such a container after the build was silently
+    left out (a trial: 0.64 off)."""
+    if isinstance(value, functools.partial):
+        return (("func", value.func), *((("args", i), a) for i, a in enumerate(value.args)),
+                *((("keywords", k), v) for k, v in value.keywords.items()))
     if isinstance(value, (list, tuple)):
         items = tuple(enumerate(value))
     elif isinstance(value, dict):
         items = tuple(value.items())
     else:
         return None
-    return items if any(isinstance(v, torch.Tensor) for _, v in items) else None
+    if len(items) > _MAX_ITEMS:
+        return None
+    return items if any(isinstance(v, torch.Tensor) or callable(v) for _, v in items) else None
 
 
 def same_items(a: Any, b: Any) -> bool:
-    """Whether two :func:`tensor_items` hold the same keys and the very same items."""
+    """Whether two :func:`held_items` hold the same keys and the very same items (plain ones
+    equal)."""
     return a is not None and b is not None and len(a) == len(b) and all(
-        ka == kb and va is vb for (ka, va), (kb, vb) in zip(a, b))
+        ka == kb and (va is vb or (is_plain(va) and is_plain(vb) and same_plain(va, vb)))
+        for (ka, va), (kb, vb) in zip(a, b))
 
 
 def _holds_traced(value: Any, depth: int = 0) -> bool:

@@ -5,8 +5,9 @@ a ``CFG`` namespace of settings, a class attribute read through the class, ``K.a
 used then and becomes a literal of the graph. Changed afterwards (a curriculum, an annealed
 temperature), the pipeline silently went on with the build's value (a trial: loss 0.1117
 against 0.3223). :class:`GlobalReads` notes, for every module whose code was traced, the
-globals its ``forward`` names that hold plain values, plain-valued classes or objects of
-settings (their plain attributes), and :mod:`fxpipe.capture._model_check` compares them at
+globals its ``forward`` names that hold plain values, functions (by identity: a helper
+reassigned, as kernel libraries patch, ran in eager and not in the graph), plain-valued
+classes or objects of settings (their plain attributes), and :mod:`fxpipe.capture._model_check` compares them at
 each call. A global read through a helper function of the model's is not seen (its code is
 not the forward's): the docs say so.
 """
@@ -40,14 +41,22 @@ def _settings(value: Any, home: str) -> bool:
     return getattr(cls, "__module__", None) == home
 
 
+#: globals a forward calls: the graph holds the ops they ran (fx inlines a function's code)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)
+
+
 def _print(value: Any, kept: bool = False) -> Any:
-    """What of a global's value a graph may have baked: itself where plain, else its public
-    plain attributes (a class's, a namespace's), else None (not followed: a function, a
-    module). ``kept``: copied, to hold from the build (compared at a call as it is)."""
+    """What of a global's value a graph may have baked: itself where plain, the function
+    itself (compared by identity: one reassigned after the build, a kernel library's patch,
+    was silently left out, 0.51 off in a trial), else its public plain attributes (a class's,
+    a namespace's), else None (not followed: a module, a method). ``kept``: copied, to hold
+    from the build (compared at a call as it is)."""
     keep = copy.deepcopy if kept else (lambda v: v)
     if is_plain(value):
         return ("value", keep(value))
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.ModuleType, types.MethodType)):
+    if isinstance(value, _FUNCTIONS):
+        return ("function", value)
+    if isinstance(value, (types.ModuleType, types.MethodType)):
         return None
     attrs = value.__dict__ if isinstance(value, type) else getattr(value, "__dict__", None)
     if not isinstance(attrs, (dict, types.MappingProxyType)) or isinstance(value, nn.Module):
@@ -80,7 +89,7 @@ class GlobalReads:
                     continue
                 seen.add((where, name))
                 value = names[name]
-                if not is_plain(value) and not _settings(value, where):
+                if not is_plain(value) and not isinstance(value, _FUNCTIONS) and not _settings(value, where):
                     continue
                 p = _print(value, kept=True)
                 if p is not None:

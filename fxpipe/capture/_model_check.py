@@ -37,8 +37,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-from ._attr_reads import (ABSENT, EQUAL, ITEMS, MUTABLE, NONE, REGISTRIES, SAME, WRITTEN, AttrRead, same_items,
-                          tensor_items)
+from ._attr_reads import (ABSENT, EQUAL, ITEMS, MUTABLE, NONE, REGISTRIES, SAME, WRITTEN, AttrRead, held_items,
+                          same_items)
 from ._global_reads import GlobalReads
 from ._module_paths import module_path
 from ._hooks import HOOK_DICTS, holds_live_hook, live_hook_kinds
@@ -185,9 +185,12 @@ class ModelCheck:
                 if r.how == ABSENT:
                     out.append(f"'{r.label}' was set after the build, now {_describe(now)} (the traced forward looked "
                                "for it and found none: the graph was traced without it)")
-                elif r.how == ITEMS and now is not _MISSING:
+                elif r.how == ITEMS and now is not _MISSING and any(isinstance(v, torch.Tensor) for _, v in r.value[1]):
                     out.append(f"'{r.label}' holds other tensors than at the build (the graph holds the tensors it "
                                "held then: change their values in place instead, .copy_())")
+                elif r.how == ITEMS and now is not _MISSING:
+                    out.append(f"'{r.label}' holds other functions or settings than at the build ({_describe(now)}; "
+                               "the graph holds the ops they ran then: build the pipeline again after changing it)")
                 elif now is _MISSING:
                     out.append(f"'{r.label}' was deleted (was {_describe(r.value)}; the traced forward read it, and "
                                "the graph has its value baked in)")
@@ -273,7 +276,7 @@ def _read_holds(r: AttrRead) -> bool:
     if r.how == NONE:
         return now is None
     if r.how == ITEMS:  # the same container, holding the very same tensors
-        return now is r.value[0] and same_items(tensor_items(now), r.value[1])
+        return now is r.value[0] and same_items(held_items(now), r.value[1])
     if r.how in (EQUAL, MUTABLE):
         return same_plain(now, r.value)
     if r.how == ABSENT:  # as the per-call check looks: the instance and its registries
