@@ -41,6 +41,7 @@ from ._randomness_off import randomness_off
 from ._varied_sample import ATTEMPTS, alike, padded, varied
 from ._micro_batches import SAMPLE_SEED, check_merged_gradients, check_split, evaluating, reruns_same, sample_run
 from ._one_pass import one_pass
+from ._stressed import check_stressed
 from ..errors import FxpipeError, MicroBatchError, TraceError
 from ..capture._meta import is_meta_model
 from ..capture._mode_flags import modes_kept
@@ -233,10 +234,17 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
                         raise
                 check_capture(eager, whole, batching.out_names, False, pre_hooked)  # type: ignore[union-attr]
 
+    def stressed(mode: Mode, deterministic: bool) -> None:
+        if deterministic and not meta and captured.leaves:  # opaque code deciding from the values: one more check
+            with preserved(model):
+                check_stressed(batching, gm, model, flat, captured.leaves, mode, chunks,  # type: ignore[arg-type]
+                               lambda f, micro: first_difference(gm, model, f, micro, mode, always=False))
+
     if runs_eval:
         batching, whole, deterministic, quiet, compared = run_checks(evaluating, blame=blame_in(evaluating, always=False))
         if not compared:
             against_eager(evaluating, whole, deterministic, quiet)
+        stressed(evaluating, deterministic)
     if runs_train:
         # Under export, BatchNorm's training is baked in and cannot be exempted: structure only.
         values = fx_graph or not any(isinstance(m, _BatchNorm) and m.training for m in model.modules())
@@ -256,6 +264,8 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
         else:
             if prepared.mode_sensitive and not compared:  # the graph has training baked in: compared in training
                 against_eager(train_mode, whole, deterministic, quiet)
+            if not runs_eval and values:
+                stressed(train_mode, deterministic)
     assert batching is not None
     return batching
 
