@@ -293,11 +293,11 @@ def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Seque
         if split is not None and not isinstance(dims[split], int):
             batch |= dims[split].free_symbols
     seen: list[tuple[str, Any]] = []
-    began = time.perf_counter()
+    began = time.thread_time()
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            if time.perf_counter() - began > SCAN_SECONDS:
+            if time.thread_time() - began > SCAN_SECONDS:
                 raise _OverBudget
             out = super().run_node(n)
             seen.append((n.name, out))
@@ -315,7 +315,7 @@ def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Seque
                     _Recorder(gm).run(*values)
                 break
             except _OverBudget:  # sympy over many symbols (GroupNorm blocks: 15 s each, a trial): sizes kept
-                return f"a size (the scan over any size ran past its {SCAN_SECONDS:g} s budget)"
+                return f"a size (the scan over any size ran past its {SCAN_SECONDS:g} s budget of CPU time)"
             except Exception:  # noqa: BLE001 - code that needs concrete sizes: no symbolic claim
                 if dispatcher is enable_python_dispatcher:
                     return None
@@ -324,9 +324,13 @@ def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Seque
     return _entangled(((name, v) for name, out in seen for v in pytree.tree_leaves(out)), batch)
 
 
-#: seconds the symbolic scan of a torch.fx graph may take; past it the capture keeps every size but
-#: the batch's, as where a size regroups the rows (a diffusion U-Net's scan took minutes, a trial)
-SCAN_SECONDS = 5.0
+#: seconds of this thread's CPU time the symbolic scan of a torch.fx graph may take; past it the
+#: capture keeps every size but the batch's, as where a size regroups the rows (a diffusion U-Net's
+#: scan took minutes, a trial). CPU time, not the clock's: with 5 s of wall time a model's
+#: accepted lengths followed the machine's load (a transformers model with gradient checkpointing
+#: scanned in 5.2 s in a process's first build, 3.7 s in its second; Bloom's test failed under a
+#: busy CI), and 10 s leaves a first build's one-time costs room
+SCAN_SECONDS = 10.0
 
 
 class _OverBudget(Exception):

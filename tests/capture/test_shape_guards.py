@@ -194,3 +194,32 @@ def test_a_symbolic_scan_past_its_budget_keeps_every_size_but_the_batch(monkeypa
     torch.testing.assert_close(pipe(torch.randn(6, 6, 8)).shape, torch.Size([6, 6, 8]))  # any batch
     with pytest.raises(InputMismatchError):
         pipe(torch.randn(4, 5, 8))
+
+
+def test_the_symbolic_scan_budget_does_not_follow_the_machines_load(monkeypatch):
+    """The budget counts this thread's CPU time: counted by the clock, a model's accepted lengths
+    followed the machine's load (a trial's first build fixed them, its second did not)."""
+    import time
+
+    import fxpipe
+    import fxpipe.capture._shape_guards as guards
+
+    class Waits(torch.nn.Module):  # kept opaque; in the scan it waits on the clock, not the CPU (a busy machine)
+        def forward(self, h):
+            if isinstance(h, torch._subclasses.FakeTensor):
+                time.sleep(1.0)
+            return h
+
+    class Folds(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.w, self.b = torch.nn.Linear(8, 8), Waits(), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(self.w(self.a(x)).reshape(x.shape[0], -1, 8))
+
+    monkeypatch.setattr(guards, "SCAN_SECONDS", 0.8)  # above the scan's own CPU time, below the wait
+    x = torch.randn(4, 6, 8)
+    pipe = fxpipe.pipeline(Folds(), x, 2, chunks=2, devices=["cpu"] * 2, leaf_modules=["w"], progress=False)
+    assert pipe.capture.method == "fx" and not pipe.capture.fixed
+    assert pipe(torch.randn(4, 5, 8)).shape == (4, 5, 8)  # another length
