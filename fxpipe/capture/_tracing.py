@@ -338,17 +338,35 @@ def _unaliased(flat: list[Any]) -> list[Any]:
     return out
 
 
+def _checkpointing_todo(model: nn.Module) -> str:
+    """What to do where transformers' gradient checkpointing is on, or '': its layers ask
+    torch.is_grad_enabled() at each call, so torch.export (which would fix the answer) is not
+    used and torch.fx keeps what it cannot trace opaque -- a trial's whole LlamaModel, one
+    stage holding every layer, with a warning about a mask's ``if`` and advice about
+    ``use_cache`` instead."""
+    if not getattr(model, "is_gradient_checkpointing", False):
+        return ""
+    return ("The model has gradient checkpointing on (transformers' gradient_checkpointing_enable): its layers ask "
+            "torch.is_grad_enabled() at each call, which torch.export would fix, so the capture is torch.fx's. What "
+            "to do: model.gradient_checkpointing_disable() before the build, and checkpoint='always' for fxpipe's "
+            "own recomputation of each stage in backward")
+
+
 def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytree.TreeSpec,
                out_spec: pytree.TreeSpec, specialized: dict[int, object], opaque: list[str], auto: list[_Failure],
                reads: list[AttrRead], flat: list[Any], split_dims: Sequence[int | None] | None) -> Capture:
+    todo = _checkpointing_todo(model) if auto else ""
     for f in auto:
         warnings.warn(f"fxpipe: {describe(model, f.module)} could not be traced by torch.fx "
-                      f"({reason_of(f.error)} at {user_frame(f.error) or '?'}); kept opaque", stacklevel=3)
+                      f"({reason_of(f.error)} at {user_frame(f.error) or '?'}); kept opaque"
+                      f"{'. ' + todo if todo else ''}", stacklevel=3)
     # Why each automatic leaf is opaque, for the plan's imbalance warning (fxpipe.plan._make).
     why = {f.module: f"torch.fx could not trace it: {reason_of(f.error)}" for f in auto}
     for node in graph.nodes:
         if node.op == "call_module" and node.target in why:
             node.meta["fxpipe_auto_leaf"] = why[node.target]
+            if todo:
+                node.meta["fxpipe_auto_leaf_todo"] = todo
     for node in graph.nodes:  # np.sqrt(d_k) in `scores / np.sqrt(d_k)`: generated code cannot name numpy
         node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), _python_number)
     for node, users in inference_values(graph):  # an inference tensor cannot cross stages

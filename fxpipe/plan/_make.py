@@ -234,8 +234,9 @@ def _describe_opaque(captured: Capture, graph: nx.DiGraph, name: str) -> tuple[s
             kind = "module"
         auto = fx_node.meta.get("fxpipe_auto_leaf") if fx_node is not None else None
         if auto:
+            todo = fx_node.meta.get("fxpipe_auto_leaf_todo") if fx_node is not None else None
             return (f"the opaque module '{target}' ({kind}; {auto})",
-                    f"To split it, make '{target}' traceable by torch.fx (for transformers models a config "
+                    todo or f"To split it, make '{target}' traceable by torch.fx (for transformers models a config "
                     "change such as use_cache=False often does it), or move the untraceable lines into a small "
                     "submodule of their own: fxpipe then keeps only that one opaque and cuts the rest.")
         if target in captured.leaves:
