@@ -93,6 +93,26 @@ class Rescaled(nn.Module):
         return self.b(self.r(self.a(x)))
 
 
+class Rotary(nn.Module):
+    """Frequencies picked from the batch's largest position (Llama's dynamic RoPE): a Python if."""
+
+    def forward(self, h, positions):
+        base = 10000.0 * (2.0 if bool(positions.max() >= 16) else 1.0)
+        freq = base ** (-torch.arange(0, h.size(-1), 2, dtype=h.dtype) / h.size(-1))
+        angle = positions[..., None].to(h.dtype) * freq
+        return torch.cat([h[..., ::2] * angle.cos(), h[..., 1::2] * angle.sin()], -1)
+
+
+class Positioned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rot, self.head = nn.Embedding(20, 8), Rotary(), nn.Linear(8, 4)
+
+    def forward(self, ids, positions):
+        return self.head(self.rot(self.emb(ids), positions))
+
+
 class PerSample(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -146,6 +166,15 @@ def test_an_opaque_decision_over_the_batch_is_refused_though_the_sample_hides_it
     big = torch.randn(8, 8) * 0.1
     big[0] *= 400
     torch.testing.assert_close(pipe(big), model(big))
+
+
+def test_an_opaque_decision_from_the_batchs_largest_position_is_refused():
+    """Left padding, positions below the threshold in the sample: a trial's dynamic-RoPE Llama was
+    1.72 off on a batch of longer rows, silently."""
+    ids = torch.randint(0, 20, (4, 6))
+    positions = torch.arange(6).repeat(4, 1)
+    with pytest.raises(MicroBatchError, match=r"with positions made 100 times larger.*\('rot'\)"):
+        _build(Positioned(), ids, positions)
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
