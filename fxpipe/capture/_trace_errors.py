@@ -15,7 +15,7 @@ from ..errors import TraceError
 from ._export import _Failure
 from ._user_code import is_user_file
 
-__all__ = ["trace_error", "output_error", "lost_records_error", "user_frame", "reason_of", "describe"]
+__all__ = ["trace_error", "output_error", "lost_records_error", "user_frame", "reason_of", "describe", "checkpointing_todo"]
 
 
 def user_frame(exc: BaseException) -> str:
@@ -103,3 +103,17 @@ def lost_records_error(modules: list[str], error: BaseException) -> TraceError:
         f"{reason_of(error)}. What to do: leave those outputs out of the call (and the config), or make "
         "the modules traceable (remove them from leaf_modules; a transformers config change such as "
         "attn_implementation='sdpa' or use_cache=False often does it).", module=modules[0], reason=reason)
+
+
+def checkpointing_todo(model: nn.Module) -> str:
+    """What to do where transformers' gradient checkpointing is on, or '': its layers ask
+    torch.is_grad_enabled() at each call, so torch.export (which would fix the answer) is not
+    used and torch.fx keeps what it cannot trace opaque -- a trial's whole LlamaModel, one
+    stage holding every layer, with a warning about a mask's ``if`` and advice about
+    ``use_cache`` instead."""
+    if not getattr(model, "is_gradient_checkpointing", False):
+        return ""
+    return ("The model has gradient checkpointing on (transformers' gradient_checkpointing_enable): its layers ask "
+            "torch.is_grad_enabled() at each call, which torch.export would fix, so the capture is torch.fx's. What "
+            "to do: model.gradient_checkpointing_disable() before the build, and checkpoint='always' for fxpipe's "
+            "own recomputation of each stage in backward")

@@ -35,7 +35,8 @@ from ._call_inputs import call_signature, check_micro_batches, flatten_call, cal
 from ._export import _Failure, export_graph
 from ._export_outputs import compose_out_spec
 from ._shape_guards import ShapeGuards, fixed_batch, fixed_dims, fx_entangled_size, split_dim
-from ._trace_errors import describe, lost_records_error, output_error, reason_of, trace_error, user_frame
+from ._trace_errors import (checkpointing_todo, describe, lost_records_error, output_error, reason_of, trace_error,
+                            user_frame)
 from ._export_leaves import leaf_paths
 from ..errors import TraceError
 from ._hooks import hooked_modules
@@ -338,24 +339,10 @@ def _unaliased(flat: list[Any]) -> list[Any]:
     return out
 
 
-def _checkpointing_todo(model: nn.Module) -> str:
-    """What to do where transformers' gradient checkpointing is on, or '': its layers ask
-    torch.is_grad_enabled() at each call, so torch.export (which would fix the answer) is not
-    used and torch.fx keeps what it cannot trace opaque -- a trial's whole LlamaModel, one
-    stage holding every layer, with a warning about a mask's ``if`` and advice about
-    ``use_cache`` instead."""
-    if not getattr(model, "is_gradient_checkpointing", False):
-        return ""
-    return ("The model has gradient checkpointing on (transformers' gradient_checkpointing_enable): its layers ask "
-            "torch.is_grad_enabled() at each call, which torch.export would fix, so the capture is torch.fx's. What "
-            "to do: model.gradient_checkpointing_disable() before the build, and checkpoint='always' for fxpipe's "
-            "own recomputation of each stage in backward")
-
-
 def _finish_fx(model: nn.Module, root: nn.Module, graph: fx.Graph, in_spec: pytree.TreeSpec,
                out_spec: pytree.TreeSpec, specialized: dict[int, object], opaque: list[str], auto: list[_Failure],
                reads: list[AttrRead], flat: list[Any], split_dims: Sequence[int | None] | None) -> Capture:
-    todo = _checkpointing_todo(model) if auto else ""
+    todo = checkpointing_todo(model) if auto else ""
     for f in auto:
         warnings.warn(f"fxpipe: {describe(model, f.module)} could not be traced by torch.fx "
                       f"({reason_of(f.error)} at {user_frame(f.error) or '?'}); kept opaque"
