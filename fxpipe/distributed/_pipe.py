@@ -314,6 +314,8 @@ class DistributedPipeline(EvalStep, PipelineState):
         losses: list[torch.Tensor] = []
         self._run, self._batch = run, batch
         replicas = self.layout.replicas
+        trained = [p for p in self.parameters() if p.requires_grad]
+        fresh = all(p.grad is None for p in trained)  # zero_grad(set_to_none=True) before it: put back on failure
         self._replicas.before_step()
         self._ties.before_step()
         with self._exchanging():
@@ -325,6 +327,9 @@ class DistributedPipeline(EvalStep, PipelineState):
             except BaseException:
                 self._ties.restore()
                 self._replicas.restore()
+                if fresh:  # micro-batches whose backward ran left part of the step in .grad; eager leaves none
+                    for p in trained:
+                        p.grad = None
                 raise
             self._ties.after_step()
             self._replicas.after_step()

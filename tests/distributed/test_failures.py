@@ -488,3 +488,40 @@ def test_a_build_on_one_rank_alone_is_named_on_every_rank(tmp_path: Path) -> Non
     building, stepping = _read(tmp_path, 2, "build")
     assert building.startswith("DistributedError") and "did not join this build" in building
     assert stepping.startswith("PeerFailedError") and "rank 0: DistributedError: the other ranks did not join" in stepping
+
+
+def _late_failure_worker(rank: int, world: int, port: int, out: str) -> None:
+    """1F1B, the loss failing on the second micro-batch: the first's backward has run on both
+    ranks by then. Each rank records its error and whether every .grad is None again."""
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fpd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model, x, y, loss_fn, _ = case("mlp", 2)
+    calls = []
+
+    def failing(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not _read_by_fxpipe(target):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom in the second micro-batch's loss")
+        return loss_fn(output, target)
+
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=failing, schedule="1f1b", timeout=60)
+    try:
+        pipe.step(x, target=y)
+    except BaseException as e:
+        _record(out, rank, "late", e)
+        Path(out, f"rank{rank}.grads.txt").write_text(repr(all(p.grad is None for p in pipe.parameters())))
+        raise
+
+
+def test_a_step_failing_after_a_backward_leaves_no_partial_gradient(tmp_path: Path) -> None:
+    """Eager fails before any backward; a rank keeping the first micro-batch's gradients would
+    train its next step off, where the loop skips the bad batch (a trial, one process)."""
+    _run(_late_failure_worker, 2, (), tmp_path)
+    assert "boom in the second micro-batch's loss" in _read(tmp_path, 2, "late")[1]
+    assert _read(tmp_path, 2, "grads") == ["True", "True"]
