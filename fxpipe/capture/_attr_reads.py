@@ -320,8 +320,6 @@ def held_items(value: Any) -> Any:
         items = tuple(value.items())
     else:
         return None
-    if len(items) > _MAX_ITEMS:
-        return None
     return items if any(isinstance(v, torch.Tensor) or callable(v) for _, v in items) else None
 
 

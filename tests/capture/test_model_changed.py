@@ -752,3 +752,24 @@ def test_a_counter_read_after_it_is_written_and_a_global_hook_removed_are_no_cha
     pipe = _built(model)
     handle.remove()
     torch.testing.assert_close(pipe(x), model(x))
+
+
+class ManyTemps(nn.Module):
+    """A plain list of more tensors than a plain value is compared item by item."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.temps = [torch.tensor(float(k)) for k in range(300)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.temps[3]
+
+
+def test_a_tensor_replaced_in_a_long_list_is_refused():
+    # watched whatever the list's length (a review: past 256 items only the list's identity was)
+    model, x = ManyTemps(), torch.randn(BATCH, 8)
+    pipe = build(model, "fx")
+    model.temps[3] = torch.tensor(5.0)
+    assert "'temps' holds other tensors" in str(refused(pipe, x))
