@@ -19,6 +19,7 @@ beside it).
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 from operator import attrgetter
@@ -101,20 +102,36 @@ def _param_count(gm: fx.GraphModule, node: fx.Node) -> float:
     return 0.0
 
 
+def _mutates(n: fx.Node) -> bool:
+    """Whether the node may write to its arguments: an op whose schema says so (an export
+    graph's aten ops), an in-place function or method (``clamp_``, ``operator.iadd``), a
+    call with ``inplace=True``, or a module (whose arguments are activations, copied anyway)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return (n.op == "call_module" or (name.endswith("_") and not name.endswith("__"))
+            or (name.startswith("i") and getattr(operator, name, None) is n.target) or bool(n.kwargs.get("inplace")))
+
+
 def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Sequence[torch.Tensor],
-                  repeat: int, device: torch.device | None) -> float:
-    """Seconds of forward + backward of one node (forward only if it cannot backward).
+                  repeat: int, device: torch.device | None, shared: bool = False, grad: bool = True) -> float:
+    """Seconds of forward + backward of one node (``grad=False``: the forward alone, for a node
+    that cannot backward).
 
     The minimum over repeats: interference from other work only ever adds time, so the
     fastest run is the best estimate of the node's own cost (medians followed load spikes).
+    ``shared``: the node writes to no argument, so a Parameter it takes is passed as a leaf of
+    its own sharing the weight's storage, not a copy (GPT-2's head: 154 MB a run); one that
+    writes (``weight.clamp_(min=0)``, a constraint) gets copies, the model's weights untouched.
     """
     times: list[float] = []
     for _ in range(max(1, repeat)):
         leaves: list[torch.Tensor] = []
 
         def prep(t: Any) -> Any:  # fresh non-leaf copy: in-place ops are safe, grads go to `leaves`
-            if isinstance(t, torch.nn.Parameter):  # a weight an export graph's op takes: a leaf, as in training
-                leaf = t.detach().requires_grad_(t.requires_grad)  # (a copy of lm_head's: 154 MB a run)
+            if shared and isinstance(t, torch.nn.Parameter):  # a weight an export graph's op takes
+                leaf = t.detach().requires_grad_(t.requires_grad)
                 leaves.append(leaf)
                 return leaf
             if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -127,7 +144,7 @@ def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Se
         wrt = leaves + [p for p in params if p.requires_grad]
         synchronize(device)
         t0 = time.perf_counter()
-        with torch.enable_grad():
+        with torch.set_grad_enabled(grad):
             out = run(*a, **k)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         if outs and wrt:
@@ -181,10 +198,9 @@ class _Profiler(fx.Interpreter):
         slow = forward >= _NODE_BUDGET_S / 4 or time.perf_counter() >= self.deadline
         repeat = 1 if slow else max(2, self.repeat)
         try:
-            seconds = _time_fwd_bwd(call, args, kwargs, params, repeat, self.device)
-        except RuntimeError:  # e.g. an op without a derivative: time the forward alone
-            with torch.no_grad():
-                seconds = _time_fwd_bwd(call, args, kwargs, [], repeat, self.device)
+            seconds = _time_fwd_bwd(call, args, kwargs, params, repeat, self.device, shared=not _mutates(n))
+        except RuntimeError:  # e.g. an op without a derivative, an in-place op on a weight: the forward alone
+            seconds = _time_fwd_bwd(call, args, kwargs, [], repeat, self.device, grad=False)
         if key is not None:
             self.measured[key] = (n.name, seconds)
         return seconds, ""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
 import torch
 
+import fxpipe
 from fxpipe.capture._tracing import capture
 from fxpipe.plan._op_graph import build_opgraph, collapse_by_depth
 from fxpipe.plan._profile import NodeCost, count_params_only, profile_graph, shape_str, tensor_bytes
@@ -180,3 +182,23 @@ def test_cuda_profile_synchronizes_the_graphs_gpu(monkeypatch) -> None:
     monkeypatch.setattr(profile, "synchronize", lambda d: (synced.append(d), real(d)))
     profile_graph(captured.graph_module, captured.flatten_inputs(args, kwargs))
     assert synced and all(d is not None and d.type == "cuda" for d in synced)
+
+
+class Clamped(torch.nn.Linear):
+    """A weight constraint in place (monotonic nets, WGAN's clipping): an in-place op on a Parameter."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(min=0)
+        return super().forward(x)
+
+
+def test_a_weight_written_in_place_by_the_forward_is_profiled():
+    """Passed uncloned, the in-place op met a leaf that requires grad and the 'time' build failed
+    with torch's bare error (a review)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), Clamped(8, 8), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 8)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, balance_by="time", progress=False)
+    torch.testing.assert_close(pipe(x), ref(x))
