@@ -40,6 +40,7 @@ from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from ._randomness_off import randomness_off
 from ._varied_sample import ATTEMPTS, alike, padded, varied
 from ._micro_batches import SAMPLE_SEED, check_merged_gradients, check_split, evaluating, reruns_same, sample_run
+from ._data_swaps import DataSwaps
 from ._one_pass import one_pass
 from ._stressed import check_stressed
 from ..errors import FxpipeError, MicroBatchError, TraceError
@@ -223,7 +224,9 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
             # a model whose code reads grad mode or requires_grad runs as it was captured: grad on
             reads_grad = captured.context is not None and captured.context.built.grad
             with preserved(model), quiet():
+                swaps = DataSwaps(model)
                 eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
+                swaps.refuse(captured.leaves)
             try:
                 check_capture(eager, whole, batching.out_names, deterministic,  # type: ignore[union-attr]
                               pre_hooked)

@@ -29,10 +29,12 @@ from torch import Tensor, nn
 from ..capture._prepare import preserved
 from ..capture._tracing import Capture
 from ..capture._values import same_value
+from ..errors import MutationError
 from ..runtime._randomness import drew_random
 from ..tree import flatten
 from ._batching import Batching
 from ._counted_labels import CountedLabels
+from ._data_swaps import DataSwaps
 from ._loss import nudged
 from ._micro_batches import SAMPLE_SEED, micro_batch_count, sample_run
 from ._randomness_off import randomness_off
@@ -67,9 +69,12 @@ def one_pass(captured: Capture, model: nn.Module, args: tuple, kwargs: dict, fla
     gm = captured.graph_module
     if not _shares_weights(gm, model):
         return None
+    swaps = None
     try:
         with preserved(model), randomness_off() as off, nudged(gm):
+            swaps = DataSwaps(model)
             eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
+            swaps.refuse(captured.leaves)
             leaves, spec = flatten(eager)
             if drew_random(SAMPLE_SEED) or spec != captured.out_spec:
                 return None
@@ -86,6 +91,8 @@ def one_pass(captured: Capture, model: nn.Module, args: tuple, kwargs: dict, fla
                 outs = [list(gm(*m)) for m in micro]
             if drew_random(SAMPLE_SEED) or not _merged_match(batching, leaves, outs, sizes, at_nudged):
                 return None
+    except MutationError:
+        raise  # a .data assigned anew in traced code: the eager run showed it
     except Exception:  # noqa: BLE001 - a failure at nudged weights, a refusal: the checks one by one say it
         return None
     with mode(model), torch.no_grad():

@@ -448,3 +448,27 @@ def test_a_per_sample_model_built_from_an_all_ones_mask_is_exact_on_padded_batch
     later = [] if strict else [((ids, padded), {})]
     assert_exact(MaskedMeanPool(strict), (ids, torch.ones(8, 7, dtype=torch.long)), 2, chunks=4,
                  balance_by="params", progress=False, later=later)
+
+
+class Renormed(nn.Linear):
+    """A weight constraint by assignment (braindecode's LinearWithConstraint)."""
+
+    def forward(self, x):
+        self.weight.data = torch.renorm(self.weight.data, p=2, dim=0, maxnorm=0.5)
+        return super().forward(x)
+
+
+def test_a_data_assigned_anew_in_traced_code_is_refused_and_exact_kept_opaque():
+    """The graph records no .data assignment: the pipeline never applied the constraint (a
+    trial: 0.098 off from the first call, once the build stopped leaving it applied)."""
+    from fxpipe.errors import MutationError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), Renormed(16, 16), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    with pytest.raises(MutationError, match=r"'2\.weight\.data' anew.*leaf_modules=\['2'\]"):
+        _build(model, x)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))  # left as it was
+    pipe = _build(model, x, leaf_modules=["2"])
+    torch.testing.assert_close(pipe(x), ref(x))
