@@ -399,6 +399,22 @@ def test_step_returns_the_outputs_when_asked(schedule):
     assert_grads_equal(model, ref)
 
 
+def _own_loss_step(model, ref, how, sample, batch):
+    """The model's own loss (a dict's 'loss') on ``batch`` through a pipeline built from
+    ``sample``, run ``how``: ``pipe.step`` under 'gpipe' or '1f1b', or a call and ``backward()``;
+    eager's on ``ref`` beside it, backward run too. Returns (pipeline's loss, eager's)."""
+    pipe = fxpipe.pipeline(model, sample, 2, chunks=2, devices=["cpu"] * 2, progress=False,
+                           output_merge={"loss": "mean", "logits": 0}, **({} if how == "call" else {"schedule": how}))
+    if how == "call":
+        got = pipe(*batch)["loss"]
+        got.backward()
+    else:
+        got = pipe.step(*batch)
+    want = ref(*batch)["loss"]
+    want.backward()
+    return got, want
+
+
 @pytest.mark.parametrize("how", ["gpipe", "1f1b", "call"])
 def test_a_micro_batch_counting_nothing_gives_no_nan_gradient(how):
     """Micro-batch 1 of 2 is all masked out (a mean over what it counts, counting nothing): its
@@ -410,16 +426,7 @@ def test_a_micro_batch_counting_nothing_gives_no_nan_gradient(how):
     ids = torch.randint(0, 20, (4, 5))
     mask = torch.ones(4, 5)
     mask[2:] = 0  # the second micro-batch counts nothing
-    pipe = fxpipe.pipeline(model, (ids, mask), 2, chunks=2, devices=["cpu"] * 2, progress=False,
-                           output_merge={"loss": "mean", "logits": 0},
-                           **({} if how == "call" else {"schedule": how}))
-    if how == "call":
-        got = pipe(ids, mask)["loss"]
-        got.backward()
-    else:
-        got = pipe.step(ids, mask)
-    want = ref(ids, mask)["loss"]
-    want.backward()
+    got, want = _own_loss_step(model, ref, how, (ids, mask), (ids, mask))
     assert_close_scaled(got.detach(), want.detach(), what="loss")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.isfinite(p.grad).all(), name
@@ -438,15 +445,7 @@ def test_a_batch_counting_nothing_backpropagates_as_eager(how, loss):
     ids = _tokens(0, (4, 5))
     counted = _tokens(1, (4, 5)) if loss == "cross entropy" else torch.ones(4, 5)
     nothing = torch.full_like(counted, -100) if loss == "cross entropy" else torch.zeros(4, 5)
-    pipe = fxpipe.pipeline(model, (ids, counted), 2, chunks=2, devices=["cpu"] * 2, progress=False,
-                           output_merge={"loss": "mean", "logits": 0}, **({} if how == "call" else {"schedule": how}))
-    if how == "call":
-        got = pipe(ids, nothing)["loss"]
-        got.backward()
-    else:
-        got = pipe.step(ids, nothing)
-    want = ref(ids, nothing)["loss"]
-    want.backward()
+    got, want = _own_loss_step(model, ref, how, (ids, counted), (ids, nothing))
     assert got.isnan() and want.isnan()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None, name
