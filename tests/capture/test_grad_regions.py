@@ -8,9 +8,7 @@ outer ``torch.autocast('cpu', dtype=torch.bfloat16)``, against eager (outputs --
 included -- and every gradient, ``None`` where eager has ``None``).
 """
 
-import contextlib
 import copy
-import warnings
 
 import pytest
 import torch

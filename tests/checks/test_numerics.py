@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from exact import assert_close_at, assert_exact, tensor_leaves
+from exact import assert_close_at, assert_exact
 from fxpipe.capture import _numerics as numerics
 from fxpipe.errors import MicroBatchError
 from test_batching import CenterInTraining, CountingNorm, Mixer

@@ -11,7 +11,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 
 from dist_harness import SLOW_SPAWN_SECONDS, check, check_dropout_acted, check_same, free_port, spawn
 from dist_models import case

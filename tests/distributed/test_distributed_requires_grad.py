@@ -11,7 +11,6 @@ gradients of one step are compared with eager's.
 
 from __future__ import annotations
 
-import copy
 import os
 from datetime import timedelta
 from pathlib import Path

@@ -7,7 +7,6 @@ on the model itself (every parameter and buffer stays ``is_meta``), not by RSS.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

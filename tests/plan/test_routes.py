@@ -11,7 +11,6 @@ import re
 
 import networkx as nx
 import pytest
-import torch
 
 import fxpipe
 from fxpipe.plan._routes import Route, portal_name, routes
