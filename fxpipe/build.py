@@ -31,7 +31,7 @@ from torch import nn
 from .capture._meta import is_meta_model, refuse_timing, to_meta
 from .capture._mode_flags import flags_of, modes_kept
 from .capture._kept_together import check_kept_together
-from .capture._prepare import Prepared, prepare, preserved
+from .capture._prepare import Prepared, prepare, preserved, written_kept
 from .capture._signature import sample_mismatch
 from .capture._tracing import Capture
 from .checks._backward_mixing import refuse_backward_mixing
@@ -205,7 +205,8 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
     except Exception as e:
         _refuse_failing_sample(model, args, kwargs, e)  # the model's own error first, when it has one
         raise
-    with report.phase("checking micro-batches against the whole batch"):
+    with report.phase("checking micro-batches against the whole batch"), \
+            written_kept(model, prepared.mutations.state_names()):
         batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge, options.chunks)
     refuse_backward_mixing(prepared.capture.graph_module, options.chunks)
     if options.chunks > 1 and batching.batch_size(prepared.capture.flatten_inputs(args, kwargs)) == 1:
@@ -244,10 +245,12 @@ def choose_plan(checked: Checked, options: BuildOptions) -> Plan:
     if given is not None:
         chosen = given if isinstance(given, Plan) else Plan.load(given)
         check_plan(chosen, captured, options.n_stages, None if isinstance(given, Plan) else str(os.fspath(given)))
-    else:
-        chosen = make_plan(captured, checked.args, checked.kwargs, options.n_stages, balance_by=options.balance_by,
-                           split_points=options.split_points, devices=options.devices or (), chunks=options.chunks,
-                           batching=checked.batching, progress=options.progress)
+    else:  # sizing and profiling run the graph: weights its forward writes in place are put back after
+        with written_kept(captured.graph_module, checked.prepared.mutations.state_names()):
+            chosen = make_plan(captured, checked.args, checked.kwargs, options.n_stages,
+                               balance_by=options.balance_by, split_points=options.split_points,
+                               devices=options.devices or (), chunks=options.chunks, batching=checked.batching,
+                               progress=options.progress)
     check_kept_together(captured.graph_module, chosen.assignment)
     return chosen
 

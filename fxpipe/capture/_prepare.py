@@ -48,6 +48,25 @@ __all__ = ["Prepared", "prepare", "preserved", "mode_sensitivity", "check_captur
 
 
 @contextmanager
+def written_kept(model: nn.Module, names: Sequence[str]) -> Generator[None, None, None]:
+    """Runs the block, then puts back the values of the trainable parameters among ``names``
+    (the state the capture found the forward writing in place: a weight constraint,
+    ``with torch.no_grad(): self.weight.clamp_(min=0)``), which :func:`preserved` does not copy
+    for every model: the build's checks ran the forward and left the user's weights clamped.
+    Through ``.data``, as :func:`preserved` writes back."""
+    params = dict(model.named_parameters())
+    kept = [(params[n], params[n]._version, params[n].detach().clone()) for n in names
+            if n in params and params[n].requires_grad]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, version, copy in kept:
+                if p._version != version:
+                    p.data.copy_(copy)
+
+
+@contextmanager
 def preserved(model: nn.Module) -> Generator[None, None, None]:
     """Runs the block, then puts back the model's buffers (objects and values), the values of
     frozen parameters and of those a forward renormalises in place (``nn.Embedding(max_norm=)``:

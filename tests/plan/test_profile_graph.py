@@ -193,12 +193,15 @@ class Clamped(torch.nn.Linear):
         return super().forward(x)
 
 
-def test_a_weight_written_in_place_by_the_forward_is_profiled():
+@pytest.mark.parametrize("balance_by", ["time", "params"])
+def test_a_weight_written_in_place_by_the_forward_is_profiled_and_left_as_it_was(balance_by):
     """Passed uncloned, the in-place op met a leaf that requires grad and the 'time' build failed
-    with torch's bare error (a review)."""
+    with torch's bare error (a review); the build's checks, sizing and profile left the weight
+    clamped (the model not as it was)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), Clamped(8, 8), torch.nn.Linear(8, 2))
     ref = copy.deepcopy(model)
     x = torch.randn(8, 8)
-    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, balance_by="time", progress=False)
+    pipe = fxpipe.pipeline(model, x, 2, chunks=2, devices=["cpu"] * 2, balance_by=balance_by, progress=False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     torch.testing.assert_close(pipe(x), ref(x))
