@@ -64,12 +64,11 @@ def one_pass(captured: Capture, model: nn.Module, args: tuple, kwargs: dict, fla
     cannot be made: the checks then run one by one. ``make_batching(leaves)``: the policy
     from the sample's output leaves. A refusal the policy makes on the sample (an
     ``output_merge`` naming no output, labels a mean cannot weigh) is left to the checks one
-    by one, which raise it in their order. Call inside
-    ``preserved(model)``."""
+    by one, which raise it in their order; a parameter's ``.data`` assigned anew in traced
+    code is refused here (:mod:`._data_swaps`). Call inside ``preserved(model)``."""
     gm = captured.graph_module
     if not _shares_weights(gm, model):
         return None
-    swaps = None
     try:
         with preserved(model), randomness_off() as off, nudged(gm):
             swaps = DataSwaps(model)
