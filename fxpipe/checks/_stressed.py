@@ -43,8 +43,8 @@ def check_stressed(batching: Batching, gm: fx.GraphModule, model: nn.Module, fla
                    leaves: Sequence[str], mode: Callable[[nn.Module], Any], chunks: int,
                    blame: Optional[Callable[[List[Any], List[List[Any]]], str]] = None) -> None:
     """Refuses a graph holding opaque modules (``leaves``) whose merged micro-batches differ
-    from the whole sample's outputs once the first micro-batch's floating inputs are made
-    larger (see the module docstring). ``blame(flat, micro)`` names the first module that
+    from the whole sample's outputs once the first micro-batch's floating inputs, or one of
+    its integer inputs, are made larger (see the module docstring). ``blame(flat, micro)`` names the first module that
     differs. Call inside ``preserved(model)``."""
     total = batching.batch_size(flat)
     if not leaves or chunks < 2 or total < 2:
