@@ -12,30 +12,50 @@ the model shows the swap: the parameter's storage is another one after it.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, List, Sequence, Set, Tuple
 
 from torch import nn
 
-from ..capture._fx_trace import is_standard_layer
 from ..errors import MutationError
 
 __all__ = ["DataSwaps"]
 
 
 class DataSwaps:
-    """The storage of each of ``model``'s parameters when made; :meth:`refuse` after an eager
-    run of the model."""
+    """The storage of each of ``model``'s parameters when made, and which swaps happen inside
+    a call of a module kept opaque (``leaves``: it runs its own forward, assignment included,
+    at each call); :meth:`refuse` after an eager run of the model. A swap a traced parent makes
+    on an opaque layer's weight (``self.fc.weight.data = F.normalize(...)``, a cosine head) is
+    the traced code's and refused (a review: exempted by the owner's kind, it ran 2.67 off)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, leaves: Sequence[str]) -> None:
         self.seen = [(name, p, p.data_ptr()) for name, p in model.named_parameters()]
+        self.inside: Set[int] = set()  # ids of parameters swapped during an opaque module's own call
+        self._handles = []
+        for path in leaves:
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._leave))
+        self._open: List[List[Tuple[nn.Parameter, int]]] = []
 
-    def refuse(self, leaves: Sequence[str]) -> None:
-        """Raises :class:`MutationError` naming the parameters whose ``.data`` the run assigned
-        anew in code the capture traced (not inside a module kept opaque: ``leaves`` or a
-        torch.nn layer)."""
-        swapped = [name for name, p, ptr in self.seen if p.data_ptr() != ptr]
-        traced = [name for name in swapped if not self._opaque_owner(name, leaves)]
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._open.append([(p, p.data_ptr()) for p in module.parameters()])
+
+    def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        for p, ptr in self._open.pop() if self._open else []:
+            if p.data_ptr() != ptr:
+                self.inside.add(id(p))
+
+    def refuse(self) -> None:
+        """Removes the hooks; raises :class:`MutationError` naming the parameters whose
+        ``.data`` the run assigned anew outside an opaque module's own call."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        traced = [name for name, p, ptr in self.seen if p.data_ptr() != ptr and id(p) not in self.inside]
         if traced:
             owner = traced[0].rpartition(".")[0]
             raise MutationError(
@@ -43,15 +63,5 @@ class DataSwaps:
                 "constraint such as self.weight.data = torch.renorm(...)): torch.fx and torch.export record tensor "
                 "operations, not that assignment, so the pipeline would never apply it and would silently compute "
                 "another model. What to do: write it in place, with torch.no_grad(): self.weight.copy_(torch.renorm("
-                f"self.weight, ...)), or keep the module opaque with leaf_modules=[{owner!r}] (it then runs its own "
-                "forward, assignment included)")
-
-    def _opaque_owner(self, name: str, leaves: Sequence[str]) -> bool:
-        parts = name.split(".")[:-1]
-        paths: List[str] = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
-        if any(p in leaves for p in paths):
-            return True
-        try:
-            return bool(parts) and is_standard_layer(self.model.get_submodule(".".join(parts)))
-        except AttributeError:
-            return False
+                f"self.weight, ...)), or keep the module that assigns it opaque with leaf_modules=[...] (it then runs "
+                f"its own forward, assignment included; {owner!r} if it is the one)")

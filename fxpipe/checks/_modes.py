@@ -224,9 +224,11 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
             # a model whose code reads grad mode or requires_grad runs as it was captured: grad on
             reads_grad = captured.context is not None and captured.context.built.grad
             with preserved(model), quiet():
-                swaps = DataSwaps(model)
-                eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
-                swaps.refuse(captured.leaves)
+                swaps = DataSwaps(model, captured.leaves)
+                try:
+                    eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
+                finally:
+                    swaps.refuse()
             try:
                 check_capture(eager, whole, batching.out_names, deterministic,  # type: ignore[union-attr]
                               pre_hooked)

@@ -71,9 +71,11 @@ def one_pass(captured: Capture, model: nn.Module, args: tuple, kwargs: dict, fla
         return None
     try:
         with preserved(model), randomness_off() as off, nudged(gm):
-            swaps = DataSwaps(model)
-            eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
-            swaps.refuse(captured.leaves)
+            swaps = DataSwaps(model, captured.leaves)
+            try:
+                eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
+            finally:
+                swaps.refuse()
             leaves, spec = flatten(eager)
             if drew_random(SAMPLE_SEED) or spec != captured.out_spec:
                 return None
