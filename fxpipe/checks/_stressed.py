@@ -61,11 +61,12 @@ def check_stressed(batching: Batching, gm: fx.GraphModule, model: nn.Module, fla
             f"with {what} made {SCALE:g} times larger in the first micro-batch, the outputs merged over {len(sizes)} "
             f"micro-batches differ from the whole batch's by up to {diff:.3g} (largest |value| {scale:.3g}), though "
             f"they agree on the sample. The graph holds modules kept opaque, which run their own code "
-            f"({', '.join(map(repr, leaves[:4]))}): one of them decides something for the whole batch from its "
-            f"values (if h.abs().amax() > t, frequencies picked from the batch's largest position, a capacity "
-            f"counted over the batch's tokens), and a pipeline decides it per micro-batch, silently differing from "
-            f"the model on such a batch. {blamed + ' ' if blamed else ''}What to do: make that decision per "
-            f"sample, or build with chunks=1")
+            f"({', '.join(map(repr, leaves[:4]))}): one of them computes something over the whole batch from its "
+            f"values (a threshold, if h.abs().amax() > t; frequencies picked from the batch's largest position; a "
+            f"max subtracted for stability, exp(s - s.max()), exact per sample only until one sample's values "
+            f"dwarf the others'), and a pipeline computes it per micro-batch, silently differing from the model on "
+            f"such a batch. {blamed + ' ' if blamed else ''}What to do: compute it per sample (amax or max over "
+            f"the sample's own dims), or build with chunks=1")
 
 
 def _differs(batching: Batching, gm: fx.GraphModule, model: nn.Module, stressed: List[Any], sizes: List[int],
