@@ -37,7 +37,7 @@ from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm, deferring
 from .runtime._frontend import checkpoint_stop
 from .runtime._microbatch import Batch
-from .runtime._orders import StepLosses, refuse_parameter_hooks
+from .runtime._orders import FreshGradients, StepLosses, refuse_parameter_hooks
 
 __all__ = ["run_step", "REDUCTIONS", "ReturnOutputs", "refuse_forward_with_grad"]
 
@@ -83,15 +83,12 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
     stop = checkpoint_stop(pipe.checkpoint, m, pipe.training)
     loss: Optional[Tensor] = None  # set where the loss is not the merge of the micro-batches'
     if pipe.schedule == "1f1b":
-        trained = [p for p in pipe.parameters() if p.requires_grad]
-        fresh = all(p.grad is None for p in trained)  # zero_grad(set_to_none=True) before it: put back exactly
+        grads = FreshGradients(pipe.parameters())
         try:
             with deferring(pipe._deferred), pipe.batching.naming_sizes(sizes):
                 pipe._runtime.run(batches, stop, on_output=losses.backward_now)
         except BaseException as e:
-            if losses.backwarded and fresh:  # eager fails before any backward: no .grad either (a trial)
-                for p in trained:
-                    p.grad = None
+            if losses.backwarded and grads.drop():  # eager fails before any backward: no .grad either
                 e.add_note(f"fxpipe: {losses.backwarded} of {m} micro-batches had run their backward in this "
                            "1F1B step; their gradients were dropped (.grad is None again, as before the step).")
             elif losses.backwarded:

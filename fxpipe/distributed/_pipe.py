@@ -47,7 +47,7 @@ from fxpipe.capture._baked_dtypes import BakedDtypes
 from fxpipe.capture._mode_flags import ModeFlags
 from fxpipe.capture._model_check import ModelCheck
 from fxpipe.plan._value import Plan
-from fxpipe.runtime._orders import refuse_parameter_hooks
+from fxpipe.runtime._orders import FreshGradients, refuse_parameter_hooks
 
 from ._clip import clip_grad_norm_
 from ._copies import replica_copies
@@ -314,8 +314,7 @@ class DistributedPipeline(EvalStep, PipelineState):
         losses: list[torch.Tensor] = []
         self._run, self._batch = run, batch
         replicas = self.layout.replicas
-        trained = [p for p in self.parameters() if p.requires_grad]
-        fresh = all(p.grad is None for p in trained)  # zero_grad(set_to_none=True) before it: put back on failure
+        grads = FreshGradients(self.parameters())  # put back on failure where every .grad was None
         self._replicas.before_step()
         self._ties.before_step()
         with self._exchanging():
@@ -327,9 +326,7 @@ class DistributedPipeline(EvalStep, PipelineState):
             except BaseException:
                 self._ties.restore()
                 self._replicas.restore()
-                if fresh:  # micro-batches whose backward ran left part of the step in .grad; eager leaves none
-                    for p in trained:
-                        p.grad = None
+                grads.drop()  # micro-batches whose backward ran left part of the step in .grad; eager leaves none
                 raise
             self._ties.after_step()
             self._replicas.after_step()

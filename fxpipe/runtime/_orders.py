@@ -39,7 +39,7 @@ from torch import Tensor
 from ..errors import ArgumentError, StepError
 from ._microbatch import Batch
 
-__all__ = ["SCHEDULES", "check_schedule", "loss_scales", "StepLosses", "refuse_parameter_hooks"]
+__all__ = ["SCHEDULES", "check_schedule", "loss_scales", "StepLosses", "FreshGradients", "refuse_parameter_hooks"]
 
 #: the orders a pipeline's training step runs in; 'gpipe' (the paper's) is the default
 SCHEDULES = ("gpipe", "1f1b")
@@ -124,6 +124,24 @@ class StepLosses:
         """The step's loss (no grad): the merge of the micro-batch losses."""
         with torch.no_grad():
             return self.merge([x for x in self.losses if x is not None])
+
+
+class FreshGradients:
+    """Whether every trained parameter's ``.grad`` is None as a step begins (``zero_grad()``'s
+    default). A step failing after some micro-batch's backward (1F1B, torch's schedules) left
+    that part in ``.grad`` where eager fails before any backward, and a loop skipping the batch
+    trained its next step 2.8e-2 off (a trial); both front doors call :meth:`drop` on failure."""
+
+    def __init__(self, params: Iterable[Tensor]) -> None:
+        self.trained = [p for p in params if p.requires_grad]
+        self.fresh = all(p.grad is None for p in self.trained)
+
+    def drop(self) -> bool:
+        """After a failed step: every ``.grad`` None again where every one was; whether it was."""
+        if self.fresh:
+            for p in self.trained:
+                p.grad = None
+        return self.fresh
 
 
 def refuse_parameter_hooks(named: Iterable[Tuple[str, Tensor]], what: str, gpipe: bool = True) -> None:
