@@ -15,7 +15,8 @@ from ..errors import TraceError
 from ._export import _Failure
 from ._user_code import is_user_file
 
-__all__ = ["trace_error", "output_error", "lost_records_error", "user_frame", "reason_of", "describe", "checkpointing_todo"]
+__all__ = ["trace_error", "output_error", "lost_records_error", "user_frame", "reason_of", "describe",
+           "checkpointing_todo"]
 
 
 def user_frame(exc: BaseException) -> str:

@@ -16,16 +16,18 @@ import torch
 from torch import Tensor, fx, nn
 
 from ..capture._mode_flags import modes_kept
+from ..capture._tracing import Capture
 from ..capture._values import concatenated_dim, exactly_same, same_value
 from ..errors import MicroBatchError
 from ._batching import _LOSS_NOTE, Batching, _merge_hint, _output_label
 from ..runtime._microbatch import split_sizes
 from ._counted_labels import CountedLabels
+from ._data_swaps import DataSwaps
 from ._backward_mixing import unseen_backward
 from ._loss import NUDGE, gradient_mismatch, nudged
 
 __all__ = ["SAMPLE_SEED", "check_split", "check_merged_gradients", "micro_batch_count", "reruns_same", "sample_run",
-           "evaluating", "concatenated_dim"]
+           "eager_run", "evaluating", "concatenated_dim"]
 
 #: the seed of :func:`sample_run` (:func:`fxpipe.runtime._randomness.drew_random` compares against it)
 SAMPLE_SEED = 0
@@ -222,6 +224,19 @@ def sample_run(run: Callable[[], Any], model: nn.Module,
     with (mode or evaluating)(model), torch.set_grad_enabled(grad):
         torch.manual_seed(SAMPLE_SEED)
         return run()
+
+
+def eager_run(captured: Capture, model: nn.Module, args: tuple, kwargs: dict,
+              mode: Callable[[nn.Module], Any]) -> Any:
+    """The model itself on the whole sample (:func:`sample_run`), grad mode on where its code
+    reads it (as it was captured), refusing a parameter's ``.data`` it assigns anew in traced
+    code (:class:`~fxpipe.checks._data_swaps.DataSwaps`). Call inside ``preserved(model)``."""
+    reads_grad = captured.context is not None and captured.context.built.grad
+    swaps = DataSwaps(model, captured.leaves)
+    try:
+        return sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
+    finally:
+        swaps.refuse()
 
 
 def _refuse(batching: Batching, i: int, whole: Any, merged: Any, parts: List[Any], k: int, found: str, why: str,

@@ -39,8 +39,8 @@ from ..capture._values import same_value
 from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from ._randomness_off import randomness_off
 from ._varied_sample import ATTEMPTS, alike, padded, varied
-from ._micro_batches import SAMPLE_SEED, check_merged_gradients, check_split, evaluating, reruns_same, sample_run
-from ._data_swaps import DataSwaps
+from ._micro_batches import (SAMPLE_SEED, check_merged_gradients, check_split, eager_run, evaluating, reruns_same,
+                             sample_run)
 from ._one_pass import one_pass
 from ._stressed import check_stressed
 from ..errors import FxpipeError, MicroBatchError, TraceError
@@ -191,8 +191,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
         the graph was compared with the eager model already: :mod:`fxpipe.checks._one_pass`)."""
         if batching is None and not meta and options.get("values", True) and options.get("nudge", True):
             # the first mode checked is the one compared with eager: all of it in one pass where it agrees
-            reads_grad = captured.context is not None and captured.context.built.grad
-            done = one_pass(captured, model, args, kwargs, flat, mode, chunks, reads_grad,
+            done = one_pass(captured, model, args, kwargs, flat, mode, chunks,
                             lambda leaves: Batching.build(model, args, kwargs, captured.unflatten_output(leaves),
                                                           chunk_dims, output_merge))
             if done is not None:
@@ -221,14 +220,8 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
 
     def against_eager(mode: Mode, whole: List[Any], deterministic: bool, quiet: Quiet) -> None:
         if not meta:  # on meta, eager code may branch on values (.item()), and none are there
-            # a model whose code reads grad mode or requires_grad runs as it was captured: grad on
-            reads_grad = captured.context is not None and captured.context.built.grad
             with preserved(model), quiet():
-                swaps = DataSwaps(model, captured.leaves)
-                try:
-                    eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
-                finally:
-                    swaps.refuse()
+                eager = eager_run(captured, model, args, kwargs, mode)
             try:
                 check_capture(eager, whole, batching.out_names, deterministic,  # type: ignore[union-attr]
                               pre_hooked)
@@ -246,7 +239,8 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
                                lambda f, micro: first_difference(gm, model, f, micro, mode, always=False))
 
     if runs_eval:
-        batching, whole, deterministic, quiet, compared = run_checks(evaluating, blame=blame_in(evaluating, always=False))
+        batching, whole, deterministic, quiet, compared = run_checks(evaluating,
+                                                                     blame=blame_in(evaluating, always=False))
         if not compared:
             against_eager(evaluating, whole, deterministic, quiet)
         stressed(evaluating, deterministic)

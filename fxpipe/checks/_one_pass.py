@@ -34,9 +34,8 @@ from ..runtime._randomness import drew_random
 from ..tree import flatten
 from ._batching import Batching
 from ._counted_labels import CountedLabels
-from ._data_swaps import DataSwaps
 from ._loss import nudged
-from ._micro_batches import SAMPLE_SEED, micro_batch_count, sample_run
+from ._micro_batches import SAMPLE_SEED, eager_run, micro_batch_count
 from ._randomness_off import randomness_off
 
 __all__ = ["OnePass", "one_pass"]
@@ -58,24 +57,19 @@ class OnePass:
 
 
 def one_pass(captured: Capture, model: nn.Module, args: tuple, kwargs: dict, flat: Sequence[Any],
-             mode: Callable[[nn.Module], Any], chunks: int, reads_grad: bool,
-             make_batching: Callable[[List[Any]], Batching]) -> Optional[OnePass]:
+             mode: Callable[[nn.Module], Any], chunks: int, make_batching: Callable[[List[Any]], Batching]) -> Optional[OnePass]:
     """The check in one pass (see the module docstring), or None where it does not pass or
     cannot be made: the checks then run one by one. ``make_batching(leaves)``: the policy
     from the sample's output leaves. A refusal the policy makes on the sample (an
     ``output_merge`` naming no output, labels a mean cannot weigh) is left to the checks one
     by one, which raise it in their order; a parameter's ``.data`` assigned anew in traced
-    code is refused here (:mod:`._data_swaps`). Call inside ``preserved(model)``."""
+    code is refused here (:func:`~fxpipe.checks._micro_batches.eager_run`). Call inside ``preserved(model)``."""
     gm = captured.graph_module
     if not _shares_weights(gm, model):
         return None
     try:
         with preserved(model), randomness_off() as off, nudged(gm):
-            swaps = DataSwaps(model, captured.leaves)
-            try:
-                eager = sample_run(lambda: model(*args, **kwargs), model, mode, grad=reads_grad)
-            finally:
-                swaps.refuse()
+            eager = eager_run(captured, model, args, kwargs, mode)
             leaves, spec = flatten(eager)
             if drew_random(SAMPLE_SEED) or spec != captured.out_spec:
                 return None
