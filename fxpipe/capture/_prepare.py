@@ -24,7 +24,7 @@ import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -55,15 +55,25 @@ def written_kept(model: nn.Module, names: Sequence[str]) -> Generator[None, None
     for every model: the build's checks ran the forward and left the user's weights clamped.
     Through ``.data``, as :func:`preserved` writes back."""
     params = dict(model.named_parameters())
-    kept = [(params[n], params[n]._version, params[n].detach().clone()) for n in names
-            if n in params and params[n].requires_grad]
+    kept = _copies(params[n] for n in names if n in params and params[n].requires_grad)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for p, version, copy in kept:
-                if p._version != version:
-                    p.data.copy_(copy)
+        _put_back(kept)
+
+
+def _copies(tensors: Iterable[torch.Tensor]) -> List[Tuple[torch.Tensor, int, torch.Tensor]]:
+    """Each tensor, its version and a copy of its values, for :func:`_put_back`."""
+    return [(t, t._version, t.detach().clone()) for t in tensors]
+
+
+def _put_back(kept: Sequence[Tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+    """The values of :func:`_copies` written back into each tensor an in-place op changed since,
+    through ``.data`` (its version counter as it is)."""
+    with torch.no_grad():
+        for t, version, copy in kept:
+            if t._version != version:
+                t.data.copy_(copy)
 
 
 @contextmanager
@@ -81,8 +91,7 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
                for m in model.modules() for name, b in m._buffers.items() if b is not None]
     renormed = {id(m.weight) for m in model.modules()
                 if getattr(m, "max_norm", None) is not None and isinstance(getattr(m, "weight", None), torch.Tensor)}
-    frozen = [(p, p._version, p.detach().clone()) for p in model.parameters()
-              if not p.requires_grad or id(p) in renormed]
+    frozen = _copies(p for p in model.parameters() if not p.requires_grad or id(p) in renormed)
     grads = [(p, p.grad) for p in model.parameters()]
     modes = [(m, m.training) for m in model.modules()]
     scalars = [(m, {k: v for k, v in vars(m).items() if v is None or type(v) in _PLAIN})
@@ -111,9 +120,7 @@ def preserved(model: nn.Module) -> Generator[None, None, None]:
                 # BatchNorm's kernel updates running_mean/var without bumping _version: values too
                 if b._version != version or (not b.is_meta and not torch.equal(b, copy)):
                     b.data.copy_(copy)
-            for p, version, copy in frozen:
-                if p._version != version:
-                    p.data.copy_(copy)
+        _put_back(frozen)
         for p, grad in grads:
             p.grad = grad
         for m, training in modes:
