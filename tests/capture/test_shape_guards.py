@@ -172,20 +172,23 @@ def test_a_loop_over_the_samples_in_the_root_is_refused_saying_so():
                         devices=["cpu"] * 2, progress=False)
 
 
+class Folds(torch.nn.Module):
+    """A reshape naming the batch, so the symbolic size scan runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x).reshape(x.shape[0], -1, 8))
+
+
 def test_a_symbolic_scan_past_its_budget_keeps_every_size_but_the_batch(monkeypatch):
     """A diffusion U-Net's scan over symbolic sizes took minutes (a trial); past its budget the
     capture keeps the sizes, as where a size regroups the rows: other sizes are refused, typed."""
     import fxpipe
     import fxpipe.capture._shape_guards as guards
     from fxpipe.errors import InputMismatchError
-
-    class Folds(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.b(self.a(x).reshape(x.shape[0], -1, 8))
 
     monkeypatch.setattr(guards, "SCAN_SECONDS", 0.0)
     x = torch.randn(4, 6, 8)
@@ -231,17 +234,9 @@ def test_a_scan_past_its_budget_is_not_run_again_for_the_same_graph(monkeypatch)
     import fxpipe
     import fxpipe.capture._shape_guards as guards
 
-    class Regroups(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.b(self.a(x).reshape(x.shape[0], -1, 8))
-
     scans = []
     real = guards.symbolic_inputs
     monkeypatch.setattr(guards, "symbolic_inputs", lambda flat: scans.append(1) or real(flat))
     monkeypatch.setattr(guards, "SCAN_SECONDS", -1.0)  # past the budget at once
-    pipe = fxpipe.pipeline(Regroups(), torch.randn(4, 6, 8), 2, chunks=2, devices=["cpu"] * 2, progress=False)
+    pipe = fxpipe.pipeline(Folds(), torch.randn(4, 6, 8), 2, chunks=2, devices=["cpu"] * 2, progress=False)
     assert pipe.capture.fixed and len(scans) == 1
