@@ -40,7 +40,8 @@ from .checks._modes import check_modes
 from .emit._placement import place_stages
 from .emit._stage_state import mutable_state
 from .emit._stages import Stages, emit_stages
-from .errors import ArgumentError, FxpipeError, MicroBatchError, PlanModelError, SplitPointsError, TraceError
+from .errors import (ArgumentError, FxpipeError, MicroBatchError, MutationError, PlanModelError, SplitPointsError,
+                     TraceError)
 from .plan._carry_over import CarryError, carry_assignment
 from .plan._make import make_plan
 from .plan._op_graph import build_opgraph
@@ -207,7 +208,12 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
         raise
     with report.phase("checking micro-batches against the whole batch"), \
             written_kept(model, prepared.mutations.state_names()):
-        batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge, options.chunks)
+        try:
+            batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge,
+                                   options.chunks)
+        except RuntimeError as e:
+            _refuse_written_weights(model, prepared, e)
+            raise
     refuse_backward_mixing(prepared.capture.graph_module, options.chunks)
     if options.chunks > 1 and batching.batch_size(prepared.capture.flatten_inputs(args, kwargs)) == 1:
         raise MicroBatchError(
@@ -217,6 +223,37 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
             "more samples (two rows of your data); the pipeline then takes any batch size, and any length "
             "the capture allows. With chunks=1 (no micro-batches) a sample of one is enough.")
     return Checked(prepared, batching, args, kwargs, meta)
+
+
+def _refuse_written_weights(model: nn.Module, prepared: Prepared, failure: RuntimeError) -> None:
+    """After autograd refused a backward because a saved tensor was written in place: when the
+    forward writes a weight that needs a gradient (``self.weight.clamp_(...)`` under no_grad, a
+    max-norm renormalisation), that is the cause. Eager's one forward writes it before using it;
+    a pipeline runs the next micro-batch's forward, which writes it again, before the earlier
+    micro-batch's backward, which needs it as it was. Refused as a :class:`MutationError` naming
+    the weight and the line, instead of autograd's bare error from inside the checks."""
+    if "modified by an inplace operation" not in str(failure):
+        return
+    trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    written = [s for s in prepared.mutations.state if s.name in trained]
+    if not written:
+        return
+    first = written[0]
+    writer = next(n for n in prepared.capture.graph_module.graph.nodes if n.name == first.writers[0])
+    by = f"module `{writer.target}` ({type(prepared.capture.graph_module.get_submodule(writer.target)).__name__})" \
+        if writer.op == "call_module" else f"`{writer.format_node()}`"
+    raise MutationError(
+        f"{first.where}: {by} writes the parameter `{first.name}` in place in forward, and a backward "
+        f"uses its value from the forward. A pipeline runs the next micro-batch's forward, which writes it "
+        f"again, before the earlier micro-batch's backward: autograd refuses that ({_first_line(failure)}). "
+        f"What to do: apply the constraint to the weight outside forward (after optimizer.step(), under "
+        f"torch.no_grad()), or compute the constrained weight out of place "
+        f"(torch.nn.utils.parametrize.register_parametrization).",
+        node=first.writers[0]) from failure
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0].split(". Hint")[0].rstrip(".")
 
 
 def _refuse_failing_sample(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, failure: Exception) -> None:
