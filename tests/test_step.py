@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.errors import ArgumentError, InputMismatchError, StepError
+from fxpipe.errors import ArgumentError, InputMismatchError, MicroBatchError, StepError
 
 from exact import assert_all_close, assert_close_scaled, assert_grads_equal
 from zoo import MaskedMeanLM, bn_model, dropout_model, gpt_tied, unet
@@ -450,6 +450,16 @@ def test_a_batch_counting_nothing_backpropagates_as_eager(how, loss):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, equal_nan=True, msg=f"grad of {name}")
+
+
+def test_a_sample_counting_nothing_is_refused_at_the_build():
+    """Its loss is 0 / 0 and every gradient nan: the checks met a nan tolerance and the build
+    failed with torch's bare 'atol must be greater than or equal to zero' (a review)."""
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 20, (4, 5)), torch.zeros(4, 5)
+    with pytest.raises(MicroBatchError, match=r"gradient of output 0 is not finite .*counts nothing.*finite"):
+        fxpipe.pipeline(MaskedMeanLM(), (ids, mask), 2, chunks=2, devices=["cpu"] * 2, progress=False,
+                        output_merge={"loss": "mean", "logits": 0})
 
 
 def test_checkpoint_and_schedule_set_after_the_build_are_checked():

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, fx
 
 from ..capture._numerics import tolerance
+from ..errors import MicroBatchError
 
 __all__ = ["gradient_mismatch", "nudged"]
 
@@ -87,6 +88,17 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
 
 
 @contextmanager
+def _refuse_not_finite(output: int, named: List[Any], grads: List[Tensor]) -> None:
+    """The whole sample's gradient is nan or infinite: nothing can be compared on it."""
+    name = next((n for (n, _), g in zip(named, grads) if g.numel() and not bool(torch.isfinite(g).all())), "?")
+    raise MicroBatchError(
+        f"on the sample, the gradient of output {output} is not finite (in parameter `{name}`), so the build "
+        "cannot check that micro-batches give the whole batch's gradients. A loss whose sample counts nothing "
+        "(every label ignore_index, an attention mask of zeros) is 0 / 0 = nan. What to do: build from a sample "
+        "whose loss and gradients are finite (a batch of your data); the pipeline then takes such batches as "
+        "eager does.")
+
+
 def nudged(gm: fx.GraphModule, buffers: bool = True) -> Iterator[None]:
     """Every floating parameter of ``gm`` moved by ``NUDGE`` times its root mean square in a
     random direction (a tensor of zeros by ``NUDGE`` times the model's typical one), and every
@@ -189,6 +201,8 @@ def _compare(gm: fx.GraphModule, named: List[Any], params: List[Tensor], flat: S
                 w, m = (w * r).sum(), (m * r).sum()
             a, b = _grads(w, params), _grads(m, params)
             scale = max((float(g.abs().max()) for g in a if g.numel()), default=0.0)
+            if not math.isfinite(scale):
+                _refuse_not_finite(i, named, a)
             for (name, p), ga, gb in zip(named, a, b):
                 rtol, atol = tolerance(p.dtype)  # follows the precision in effect (fxpipe.capture._numerics)
                 if not torch.allclose(ga, gb, rtol=rtol, atol=atol * scale):

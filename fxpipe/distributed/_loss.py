@@ -76,6 +76,7 @@ class StepLoss:
         self._counts: Optional[Tensor] = None  # what each micro-batch counts (float64); None: a sum
         self._shares: Optional[List[Tensor]] = None  # None: a sum, each micro-batch's loss as it is
         self._weighed: List[bool] = []  # per micro-batch: whether it counts anything
+        self._nothing = False  # the step's whole (global) batch counts nothing
         self._targets: List[Any] = []  # this step's, per micro-batch
         self._next = 0
         #: ``step(return_outputs=...)``: False, True (each micro-batch's flat outputs, detached),
@@ -152,6 +153,7 @@ class StepLoss:
         self._counts = counts
         self._shares = _shares(counts)
         self._weighed = [True] * self.chunks if counts is None else (counts != 0).tolist()
+        self._nothing = counts is not None and not any(self._weighed)
 
     def over_replicas(self, replicas: dist.ProcessGroup) -> None:
         """Each micro-batch's share of the *global* batch's count: this step's counts summed
@@ -163,6 +165,7 @@ class StepLoss:
         dist.all_reduce(total, group=replicas)
         if self._counts is not None:
             self._shares = list(self._counts / total.to(self._counts.device))
+            self._nothing = not bool(total != 0)
 
     def __call__(self, flat_output: Callable[[], List[Any]], structured: Callable[[], Any], target: Any) -> Tensor:
         """Micro-batch ``i``'s scaled loss (the schedule asks in order 0, 1, ...); the output
@@ -191,6 +194,8 @@ class StepLoss:
             raise StepError(f"{what} for micro-batch {i} must be a 0-dim floating tensor (a loss), got {got}")
         if self._shares is None:
             return loss
+        if self._nothing:  # the whole batch counts nothing: eager's 0 / 0, nan, backwarded as it is
+            return loss * torch.zeros((), dtype=loss.dtype, device=loss.device)
         if not self._weighed[i]:  # a mean counting nothing: 0 / 0
             return _no_weight(loss, flat_output())
         return loss * self._shares[i].to(loss.device, loss.dtype)
