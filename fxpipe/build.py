@@ -37,6 +37,7 @@ from .capture._tracing import Capture
 from .checks._backward_mixing import refuse_backward_mixing
 from .checks._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from .checks._modes import check_modes
+from .checks._running_totals import refuse_running_totals
 from .emit._placement import place_stages
 from .emit._stage_state import mutable_state
 from .emit._stages import Stages, emit_stages
@@ -215,6 +216,8 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
             _refuse_written_weights(model, prepared, e)
             raise
     refuse_backward_mixing(prepared.capture.graph_module, options.chunks)
+    refuse_running_totals(prepared.capture.graph_module, prepared.capture.flatten_inputs(args, kwargs),
+                          split_dims, options.chunks)
     if options.chunks > 1 and batching.batch_size(prepared.capture.flatten_inputs(args, kwargs)) == 1:
         raise MicroBatchError(
             f"the sample holds one sample along {batching.dims_text()}, and chunks={options.chunks} splits every batch "
