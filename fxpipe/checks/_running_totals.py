@@ -42,6 +42,10 @@ _OPERATORS = {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, o
 _HOPS = 4
 
 
+class _Done(Exception):
+    """Every suspect's size is read: the fake run stops there."""
+
+
 def _name(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, str):
@@ -123,6 +127,9 @@ def _extents(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[Optio
                 dim = _dim(n)
                 if isinstance(value, torch.Tensor) and dim is not None and -value.dim() <= dim < value.dim():
                     seen[n.name] = int(value.shape[dim])
+                wanted.discard(n)
+                if not wanted:
+                    raise _Done  # the rest of the graph tells nothing more
             return super().run_node(n)
 
     inputs = []
@@ -139,6 +146,8 @@ def _extents(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[Optio
         with mode, torch.no_grad(), _reparametrize_module(gm, {k: mode.from_tensor(v) for k, v in state.items()},
                                                           tie_weights=True):
             _Sizes(gm).run(*inputs)
+    except _Done:
+        pass
     except Exception:  # noqa: BLE001 - an op needing values (nonzero, .item()): no claim
         return None
     return seen
