@@ -87,7 +87,6 @@ def gradient_mismatch(gm: fx.GraphModule, flat: Sequence[Any], micro: Sequence[S
     return _compare(gm, named, params, flat, micro, indices, merge)  # the nudge broke it: its own weights
 
 
-@contextmanager
 def _refuse_not_finite(output: int, named: List[Any], grads: List[Tensor]) -> None:
     """The whole sample's gradient is nan or infinite: nothing can be compared on it."""
     name = next((n for (n, _), g in zip(named, grads) if g.numel() and not bool(torch.isfinite(g).all())), "?")
@@ -99,6 +98,7 @@ def _refuse_not_finite(output: int, named: List[Any], grads: List[Tensor]) -> No
         "eager does.")
 
 
+@contextmanager
 def nudged(gm: fx.GraphModule, buffers: bool = True) -> Iterator[None]:
     """Every floating parameter of ``gm`` moved by ``NUDGE`` times its root mean square in a
     random direction (a tensor of zeros by ``NUDGE`` times the model's typical one), and every
