@@ -35,7 +35,7 @@ from ..tree import flatten
 from ._batching import Batching
 from ._counted_labels import CountedLabels
 from ._loss import nudged
-from ._micro_batches import SAMPLE_SEED, eager_run, micro_batch_count
+from ._micro_batches import SAMPLE_SEED, eager_run, micro_batch_count, state_kept
 from ._randomness_off import randomness_off
 
 __all__ = ["OnePass", "one_pass"]
@@ -69,7 +69,8 @@ def one_pass(captured: Capture, model: nn.Module, args: tuple, kwargs: dict, fla
         return None
     try:
         with preserved(model), randomness_off() as off, nudged(gm):
-            eager = eager_run(captured, model, args, kwargs, mode)
+            with state_kept(model, gm):  # the micro-batches start from the state the whole run found
+                eager = eager_run(captured, model, args, kwargs, mode)
             leaves, spec = flatten(eager)
             if drew_random(SAMPLE_SEED) or spec != captured.out_spec:
                 return None
