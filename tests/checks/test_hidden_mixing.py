@@ -287,6 +287,61 @@ def test_droppath_and_noise_do_not_hide_training_mode_mixing():
     assert len({round(float(pipe(x).sum()), 4) for _ in range(4)}) > 1
 
 
+_DRAWS = {
+    "gumbel": lambda h: F.gumbel_softmax(h, tau=1.0) * 1e-3 + h,
+    "hard gumbel": lambda h: F.gumbel_softmax(h, tau=0.5, hard=True) * 1e-3 + h,
+    "exponential": lambda h: h + torch.empty_like(h).exponential_() * 1e-3,
+    "normal": lambda h: h + torch.normal(torch.zeros_like(h), 1e-3),
+    "poisson": lambda h: h + torch.poisson(torch.full_like(h, 2.0)) * 1e-3,
+    "beta": lambda h: h * torch.distributions.Beta(2.0, 2.0).sample(),  # mixup's lam: in an opaque module
+    "randint": lambda h: h * torch.randint(1, 2, h.shape),
+    "shuffle": lambda h: h - h[torch.randperm(h.shape[0])].mean(0),
+    "negatives": lambda h: h - 0.5 * h[torch.randint(0, h.shape[0], (h.shape[0],))],
+    "rrelu": lambda h: F.rrelu(h, training=True),
+}
+
+
+class Draws(nn.Module):
+    """One draw of a kind (as a Gumbel quantizer, mixup, a MoCo shuffle or in-batch negatives
+    make), and, elsewhere, a training-only ``h - h.mean(0)`` or none."""
+
+    def __init__(self, kind: str, mixes: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+        self.draw, self.mixes = Draw(kind), mixes
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.training and self.mixes:
+            h = h - h.mean(0, keepdim=True)
+        return self.c(self.draw(torch.tanh(self.b(h))))
+
+
+class Draw(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, h):
+        return _DRAWS[self.kind](h) if self.training else h
+
+
+@pytest.mark.parametrize("kind", sorted(_DRAWS))
+def test_a_draw_of_any_kind_does_not_hide_training_mode_mixing(kind):
+    """One draw the check could not make constant (exponential_, torch.normal, poisson, randint,
+    randperm, ...) turned value comparison off for the whole model: a training-only mixing
+    elsewhere built and trained 1.6e-2 off (a trial). Now every such draw is fixed; a shuffle or
+    random negatives mix the batch themselves and are refused alone."""
+    with pytest.raises(MicroBatchError, match="in training mode"):
+        _build(Draws(kind, mixes=True), torch.randn(16, 12))
+    if kind not in ("shuffle", "negatives"):
+        _build(Draws(kind, mixes=False), torch.randn(16, 12))
+    else:
+        with pytest.raises(MicroBatchError, match="in training mode"):
+            _build(Draws(kind, mixes=False), torch.randn(16, 12))
+
+
 class AttentionDropoutMixing(nn.Module):
     """Attention with a dropout of its own (``dropout_p`` of scaled_dot_product_attention, as
     GPT-2 trains), and a mixing under ``if self.training``."""
