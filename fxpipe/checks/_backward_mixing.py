@@ -74,7 +74,17 @@ def unseen_backward(gm: fx.GraphModule) -> List[str]:
         if fn is not None:
             found.append(f"the custom autograd.Function {fn.__qualname__}{recorded_line(node)}")
         elif node.op == "call_module":
-            owner = type(gm.get_submodule(str(node.target))).__module__.partition(".")[0]
+            module = gm.get_submodule(str(node.target))
+            owner = type(module).__module__.partition(".")[0]
             if owner not in ("torch", "fxpipe"):
                 found.append(f"module '{node.target}' kept opaque")
+            elif _backward_hooked(module):  # a torch.nn layer's backward hook: code of the user's too
+                found.append(f"module '{node.target}' ({type(module).__name__}) with a backward hook")
     return found
+
+
+def _backward_hooked(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule has a backward or backward pre-hook (``register_full_backward_hook``,
+    ``register_backward_hook``, ``register_full_backward_pre_hook``): a batch-normalising one
+    (``g / g.norm()``) on an ``nn.Linear`` built and trained 0.51 off (a trial)."""
+    return any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())
