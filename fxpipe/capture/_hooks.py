@@ -18,14 +18,16 @@ from __future__ import annotations
 import inspect
 import sys
 import warnings
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+from torch.utils.hooks import RemovableHandle
 
 from torch import nn
 
 from ..errors import TraceError
 
-__all__ = ["FXPIPE_GUARD", "HOOK_DICTS", "has_hooks", "hooked_modules", "holds_live_hook", "live_hook_kinds",
-           "records_now"]
+__all__ = ["FXPIPE_GUARD", "HOOK_DICTS", "NewHooks", "has_hooks", "hooked_modules", "holds_live_hook",
+           "live_hook_kinds", "records_now"]
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -111,3 +113,51 @@ def hooked_modules(model: nn.Module, already_opaque: Callable[[nn.Module], bool]
                       "recomputes (fxpipe.runtime._checkpoint.is_recomputing() tells the two "
                       "apart)", stacklevel=3)
     return outermost
+
+
+class NewHooks:
+    """Hooks registered, after the build, on modules the stages call (kept opaque: a torch.nn
+    layer, a leaf) or inside them. Such a hook runs in the stages once per micro-batch, and the
+    build's check never saw it: a forward hook mixing the batch (``o - o.mean(0)``) registered
+    on an ``nn.Linear`` after the build trained 1.1e-2 off, silently (a trial); the same hook
+    before the build is refused. Hooks removed since are fine.
+
+    Per call this costs one integer compare (torch numbers every hook handle from one counter)
+    unless some hook was registered anywhere since the last call; then the modules' hook dicts
+    are compared with those at the build."""
+
+    def __init__(self, modules: Sequence[Tuple[nn.Module, str]]) -> None:
+        self._modules = list(modules)
+        self._compile()
+
+    def _compile(self) -> None:
+        self._dicts = [(sub.__dict__[h], f"{label}.{name}".strip("."), h) for m, label in self._modules
+                       for name, sub in m.named_modules() for h in HOOK_DICTS]
+        self._keys = [set(d) for d, _, _ in self._dicts]
+        self._seen = RemovableHandle.next_id
+
+    def __getstate__(self) -> dict:
+        return {"_modules": self._modules}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._compile()
+
+    def unchanged(self) -> bool:
+        if RemovableHandle.next_id == self._seen:
+            return True
+        if self.added():
+            return False
+        self._seen = RemovableHandle.next_id
+        return True
+
+    def added(self) -> List[str]:
+        """Each hook registered since the build, as a message line."""
+        out = []
+        for (hooks, label, kind), keys in zip(self._dicts, self._keys):
+            if any(k not in keys and not getattr(h, FXPIPE_GUARD, False) for k, h in hooks.items()):
+                out.append(f"a {kind.strip('_').replace('_', ' ')[:-1]} was registered on '{label}' after the build: "
+                           "it runs in the stages once per micro-batch, and the build did not check it (a hook that "
+                           "computes across the batch would silently differ per micro-batch); build the pipeline "
+                           "again after registering it")
+        return out

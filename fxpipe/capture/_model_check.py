@@ -41,7 +41,7 @@ from ._attr_reads import (ABSENT, EQUAL, ITEMS, MUTABLE, NONE, REGISTRIES, SAME,
                           same_items)
 from ._global_reads import GlobalReads
 from ._module_paths import module_path
-from ._hooks import HOOK_DICTS, holds_live_hook, live_hook_kinds
+from ._hooks import HOOK_DICTS, NewHooks, holds_live_hook, live_hook_kinds
 from ._values import same_plain
 from ..errors import ModelChangedError
 
@@ -91,6 +91,7 @@ class ModelCheck:
             (m, label, type(m), m.__dict__.get("forward"), _class_forward(type(m)))
             for m, label in self._traced]
         self._global_hooks: Tuple[Tuple[Any, ...], ...] = _global_hook_keys()
+        self._new_hooks = NewHooks([(m, labels.get(id(m), "")) for m in called])
         # a value the traced code wrote and read is compared at what it holds now, the build done
         self._reads: List[AttrRead] = [
             replace(r, value=getattr(r.owner, r.name, None), how=EQUAL) if r.how == WRITTEN else r for r in reads]
@@ -111,7 +112,8 @@ class ModelCheck:
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items()
-                if k in ("_held", "_traced", "_reads", "_containers", "_globals", "_code", "_global_hooks")}
+                if k in ("_held", "_traced", "_reads", "_containers", "_globals", "_code", "_global_hooks",
+                         "_new_hooks")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -151,7 +153,7 @@ class ModelCheck:
         for m, _, cls, own, forward in self._code:
             if not _code_kept(m, cls, own, forward):
                 return False
-        if not _global_hooks_kept(self._global_hooks):
+        if not _global_hooks_kept(self._global_hooks) or not self._new_hooks.unchanged():
             return False
         # any(): a C loop over mostly empty dicts; only a model with hooks looks at them
         return not (any(self._hooks) and any(holds_live_hook(hooks) for hooks in self._hooks))
@@ -198,6 +200,7 @@ class ModelCheck:
                     out.append(f"'{r.label}' is {_describe(now)}, was {_describe(r.value)} (the traced forward "
                                "read it, and the graph has its value baked in)")
         out += self._globals.changes()
+        out += self._new_hooks.added()
         for owner, registry, n, label in self._containers:
             if len(owner.__dict__[registry]) != n:
                 now = len(owner.__dict__[registry])

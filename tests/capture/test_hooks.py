@@ -43,6 +43,7 @@ def test_backward_hook_on_a_submodule_runs():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = fxpipe.pipeline(model, torch.randn(6, 8), 2, chunks=2, devices=["cpu"] * 2, balance_by="params")
+    grads.clear()  # the build's checks compared the hooked module's gradients: it ran there too
     pipe(torch.randn(6, 8, requires_grad=True)).sum().backward()
     assert sorted(grads) == [3, 3]
 
