@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from ._loss_den import den_program
 from ._loss_form import Den, LossForm, read_loss
+from ._loss_state import kept
 from ._loss_traces import aligned, count_args
 
 __all__ = ["LossFnReading", "Weights", "CACHE", "out_dims_of", "own_loss_output",
@@ -205,8 +206,10 @@ class LossFnReading:
                     continue
                 program, used = found
                 leaves = self._leaves(stand_ins[m], None if targets is None else targets[i])
-                with torch.no_grad():
-                    value = program(*[leaves[j] for j in used])
+                with torch.no_grad():  # contiguous, as the fakes it was traced on (a view of them):
+                    # the next-token target y[:, 1:] failed the replay's view with torch's bare error
+                    value = program(*[leaves[j].contiguous() if isinstance(leaves[j], Tensor) else leaves[j]
+                                      for j in used])
                 if value.is_floating_point():
                     eps = max(eps, torch.finfo(value.dtype).eps)
                 column.append(value.to(torch.float64))
@@ -278,8 +281,17 @@ class LossFnReading:
         that follow the batch size), and the whole batch's ``whole`` (code that changes with
         the batch size, reshapes that mix samples only at that size): all must read alike."""
         sizes = sorted({m, m + 1, whole})
+        traces = {}
         try:
-            traces = {n: self._trace(outputs, target, m, n) for n in sizes}
+            for n in sizes:
+                with kept(self.loss_fn) as state:  # what it keeps between calls put back after each
+                    traces[n] = self._trace(outputs, target, m, n)
+                if state.changed:
+                    return _Read(LossForm(None, why=(
+                        f"loss_fn changes what it keeps between calls ({', '.join(state.changed[:3])}: a step "
+                        "counter, a list of logged losses, a running metric): called once per micro-batch, it would "
+                        "change it once per micro-batch, not once per step. Keep that state outside loss_fn (update "
+                        "it from the loss pipe.step returns)")))
         except Exception as e:  # noqa: BLE001 - not proven: merged-output loss (GPipe) or a typed refusal
             first = (str(e).strip().splitlines() or [""])[0][:200]
             return _Read(LossForm(None, why=f"loss_fn could not be run on fake tensors shaped like micro-batches of "
