@@ -32,6 +32,9 @@ def nll_total_weight(target: Tensor, weight: Optional[Tensor], ignore_index: int
     if weight is None:
         return counted.sum().to(torch.float64)
     safe = torch.where(counted, target, torch.zeros_like(target))
+    outside = counted & ((safe < 0) | (safe >= weight.numel()))
+    if bool(outside.any()):  # torch's own error for it, not an IndexError from this count (a trial)
+        raise IndexError(f"Target {int(target[outside][0])} is out of bounds.")
     return (weight.to(torch.float64)[safe] * counted).sum()
 
 

@@ -458,3 +458,46 @@ def test_a_loss_keeping_state_runs_once_per_step_under_gpipe_and_is_refused_unde
     with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule="1f1b") as pipe:
         with pytest.raises(StepError, match=r"changes what it keeps between calls \(tensor '.*calls'"):
             pipe.step(ids, loss_fn=Annealed(), target=labels)
+
+
+def test_a_next_token_target_sliced_from_the_batch_is_exact():
+    """pipe.step(ids[:, :-1], target=ids[:, 1:]): the target is a non-contiguous view, and the
+    count's code, replayed on it, failed a view with torch's bare error (a trial, on ranks)."""
+    model = _lm()
+    ref = copy.deepcopy(model)
+    ids, labels = _batch(t=7)
+    stream = torch.where(labels == PAD, ids, labels)
+    stream[:, -2:] = PAD
+    x, y = stream[:, :-1], stream[:, 1:]
+    assert not y.is_contiguous()
+    with fxpipe.pipeline(model, x.contiguous(), 2, chunks=4, devices=["cpu"] * 2, progress=False,
+                         balance_by="params", schedule="1f1b") as pipe:
+        _one_step(pipe, model, ref, token_mean_pad_id, x, y)
+
+
+class WeightedLM(nn.Module):
+    """A model computing its own class-weighted cross entropy (``labels=``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _lm()
+        self.crit = nn.CrossEntropyLoss(weight=torch.linspace(0.5, 1.5, VOCAB), ignore_index=PAD)
+
+    def forward(self, ids, labels):
+        logits = self.body(ids)
+        return {"loss": self.crit(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+def test_a_label_past_the_classes_fails_with_the_models_own_error():
+    """The merge's count of class weights indexed them first, and an out-of-range label (a
+    tokenizer and vocabulary mismatch) failed there with a bare IndexError (a trial)."""
+    model = WeightedLM()
+    ids, labels = _batch()
+    pipe = fxpipe.pipeline(model, (ids,), 2, sample_kwargs={"labels": labels}, chunks=4, devices=["cpu"] * 2,
+                           output_merge={"loss": "mean"}, progress=False, balance_by="params")
+    bad = labels.clone()
+    bad[5, 0] = VOCAB + 3
+    with pytest.raises(IndexError, match=f"Target {VOCAB + 3} is out of bounds"):
+        model(ids, labels=bad)
+    with pytest.raises(IndexError, match=f"Target {VOCAB + 3} is out of bounds"):
+        pipe(ids, labels=bad)
