@@ -179,6 +179,10 @@ class Failures:
         self.world_size = dist.get_world_size(group)
         # one key per pipeline: its group's name is unique in the job and the same on every rank
         self.key = f"fxpipe/failure/{group.group_name}"
+        #: a transfer with a peer failed (a peer ended or timed out): the transport is gone, so no
+        #: later call can run; the pipeline refuses them (PipelineClosedError) instead of gloo's
+        #: bare "Application timeout caused pair closure" at the next collective (a trial)
+        self.lost: Optional[str] = None
 
     def watch(self) -> None:
         """Until :meth:`forget`: an uncaught exception ending this process names this rank to
@@ -289,6 +293,8 @@ class Failures:
         except PeerFailedError:
             raise
         except Exception as e:
+            if _from_transport(e):
+                self.lost = failure_line(self.rank, e)
             if not _from_transport(e):
                 self._write(failure_line(self.rank, e))
                 own = _own_error(e)

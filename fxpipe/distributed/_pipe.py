@@ -239,6 +239,8 @@ class DistributedPipeline(EvalStep, PipelineState):
     def _check_open(self) -> None:
         if self._closed:
             raise PipelineClosedError("this fxpipe.distributed pipeline was closed; build a new one")
+        if self._broken is None and self._failures.lost is not None:
+            self._broken = self._failures.lost
         if self._broken is not None:
             raise PipelineClosedError(
                 f"an earlier step of this pipeline stopped while the ranks were exchanging values ({self._broken}): "

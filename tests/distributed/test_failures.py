@@ -525,3 +525,29 @@ def test_a_step_failing_after_a_backward_leaves_no_partial_gradient(tmp_path: Pa
     _run(_late_failure_worker, 2, (), tmp_path)
     assert "boom in the second micro-batch's loss" in _read(tmp_path, 2, "late")[1]
     assert _read(tmp_path, 2, "grads") == ["True", "True"]
+
+
+def _stuck_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 stuck past the pipeline's timeout: rank 0's step fails naming it; rank 0's next
+    step is refused by fxpipe, not by gloo's bare 'Application timeout caused pair closure'."""
+    import time
+
+    pipe, _, x, y, _ = _stepped(rank, world, port, 4)
+    if rank == 1:
+        time.sleep(9)
+    try:
+        pipe.step(x, target=y)
+    except Exception as e:
+        _record(out, rank, "stuck", e)
+    try:
+        pipe.step(x, target=y)
+    except Exception as e:
+        _record(out, rank, "after", e)
+
+
+@pytest.mark.slow
+def test_the_step_after_a_peer_timed_out_is_refused(tmp_path: Path) -> None:
+    _run(_stuck_worker, 2, (), tmp_path)
+    assert _read(tmp_path, 2, "stuck")[0].startswith("PeerFailedError"), _read(tmp_path, 2, "stuck")
+    after = (tmp_path / "rank0.after.txt").read_text()
+    assert after.startswith("PipelineClosedError") and "Build a new pipeline" in after, after
