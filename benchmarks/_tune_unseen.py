@@ -55,8 +55,14 @@ def _before_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure(c: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any,
             steps: int) -> Dict[str, float]:
+    device = x.device
     pipe = c.pipeline(progress=False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     try:
@@ -72,11 +78,13 @@ def measure(c: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lo
         step()
         step()
         gc.collect()
-        total = _before_step(model, opt) + peak(step, torch.device("cpu"))["peak_bytes"]
+        total = _before_step(model, opt) + peak(step, device)["peak_bytes"]
         times = []
         for _ in range(steps):
+            _sync(device)
             t0 = time.perf_counter()
             step()
+            _sync(device)
             times.append(time.perf_counter() - t0)
     finally:
         pipe.close()
@@ -108,8 +116,10 @@ def side_by_side(choices: List[Any], model: torch.nn.Module, x: torch.Tensor, y:
         for r in range(rounds):
             for j in range(len(choices)):
                 k = (j + r) % len(choices)
+                _sync(x.device)
                 t0 = time.perf_counter()
                 step(k)
+                _sync(x.device)
                 times[k].append(time.perf_counter() - t0)
     finally:
         for pipe in pipes:
@@ -119,11 +129,14 @@ def side_by_side(choices: List[Any], model: torch.nn.Module, x: torch.Tensor, y:
 
 
 def run(name: str, chunks: List[int], steps: int, rounds: int = 9,
-        balance_by: Optional[str] = None) -> Dict[str, Any]:
+        balance_by: Optional[str] = None, device: str = "cpu") -> Dict[str, Any]:
     """``balance_by``: tune's (default: profiled time, a cut that moves with the machine's load;
-    'params' or 'memory' for a cut that does not, another one to validate the memory on)."""
+    'params' or 'memory' for a cut that does not, another one to validate the memory on).
+    ``device='cuda'``: the four stages on the GPU, the peak from ``torch.cuda.max_memory_allocated``."""
     model, x, y, loss_fn, what = MODELS[name]()
-    devices = ["cpu"] * 4
+    if device != "cpu":
+        model, x, y = model.to(device), x.to(device), y.to(device)
+    devices = [device] * 4
     t0 = time.perf_counter()
     free = fxpipe.tune(model, x, devices, chunks=chunks, loss_fn=loss_fn, target=y, balance_by=balance_by)
     budget = statistics.median(c.peak for c in free.choices if c.peak_bytes)

@@ -141,6 +141,9 @@ step one_gpu_llama 110 $PY benchmarks/one_gpu.py --device cuda --model llama1b -
 # configuration's predicted activation peak and step time against torch.cuda.max_memory_allocated
 # and the measured step, and tune's first choice against the best measured
 step tune 60 $PY benchmarks/tune.py --device cuda --chunks 1 4 8 --steps 5 --out "$RES/tune_cuda.json"
+# 1d. issue 33, tune's defaults on the three unseen models on the GPU: the total peak per step
+# against torch.cuda.max_memory_allocated, every "fits" honoured, the first choice side by side
+step tune_unseen 90 $PY benchmarks/tune.py --unseen --device cuda --steps 3 --rounds 7 --out "$RES/tune_unseen_cuda.json"
 
 # 2. the headline claims: throughput vs torchgpipe, and the ablation
 step throughput 100 $PY benchmarks/throughput.py --device cuda --quick \

@@ -231,7 +231,7 @@ def unseen(a: argparse.Namespace, argv: Optional[Sequence[str]]) -> None:
 
     results = []
     for name in a.unseen or ["vit", "unet", "qwen3"]:
-        res = _tune_unseen.run(name, a.unseen_chunks, a.steps, a.rounds, balance_by=a.balance_by)
+        res = _tune_unseen.run(name, a.unseen_chunks, a.steps, a.rounds, balance_by=a.balance_by, device=a.device)
         _tune_unseen.print_table(res)
         results.append(res)
     rows = [r for res in results for r in res["rows"]]
@@ -242,7 +242,7 @@ def unseen(a: argparse.Namespace, argv: Optional[Sequence[str]]) -> None:
           f"{all(res['fits_honoured'] for res in results)}; worst first/best time side by side "
           f"{max(ratios, default=float('nan')):.3f} (goal 1.05)")
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "tune_unseen.json"
-    write_json(str(out), {**header("tune --unseen", "cpu"),
+    write_json(str(out), {**header("tune --unseen", a.device),
                           "command": " ".join(["benchmarks/tune.py", *(argv if argv is not None else sys.argv[1:])]),
                           "worst_memory_error": worst, "within_10pct": within, "configurations": len(rows),
                           "worst_choice_ratio": max(ratios, default=None), "models": results})

@@ -261,7 +261,7 @@ def _timing_notes(search: Search) -> List[str]:
     notes = []
     if search.spreads:
         low, high = min(search.spreads.values()), max(search.spreads.values())
-        notes.append(f"stage times: the median of 5 rounds, every micro-batch size timed in each; a round's total "
+        notes.append(f"stage times: the fastest of 5 rounds, every micro-batch size timed in each; a round's total "
                      f"moved by {low:.0%}-{high:.0%} between rounds ((slowest - fastest) / median): what the "
                      "machine's load may move a predicted time by")
     if search.loss_s:

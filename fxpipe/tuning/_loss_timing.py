@@ -5,15 +5,14 @@ loss a user trains with can cost a good part of the step (a language model's cro
 over its vocabulary: 14-23 ms of a tiny Qwen3's step on a CPU, issue 33). With ``loss_fn``
 given, ``loss_fn(output, target)`` runs on one micro-batch's output (the model called on
 the first ``size`` samples, without gradients; the output detached, needing grad), its
-forward and its backward down to that output timed, interleaved over rounds and the median
-taken, as the stages are. The last stage's forward and backward then include them: the
+forward and its backward down to that output timed over rounds and the fastest taken, as the
+stages are. The last stage's forward and backward then include them: the
 runtimes compute the loss per micro-batch where they can (``Pipeline.step``, torch's
 schedules), and on GPipe's merged output once (about the same work, over the whole batch).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Callable, Optional, Tuple
 
@@ -33,7 +32,7 @@ def first_samples(value: Any, size: int) -> Any:
 def time_loss(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[..., torch.Tensor],
               target: Any, rounds: int = 5, device: Optional[torch.device] = None) -> Tuple[float, float]:
     """(forward, backward) seconds of ``loss_fn(model(*args, **kwargs), target)`` past the
-    model: the median of ``rounds`` after one warm-up. The caller keeps the model's state
+    model: the fastest of ``rounds`` after one warm-up (interference only adds time). The caller keeps the model's state
     (:func:`fxpipe.capture._prepare.preserved`)."""
     with torch.no_grad():
         out = model(*args, **kwargs)
@@ -53,4 +52,4 @@ def time_loss(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callab
         if r > 0:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
-    return statistics.median(forward), statistics.median(backward)
+    return min(forward), min(backward)
