@@ -37,6 +37,7 @@ from fxpipe.capture._prepare import preserved
 from fxpipe.progress import Progress, ProgressOption, as_progress
 
 from ._agree import agree_on_arguments, agree_on_stages, broadcast_plan
+from ._seeds import warn_same_draws
 from ._carry import carried_plan
 from ._device import DeviceOption, check_one_gpu_per_rank, ensure_process_group, rank_device
 from ._eval_mode import capture_eval, eval_run
@@ -371,6 +372,7 @@ def pipeline(
         if evaluation is not None:
             compile_stages([evaluation.variant.stages[k] for k in local], compile_options)
     ties = TiedGradients(model, tied, layout.rows, wait)
+    warn_same_draws(captured.graph_module, pipe_group, where)  # dropout masks repeated stage by stage
     guard_eager(model)  # model(x) on this rank alone: refused by name while it is not whole
     return DistributedPipeline(model, captured, agreed, stages, placement, runs, layout, chunks, ties,
                                list(ties.groups.values()), device=where, step_loss=step_loss,
