@@ -223,11 +223,14 @@ class LossFnReading:
                 f"would add once: against this call's count of {float(sum(counts)):g} that is more than float32 "
                 "rounding"))
         empty = [i for i, c in enumerate(counts) if not bool(c != 0)]
-        if empty and not all(all(r.nll) for r in reads):
+        # a micro-batch every count of which is 0 adds nothing: weighed 0, never backwarded
+        # (runtime/_orders, distributed/_loss); one count 0 among others would need its numerator
+        partly = [i for i in empty if any(bool(column[i] != 0) for column in per_count[1:])]
+        if partly and not all(all(r.nll) for r in reads):
             # L_i = N_i / 0: the weighted merge would need N_i, which a nan or inf no longer holds
             # (a cross entropy's N_i is 0 then, and its backward gives zeros: exact)
-            return Weights(None, why=f"micro-batch {empty[0]} counts nothing (loss_fn divides it by 0), so its loss "
-                                     "holds no value to weigh")
+            return Weights(None, why=f"micro-batch {partly[0]} counts nothing in one of the means loss_fn adds "
+                                     "(it divides that one by 0), so its loss holds no value to weigh")
         for other in per_count[1:]:
             if not _proportional(counts, other, eps):
                 return Weights(None, why=(
@@ -286,12 +289,12 @@ class LossFnReading:
             for n in sizes:
                 with kept(self.loss_fn) as state:  # what it keeps between calls put back after each
                     traces[n] = self._trace(outputs, target, m, n)
-                if state.changed:
+                if state.tensors:
                     return _Read(LossForm(None, why=(
-                        f"loss_fn changes what it keeps between calls ({', '.join(state.changed[:3])}: a step "
-                        "counter, a list of logged losses, a running metric): called once per micro-batch, it would "
-                        "change it once per micro-batch, not once per step. Keep that state outside loss_fn (update "
-                        "it from the loss pipe.step returns)")))
+                        f"loss_fn changes tensors it keeps between calls ({', '.join(state.tensors[:3])}: a step "
+                        "counter, a running statistic): called once per micro-batch, it would change them once per "
+                        "micro-batch, not once per step. Keep that state outside loss_fn (update it from the loss "
+                        "pipe.step returns)")))
         except Exception as e:  # noqa: BLE001 - not proven: merged-output loss (GPipe) or a typed refusal
             first = (str(e).strip().splitlines() or [""])[0][:200]
             return _Read(LossForm(None, why=f"loss_fn could not be run on fake tensors shaped like micro-batches of "

@@ -12,9 +12,11 @@ next reading fail with torch's bare ``DataDependentOutputException``.
 walks it (its closure, the globals its code names, a bound method's object, a callable object's
 or criterion module's attributes, a ``functools.partial``'s arguments; three levels into
 containers and plain objects), runs the block, and puts back each tensor whose version moved
-and each list or dict whose contents changed. It says whether anything did: such a loss
-cannot be called once per micro-batch (its state would move ``chunks`` times a step), so the
-reading refuses to split it, and GPipe computes it once, on the merged output, as eager does.
+and each list or dict whose contents changed, saying which. A loss whose tensors moved cannot be
+called once per micro-batch (its state would move ``chunks`` times a step), so the reading
+refuses to split it, and GPipe computes it once, on the merged output, as eager does. A list or
+dict it only writes (a log) is put back and the loss split: its numbers are exact, and the log
+holds an entry per micro-batch (the docs say so).
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ __all__ = ["kept", "Kept"]
 
 
 class Kept:
-    """What :func:`kept` found changed, said (empty: nothing)."""
+    """What :func:`kept` found changed and put back, said (empty: nothing): tensors (the loss's
+    state, which its value may read: a counter) and lists or dicts (a log, which it only writes:
+    called per micro-batch it holds an entry per micro-batch, its numbers exact)."""
 
     def __init__(self) -> None:
-        self.changed: List[str] = []
+        self.tensors: List[str] = []
+        self.containers: List[str] = []
 
 
 def _reach(loss_fn: Any) -> Tuple[List[Tuple[str, Tensor]], List[Tuple[str, Any]]]:
@@ -114,12 +119,12 @@ def kept(loss_fn: Any) -> Iterator[Kept]:
                 if t._version != version:
                     if copy is not None:
                         t.data.copy_(copy)
-                    found.changed.append(f"tensor '{name}'")
+                    found.tensors.append(f"tensor '{name}'")
         for name, c, before in saved:
             if isinstance(c, list) and (len(c) != len(before) or any(a is not b for a, b in zip(c, before))):
                 c[:] = before
-                found.changed.append(f"list '{name}'")
+                found.containers.append(f"list '{name}'")
             elif isinstance(c, dict) and (c.keys() != before.keys() or any(c[k] is not before[k] for k in before)):
                 c.clear()
                 c.update(before)
-                found.changed.append(f"dict '{name}'")
+                found.containers.append(f"dict '{name}'")

@@ -146,20 +146,29 @@ def test_uneven_micro_batches_and_stage_counts(schedule, checkpoint, n_stages, c
         _step_vs_eager(loss_fn, schedule, n=n, chunks=chunks, n_stages=n_stages, checkpoint=checkpoint)
 
 
+def token_mean_and_penalty(out, y):
+    """A token mean over the labels that are not padding, plus a mean over every element."""
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD) + 0.1 * out.pow(2).mean()
+
+
 def test_a_micro_batch_that_counts_nothing():
-    """Its mean is 0/0. A cross entropy's sum is then 0 and its backward zeros: exact. A
-    masked mean's numerator is lost in the nan: exact on the merged output under GPipe,
-    refused under 1F1B before any backward."""
+    """Its mean is 0/0: weighed 0 and never backwarded, exact for a cross entropy, a masked mean
+    and label smoothing's two means (both count nothing there; the last two were refused under
+    1F1B and on ranks, though exact: a trial). Where one mean counts nothing and another
+    something (a token mean plus a mean over every element), the micro-batch's loss is nan and
+    its part of the other mean is lost: exact on the merged output under GPipe, refused under
+    1F1B before any backward."""
     ids, labels = _batch()
     labels = labels.clone()
     labels[6:] = PAD  # the last micro-batch of 2 counts no token
     for schedule in SCHEDULES:
-        _step_vs_eager(token_mean_pad_id, schedule, ids=ids, labels=labels)
-    _step_vs_eager(masked_mean, "gpipe", ids=ids, labels=labels)
+        for loss_fn in (token_mean_pad_id, masked_mean, label_smoothing, weighted_label_smoothing):
+            _step_vs_eager(loss_fn, schedule, ids=ids, labels=labels)
+    _step_vs_eager(token_mean_and_penalty, "gpipe", ids=ids, labels=labels)
     model = _lm()
     with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule="1f1b") as pipe:
-        with pytest.raises(StepError, match="micro-batch 3 counts nothing"):
-            pipe.step(ids, loss_fn=masked_mean, target=labels)
+        with pytest.raises(StepError, match="micro-batch 3 counts nothing in one of the means"):
+            pipe.step(ids, loss_fn=token_mean_and_penalty, target=labels)
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -456,7 +465,7 @@ def test_a_loss_keeping_state_runs_once_per_step_under_gpipe_and_is_refused_unde
             assert int(mine.calls) == step + 1 and len(mine.log) == step + 1
             assert all(type(t) is torch.Tensor for t in mine.log)
     with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, schedule="1f1b") as pipe:
-        with pytest.raises(StepError, match=r"changes what it keeps between calls \(tensor '.*calls'"):
+        with pytest.raises(StepError, match=r"changes tensors it keeps between calls \(tensor '.*calls'"):
             pipe.step(ids, loss_fn=Annealed(), target=labels)
 
 
