@@ -76,10 +76,12 @@ class ForwardModes:
             if p._version != v:
                 raise CheckpointBackwardError(
                     f"parameter {name!r} of {where} was modified in place between its forward and backward "
-                    "(an optimizer step, an EMA update, a weight tied and changed), so the stage cannot be "
+                    "(an optimizer step, an EMA update, a weight tied and changed, or a later micro-batch's "
+                    "forward writing it: nn.Embedding(max_norm=) set after the build), so the stage cannot be "
                     "recomputed for backward with the weights its forward used; eager PyTorch refuses this "
                     "too. Call backward() before changing the weights (optimizer.step() after "
-                    "loss.backward()), or build the pipeline with checkpoint='never'.")
+                    "loss.backward()); for a forward that writes a weight, build the pipeline again after "
+                    "setting it (the build checks such writes); or build with checkpoint='never'.")
 
     def changed(self) -> bool:
         """Whether a module's training flag or a parameter's requires_grad differs now."""
