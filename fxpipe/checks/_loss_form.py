@@ -267,6 +267,10 @@ class _Reader(ShapeReading):
             shift = _small_constant(node, name)
             if len(sums) == 1 and sums[0].kind == TOTAL and not sums[0].output and shift is not None:
                 return replace(sums[0], shift=sums[0].shift + shift)  # a count kept off 0: checked per call
+            if len(sums) == 1 and sums[0].kind == RATIO and all(f.kind == FREE for f in forms if f is not sums[0]):
+                # a mean plus a constant (an L2 penalty on weights, uncertainty weighting's `+ s`): the
+                # micro-batches' weights add up to 1, so the constant counts once, its gradient too
+                return replace(sums[0], grad=grad, output=output)
             if len(sums) == 1:
                 other = next(f for f in forms if f.kind not in (TOTAL, RATIO))
                 # adding a constant would count it once per micro-batch; a data-only total's

@@ -252,7 +252,7 @@ def _read(loss_fn, out, y, sizes):
     (lambda o, y: o[0].sum(), None, "picks some samples"),
     (lambda o, y: o.logsumexp(0).mean(), None, "mixes the samples"),
     (lambda o, y: F.dropout(o, 0.5).mean(), None, "random"),
-    (lambda o, y: o.pow(2).mean() + 1.0, None, "adds a constant"),
+    (lambda o, y: o.pow(2).mean() + 1.0, "mean", ""),  # a constant beside a mean counts once: weights add to 1
     (lambda o, y: o.pow(2).sum() / ((y != PAD).sum() + 0.5), None, "adds a constant"),  # not negligible
     (lambda o, y: o.pow(2).sum() / ((y != PAD).sum() + 1e-3), None, "adds 0.001 to the count"),  # per call
     (lambda o, y: o.pow(2).sum() / ((y != PAD).sum() + 1e-9), "mean", ""),
@@ -510,3 +510,37 @@ def test_a_label_past_the_classes_fails_with_the_models_own_error():
         model(ids, labels=bad)
     with pytest.raises(IndexError, match=f"Target {VOCAB + 3} is out of bounds"):
         pipe(ids, labels=bad)
+
+
+class Uncertainty(nn.Module):
+    """Homoscedastic uncertainty weighting: ``exp(-s) * mean + s``, a mean plus a constant."""
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(0.3))
+        self.reduction = reduction
+
+    def forward(self, out, y):
+        ce = F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD, reduction=self.reduction)
+        return torch.exp(-self.s) * ce + self.s
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_mean_plus_a_constant_is_exact_and_a_sum_plus_one_refused_under_1f1b(schedule):
+    """The micro-batches' weights of a mean add up to 1, so a constant added to it (uncertainty
+    weighting's s, an L2 penalty on weights) counts once: refused under 1F1B as 'a constant added
+    to a sum' (a trial). Added to a sum, each micro-batch would count it: still refused."""
+    model, mine, eager = _lm(), Uncertainty(), Uncertainty()
+    ref = copy.deepcopy(model)
+    ids, labels = _batch()
+    with fxpipe.pipeline(model, ids, 2, chunks=4, devices=["cpu"] * 2, progress=False, balance_by="params",
+                         schedule=schedule) as pipe:
+        loss = pipe.step(ids, loss_fn=mine, target=labels)
+        want = eager(ref(ids), labels)
+        want.backward()
+        assert_close_scaled(loss, want.detach(), what="loss")
+        assert_grads_equal(model, ref)
+        assert_close_scaled(mine.s.grad, eager.s.grad, what="s.grad")
+        if schedule == "1f1b":
+            with pytest.raises(StepError, match="adds a constant to a sum over the samples"):
+                pipe.step(ids, loss_fn=Uncertainty("sum"), target=labels)
