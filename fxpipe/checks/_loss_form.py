@@ -50,10 +50,6 @@ __all__ = ["Form", "LossForm", "Den", "read_loss"]
 
 
 
-#: ops whose result shares its argument's memory: a write into one reaches the argument
-_VIEWS = {"slice", "select", "narrow", "as_strided", "diagonal", "unfold", "view", "_unsafe_view", "reshape",
-          "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias"}
-
 class _Reader(ShapeReading):
     """One pass over a traced loss (see :func:`read_loss`)."""
 
@@ -133,23 +129,11 @@ class _Reader(ShapeReading):
     def call(self, node: fx.Node) -> Any:
         form = self.call_named(node, op_name(node))
         if in_place(node) and node.args and isinstance(node.args[0], fx.Node):
-            self.env[node.args[0]] = form  # make_fx keeps mutations: the mutated tensor now holds the result
-            self.written_through(node, node.args[0])
+            target = node.args[0]
+            picked = self.env.get(target)  # the view's own form, before the write replaces it
+            self.env[target] = form  # make_fx keeps mutations: the mutated tensor now holds the result
+            self.written_through(node, target, picked)
         return form
-
-    def written_through(self, node: fx.Node, target: fx.Node) -> None:
-        """A write into a view reaches its base: where the view picks samples by position
-        (``y[8:] = -100``, ``y[::3] = -100``: its form is bad), the base is no longer per sample
-        (a trial: each micro-batch masked its own rows 8 onwards, 0.116 off, silently)."""
-        view = target
-        while view.op == "call_function" and op_name(view) in _VIEWS and view.args and isinstance(view.args[0], fx.Node):
-            picked = self.env.get(view)
-            base = view.args[0]
-            if isinstance(picked, Form) and picked.kind == BAD and isinstance(self.env.get(base), Form):
-                self.env[base] = bad(f"{source_of(node)} writes into the samples a view picks by their position in "
-                                     f"the batch ({picked.why or source_of(view)}): each micro-batch would write "
-                                     "other samples")
-            view = base
 
     def call_named(self, node: fx.Node, name: str) -> Any:
         if node.target is operator.getitem:

@@ -17,12 +17,16 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx
 
-__all__ = ["Den", "Form", "LossForm", "ancestors", "bad", "source_of", "recorded_line", "shape_of", "numel", "op_name", "raw_name", "in_place",
+__all__ = ["VIEWS", "Den", "Form", "LossForm", "ancestors", "bad", "source_of", "recorded_line", "shape_of", "numel", "op_name", "raw_name", "in_place",
            "is_pointwise", "FREE", "ROWS", "TOTAL", "RATIO", "COUNT", "BAD", "LINEAR", "SCAN_OR_REDUCE", "FILLS",
            "REDUCING_LOSSES", "NLL", "RANDOM", "ELEMENTWISE"]
 
 FREE, ROWS, TOTAL, RATIO, COUNT, BAD = "free", "rows", "total", "ratio", "count", "bad"
 
+
+#: ops whose result shares its argument's memory: a write into one reaches the argument
+VIEWS = {"slice", "select", "narrow", "as_strided", "diagonal", "unfold", "view", "_unsafe_view", "reshape",
+          "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "alias"}
 
 @dataclass(frozen=True)
 class Den:

@@ -420,6 +420,23 @@ def every_third_row(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD)
 
 
+def prompt_masked(out, y):
+    """Each sample's first two positions masked (a prompt in supervised fine-tuning), and a
+    class's logit suppressed: writes along the samples' own dims."""
+    y = y.clone()
+    y[:, :2] = PAD
+    out = out.clone()
+    out[..., 0] = -1e4
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_target_written_along_the_samples_own_dims_splits(schedule):
+    """The write-through rule read the fill's form for the view's and refused every write into
+    a view (a review): a prompt mask is per sample, exact under both schedules."""
+    _step_vs_eager(prompt_masked, schedule, steps=2)
+
+
 @pytest.mark.parametrize("loss_fn", [semi_supervised, every_third_row])
 def test_a_target_written_by_position_is_exact_under_gpipe_and_refused_under_1f1b(loss_fn):
     """A slice assignment picks samples by their position in the batch: each micro-batch applied
