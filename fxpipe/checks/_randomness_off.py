@@ -13,7 +13,7 @@ every dropout returns its input and every elementwise draw a constant of its dis
 (``rand`` 0.5, ``randn`` 0, ``bernoulli`` 1, ``uniform_(a, b)`` its middle, ``normal_(m, s)`` m,
 ``exponential_`` -- F.gumbel_softmax's noise -- its mean, ``torch.normal``, ``poisson`` and the
 gamma and Dirichlet draws of ``torch.distributions`` their means), integer draws fixed values
-that still reach across the batch (``randperm`` the reversal, ``randint`` spread over its range,
+that still reach across the batch (``randperm`` the reversal, ``randint`` its least value,
 ``multinomial`` the likeliest), and attention's own dropout (``scaled_dot_product_attention(...,
 dropout_p=0.1)``, GPT-2's in training) runs with ``dropout_p=0``, drawing nothing. One draw of
 a kind left random turned value comparison off for the whole model (a trial: a Gumbel quantizer
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -78,17 +78,14 @@ def _in_place(name: str, args: tuple, kwargs: dict) -> Optional[float]:
     return None
 
 
-def _spread(n: int, low: int, high: int, like: Dict[str, Any]) -> torch.Tensor:
-    """``n`` fixed integers in ``[low, high)`` that differ from one another (not a constant: a
-    random index into the batch, as in-batch negatives draw, must still reach other samples)."""
-    span = max(1, high - low)
-    return low + (torch.arange(n, **like) * 7919 + span // 2) % span
-
-
 def _integer_draw(name: str, args: tuple, kwargs: dict) -> Any:
     """``randperm``, ``randint``, ``randint_like``, ``multinomial`` made fixed, or
     :data:`_NOT_RANDOM`. A permutation is the reversal (row 0 with the last: a shuffle or a mixup
-    partner reaches across every micro-batch boundary, where the identity would hide it)."""
+    partner reaches across every micro-batch boundary, where the identity would hide it); an
+    integer draw its least value, the same for every element (a draw per sample -- a diffusion
+    timestep, a SpecAugment start -- must get the same value in the whole batch and in its
+    micro-batch: values spread by flat index were refused as a mixing, a review), which as an
+    index into the batch still points at a sample other than a micro-batch's own."""
     made = {k: v for k, v in kwargs.items() if k not in _NOT_FACTORY and k not in ("low", "high", "size")}
     if name == "randperm":
         n = int(args[0] if args else kwargs["n"])
@@ -99,11 +96,8 @@ def _integer_draw(name: str, args: tuple, kwargs: dict) -> Any:
         bounds = [int(a) for a in rest if isinstance(a, int)]
         low, high = (bounds if len(bounds) == 2 else [kwargs.get("low", 0), bounds[0] if bounds else kwargs["high"]])
         if name == "randint_like":
-            like = {"dtype": made.get("dtype", args[0].dtype), "device": made.get("device", args[0].device)}
-            return _spread(args[0].numel(), low, high, like).view(args[0].shape)
-        shape = tuple(sizes[0])
-        like = {"dtype": made.get("dtype", torch.int64), "device": made.get("device")}
-        return _spread(math.prod(shape), low, high, like).view(shape)
+            return torch.full_like(args[0], low, dtype=made.get("dtype", args[0].dtype))
+        return torch.full(tuple(sizes[0]), low, dtype=made.get("dtype", torch.int64), device=made.get("device"))
     if name == "multinomial":
         probs = args[0]
         k = int(_arg(args, kwargs, 1, "num_samples", 1))

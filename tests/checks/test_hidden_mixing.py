@@ -298,6 +298,8 @@ _DRAWS = {
     "shuffle": lambda h: h - h[torch.randperm(h.shape[0])].mean(0),
     "negatives": lambda h: h - 0.5 * h[torch.randint(0, h.shape[0], (h.shape[0],))],
     "rrelu": lambda h: F.rrelu(h, training=True),
+    # a draw per sample (a diffusion timestep): the same fixed value whole and per micro-batch
+    "timestep": lambda h: h * (1 + 0.1 * torch.randint(0, 10, (h.shape[0],)).to(h.dtype)[:, None]),
 }
 
 
