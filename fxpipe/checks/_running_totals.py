@@ -14,8 +14,9 @@ a comparison or a clamp within a few ops, is refused with more than one micro-ba
 hold the batch is measured: the graph runs twice under a ``FakeTensorMode`` (no compute), at the
 sample's batch and at twice it, and a dim whose size changed holds the batch. A running total
 along a sample's own dims (positions from ``attention_mask.cumsum(-1)``, Switch Transformers'
-per-sample queue) is not; one whose result is only used as offsets (``cu_seqlens``) reaches no
-threshold and stays. Graphs without a cumulative op pay nothing; a graph that cannot run on
+per-sample queue) is not; one whose result is only used as offsets or positions (``cu_seqlens``,
+packing samples into one buffer, a dropless MoE's dispatch slot picked by ``torch.where``) reaches
+no threshold and stays (a review: such a dispatch was refused when ``where`` counted as one). Graphs without a cumulative op pay nothing; a graph that cannot run on
 fakes (an op needing values) makes no claim here.
 """
 
@@ -33,10 +34,13 @@ from ..errors import MicroBatchError
 __all__ = ["refuse_running_totals"]
 
 _CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "cumsum_"}
-#: ops that decide on a value: a comparison, a clamp, a selection by it
+#: ops that decide on a value: a comparison, a clamp, an order (``where`` and ``masked_fill``
+#: decide only through their condition or mask: see :func:`_decided_on`)
 _THRESHOLDS = {"lt", "le", "gt", "ge", "eq", "ne", "less", "less_equal", "greater", "greater_equal",
-               "clamp", "clamp_max", "clamp_min", "clip", "minimum", "maximum", "where", "masked_fill",
+               "clamp", "clamp_max", "clamp_min", "clip", "minimum", "maximum",
                "lt_", "le_", "gt_", "ge_", "clamp_", "topk", "sort", "argsort"}
+#: ops that select by a condition: (name, the condition's argument position)
+_SELECTIONS = {"where": 0, "masked_fill": 1, "masked_fill_": 1}
 _OPERATORS = {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne}
 #: how many ops after the running total a threshold may come (``(slot > 0) & (slot <= cap)``: 1)
 _HOPS = 4
@@ -71,6 +75,11 @@ def _decided_on(node: fx.Node) -> bool:
                 if user.op in ("call_function", "call_method") and (
                         user.target in _OPERATORS or _name(user) in _THRESHOLDS):
                     return True
+                at = _SELECTIONS.get(_name(user)) if user.op in ("call_function", "call_method") else None
+                if at is not None:
+                    if len(user.args) > at and user.args[at] is n:
+                        return True  # the running total is the condition
+                    continue  # a value selected (packed positions, a dispatch slot): not decided on
                 seen.add(user)
                 following.append(user)
         frontier = following

@@ -79,3 +79,29 @@ def test_positions_counted_along_the_sequence_are_exact():
     ids, mask = torch.randint(0, 20, (4, 10)), torch.ones(4, 10, dtype=torch.long)
     mask[0, :3] = 0
     assert_exact(MaskPositions(), (ids, mask), 2, chunks=2, balance_by="params")
+
+
+class DroplessDispatch(nn.Module):
+    """A dropless MoE's dispatch: each token's slot in its expert's buffer is a running total over
+    the flattened batch, picked by ``torch.where`` as a position, not decided on."""
+
+    def __init__(self, d: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.experts = experts
+        self.inp, self.router, self.out = nn.Linear(8, d), nn.Linear(d, experts, bias=False), nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        b, t, d = h.shape
+        flat = h.reshape(b * t, d)
+        onehot = F.one_hot(self.router(flat).argmax(-1), self.experts).to(flat.dtype)
+        slot = onehot.cumsum(0) - 1
+        position = torch.where(onehot > 0, slot, torch.zeros_like(slot)).sum(-1)
+        return self.out(h + 0 * position.reshape(b, t, 1))
+
+
+def test_a_running_total_used_as_a_position_is_exact():
+    """Refused while `where` counted as a threshold (a review: a dropless dispatch and packed
+    offsets, exact before); only a comparison or clamp of the total decides on it."""
+    torch.manual_seed(0)
+    assert_exact(DroplessDispatch(), (torch.randn(8, 8, 8),), 2, chunks=2, balance_by="params")
