@@ -289,10 +289,10 @@ class LossFnReading:
             for n in sizes:
                 with kept(self.loss_fn) as state:  # what it keeps between calls put back after each
                     traces[n] = self._trace(outputs, target, m, n)
-                if state.tensors:
+                if state.state:
                     return _Read(LossForm(None, why=(
-                        f"loss_fn changes tensors it keeps between calls ({', '.join(state.tensors[:3])}: a step "
-                        "counter, a running statistic): called once per micro-batch, it would change them once per "
+                        f"loss_fn changes state it keeps between calls ({', '.join(state.state[:3])}: a step "
+                        "counter, a running statistic): called once per micro-batch, it would change it once per "
                         "micro-batch, not once per step. Keep that state outside loss_fn (update it from the loss "
                         "pipe.step returns)")))
         except Exception as e:  # noqa: BLE001 - not proven: merged-output loss (GPipe) or a typed refusal

@@ -34,19 +34,25 @@ __all__ = ["kept", "Kept"]
 
 
 class Kept:
-    """What :func:`kept` found changed and put back, said (empty: nothing): tensors (the loss's
-    state, which its value may read: a counter) and lists or dicts (a log, which it only writes:
-    called per micro-batch it holds an entry per micro-batch, its numbers exact)."""
+    """What :func:`kept` found changed and put back, said (empty: nothing): ``state`` -- tensors
+    changed in place, attributes given a number or an object (what the loss's value may read: a
+    counter) -- and ``logs`` -- lists or dicts written, attributes given a tensor (``self.last =
+    loss.detach()``: called per micro-batch, a log holds an entry per micro-batch, its numbers exact)."""
 
     def __init__(self) -> None:
-        self.tensors: List[str] = []
-        self.containers: List[str] = []
+        self.state: List[str] = []
+        self.logs: List[str] = []
 
 
-def _reach(loss_fn: Any) -> Tuple[List[Tuple[str, Tensor]], List[Tuple[str, Any]]]:
-    """(named tensors, named lists and dicts) ``loss_fn`` can reach."""
+#: tensors up to this size are copied to be put back; a larger one changed in place is named only
+_COPIED_BYTES = 1 << 20
+
+
+def _reach(loss_fn: Any) -> Tuple[List[Tuple[str, Tensor]], List[Tuple[str, Any]], List[Tuple[str, dict]]]:
+    """(named tensors, named lists and dicts, named attribute dicts) ``loss_fn`` can reach."""
     tensors: Dict[int, Tuple[str, Tensor]] = {}
     containers: Dict[int, Tuple[str, Any]] = {}
+    attributes: Dict[int, Tuple[str, dict]] = {}
 
     def walk(name: str, x: Any, depth: int) -> None:
         if isinstance(x, Tensor):
@@ -69,10 +75,13 @@ def _reach(loss_fn: Any) -> Tuple[List[Tuple[str, Tensor]], List[Tuple[str, Any]
             for key, t in [*x.named_parameters(), *x.named_buffers()]:
                 tensors.setdefault(id(t), (f"{name}.{key}", t))
             for sub_name, m in x.named_modules():
+                label = f"{name}.{sub_name}".rstrip(".")
+                attributes.setdefault(id(m), (label, m.__dict__))
                 for k, v in vars(m).items():
                     if not k.startswith("_"):
-                        walk(f"{name}.{sub_name}.{k}".replace("..", "."), v, depth + 1)
-        elif hasattr(x, "__dict__") and not callable(x) and not isinstance(x, type(functools)):
+                        walk(f"{label}.{k}", v, depth + 1)
+        elif hasattr(x, "__dict__") and not isinstance(x, type(functools)) and (depth == 0 or not callable(x)):
+            attributes.setdefault(id(x), (name, vars(x)))
             for k, v in list(vars(x).items())[:64]:
                 walk(f"{name}.{k}", v, depth + 1)
 
@@ -85,9 +94,9 @@ def _reach(loss_fn: Any) -> Tuple[List[Tuple[str, Tensor]], List[Tuple[str, Any]
     func = getattr(fn, "__func__", fn)
     code = getattr(func, "__code__", None)
     if isinstance(fn, torch.nn.Module) or (code is None and hasattr(fn, "__dict__")):
-        walk("loss_fn", fn if isinstance(fn, torch.nn.Module) else vars(fn), 0)
-    if owner is not None:
-        walk(type(owner).__name__, owner if isinstance(owner, torch.nn.Module) else vars(owner), 0)
+        walk("loss_fn", fn, 0)
+    if owner is not None and (isinstance(owner, torch.nn.Module) or hasattr(owner, "__dict__")):  # not __slots__
+        walk(type(owner).__name__, owner, 0)
     if code is not None:
         for var, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
             try:
@@ -98,18 +107,21 @@ def _reach(loss_fn: Any) -> Tuple[List[Tuple[str, Tensor]], List[Tuple[str, Any]
         for n in code.co_names:
             if n in names and not callable(names[n]) and not isinstance(names[n], type(functools)):
                 walk(n, names[n], 0)
-    return list(tensors.values()), list(containers.values())
+    return list(tensors.values()), list(containers.values()), list(attributes.values())
 
 
 @contextmanager
 def kept(loss_fn: Any) -> Iterator[Kept]:
     """Runs the block (calls of ``loss_fn`` on fake tensors), then puts back what it changed
     of the state ``loss_fn`` reaches (see the module docstring); yields what changed."""
-    tensors, containers = _reach(loss_fn)
+    tensors, containers, attributes = _reach(loss_fn)
     # a loss that is a model's bound method reaches every weight: versions only for parameters
-    saved_tensors = [(name, t, t._version, None if isinstance(t, torch.nn.Parameter) else t.detach().clone())
+    # and large tensors (a 64 MiB buffer copied at each reading slowed the first steps 2-3x)
+    saved_tensors = [(name, t, t._version, None if isinstance(t, torch.nn.Parameter)
+                      or t.numel() * t.element_size() > _COPIED_BYTES else t.detach().clone())
                      for name, t in tensors]
     saved = [(name, c, list(c) if isinstance(c, list) else dict(c)) for name, c in containers]
+    saved_attributes = [(name, d, dict(d)) for name, d in attributes]
     found = Kept()
     try:
         yield found
@@ -119,12 +131,22 @@ def kept(loss_fn: Any) -> Iterator[Kept]:
                 if t._version != version:
                     if copy is not None:
                         t.data.copy_(copy)
-                    found.tensors.append(f"tensor '{name}'")
+                    found.state.append(f"tensor '{name}'")
         for name, c, before in saved:
             if isinstance(c, list) and (len(c) != len(before) or any(a is not b for a, b in zip(c, before))):
                 c[:] = before
-                found.containers.append(f"list '{name}'")
+                found.logs.append(f"list '{name}'")
             elif isinstance(c, dict) and (c.keys() != before.keys() or any(c[k] is not before[k] for k in before)):
                 c.clear()
                 c.update(before)
-                found.containers.append(f"dict '{name}'")
+                found.logs.append(f"dict '{name}'")
+        for name, attrs, before in saved_attributes:
+            for key in [k for k in attrs if k not in before or attrs[k] is not before[k]]:
+                value = attrs[key]
+                if key in before:
+                    attrs[key] = before[key]
+                else:
+                    del attrs[key]
+                # a tensor kept (self.last = loss.detach()) is a log; a number or object, state
+                logged = isinstance(value, Tensor) and (before.get(key) is None or isinstance(before.get(key), Tensor))
+                (found.logs if logged else found.state).append(f"attribute '{name}.{key}'")
