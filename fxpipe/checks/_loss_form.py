@@ -180,6 +180,9 @@ class _Reader(ShapeReading):
             return self.indexing(node, name, args)
         if name in ("cat", "stack"):
             return self.join(node, name, args)
+        if name == "index_put" and self.masked_put(args):  # y[y == pad] = -100: where(mask, -100, y)
+            mask = args[1][0]
+            return self.pointwise(node, [0, 1, 2], [args[0], mask, args[2]])
         if name == "where" or is_pointwise(node):
             operands = [i for i, a in enumerate(args)
                         if isinstance(a, fx.Node) or (isinstance(a, (int, float)) and not isinstance(a, bool))]
@@ -188,6 +191,16 @@ class _Reader(ShapeReading):
         if all(isinstance(f, Form) and f.kind == FREE for f in forms):
             return Form(FREE)
         return bad(f"{source_of(node)} is an op this reading of losses does not know")
+
+    @staticmethod
+    def masked_put(args: Sequence[Any]) -> bool:
+        """Whether ``index_put`` writes through one boolean mask shaped as its target: elementwise."""
+        indices = args[1] if len(args) > 1 else None
+        if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], fx.Node)):
+            return False
+        mask, target = indices[0].meta.get("val"), args[0].meta.get("val") if isinstance(args[0], fx.Node) else None
+        return (isinstance(mask, Tensor) and isinstance(target, Tensor) and mask.dtype == torch.bool
+                and mask.shape == target.shape and not (len(args) > 3 and args[3]))
 
     def broadcast_shape(self, args: Sequence[Any], tensors: Sequence[int]) -> Optional[Tuple[int, ...]]:
         shapes = [shape_of(args[i]) for i in tensors]

@@ -430,11 +430,20 @@ def prompt_masked(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD)
 
 
+def value_masked(out, y):
+    """Labels of one class masked by value, in place: ``y[y == 3] = PAD``."""
+    y = y.clone()
+    y[y == 3] = PAD
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_a_target_written_along_the_samples_own_dims_splits(schedule):
+@pytest.mark.parametrize("loss_fn", [prompt_masked, value_masked])
+def test_a_target_written_along_the_samples_own_dims_splits(schedule, loss_fn):
     """The write-through rule read the fill's form for the view's and refused every write into
-    a view (a review): a prompt mask is per sample, exact under both schedules."""
-    _step_vs_eager(prompt_masked, schedule, steps=2)
+    a view (a review): a prompt mask is per sample, exact under both schedules; so is a write
+    through a boolean mask (index_put, refused under 1F1B as an op the reading did not know)."""
+    _step_vs_eager(loss_fn, schedule, steps=2)
 
 
 @pytest.mark.parametrize("loss_fn", [semi_supervised, every_third_row])
