@@ -9,6 +9,7 @@ bakes the values its counts' code read into that reading; a loop that changes th
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Tuple
 
 import torch
@@ -28,9 +29,10 @@ def loss_key(loss_fn: Any) -> Any:
     every value it can read that a loop may change, each by identity, plain values by value
     and tensors with their version counter (an in-place change): the objects its closure
     holds, the globals its code names, a bound method's object's attributes, a callable
-    object's attributes (``nn.CrossEntropyLoss``'s ``weight`` and ``ignore_index``). A lambda
-    made anew each step with the same code and values is the same loss; a function that reads
-    a value through a helper of its own is not seen here (the docs say so). A
+    object's attributes (``nn.CrossEntropyLoss``'s ``weight`` and ``ignore_index``), and the same
+    of the Python functions and callable objects it reaches there (a helper reading a length from
+    a config dict), three levels deep. A lambda made anew each step with the same code and values
+    is the same loss. A
     ``functools.partial`` is its function with its arguments; a container or plain object it
     names (a config dict, an ``argparse.Namespace``) by its contents, three levels deep; an
     ``nn.Module`` criterion by every submodule's settings."""
@@ -44,12 +46,18 @@ def loss_key(loss_fn: Any) -> Any:
         return ("object", type(loss_fn), _value(loss_fn))
     if code is None:  # a callable object: its class's __call__ reads its attributes
         return ("object", type(loss_fn), _state(vars(loss_fn)) if hasattr(loss_fn, "__dict__") else id(loss_fn))
-    cells = tuple(_value(c.cell_contents) for c in (fn.__closure__ or ()) if _filled(c))
-    names = getattr(fn, "__globals__", {})
-    globals_read = tuple((n, _value(names[n])) for n in code.co_names if n in names and not _module(names[n]))
-    defaults = tuple(_value(d) for d in (fn.__defaults__ or ()))
-    return ("function", code, cells, globals_read, defaults,
+    return ("function", *_function_key(fn, 0),
             _state(vars(owner)) if owner is not None and hasattr(owner, "__dict__") else id(owner))
+
+
+def _function_key(fn: Any, depth: int) -> Tuple[Any, ...]:
+    """A Python function as a key: its code, closure, the globals its code names, defaults."""
+    code = fn.__code__
+    cells = tuple(_value(c.cell_contents, depth) for c in (fn.__closure__ or ()) if _filled(c))
+    names = getattr(fn, "__globals__", {})
+    globals_read = tuple((n, _value(names[n], depth)) for n in code.co_names if n in names and not _module(names[n]))
+    defaults = tuple(_value(d, depth) for d in (fn.__defaults__ or ()))
+    return code, cells, globals_read, defaults
 
 
 def _module(value: Any) -> bool:
@@ -74,7 +82,9 @@ def _value(x: Any, depth: int = 0) -> Any:
         return (dict, id(x), tuple((_value(k, DEPTH + 1), _value(v, depth + 1)) for k, v in x.items()))
     if isinstance(x, torch.nn.Module):  # every submodule's (a criterion wrapping nn.CrossEntropyLoss)
         return ("module", id(x), tuple((name, id(m), _state(vars(m), depth + 1)) for name, m in x.named_modules()))
-    if hasattr(x, "__dict__") and not isinstance(x, type) and not callable(x) and len(vars(x)) <= 64:
+    if isinstance(x, types.FunctionType):  # a helper the loss calls, and what it reads (a trial: `y[:, :prompt_len()]`
+        return ("function", id(x), *_function_key(x, depth + 1))  # with the length in a dict, read stale: nan)
+    if hasattr(x, "__dict__") and not isinstance(x, type) and len(vars(x)) <= 64:  # a callable object's settings too
         return ("object", id(x), _state(vars(x), depth + 1))
     return ("id", id(x))
 
