@@ -13,7 +13,10 @@ nothing.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import threading
+import warnings
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch import nn
@@ -23,7 +26,7 @@ from fxpipe.errors import DistributedError
 
 from ._sharding import is_sharded
 
-__all__ = ["guard_eager", "unguard_eager"]
+__all__ = ["guard_eager", "unguard_eager", "own_state_dict"]
 
 def _not_whole(model: nn.Module) -> Optional[tuple[str, str]]:
     """``(name, why)`` of the first tensor that keeps ``model`` from running on this rank alone."""
@@ -53,17 +56,51 @@ def _refuse(model: nn.Module, args: Any) -> None:
         "the released weights itself.")
 
 
+_INTERNAL = threading.local()
+
+
+@contextmanager
+def own_state_dict() -> Iterator[None]:
+    """fxpipe's own reads of the model's state_dict (``pipe.state_dict()``): not warned."""
+    before = getattr(_INTERNAL, "on", False)
+    _INTERNAL.on = True
+    try:
+        yield
+    finally:
+        _INTERNAL.on = before
+
+
+def _warn_released(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``model.state_dict()`` on a rank holding only its stages: the other ranks' tensors are on
+    meta, so ``torch.save`` of it kept no values for them and loading it failed with torch's
+    'Cannot copy out of meta tensor', after the run (a trial). Said when it is taken."""
+    if prefix or getattr(_INTERNAL, "on", False):
+        return
+    released = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_meta]
+    if released:
+        warnings.warn(
+            f"fxpipe.distributed: {type(module).__name__}.state_dict() on this rank holds {len(released)} of "
+            f"{len(state_dict)} tensors on the meta device ({released[0]!r}, ...): the other ranks' stages, without "
+            "values. Saved, it cannot be loaded. Save pipe.state_dict() on every rank with "
+            "torch.distributed.checkpoint (dcp.save), and load it into a fresh model (dcp.load).", stacklevel=2)
+
+
 setattr(_refuse, FXPIPE_GUARD, True)  # not a hook of the user's: the model's change check passes it
 
 
 def guard_eager(model: nn.Module) -> None:
-    """Until the model is whole again, ``model(...)`` raises naming what this rank lacks."""
+    """Until the model is whole again, ``model(...)`` raises naming what this rank lacks, and
+    ``model.state_dict()`` warns that it holds released tensors."""
     if _refuse not in model._forward_pre_hooks.values() and _not_whole(model) is not None:
         model.register_forward_pre_hook(_refuse)
+        if _warn_released not in model._state_dict_hooks.values():
+            model._register_state_dict_hook(_warn_released)
 
 
 def unguard_eager(model: nn.Module) -> None:
-    """The hook of :func:`guard_eager` removed (a new build is about to capture the model; a
-    copy of the model, ``copy.deepcopy``'s or pickle's, carries it too, and is found the same way)."""
+    """The hooks of :func:`guard_eager` removed (a new build is about to capture the model; a
+    copy of the model, ``copy.deepcopy``'s or pickle's, carries them too, and is found the same way)."""
     for key in [k for k, hook in model._forward_pre_hooks.items() if hook is _refuse]:
         del model._forward_pre_hooks[key]
+    for key in [k for k, hook in model._state_dict_hooks.items() if hook is _warn_released]:
+        del model._state_dict_hooks[key]

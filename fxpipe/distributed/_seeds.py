@@ -38,7 +38,13 @@ def _draws(gm: fx.GraphModule) -> bool:
             continue
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
         name = name.split(".")[0].strip("_")
-        if name in _DRAWS or "dropout" in name or "bernoulli" in name:
+        if "dropout" in name:  # F.dropout(h, p, training), aten.dropout(h, p, train): p=0 draws nothing
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
+            if isinstance(p, (int, float)) and p == 0 or train is False:
+                continue
+            return True
+        if name in _DRAWS or "bernoulli" in name:
             return True
     return False
 

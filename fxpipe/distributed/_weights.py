@@ -36,6 +36,7 @@ from torch.utils.weak import WeakIdRef
 
 from fxpipe.errors import DistributedError, MaterialiseError
 
+from ._eager_guard import own_state_dict
 from ._sharding import SHARDED_AWAY, placed_like
 
 __all__ = ["release_others", "restore_released", "local_state_dict", "load_local_state_dict", "partly_released",
@@ -202,14 +203,17 @@ def restore_released(model: nn.Module, group: dist.ProcessGroup, device: torch.d
 def local_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's ``state_dict()`` less what this rank released: its stages' tensors (and
     those no stage uses), under every key the model gives them."""
-    return {k: v for k, v in model.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
+    with own_state_dict():
+        whole = model.state_dict()
+    return {k: v for k, v in whole.items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
 
 
 def load_local_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> list[str]:
     """Copies into this rank's tensors their values in ``state_dict`` (keys of the model; the
     other ranks' keys are ignored). ``strict``: a key this rank holds that ``state_dict`` lacks,
     or a key the model does not have, is an error naming it. Returns the keys loaded."""
-    own = model.state_dict(keep_vars=True)
+    with own_state_dict():
+        own = model.state_dict(keep_vars=True)
     unknown = [k for k in state_dict if k not in own]
     targets = {}
     for key, t in own.items():
