@@ -347,7 +347,10 @@ class LossFnReading:
 
         def traced(*xs: Tensor) -> Tensor:
             pending = list(xs)
-            leaves = [pending.pop(0) if isinstance(x, Tensor) else x for x in fake_out]
+            # outputs as the loss gets them, computed (not leaves): an in-place edit of the logits
+            # (`out.logits[..., pad] = -1e4`) failed the reading as an in-place op on a leaf (a trial)
+            leaves = [(lambda t: t.clone() if t.requires_grad else t)(pending.pop(0)) if isinstance(x, Tensor) else x
+                      for x in fake_out]
             target_leaves = [pending.pop(0) if isinstance(t, Tensor) else t for t in fake_target]
             output = unflatten(leaves)
             if spec is None:

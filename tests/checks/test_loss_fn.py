@@ -437,8 +437,14 @@ def value_masked(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD)
 
 
+def class_banned_in_place(out, y):
+    """The output edited in place, as eager allows on a computed tensor: a class's logit banned."""
+    out[..., 1] = -1e4
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=PAD)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("loss_fn", [prompt_masked, value_masked])
+@pytest.mark.parametrize("loss_fn", [prompt_masked, value_masked, class_banned_in_place])
 def test_a_target_written_along_the_samples_own_dims_splits(schedule, loss_fn):
     """The write-through rule read the fill's form for the view's and refused every write into
     a view (a review): a prompt mask is per sample, exact under both schedules; so is a write
