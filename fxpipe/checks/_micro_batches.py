@@ -90,7 +90,8 @@ def check_split(batching: Batching, gm: fx.GraphModule, model: nn.Module, flat: 
                     f"the model fails on a micro-batch ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
                     f"The inputs are split along {batching.dims_text()}; if the batch is in another dim of an "
                     "input, say so with chunk_dims={'<argument>': dim} (None for an argument that must not "
-                    "be split).") from e
+                    "be split). If it is, the capture fixed the batch's size somewhere in the model's code "
+                    "(len(x) under torch.export is a Python int, the sample's: write x.shape[0]).") from e
         for i, (a, column) in enumerate(zip(whole, zip(*outs))):  # in output order
             b = batching._merge_leaf(i, list(column), sizes, weights.get(i))
             if compare and provisional and not same_value(a, b):
