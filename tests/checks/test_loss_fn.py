@@ -675,7 +675,7 @@ def shifted_in_place(out, y):
 
 def test_a_target_written_in_place_is_counted_once():
     model = _lm()
-    # a write that is not idempotent (y.add_(1)) is not exact under 1F1B yet: loss_fn runs once more than the micro-batches
+    # a write that is not idempotent (y.add_(1)) is not exact under 1F1B yet (5 calls seen for 4 micro-batches)
     ref = copy.deepcopy(model)
     ids, labels = _batch()
     mine, theirs = labels.clone(), labels.clone()
