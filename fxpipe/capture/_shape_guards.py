@@ -44,7 +44,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 __all__ = ["ShapeGuards", "entangled_size", "fx_entangled_size", "symbolic_inputs", "fixed_dims", "fixed_batch",
-           "split_dim", "size_expr", "bound"]
+           "split_dim", "size_expr", "bound", "fake_state"]
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,7 @@ def fx_entangled_size(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Seque
             # again through the python dispatcher where an op needs it (F.pad over symbols), as export runs
             seen.clear()
             try:
-                with mode, torch.no_grad(), dispatcher(), _fake_state(gm, mode):
+                with mode, torch.no_grad(), dispatcher(), fake_state(gm, mode):
                     _Recorder(gm).run(*values)
                 break
             except _OverBudget:  # sympy over many symbols (GroupNorm blocks: 15 s each, a trial): sizes kept
@@ -383,7 +383,7 @@ def symbolic_inputs(flat: Sequence[Any], device: torch.device | None = None) -> 
     return mode, values, slots
 
 
-def _fake_state(gm: fx.GraphModule, mode: Any) -> Any:
+def fake_state(gm: fx.GraphModule, mode: Any) -> Any:
     """The graph module's parameters and buffers swapped for fakes for the block: a symbolic run
     must not touch the model's state (BatchNorm's ``num_batches_tracked += 1`` bumped the real
     buffer's version, which the capture's in-place search then took for an update)."""

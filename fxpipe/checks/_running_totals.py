@@ -28,8 +28,10 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 import torch
 from torch import fx
 
+from ..capture._shape_guards import fake_state
 from ..capture._user_code import source_location
 from ..errors import MicroBatchError
+from ._loss_values import raw_name
 
 __all__ = ["refuse_running_totals"]
 
@@ -50,17 +52,8 @@ class _Done(Exception):
     """Every suspect's size is read: the fake run stops there."""
 
 
-def _name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, str):
-        return target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._opname
-    return getattr(target, "__name__", "")
-
-
 def _cumulative(node: fx.Node) -> bool:
-    return node.op in ("call_function", "call_method") and _name(node) in _CUMULATIVE
+    return node.op in ("call_function", "call_method") and raw_name(node) in _CUMULATIVE
 
 
 def _decided_on(node: fx.Node) -> bool:
@@ -73,9 +66,9 @@ def _decided_on(node: fx.Node) -> bool:
                 if user in seen or user.op == "output":
                     continue
                 if user.op in ("call_function", "call_method") and (
-                        user.target in _OPERATORS or _name(user) in _THRESHOLDS):
+                        user.target in _OPERATORS or raw_name(user) in _THRESHOLDS):
                     return True
-                at = _SELECTIONS.get(_name(user)) if user.op in ("call_function", "call_method") else None
+                at = _SELECTIONS.get(raw_name(user)) if user.op in ("call_function", "call_method") else None
                 if at is not None:
                     if len(user.args) > at and user.args[at] is n:
                         return True  # the running total is the condition
@@ -109,7 +102,7 @@ def refuse_running_totals(gm: fx.GraphModule, flat: Sequence[Any], split_dims: S
         if n.name in first and first[n.name] != second.get(n.name):
             where = source_location(n) or f"node {n.name!r}"
             raise MicroBatchError(
-                f"{where}: `{_name(n)}` along dim {_dim(n)} is a running total over the batch's "
+                f"{where}: `{raw_name(n)}` along dim {_dim(n)} is a running total over the batch's "
                 f"samples (that dim's size grows with the batch), and a threshold decides on it (a comparison or a clamp "
                 f"follows): each sample's result depends on the samples before it in the batch. The build's check "
                 f"agrees on this sample, but a pipeline counts per micro-batch, and once a later batch crosses the "
@@ -123,7 +116,6 @@ def _extents(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[Optio
     """Each suspect's input size along its dim, with the batch ``factor`` times the sample's,
     run on fakes; None where the graph cannot run so."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.utils.stateless import _reparametrize_module
 
     wanted: Set[fx.Node] = set(suspects)
     seen: Dict[str, int] = {}
@@ -150,10 +142,8 @@ def _extents(gm: fx.GraphModule, flat: Sequence[Any], split_dims: Sequence[Optio
             with mode:  # made fake, nothing allocated
                 x = torch.empty(shape, dtype=x.dtype, device=x.device)
         inputs.append(x)
-    state = {**dict(gm.named_parameters(remove_duplicate=False)), **dict(gm.named_buffers(remove_duplicate=False))}
     try:
-        with mode, torch.no_grad(), _reparametrize_module(gm, {k: mode.from_tensor(v) for k, v in state.items()},
-                                                          tie_weights=True):
+        with mode, torch.no_grad(), fake_state(gm, mode):
             _Sizes(gm).run(*inputs)
     except _Done:
         pass
