@@ -10,7 +10,7 @@ cross entropy's total weight is computed from its target and class weights alone
 from __future__ import annotations
 
 import operator
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, fx
@@ -61,8 +61,8 @@ def _with_writes(gm: fx.GraphModule, root: fx.Node, needed: Set[fx.Node],
     return needed
 
 
-def den_program(gm: fx.GraphModule, den: Den) -> Tuple[fx.GraphModule, List[int]]:
-    """The graph's code for ``den`` (a ``'data'`` den) as a GraphModule of its own, and the
+def den_program(gm: fx.GraphModule, den: Den) -> Tuple[Callable[..., Tensor], List[int]]:
+    """The graph's code for ``den`` (a ``'data'`` den) as a function of its own, and the
     placeholder indices it takes; a cross entropy's total weight is computed from its target
     and class weights only (:func:`nll_total_weight`), never from the logits."""
     assert den.kind == "data" and den.node is not None
@@ -96,4 +96,13 @@ def den_program(gm: fx.GraphModule, den: Den) -> Tuple[fx.GraphModule, List[int]
             if n.op == "placeholder":
                 used.append(placeholders.index(n))
     graph.output(env[root])
-    return fx.GraphModule(gm, graph), used
+    module = fx.GraphModule(gm, graph)
+    # its inputs as the fakes it was traced on, contiguous (the next-token target y[:, 1:] failed a
+    # replayed view with torch's bare error), and copies where it replays a write into one (the
+    # loss's own call then writes the caller's tensor, once)
+    writes = any(n.op == "call_function" and in_place(n) for n in needed)
+
+    def run(*inputs: Any) -> Tensor:
+        return module(*[(x.clone() if writes else x.contiguous()) if isinstance(x, Tensor) else x for x in inputs])
+
+    return run, used

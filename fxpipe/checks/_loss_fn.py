@@ -34,7 +34,6 @@ from ._loss_den import den_program
 from ._loss_form import Den, LossForm, read_loss
 from ._loss_state import kept
 from ._loss_traces import aligned, count_args
-from ._loss_values import in_place
 
 __all__ = ["LossFnReading", "Weights", "CACHE", "out_dims_of", "own_loss_output",
            "split_target"]
@@ -73,7 +72,7 @@ class _Read:
     ``form.also``) its program (None: proportional to the samples)."""
 
     form: LossForm
-    programs: List[Optional[Tuple[fx.GraphModule, List[int]]]] = field(default_factory=list)
+    programs: List[Optional[Tuple[Callable[..., Tensor], List[int]]]] = field(default_factory=list)
     #: per count: whether it is a cross entropy's (whose sum is 0 where it counts nothing)
     nll: List[bool] = field(default_factory=list)
 
@@ -207,13 +206,8 @@ class LossFnReading:
                     continue
                 program, used = found
                 leaves = self._leaves(stand_ins[m], None if targets is None else targets[i])
-                # contiguous, as the fakes it was traced on (a view of them: the next-token target
-                # y[:, 1:] failed the replay's view with torch's bare error); copied where the count
-                # replays a write into an input (loss_fn's own call then writes it, once)
-                fresh = _writes(program)
                 with torch.no_grad():
-                    value = program(*[(leaves[j].clone() if fresh else leaves[j].contiguous())
-                                      if isinstance(leaves[j], Tensor) else leaves[j] for j in used])
+                    value = program(*[leaves[j] for j in used])
                 if value.is_floating_point():
                     eps = max(eps, torch.finfo(value.dtype).eps)
                 column.append(value.to(torch.float64))
@@ -378,11 +372,6 @@ class LossFnReading:
         if d is not None and x.dim() > 0:
             shape[d] = at
         return torch.empty(shape, dtype=x.dtype, device=device, requires_grad=x.requires_grad)
-
-
-def _writes(program: fx.GraphModule) -> bool:
-    """Whether a count's program writes in place (``checks._loss_den._with_writes``)."""
-    return any(n.op == "call_function" and in_place(n) for n in program.graph.nodes)
 
 
 def _anchor(loss_fn: Any) -> None:
