@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..capture._custom_functions import function_of
+from ..capture._hooks import holds_live_hook
 from ..errors import MicroBatchError
 from ._loss_values import recorded_line
 
@@ -87,4 +88,4 @@ def _backward_hooked(module: nn.Module) -> bool:
     """Whether ``module`` or a submodule has a backward or backward pre-hook (``register_full_backward_hook``,
     ``register_backward_hook``, ``register_full_backward_pre_hook``): a batch-normalising one
     (``g / g.norm()``) on an ``nn.Linear`` built and trained 0.51 off (a trial)."""
-    return any(m._backward_hooks or m._backward_pre_hooks for m in module.modules())
+    return any(holds_live_hook(m._backward_hooks) or holds_live_hook(m._backward_pre_hooks) for m in module.modules())
