@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["loss_key", "DEPTH"]
+__all__ = ["loss_key", "function_reads", "DEPTH"]
 
 
 #: how deep :func:`loss_key` looks into the containers and objects a loss reads (a nested
@@ -50,14 +50,21 @@ def loss_key(loss_fn: Any) -> Any:
             _state(vars(owner)) if owner is not None and hasattr(owner, "__dict__") else id(owner))
 
 
+def function_reads(fn: Any) -> Tuple[List[Tuple[str, Any]], List[Tuple[str, Any]]]:
+    """What a Python function reads besides its arguments: its closure's filled cells and the
+    globals its code names (modules and builtins left out), each ``(name, value)``."""
+    code = fn.__code__
+    cells = [(name, c.cell_contents) for name, c in zip(code.co_freevars, fn.__closure__ or ()) if _filled(c)]
+    names = getattr(fn, "__globals__", {})
+    return cells, [(n, names[n]) for n in code.co_names if n in names and not _module(names[n])]
+
+
 def _function_key(fn: Any, depth: int) -> Tuple[Any, ...]:
     """A Python function as a key: its code, closure, the globals its code names, defaults."""
-    code = fn.__code__
-    cells = tuple(_value(c.cell_contents, depth) for c in (fn.__closure__ or ()) if _filled(c))
-    names = getattr(fn, "__globals__", {})
-    globals_read = tuple((n, _value(names[n], depth)) for n in code.co_names if n in names and not _module(names[n]))
+    cells, names = function_reads(fn)
     defaults = tuple(_value(d, depth) for d in (fn.__defaults__ or ()))
-    return code, cells, globals_read, defaults
+    return (fn.__code__, tuple(_value(v, depth) for _, v in cells), tuple((n, _value(v, depth)) for n, v in names),
+            defaults)
 
 
 def _module(value: Any) -> bool:

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 from torch import Tensor
 
-from ._loss_keys import DEPTH
+from ._loss_keys import DEPTH, function_reads
 
 __all__ = ["kept", "Kept"]
 
@@ -98,15 +98,9 @@ def _reach(loss_fn: Any) -> Tuple[List[Tuple[str, Tensor]], List[Tuple[str, Any]
     if owner is not None and (isinstance(owner, torch.nn.Module) or hasattr(owner, "__dict__")):  # not __slots__
         walk(type(owner).__name__, owner, 0)
     if code is not None:
-        for var, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
-            try:
-                walk(var, cell.cell_contents, 0)
-            except ValueError:  # an empty cell
-                pass
-        names = getattr(func, "__globals__", {})
-        for n in code.co_names:
-            if n in names and not callable(names[n]) and not isinstance(names[n], type(functools)):
-                walk(n, names[n], 0)
+        cells, names = function_reads(func)
+        for name, value in cells + [(n, v) for n, v in names if not callable(v)]:
+            walk(name, value, 0)
     return list(tensors.values()), list(containers.values()), list(attributes.values())
 
 
