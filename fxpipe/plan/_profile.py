@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ._cost_keys import cost_key
 from ._partition import COMPUTE_OPS
+from ._traced_sizes import traced_sizes
 from ..runtime._randomness import generator_states, set_generator_states
 from ..runtime._stream import synchronize
 
@@ -261,11 +262,21 @@ def count_params_only(gm: fx.GraphModule, flat_inputs: Sequence[Any] | None = No
     """Deterministic costs for ``balance_by='params'``: parameter counts and bytes, no timing.
 
     call_module nodes own their module's parameters, get_attr nodes the Parameter they
-    fetch. With ``flat_inputs`` the graph runs once (untimed) to fill ``out_bytes`` and
-    ``shape``; without, they come from ``node.meta['val']`` (export graphs) or are 0 / ''.
+    fetch. With ``flat_inputs``, ``out_bytes`` and ``shape`` are those on the inputs: read from
+    an export graph's traced values at the inputs' sizes (:mod:`fxpipe.plan._traced_sizes`), else
+    from one untimed run; without, from ``node.meta['val']`` (export graphs) or 0 / ''.
     """
     if flat_inputs is not None:
-        return _run(gm, flat_inputs, 1, None, timed=False, on_node=on_node)
+        outputs = traced_sizes(gm, flat_inputs)
+        if outputs is None:
+            return _run(gm, flat_inputs, 1, None, timed=False, on_node=on_node)
+        sized: dict[str, NodeCost] = {}
+        for n in gm.graph.nodes:
+            out = outputs[n.name]
+            sized[n.name] = NodeCost(0.0, _param_count(gm, n), tensor_bytes(out), _param_bytes(gm, n), shape_str(out))
+            if on_node is not None:
+                on_node()
+        return sized
     costs: dict[str, NodeCost] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
