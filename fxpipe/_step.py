@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .checks._loss_fn import Weights, own_loss_output, split_target
+from .checks._loss_fn import TargetCopies, Weights, own_loss_output, split_target
 from .capture._hooks import live_hook_kinds
 from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm, deferring
@@ -106,6 +106,8 @@ def run_step(pipe: Any, args: tuple, kwargs: dict, loss_fn: Optional[Callable[..
             loss = whole.detach()
         else:
             losses.backward_all(batches)
+    if fn is not None:
+        fn.copies.write_back()
     if pipe.training:
         commit_deferred_batch_norm(pipe._deferred, len(batches), pipe.module)
     return kept.result(loss if loss is not None else losses.merged(), sizes, weights)
@@ -213,6 +215,7 @@ class _FnLoss:
         self.targets = None if target is None else _split_target(pipe.batching, target, sizes)
         self.reading = pipe._loss_reading(loss_fn)
         self.weights: Optional[Weights] = None
+        self.copies = TargetCopies()  # each micro-batch's target, for loss_fn to write into
 
     def decide(self, first: Sequence[Any]) -> Weights:
         if self.weights is None:
@@ -229,7 +232,8 @@ class _FnLoss:
         def loss_of(i: int, out: Batch) -> Tensor:
             output = self.pipe.capture.unflatten_output(list(out.values))
             try:
-                loss = self.loss_fn(output) if self.targets is None else self.loss_fn(output, self.targets[i])
+                target = None if self.targets is None else self.copies(self.targets[i])
+                loss = self.loss_fn(output) if target is None else self.loss_fn(output, target)
             except Exception as e:
                 if i == 0 and not self.decide(out.values).kind:  # it fails on a micro-batch: say why first
                     raise StepError(

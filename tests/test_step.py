@@ -474,3 +474,32 @@ def test_checkpoint_and_schedule_set_after_the_build_are_checked():
         assert (pipe.checkpoint, pipe.schedule) == ("except_last", "gpipe")
         pipe.checkpoint, pipe.schedule = "never", "1f1b"
         pipe.step(x, loss_fn=F.cross_entropy, target=y)
+
+
+def _written_target(out, y):
+    y.add_(1)  # not idempotent: a piece written twice, or not at all, would show
+    m = y > 0.5  # a count read from the written target
+    return ((out - y) * y * m).sum() / m.sum()  # y saved for the backward
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_loss_fn_writing_its_target_in_place(schedule):
+    """The micro-batch targets are views of the caller's and share its version counter: a write
+    into one made GPipe's backward fail in autograd. loss_fn gets copies, and the caller's
+    target gets the writes after the step, as after eager's one call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    pipe = _build(model, x, 2, chunks=4, schedule=schedule)
+    for _ in range(2):
+        target, target_eager = y.clone(), y.clone()
+        model.zero_grad()
+        ref.zero_grad()
+        loss = pipe.step(x, loss_fn=_written_target, target=target)
+        want = _written_target(ref(x), target_eager)
+        want.backward()
+        assert_close_scaled(loss, want.detach(), what="loss")
+        assert_grads_equal(model, ref)
+        assert torch.equal(target, target_eager)
+    pipe.close()

@@ -77,6 +77,36 @@ class _Read:
     nll: List[bool] = field(default_factory=list)
 
 
+class TargetCopies:
+    """A micro-batch's target given to ``loss_fn`` as copies of the caller's pieces, and what
+    ``loss_fn`` writes into them written back after the step.
+
+    Why: the pieces :func:`split_target` makes are views of the caller's target and share its
+    version counter, so a ``loss_fn`` writing its target in place (``y.add_(1)``) made a backward
+    that runs after every micro-batch's loss (GPipe's step) fail in autograd on the earlier
+    micro-batches' saved targets. Written back once the step is done, the caller's target holds
+    the writes, as after eager's one call."""
+
+    def __init__(self) -> None:
+        self._given: List[Tuple[Tensor, Tensor, int]] = []  # (the piece, its copy, the copy's version)
+
+    def __call__(self, part: Any) -> Any:
+        def own(x: Any) -> Any:
+            if not isinstance(x, Tensor):
+                return x
+            copy = x.clone()
+            self._given.append((x, copy, copy._version))
+            return copy
+        return pytree.tree_map(own, part)
+
+    def write_back(self) -> None:
+        with torch.no_grad():
+            for piece, copy, version in self._given:
+                if copy._version != version:
+                    piece.copy_(copy)
+        self._given.clear()
+
+
 def split_target(target: Any, sizes: Sequence[int]) -> List[Any]:
     """``target`` per micro-batch of ``sizes`` samples: a tensor, or a tuple, list or dict of
     them (``(labels, weights)``, ``{'labels': ..., 'mask': ...}``), each tensor split along

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from fxpipe.checks._batching import Batching
-from fxpipe.checks._loss_fn import LossFnReading, own_loss_output
+from fxpipe.checks._loss_fn import LossFnReading, TargetCopies, own_loss_output
 from fxpipe.checks._loss_keys import loss_key
 from ._loss_shapes import loss_fn_key, loss_only_inputs, own_loss_key
 from fxpipe.errors import DistributedError, StepError
@@ -78,6 +78,7 @@ class StepLoss:
         self._weighed: List[bool] = []  # per micro-batch: whether it counts anything
         self._nothing = False  # the step's whole (global) batch counts nothing
         self._targets: List[Any] = []  # this step's, per micro-batch
+        self.copies = TargetCopies()  # what loss_fn is given of them, written back after the step
         self._next = 0
         #: ``step(return_outputs=...)``: False, True (each micro-batch's flat outputs, detached),
         #: or a callable applied to each micro-batch's output; what was kept this step
@@ -187,7 +188,7 @@ class StepLoss:
             what = f"the model's own loss (output {self.batching.out_names[self.own]!r})"
         else:
             assert self.loss_fn is not None
-            loss = self.loss_fn(structured(), self._targets[i])  # torch's own `target` is a stand-in
+            loss = self.loss_fn(structured(), self.copies(self._targets[i]))  # torch's own `target` is a stand-in
             what = "loss_fn"
         if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             got = f"shape {tuple(loss.shape)}, {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__

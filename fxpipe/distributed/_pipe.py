@@ -332,6 +332,8 @@ class DistributedPipeline(EvalStep, PipelineState):
                 raise
             self._ties.after_step()
             self._replicas.after_step()
+            if last and self._step_loss is not None:
+                self._step_loss.copies.write_back()
             loss = self._broadcast_loss(torch.stack([x.detach() for x in losses]).sum() if last else None)
             if replicas is not None:  # each replica's part of the global batch's loss, summed
                 total = loss.detach().to(torch.float64).reshape(1)

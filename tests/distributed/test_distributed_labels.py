@@ -209,3 +209,27 @@ def test_compiled_stages_step_as_eager(one_rank) -> None:
         eager.zero_grad()
         _assert_exact(pipe.step(x, target=y), _gpt_loss(eager(x), y), model, eager)
     pipe.close()
+
+
+def _written_target(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    y.add_(1).remainder_(64)  # not idempotent: a second write of one piece, or none, would show
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")  # saves y for its backward
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_loss_fn_writing_its_target_in_place(one_rank, schedule: str) -> None:
+    """Each micro-batch's target is a view of the caller's, sharing its version counter: a
+    write into it made GPipe's backward fail in autograd. The loss gets copies; the caller's
+    target gets the writes after the step, as after eager's call."""
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    eager = zoo.TinyGPT()
+    eager.load_state_dict(model.state_dict())
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=_written_target, schedule=schedule, timeout=60)
+    y, y_eager = _labels().clamp(min=0), _labels().clamp(min=0)
+    loss = pipe.step(x, target=y)
+    _assert_exact(loss, _written_target(eager(x), y_eager), model, eager)
+    assert torch.equal(y, y_eager)
+    pipe.close()
