@@ -46,6 +46,7 @@ from .errors import (ArgumentError, FxpipeError, MicroBatchError, MutationError,
 from .plan._carry_over import CarryError, carry_assignment
 from .plan._make import make_plan
 from .plan._op_graph import build_opgraph
+from .plan._recorded import RecordedRun
 from .plan._value import Plan
 from .progress import Progress
 
@@ -85,6 +86,9 @@ class Checked:
     args: Tuple[Any, ...]
     kwargs: dict
     meta: bool
+    #: the check's run of the first micro-batch, for the plan to profile from (consumed by
+    #: :func:`choose_plan`): :mod:`fxpipe.plan._recorded`
+    recorded: Optional[RecordedRun] = None
 
     @property
     def capture(self) -> Capture:
@@ -183,10 +187,13 @@ def _normal_tensors(args: Tuple[Any, ...], kwargs: dict) -> Tuple[Tuple[Any, ...
     return pytree.tree_map(normal, (args, kwargs))
 
 
-def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildOptions) -> Checked:
+def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildOptions, *,
+                      record: bool = False) -> Checked:
     """The model captured exactly, and its split/merge verified on the sample (whole run vs
     split into micro-batches and merged; graph vs eager), in eval and in training mode
-    (:mod:`fxpipe.checks._modes`). Call it inside ``preserved(model)``: it runs the model."""
+    (:mod:`fxpipe.checks._modes`). Call it inside ``preserved(model)``: it runs the model.
+    ``record``: a plan is to be made next (:func:`choose_plan`): the check's run of the first
+    micro-batch is recorded for its profile (:mod:`fxpipe.plan._recorded`)."""
     report = options.progress
     _refuse_inference_state(model)
     args, kwargs = _normal_tensors(args, kwargs)
@@ -207,11 +214,14 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
     except Exception as e:
         _refuse_failing_sample(model, args, kwargs, e)  # the model's own error first, when it has one
         raise
+    recorded = None
+    if record and options.plan is None and options.balance_by in ("time", "params") and not meta:
+        recorded = RecordedRun(prepared.capture.graph_module, timed=options.balance_by == "time")
     with report.phase("checking micro-batches against the whole batch"), \
             written_kept(model, prepared.mutations.state_names()):
         try:
             batching = check_modes(model, prepared, args, kwargs, options.chunk_dims, options.output_merge,
-                                   options.chunks)
+                                   options.chunks, record=recorded)
         except RuntimeError as e:
             _refuse_written_weights(model, prepared, e)
             raise
@@ -225,7 +235,7 @@ def capture_and_check(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, opt
             "module that mixes the samples would train a silently different model). Build from a sample of 2 or "
             "more samples (two rows of your data); the pipeline then takes any batch size, and any length "
             "the capture allows. With chunks=1 (no micro-batches) a sample of one is enough.")
-    return Checked(prepared, batching, args, kwargs, meta)
+    return Checked(prepared, batching, args, kwargs, meta, recorded)
 
 
 def _refuse_written_weights(model: nn.Module, prepared: Prepared, failure: RuntimeError) -> None:
@@ -290,7 +300,8 @@ def choose_plan(checked: Checked, options: BuildOptions) -> Plan:
             chosen = make_plan(captured, checked.args, checked.kwargs, options.n_stages,
                                balance_by=options.balance_by, split_points=options.split_points,
                                devices=options.devices or (), chunks=options.chunks, batching=checked.batching,
-                               progress=options.progress)
+                               progress=options.progress, recorded=checked.recorded)
+    checked.recorded = None  # its kept inputs are activations: not held past the plan
     check_kept_together(captured.graph_module, chosen.assignment)
     return chosen
 
@@ -336,7 +347,7 @@ def build(model: nn.Module, args: Tuple[Any, ...], kwargs: dict, options: BuildO
     other = None
     with torch.inference_mode(False):
         with preserved(model):  # building runs the model; none of it may show afterwards
-            checked = capture_and_check(model, args, kwargs, options)
+            checked = capture_and_check(model, args, kwargs, options, record=True)
             plan = choose_plan(checked, options)
             if flipped and checked.prepared.mode_sensitive and not checked.meta:
                 other = capture_flipped(model, checked, plan, options)

@@ -37,7 +37,7 @@ from torch.fx.graph import _format_target
 from ..errors import TraceError
 from ._node_kinds import COMPUTE_OPS
 
-__all__ = ["REGION", "Region", "RegionError", "RegionGraphModule", "RegionRecorder", "entered",
+__all__ = ["REGION", "Region", "RegionError", "RegionGraphModule", "RegionInterpreter", "RegionRecorder", "entered",
            "inference_values", "recompile_in_regions", "region_name"]
 
 #: ``node.meta`` key: the node's :data:`Region`, only on nodes created inside one.
@@ -365,3 +365,16 @@ class RegionGraphModule(fx.GraphModule):
 
     def recompile(self) -> Any:
         return recompile_in_regions(self, super().recompile)
+
+
+class RegionInterpreter(fx.Interpreter):
+    """An fx Interpreter that runs each node in the region it was traced in, as the graph's
+    code does (:class:`RegionGraphModule`): a pass that runs the graph node by node (the
+    profile, the check's recorded micro-batch) computes what the graph's own call computes."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        region = n.meta.get(REGION) if n.op in COMPUTE_OPS else None
+        if not region:
+            return super().run_node(n)
+        with entered(region):
+            return super().run_node(n)

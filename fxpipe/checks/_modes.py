@@ -82,11 +82,13 @@ def training(model: nn.Module, exempt: bool = True) -> Iterator[None]:
 
 
 def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, chunk_dims: ChunkDims,
-                output_merge: Optional[OutputMerge], chunks: int = 2) -> Batching:
+                output_merge: Optional[OutputMerge], chunks: int = 2,
+                record: Optional[Callable[..., Any]] = None) -> Batching:
     """The split/merge checked in each mode the graph runs in, and the graph against eager
     in the mode(s) it is compared in. Call inside ``preserved(model)``. The checks run at
     full float32 precision, with tolerances that follow what stays reduced (bf16 weights,
-    autocast): :mod:`fxpipe.capture._numerics`."""
+    autocast): :mod:`fxpipe.capture._numerics`. ``record``: called as the graph on the first
+    micro-batch of the one-pass check (:func:`~fxpipe.checks._one_pass.one_pass`)."""
     flat = prepared.capture.flatten_inputs(args, kwargs)
     names, dims = input_split_dims(model, args, kwargs, chunk_dims)
     _refuse_fixed_batch(prepared, flat, names, dims)
@@ -114,7 +116,7 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
             try:
                 with checking(model, flat_padded):
                     return _check_modes(model, prepared, args_padded, kwargs_padded, flat_padded, chunk_dims,
-                                        output_merge, chunks)
+                                        output_merge, chunks, record)
             except FxpipeError as e:  # what the padded copy shows, a padded batch at a call would meet
                 masks = ", ".join(names[i] for i in which)
                 if not isinstance(e, MicroBatchError):
@@ -130,7 +132,7 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
             except Exception:  # noqa: BLE001 - the model does not take such a mask: checked as given
                 pass
     with checking(model, flat):
-        return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge, chunks)
+        return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge, chunks, record)
 
 
 def _fails_on(prepared: Prepared, model: nn.Module, flat: List[Any]) -> str:
@@ -172,7 +174,8 @@ _FIXED_BATCH = (
 
 
 def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, flat: List[Any],
-                 chunk_dims: ChunkDims, output_merge: Optional[OutputMerge], chunks: int) -> Batching:
+                 chunk_dims: ChunkDims, output_merge: Optional[OutputMerge], chunks: int,
+                 record: Optional[Callable[..., Any]]) -> Batching:
     captured = prepared.capture
     gm = captured.graph_module
     meta = is_meta_model(model)
@@ -193,7 +196,7 @@ def _check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict
             # the first mode checked is the one compared with eager: all of it in one pass where it agrees
             done = one_pass(captured, model, args, kwargs, flat, mode, chunks,
                             lambda leaves: Batching.build(model, args, kwargs, captured.unflatten_output(leaves),
-                                                          chunk_dims, output_merge))
+                                                          chunk_dims, output_merge), record)
             if done is not None:
                 quiet: Quiet = randomness_off if done.quieted else nullcontext
                 with preserved(model), quiet():

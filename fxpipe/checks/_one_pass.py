@@ -57,13 +57,16 @@ class OnePass:
 
 
 def one_pass(captured: Capture, model: nn.Module, args: tuple, kwargs: dict, flat: Sequence[Any],
-             mode: Callable[[nn.Module], Any], chunks: int, make_batching: Callable[[List[Any]], Batching]) -> Optional[OnePass]:
+             mode: Callable[[nn.Module], Any], chunks: int, make_batching: Callable[[List[Any]], Batching],
+             record: Optional[Callable[..., Any]] = None) -> Optional[OnePass]:
     """The check in one pass (see the module docstring), or None where it does not pass or
     cannot be made: the checks then run one by one. ``make_batching(leaves)``: the policy
     from the sample's output leaves. A refusal the policy makes on the sample (an
     ``output_merge`` naming no output, labels a mean cannot weigh) is left to the checks one
     by one, which raise it in their order; a parameter's ``.data`` assigned anew in traced
-    code is refused here (:func:`~fxpipe.checks._micro_batches.eager_run`). Call inside ``preserved(model)``."""
+    code is refused here (:func:`~fxpipe.checks._micro_batches.eager_run`). ``record``: called
+    in the graph's place on the first micro-batch (the build's plan profiles from that run:
+    :mod:`fxpipe.plan._recorded`). Call inside ``preserved(model)``."""
     gm = captured.graph_module
     if not _shares_weights(gm, model):
         return None
@@ -84,7 +87,7 @@ def one_pass(captured: Capture, model: nn.Module, args: tuple, kwargs: dict, fla
                 micro, sizes = batching.split(flat, micro_batch_count(total, chunks))
                 at_nudged = batching.weights(flat, micro, "the sample")  # class weights read from a nudged buffer
                 torch.manual_seed(SAMPLE_SEED)
-                outs = [list(gm(*m)) for m in micro]
+                outs = [list((record if record is not None and i == 0 else gm)(*m)) for i, m in enumerate(micro)]
             if drew_random(SAMPLE_SEED) or not _merged_match(batching, leaves, outs, sizes, at_nudged):
                 return None
     except MutationError:

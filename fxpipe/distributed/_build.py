@@ -292,7 +292,7 @@ def pipeline(
         with Failures(group, where).agreed("capture and check its model and sample"):  # a bad sample on one rank
             check_sample(model, args, kwargs, state_dict=state_dict)
             args, kwargs = capture_sample(model, (args, kwargs))
-            checked = _own_loss_default(lambda: capture_and_check(model, args, kwargs, options),
+            checked = _own_loss_default(lambda: capture_and_check(model, args, kwargs, options, record=True),
                                         loss_fn is None and output_merge is None)
             checked.batching.refuse_mode(True)  # step() trains: a failed training-mode check refuses the build
             refuse_replicated_state(checked.prepared.mutations.state_names(), layout)
@@ -302,6 +302,7 @@ def pipeline(
 
         # on rank 0; profiled on one micro-batch (fxpipe.plan._make.profiled_inputs)
         agreed = broadcast_plan(lambda: choose_plan(checked, options), group)
+        checked.recorded = None  # kept for rank 0's plan only
         built: list[Stages] = []
 
         def build() -> list[str]:

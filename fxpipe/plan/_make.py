@@ -19,6 +19,7 @@ from ..capture._meta import refuse_timing
 from ._partition import COMPUTE_OPS, partition
 from ._value import Plan, format_cost
 from ._profile import NodeCost, count_params_only, profile_graph
+from ._recorded import RecordedRun, profile_recorded
 from ..progress import ProgressOption, as_progress
 
 __all__ = ["BALANCE_BY", "BalanceWarning", "IMBALANCE_RATIO", "make_plan", "opgraph_for", "split_nodes",
@@ -67,9 +68,11 @@ def profiled_inputs(captured: Capture, args: tuple, kwargs: dict, balance_by: st
 
 
 def opgraph_for(captured: Capture, args: tuple, kwargs: dict, balance_by: str, *, chunks: int = 1,
-                batching: Optional[Batching] = None, progress: ProgressOption = False) -> nx.DiGraph:
+                batching: Optional[Batching] = None, progress: ProgressOption = False,
+                recorded: Optional[RecordedRun] = None) -> nx.DiGraph:
     """The OpGraph with the cost attributes every balance mode reads, profiled on
-    :func:`profiled_inputs`."""
+    :func:`profiled_inputs`: from ``recorded`` (the build check's run) where it ran on them,
+    else by running the graph (:mod:`fxpipe.plan._recorded`)."""
     gm = captured.graph_module
     if balance_by == "time" and any(t.is_meta for t in (*gm.parameters(), *gm.buffers())):
         refuse_timing()  # a model built on the meta device: nothing to time
@@ -77,8 +80,12 @@ def opgraph_for(captured: Capture, args: tuple, kwargs: dict, balance_by: str, *
     report = as_progress(progress)
     with report.phase("profiling" if balance_by == "time" else "sizing", total=len(gm.graph.nodes)) as step:
         # 'memory' and 'params' need sizes only: one untimed run, deterministic.
-        costs = (profile_graph(gm, flat, on_node=step) if balance_by == "time"
-                 else count_params_only(gm, flat, on_node=step))
+        if recorded is not None and (recorded.timed or balance_by != "time") and recorded.ran_on(flat):
+            costs = profile_recorded(recorded, on_node=step)
+        elif balance_by == "time":
+            costs = profile_graph(gm, flat, on_node=step)
+        else:
+            costs = count_params_only(gm, flat, on_node=step)
     graph = build_opgraph(gm, costs)
     graph.graph["costs"] = cost_summary(costs, gm)
     _fold_parameters(graph)
@@ -144,12 +151,13 @@ def make_plan(
     captured: Capture, args: tuple, kwargs: dict, n_stages: int, *,
     balance_by: str = "time", split_points: Optional[Sequence[str]] = None,
     devices: Sequence[torch.device] = (), chunks: int = 1, batching: Optional[Batching] = None,
-    progress: ProgressOption = False,
+    progress: ProgressOption = False, recorded: Optional[RecordedRun] = None,
 ) -> Plan:
     """Profiles (times for ``'time'``, sizes otherwise) on :func:`profiled_inputs`, partitions
     and describes the stages. ``progress``: see :mod:`fxpipe.progress`."""
     report = as_progress(progress)
-    graph = opgraph_for(captured, args, kwargs, balance_by, chunks=chunks, batching=batching, progress=report)
+    graph = opgraph_for(captured, args, kwargs, balance_by, chunks=chunks, batching=batching, progress=report,
+                        recorded=recorded)
     cost_attr = _COST_ATTR[balance_by]
     spb = seconds_per_byte(devices) if balance_by == "time" else 0.0
     split_before = split_nodes(captured, graph, split_points) if split_points else None

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import operator
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
 from ._cost_keys import cost_key
+from ..capture._grad_regions import REGION, RegionInterpreter, entered
 from ._partition import COMPUTE_OPS
 from ._traced_sizes import traced_sizes
 from ..runtime._randomness import generator_states, set_generator_states
@@ -157,44 +159,35 @@ def _time_fwd_bwd(run: Callable[..., Any], args: tuple, kwargs: dict, params: Se
     return max(min(times), 1e-9)
 
 
-class _Profiler(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, repeat: int, device: torch.device | None, timed: bool,
-                 on_node: Callable[[], None] | None = None) -> None:
-        super().__init__(gm)
-        self.repeat, self.device, self.timed = repeat, device, timed
-        self.costs: dict[str, NodeCost] = {}
+class _Timer:
+    """Forward + backward seconds of nodes on the inputs they are given, once per cost key
+    (copies reuse the first one's), each call in the node's grad-mode / autocast region."""
+
+    def __init__(self, interpreter: fx.Interpreter, repeat: int, device: torch.device | None) -> None:
+        self.interpreter, self.repeat, self.device = interpreter, repeat, device
         self.measured: dict[Any, tuple[str, float]] = {}  # cost key -> (node timed, seconds)
         self.deadline = time.perf_counter() + _TOTAL_BUDGET_S
-        self.on_node = on_node
 
-    def run_node(self, n: fx.Node) -> Any:
-        start = time.perf_counter()
-        out = super().run_node(n)
-        forward = time.perf_counter() - start  # untimed, but a node this slow is timed once
-        seconds, source = self._time(n, forward) if self.timed and n.op in COMPUTE_OPS else (0.0, "")
-        self.costs[n.name] = NodeCost(seconds, _param_count(self.module, n), tensor_bytes(out),
-                                      _param_bytes(self.module, n), shape_str(out), source)
-        if self.on_node is not None:
-            self.on_node()
-        return out
+    def reused(self, key: Any) -> tuple[str, float] | None:
+        """(the node measured, its seconds) for a key measured already, else None."""
+        return self.measured.get(key) if key is not None else None
 
-    def _time(self, n: fx.Node, forward: float) -> tuple[float, str]:
-        """(seconds, the node they were measured on: '' for this one). ``forward``: the seconds
-        of the node's forward just run; one that took a quarter of :data:`_NODE_BUDGET_S`
-        is timed once (its one-time costs were paid by that run, and a second run of GPT-2's
-        head cost 0.16 s, a sixteenth of its eager step)."""
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        key = cost_key(self.module, n, args, kwargs)
-        if key is not None and key in self.measured:
-            source, seconds = self.measured[key]
-            return seconds, source
+    def seconds(self, n: fx.Node, args: tuple, kwargs: dict, forward: float, key: Any) -> float:
+        """``n``'s seconds on ``args``/``kwargs``. ``forward``: the seconds of the node's forward
+        just run; one that took a quarter of :data:`_NODE_BUDGET_S` is timed once (its one-time
+        costs were paid by that run, and a second run of GPT-2's head cost 0.16 s, a sixteenth
+        of its eager step)."""
         params: list[torch.Tensor] = []
         if n.op == "call_module":
-            params = list(self.module.get_submodule(n.target).parameters())
-        run = getattr(self, n.op)
+            params = list(self.interpreter.module.get_submodule(n.target).parameters())
+        run = getattr(self.interpreter, n.op)
+        region = n.meta.get(REGION)
 
         def call(*a: Any, **k: Any) -> Any:
-            return run(n.target, a, k)
+            if not region:
+                return run(n.target, a, k)
+            with entered(region):
+                return run(n.target, a, k)
 
         slow = forward >= _NODE_BUDGET_S / 4 or time.perf_counter() >= self.deadline
         repeat = 1 if slow else max(2, self.repeat)
@@ -204,7 +197,31 @@ class _Profiler(fx.Interpreter):
             seconds = _time_fwd_bwd(call, args, kwargs, [], repeat, self.device, grad=False)
         if key is not None:
             self.measured[key] = (n.name, seconds)
-        return seconds, ""
+        return seconds
+
+
+class _Profiler(RegionInterpreter):
+    def __init__(self, gm: fx.GraphModule, repeat: int, device: torch.device | None, timed: bool,
+                 on_node: Callable[[], None] | None = None) -> None:
+        super().__init__(gm)
+        self.timer = _Timer(self, repeat, device) if timed else None
+        self.costs: dict[str, NodeCost] = {}
+        self.on_node = on_node
+
+    def run_node(self, n: fx.Node) -> Any:
+        start = time.perf_counter()
+        out = super().run_node(n)
+        forward = time.perf_counter() - start  # untimed, but a node this slow is timed once
+        seconds, source = 0.0, ""
+        if self.timer is not None and n.op in COMPUTE_OPS:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            key = cost_key(self.module, n, args, kwargs)
+            source, seconds = self.timer.reused(key) or ("", self.timer.seconds(n, args, kwargs, forward, key))
+        self.costs[n.name] = NodeCost(seconds, _param_count(self.module, n), tensor_bytes(out),
+                                      _param_bytes(self.module, n), shape_str(out), source)
+        if self.on_node is not None:
+            self.on_node()
+        return out
 
 
 def cuda_device_of(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> torch.device | None:
@@ -226,19 +243,25 @@ def _run(gm: fx.GraphModule, flat_inputs: Sequence[Any], repeat: int, device: to
     else:
         dev = cuda_device_of(gm, flat_inputs) if timed else None
     inputs = [x.to(dev) if dev is not None and isinstance(x, torch.Tensor) else x for x in flat_inputs]
+    prof = _Profiler(gm, repeat, dev, timed, on_node)
+    with _state_kept(gm), torch.no_grad():
+        prof.run(*inputs)
+    return prof.costs
+
+
+@contextmanager
+def _state_kept(gm: fx.GraphModule) -> Iterator[None]:
+    """BatchNorm statistics and randomness left as they were by the runs inside."""
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     rng = generator_states()
-    prof = _Profiler(gm, repeat, dev, timed, on_node)
     try:
-        with torch.no_grad():
-            prof.run(*inputs)
-    finally:  # leave BatchNorm statistics and randomness as they were
+        yield
+    finally:
         with torch.no_grad():
             for name, b in gm.named_buffers():
                 if name in buffers:
                     b.data.copy_(buffers[name])  # .data: no version bump (see prepare.preserved)
         set_generator_states(rng)
-    return prof.costs
 
 
 def profile_graph(gm: fx.GraphModule, flat_inputs: Sequence[Any], *, repeat: int = 3,
