@@ -9,6 +9,7 @@ output tensor and every parameter gradient.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -204,6 +205,41 @@ def test_gradient_checkpointing_enabled_model_matches_eager(checkpoint):
     with pytest.warns(UserWarning, match=r"gradient checkpointing on.*gradient_checkpointing_disable\(\)"):
         exact.assert_exact(model, (ids,), 2, chunks=2, checkpoint=checkpoint, balance_by="params",
                            loss=lambda o: weighted(o.logits))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_with_dropout_builds_in_training_mode(reentrant):
+    """Gradient checkpointing and dropout: the build's training-mode check makes dropout constant,
+    and its backward recomputes each checkpointed layer. The recomputation ran without the switch
+    (torch runs a function mode's handler with the mode popped, Tensor.backward among them): the
+    dropout drew there and torch.utils.checkpoint refused the build with its own CheckpointError
+    (a trial). Built now; with dropout drawing, the pipeline is compared between checkpoint modes
+    (the same masks, loss and gradients)."""
+    grads = []
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(0)
+        model = gpt2()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.2
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        ids, _ = inputs()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = fxpipe.pipeline(model, (), 2, sample_kwargs={"input_ids": ids, "labels": ids}, chunks=2,
+                                   devices=["cpu"] * 2, output_merge={"loss": "mean"}, balance_by="params",
+                                   checkpoint=checkpoint)
+        torch.manual_seed(1)
+        loss = pipe(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        pipe.close()
+    (loss_a, a), (loss_b, b) = grads
+    exact.assert_close_scaled(loss_a, loss_b, what="loss")
+    top = max(exact.largest(g) for g in a.values())
+    for name in a:
+        exact.assert_close_scaled(a[name], b[name], what=f"grad {name}", floor_of=top)
 
 
 def test_output_hidden_states_gives_the_same_graph_at_every_build():

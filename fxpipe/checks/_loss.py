@@ -35,6 +35,7 @@ from torch import Tensor, fx
 
 from ..capture._numerics import tolerance
 from ..errors import MicroBatchError
+from ._randomness_off import backward_under_modes
 
 __all__ = ["gradient_mismatch", "nudged"]
 
@@ -55,7 +56,7 @@ def _grads(value: Tensor, params: List[Tensor]) -> List[Tensor]:
     try:
         for p in params:
             p.grad = None
-        value.backward(retain_graph=True)
+        backward_under_modes(value)
         return [torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double() for p in params]
     finally:
         for p, g in zip(params, kept):

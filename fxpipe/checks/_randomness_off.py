@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["randomness_off"]
+__all__ = ["randomness_off", "backward_under_modes"]
 
 _aten = torch.ops.aten
 _IDENTITY = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
@@ -208,3 +208,18 @@ def randomness_off() -> Iterator[_Constant]:
     whether anything was made constant."""
     with _Constant() as mode:
         yield mode
+
+
+def backward_under_modes(value: torch.Tensor) -> None:
+    """``value.backward(retain_graph=True)`` with the torch function modes active here (this
+    module's switch) active in the backward too: a region the model checkpoints
+    (``torch.utils.checkpoint``, transformers' ``gradient_checkpointing_enable``) is recomputed
+    there, and must compute as its forward did. ``Tensor.backward`` would hand the call to the
+    switch, which torch runs with the switch popped: the recomputed dropout drew, and
+    torch.utils.checkpoint refused the recomputed tensors (a bare CheckpointError from the build,
+    a trial). The engine's own entry is called instead; where torch has none, ``backward()``."""
+    engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if engine is None:
+        value.backward(retain_graph=True)
+        return
+    engine((value,), (torch.ones_like(value),), True, False, (), allow_unreachable=True, accumulate_grad=True)
