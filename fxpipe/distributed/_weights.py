@@ -75,6 +75,11 @@ def _forget_conversions(t: torch.Tensor) -> None:
 
 #: the attribute a released tensor carries: its name in the model (:func:`refuse_stale_optimizer`)
 RELEASED = "_fxpipe_released"
+#: the attribute a released tensor carries: a weak reference to its model
+OWNER = "_fxpipe_owner"
+#: per model (by weak reference): the ids of the parameters this rank's latest pipeline of it
+#: holds (not the tensors: torch cannot swap a tensor something holds a weak reference to)
+_HELD: "weakref.WeakKeyDictionary[nn.Module, set[int]]" = weakref.WeakKeyDictionary()
 
 
 def swap_in_place(t: torch.Tensor, new: torch.Tensor, name: str, todo: str = "") -> None:
@@ -115,6 +120,11 @@ def refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     now (they are in no optimizer) while its state for the released ones is useless. An optimizer
     made before the build holds released parameters too, but no state for them: it runs.
 
+    Without state, such an optimizer made over the earlier pipeline's parameters
+    (``AdamW(pipe.parameters())``, plain SGD, or AdamW before its first step) is refused too
+    where it lacks a parameter this rank holds now (a trial: 0.56 off by the next step); one made
+    over the whole model holds them all and runs.
+
     Under ``data_parallel='fsdp'`` the build replaces this rank's parameters by their shards
     (:data:`._sharding.SHARDED_AWAY`): an optimizer made before it holds the originals, which
     get no gradient, and would silently update nothing (measured: LayerNorm weights still 1.0
@@ -137,6 +147,30 @@ def refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                     "holds now. Make the optimizer over the new pipeline's parameters and load its state from a "
                     "checkpoint: opt = AdamW(pipe.parameters()); pipe.load_optimizer_state_dict(opt, state) with "
                     "the state saved by pipe.optimizer_state_dict (torch.distributed.checkpoint).")
+    released = [p for group in optimizer.param_groups for p in group["params"] if RELEASED in p.__dict__]
+    if released:  # one check per optimizer step: the first released parameter's model
+        missing, name = _missing(optimizer, released[0]), released[0].__dict__[RELEASED]
+        if missing:
+            raise DistributedError(
+                f"this {type(optimizer).__name__} holds {name!r}, which this rank no longer holds, and not "
+                f"{', '.join(repr(m) for m in missing[:3])}{' ...' if len(missing) > 3 else ''}, which it holds now: "
+                "it was made over an earlier fxpipe.distributed pipeline's parameters, and a pipeline built since "
+                "placed the stages otherwise. Kept, it would never update the parameters this rank holds now. "
+                "Make the optimizer over the new pipeline's parameters: opt = AdamW(pipe.parameters()) (its "
+                "state from a checkpoint: pipe.load_optimizer_state_dict(opt, state), saved by "
+                "pipe.optimizer_state_dict), or over the whole model, made before the build.")
+
+
+def _missing(optimizer: torch.optim.Optimizer, released: torch.Tensor) -> list[str]:
+    """The names of the trainable parameters this rank's latest pipeline of ``released``'s model
+    holds that ``optimizer`` does not."""
+    owner = released.__dict__.get(OWNER)
+    model = owner() if owner is not None else None
+    held = _HELD.get(model) if model is not None else None
+    if not held:
+        return []
+    given = {id(q) for group in optimizer.param_groups for q in group["params"]}
+    return [n for n, q in model.named_parameters() if id(q) in held and id(q) not in given and q.requires_grad]
 
 
 _HOOKED: list = []
@@ -163,9 +197,12 @@ def release_others(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loc
                 mine |= ids
     drop_weak_references()
     watch_optimizers()
+    owner = weakref.ref(model)
     for name, t in _tensors(model):
         if id(t) in used and id(t) not in mine and not t.is_meta:
             swap_in_place(t, torch.empty_like(t, device="meta"), name)
+            t.__dict__[OWNER] = owner
+    _HELD[model] = {id(p) for p in model.parameters() if id(p) in mine}
 
 
 def restore_released(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
