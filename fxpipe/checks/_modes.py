@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from ..capture._values import same_value
 from ._batching import Batching, ChunkDims, OutputMerge, input_split_dims
 from ._randomness_off import randomness_off
-from ._varied_sample import ATTEMPTS, alike, padded, varied
+from ._varied_sample import ATTEMPTS, alike, alike_inputs, padded, varied
 from ._micro_batches import (SAMPLE_SEED, check_merged_gradients, check_split, eager_run, evaluating, reruns_same,
                              sample_run)
 from ._one_pass import one_pass
@@ -109,30 +109,63 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
                 f"differ, but {failure}. What to do: build from a sample of real data (two or more samples that "
                 "differ), or with chunks=1")
     else:
-        found = padded(flat, dims) if chunks > 1 else None
-        if found is not None:  # an all-ones mask hides a mixing through it: checked padded, as batches come
-            flat_padded, which = found
-            args_padded, kwargs_padded = pytree.tree_unflatten(flat_padded, prepared.capture.in_spec)
+        found = _rows_varied(prepared, model, flat, dims) if chunks > 1 else None
+        if found is not None:  # a mask or an input alike in every row hides a mixing through it: checked varied
+            flat_varied, masks, inputs = found
+            args_varied, kwargs_varied = pytree.tree_unflatten(flat_varied, prepared.capture.in_spec)
             try:
-                with checking(model, flat_padded):
-                    return _check_modes(model, prepared, args_padded, kwargs_padded, flat_padded, chunk_dims,
+                with checking(model, flat_varied):
+                    return _check_modes(model, prepared, args_varied, kwargs_varied, flat_varied, chunk_dims,
                                         output_merge, chunks, record)
-            except FxpipeError as e:  # what the padded copy shows, a padded batch at a call would meet
-                masks = ", ".join(names[i] for i in which)
+            except FxpipeError as e:  # what the varied copy shows, a batch at a call would meet
                 if not isinstance(e, MicroBatchError):
-                    e.add_note(f"(found on a copy of the sample with {masks} padded, as a collator pads: the sample's "
-                               "is all ones)")
+                    e.add_note(f"(found on a copy of the sample with {_varied_said(names, masks, inputs)})")
                     raise
-                raise MicroBatchError(
-                    f"{e} (Checked with {masks} padded: the sample's is all ones, and a mixing through the mask "
-                    "shows only where rows differ in length; it was given rows with trailing zeros, a different "
-                    "length per row, as a collator pads a batch. A model that trims or sizes each batch by its mask, "
-                    "h[:, :mask.sum(1).max()], gives a sample a result that depends on the batch it came in: trim in "
-                    "the collator instead, or build with chunks=1.)") from e
-            except Exception:  # noqa: BLE001 - the model does not take such a mask: checked as given
+                raise MicroBatchError(f"{e} ({_why_varied(names, masks, inputs)})") from e
+            except Exception:  # noqa: BLE001 - the model does not take such values: checked as given
                 pass
     with checking(model, flat):
         return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge, chunks, record)
+
+
+def _rows_varied(prepared: Prepared, model: nn.Module, flat: List[Any], dims: List[Optional[int]]
+                 ) -> Optional[Tuple[List[Any], List[int], List[int]]]:
+    """A copy of the sample for the checks, with every mask alike in every row padded as a
+    collator pads, and every other input alike in every row varied per sample where the model
+    runs on the copy (:mod:`fxpipe.checks._varied_sample`): (the copy, the masks padded, the
+    inputs varied); None where the sample has neither."""
+    found = padded(flat, dims)
+    out, masks = found if found is not None else (list(flat), [])
+    inputs = [i for i in alike_inputs(out, dims) if i not in masks]
+    for attempt in range(ATTEMPTS if inputs else 0):
+        other = varied(out, dims, attempt, only=inputs)
+        if other is not None and not _fails_on(prepared, model, other):
+            return other, masks, [i for i in inputs if other[i] is not out[i]]
+    return (out, masks, []) if masks else None
+
+
+def _varied_said(names: List[str], masks: List[int], inputs: List[int]) -> str:
+    said = [f"{', '.join(names[i] for i in masks)} padded, as a collator pads"] if masks else []
+    said += [f"{', '.join(names[i] for i in inputs)} varied per sample"] if inputs else []
+    return " and ".join(said) + ": the sample's held the same in every row"
+
+
+def _why_varied(names: List[str], masks: List[int], inputs: List[int]) -> str:
+    why = [f"Checked with {_varied_said(names, masks, inputs)}, which hides a mixing through it."]
+    if masks:
+        why.append(
+            "A mixing through a mask shows only where rows differ in length; the check was given rows with trailing "
+            "zeros, a different length per row, as a collator pads a batch. A model that trims or sizes each batch by "
+            "its mask, h[:, :mask.sum(1).max()], gives a sample a result that depends on the batch it came in: trim "
+            "in the collator instead.")
+    if inputs:
+        why.append(
+            f"{', '.join(names[i] for i in inputs)} was given a different value per sample: the model combines the "
+            "samples through it (weights normalised over the batch, a value divided by the batch's largest, counts of "
+            "the batch's labels), and real batches would train silently otherwise than the model. Make that per "
+            "sample, or compute it outside the pipeline; a value that is one for the whole batch, pass as a Python "
+            "number or a 0-dim tensor (given whole to every micro-batch).")
+    return " ".join(why) + " Or build with chunks=1."
 
 
 def _fails_on(prepared: Prepared, model: nn.Module, flat: List[Any]) -> str:

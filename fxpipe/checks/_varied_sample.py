@@ -18,7 +18,16 @@ A mask of all ones beside inputs that do differ hides the mixings that go throug
 model trimming each batch to its longest sequence (``h[:, :mask.sum(1).max()]``) gives each
 micro-batch the whole batch's result when every row is full (a trial: built from a tokenizer's
 unpadded batch, then 0.067 off on padded ones). :func:`padded` gives the checks a copy whose
-masks are padded as a collator pads: trailing zeros, a different length per row.
+masks are padded as a collator pads: trailing zeros, a different length per row. So does a mask
+padded alike in every row.
+
+One input alike in every sample beside others that differ hides the mixings through that input
+alone (a trial, all silent: per-sample weights normalised over the batch, ``softmax(w, 0)``, from a
+sample of ``torch.ones`` weights; timesteps divided by the batch's largest, from a ``torch.full``
+sample; class weights from the batch's label counts, from labels all 0). :func:`alike_inputs` names
+such inputs and ``varied(..., only=...)`` varies them alone: a floating input as above, an integer
+one of several values per sample by a permutation of each sample's, one of a value per sample
+(labels, timesteps) by moving every third sample's by half the value (at least 1).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["varied", "alike", "padded"]
+__all__ = ["varied", "alike", "alike_inputs", "padded"]
 
 
 def _alike(x: Tensor, dim: int) -> bool:
@@ -43,6 +52,17 @@ def alike(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> bool:
     return bool(split) and not any(x.is_meta for _, x, _ in split) and all(_alike(x, d) for _, x, d in split)
 
 
+def alike_inputs(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> List[int]:
+    """The indices of the inputs split along the batch whose samples all hold the same values,
+    but for masks of zeros alone (a float mask too): a sample counting nothing, which the checks
+    refuse as such, not a value to vary."""
+    return [i for i, x, d in _split(flat, dims) if not x.is_meta and _alike(x, d) and not _zero_mask(x)]
+
+
+def _zero_mask(x: Tensor) -> bool:
+    return not x.is_complex() and x.dim() >= 2 and not bool(x.any())
+
+
 def _split(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> List[Any]:
     return [(i, x, d) for i, (x, d) in enumerate(zip(flat, dims))
             if isinstance(x, Tensor) and d is not None and x.dim() > d and x.numel()]
@@ -54,13 +74,18 @@ def _split(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> List[Any]:
 ATTEMPTS = 3
 
 
-def varied(flat: Sequence[Any], dims: Sequence[Optional[int]], attempt: int = 0) -> Optional[List[Any]]:
+def varied(flat: Sequence[Any], dims: Sequence[Optional[int]], attempt: int = 0,
+           only: Optional[Sequence[int]] = None) -> Optional[List[Any]]:
     """``flat`` with its samples made to differ (see the module), or None where they already
     differ in some input split along the batch (or none is split), and where they cannot be
-    made to (integer inputs holding one value throughout, such as ``torch.zeros`` ids)."""
+    made to (integer inputs holding one value throughout, such as ``torch.zeros`` ids).
+    ``only``: the inputs to vary (:func:`alike_inputs`), whatever the others hold; None where
+    none of them could be."""
     split = _split(flat, dims)
-    if not alike(flat, dims):
+    if only is None and not alike(flat, dims):
         return None
+    if only is not None:
+        split = [(i, x, d) for i, x, d in split if i in only]
     g = torch.Generator(device="cpu").manual_seed(0)
     out = list(flat)
     for i, x, d in split:
@@ -76,22 +101,36 @@ def varied(flat: Sequence[Any], dims: Sequence[Optional[int]], attempt: int = 0)
             order = torch.stack([torch.randperm(rows.shape[1], generator=g) for _ in range(rows.shape[0])])
             permuted = torch.gather(rows, 1, order.to(rows.device))
             out[i] = permuted.reshape(x.movedim(d, 0).shape).movedim(0, d).contiguous()
+        elif x.dim() == d + 1 and only is not None and not x.is_complex():  # a value per sample
+            # every third sample moved by half the value (at least 1): up, then down; unevenly, since
+            # an even split (one of two values per micro-batch) would weigh both alike everywhere
+            step = (torch.arange(x.shape[d], device=x.device) % 3 == 1).view([-1 if k == d else 1 for k in range(x.dim())])
+            if x.dtype is torch.bool:
+                out[i] = x ^ step
+            else:
+                delta = max(1, abs(int(x.reshape(-1)[0])) // 2)
+                out[i] = (x + step * delta if attempt == 0 else x - step * delta).to(x.dtype)
+    if only is not None:
+        return None if all(_alike(out[i], d) for i, _, d in split) else out
     return None if alike(out, dims) else out
 
 
-def _all_ones_mask(x: Tensor, dim: int) -> bool:
-    """An integer or boolean input of two dims or more, the batch's not the last, all ones: an
-    attention mask of a batch without padding."""
-    return (not x.is_floating_point() and not x.is_complex() and not x.is_meta and x.dim() >= 2
-            and dim < x.dim() - 1 and x.shape[-1] > 1 and bool((x == 1).all()))
+def _mask_alike(x: Tensor, dim: int) -> bool:
+    """An input of two dims or more, the batch's not the last, of 0s and 1s (of any dtype), with
+    ones in it, the same in every sample: an attention mask of a batch without padding, or padded
+    alike in every row."""
+    return (not x.is_complex() and not x.is_meta and x.dim() >= 2
+            and dim < x.dim() - 1 and x.shape[-1] > 1 and bool(((x == 0) | (x == 1)).all())
+            and bool((x == 1).any()) and _alike(x, dim))
 
 
 def padded(flat: Sequence[Any], dims: Sequence[Optional[int]]) -> Optional[tuple[List[Any], List[int]]]:
-    """``flat`` with every all-ones mask split along the batch padded (see the module): row
+    """``flat`` with every mask split along the batch alike in every row (all ones, or padded
+    alike) padded (see the module): row
     ``r`` keeps its first ``n - 1 - (r - 1) % (n - 1)`` positions of ``n``, row 0 all of them,
     so that micro-batches of neighbouring rows differ in their longest row; and the indices of
     the inputs padded. None where no input is such a mask."""
-    found = [(i, x, d) for i, x, d in _split(flat, dims) if _all_ones_mask(x, d)]
+    found = [(i, x, d) for i, x, d in _split(flat, dims) if _mask_alike(x, d)]
     if not found:
         return None
     out = list(flat)
