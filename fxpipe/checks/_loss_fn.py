@@ -200,6 +200,9 @@ class LossFnReading:
         self.out_dims = list(out_dims)
         self.unflatten = unflatten
         self._cache: "OrderedDict[Tuple[Any, ...], _Read]" = OrderedDict()
+        #: the trainable parameters loss_fn reads (a temperature, a penalty's weight), by id:
+        #: ``fxpipe.distributed`` refuses those its rank's stages do not hold
+        self.parameters: dict = {}
 
     def weights(self, outputs: Sequence[Any], targets: Optional[Sequence[Any]], sizes: Sequence[int],
                 device: Optional[torch.device] = None, alone: bool = True) -> Weights:
@@ -328,6 +331,11 @@ class LossFnReading:
             return _Read(LossForm(None, why=f"loss_fn could not be run on fake tensors shaped like micro-batches of "
                                             f"{m} and {m + 1} samples and the batch of {whole} "
                                             f"({type(e).__name__}: {first})"))
+        for trace in traces.values():
+            for node in trace.graph.nodes:
+                read = getattr(trace, str(node.target), None) if node.op == "get_attr" else None
+                if isinstance(read, torch.nn.Parameter) and read.requires_grad:
+                    self.parameters[id(read)] = read
         base = sizes[1] if m < 2 else m  # the reading's trace: 2 samples or more
         counts, why = count_args([(traces[base], base)] + [(traces[n], n) for n in sizes if n != base])
         if counts is None:

@@ -44,11 +44,17 @@ def count_args(traces: Sequence[Tuple[fx.GraphModule, int]]) -> Tuple[Optional[S
                          if isinstance(u, (int, float)) and not isinstance(u, bool)]
             elif x.op == "get_attr":
                 u, v = _constant(base, x.target), _constant(other, y.target)
-                if isinstance(u, Tensor) and isinstance(v, Tensor):
+                weight = u is v and isinstance(u, torch.nn.Parameter)
+                if isinstance(u, Tensor) and isinstance(v, Tensor) and not weight:
+                    # (a parameter the loss reads is one tensor in every trace: no number of the batch; it
+                    # may be on meta or a shard, whose values torch cannot compare)
                     if u.shape != v.shape or (u.numel() > 1 and not torch.equal(u, v)):
                         return None, "it makes a tensor constant that depends on the batch size"
-                    if u.numel() == 1:
-                        pairs = [(-1, float(u), float(v))]
+                    if u.numel() == 1 and not (u.is_meta or v.is_meta):
+                        try:
+                            pairs = [(-1, float(u), float(v))]
+                        except Exception:  # noqa: BLE001 - no value to read (a shard's, a fake's): not a count
+                            pairs = []
             for k, u, v in pairs:
                 if u == v:
                     continue

@@ -22,11 +22,11 @@ with the pipeline still usable.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from fxpipe.checks._batching import Batching
@@ -35,7 +35,7 @@ from fxpipe.checks._loss_keys import loss_key
 from ._loss_shapes import loss_fn_key, loss_only_inputs, own_loss_key
 from fxpipe.errors import DistributedError, StepError
 
-__all__ = ["StepLoss"]
+__all__ = ["StepLoss", "refuse_parameters_read"]
 
 
 class StepLoss:
@@ -78,6 +78,10 @@ class StepLoss:
         self._weighed: List[bool] = []  # per micro-batch: whether it counts anything
         self._nothing = False  # the step's whole (global) batch counts nothing
         self._targets: List[Any] = []  # this step's, per micro-batch
+        #: the trainable parameters loss_fn reads, as of this step's reading, and what refuses
+        #: those the rank cannot train (:func:`refuse_parameters_read`, set by the pipeline)
+        self.parameters_read: List[Tensor] = []
+        self.refuse_read: Optional[Callable[[List[Tensor]], None]] = None
         self.copies = TargetCopies()  # what loss_fn is given of them, written back after the step
         self._next = 0
         #: ``step(return_outputs=...)``: False, True (each micro-batch's flat outputs, detached),
@@ -136,6 +140,9 @@ class StepLoss:
                          for part in targets]
         weights = reading.weights(self.outputs, self._targets, sizes, device=self.device,
                                        alone=not self.replicated)
+        self.parameters_read = list(reading.parameters.values())
+        if self.refuse_read is not None:  # before any other refusal: the reason, where it is one
+            self.refuse_read(self.parameters_read)
         if weights.kind is None:
             raise StepError(
                 "loss_fn cannot be split over micro-batches: torch's schedules compute it on each micro-batch and "
@@ -222,3 +229,36 @@ def _counted(counts: Sequence[Tensor]) -> Tensor:
 def _shares(counts: Optional[Tensor]) -> Optional[List[Tensor]]:
     """Each micro-batch's share of the step's count; None: a sum, each loss as it is."""
     return None if counts is None else list(counts / counts.sum())
+
+
+def refuse_parameters_read(read: Iterable[Tensor], held: Sequence[Tuple[str, Tensor]], model: nn.Module,
+                           sharded: bool) -> None:
+    """Refuses (before anything is sent) a ``loss_fn`` that reads a trainable parameter this
+    rank's stages do not hold as a whole tensor: ``held``, this rank's ``named_parameters()``.
+
+    A parameter no stage uses (a learnable temperature in the loss) is trained by the last
+    stage's rank alone: it is in no rank's ``pipe.parameters()``, ``pipe.clip_grad_norm_`` leaves
+    it out, the other ranks' ``pipe.state_dict()`` hold it untrained, and replicas never sum its
+    gradient (a trial: all silent, 1.6e-3 off after three steps). One another rank's stage holds
+    is on meta here; under ``'fsdp'`` one this rank holds is a shard outside the forward (both
+    failed inside torch)."""
+    mine = {id(p) for _, p in held}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    for p in read:
+        name = names.get(id(p))
+        said = f"the model's parameter {name!r}" if name else f"a parameter of shape {tuple(p.shape)} (not the model's)"
+        if id(p) in mine and not sharded:
+            continue
+        if id(p) in mine:
+            why = ("data_parallel='fsdp' holds it as a shard outside the forward. What to do: compute that term in the "
+                   "model's forward and return it (it is then merged as an output), or build with data_parallel='ddp'")
+        elif p.is_meta:
+            why = ("another rank's stage holds it (here it is on meta). What to do: compute that term in the model's "
+                   "forward and return it, so the stage holding the parameter computes it")
+        else:
+            why = ("no stage of this pipeline uses it, so only the last stage's rank would train it: it is in no "
+                   "rank's pipe.parameters(), pipe.clip_grad_norm_ would leave it out, the other ranks' "
+                   "pipe.state_dict() would hold it untrained, and data-parallel replicas would never sum its "
+                   "gradient. What to do: use it in the model's forward (return what loss_fn needs, e.g. logits / "
+                   "self.temperature), or keep it out of the model and loss_fn, and train it yourself")
+        raise StepError(f"loss_fn reads {said}, which requires grad, and {why}. Nothing was sent.")

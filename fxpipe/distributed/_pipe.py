@@ -55,7 +55,7 @@ from ._eval_mode import EvalRun
 from ._eval_step import EvalStep
 from ._failures import Failures
 from ._flags import ModelFlags
-from ._loss import StepLoss
+from ._loss import StepLoss, refuse_parameters_read
 from ._mesh import Layout
 from ._pipe_state import PipelineState
 from ._replicas import ReplicaGradients
@@ -128,6 +128,9 @@ class DistributedPipeline(EvalStep, PipelineState):
         self._failures = Failures(layout.world, device, layout.rows if layout.dp > 1 else None)
         self._failures.watch()  # and an uncaught error between steps too
         self._step_loss = step_loss  # loss_fn per micro-batch, weighted as it counts (._loss)
+        if step_loss is not None:
+            step_loss.refuse_read = lambda read: refuse_parameters_read(
+                read, list(self.named_parameters()), self.module, self.layout.data_parallel == "fsdp")
         self._batching = batching  # how outputs merge (step(return_outputs=True))
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)

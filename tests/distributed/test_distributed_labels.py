@@ -233,3 +233,37 @@ def test_a_loss_fn_writing_its_target_in_place(one_rank, schedule: str) -> None:
     _assert_exact(loss, _written_target(eager(x), y_eager), model, eager)
     assert torch.equal(y, y_eager)
     pipe.close()
+
+
+def test_a_loss_fn_reading_a_parameter_no_stage_holds_is_refused(one_rank) -> None:
+    """A learnable temperature registered on the model but read by loss_fn alone: only the last
+    stage's rank trained it, outside pipe.parameters(), pipe.clip_grad_norm_ and the other ranks'
+    state_dict, and replicas never summed its gradient (a trial: all silent). Refused before
+    anything is sent; a parameter a stage holds (the tied embedding) is exact."""
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    model.temp = torch.nn.Parameter(torch.tensor(0.7))
+    y = _labels().clamp(min=0)
+
+    def tempered(out, y):
+        return F.cross_entropy(out.flatten(0, 1) / model.temp, y.flatten(), reduction="sum")
+
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=tempered, schedule="zbv", stages_per_rank=2, timeout=60)
+    with pytest.raises(StepError, match=r"reads the model's parameter 'temp'.*no stage of this pipeline uses it"):
+        pipe.step(x, target=y)
+    assert all(p.grad is None for p in model.parameters())
+    pipe.close()
+
+    def penalised(out, y):  # a weight a stage holds: trained there, exact (a mean plus a constant)
+        return F.cross_entropy(out.flatten(0, 1), y.flatten()) + 1e-2 * model.tok.weight.pow(2).sum()
+
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    eager = zoo.TinyGPT()
+    eager.load_state_dict(model.state_dict())
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=penalised, schedule="zbv", stages_per_rank=2, timeout=60)
+    loss = pipe.step(x, target=y)
+    want = F.cross_entropy(eager(x).flatten(0, 1), y.flatten()) + 1e-2 * eager.tok.weight.pow(2).sum()
+    _assert_exact(loss, want, model, eager)
+    pipe.close()
