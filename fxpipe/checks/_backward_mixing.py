@@ -67,10 +67,15 @@ def _scaled_embedding(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
 
 def unseen_backward(gm: fx.GraphModule) -> List[str]:
     """Where ``gm`` runs backward code fxpipe cannot read, said: custom autograd Functions
-    (``GradNorm.apply at model.py:12``) and modules kept opaque that are not torch's or fxpipe's
-    (their forward may register tensor hooks or apply Functions)."""
+    (``GradNorm.apply at model.py:12``), modules kept opaque that are not torch's or fxpipe's
+    (their forward may register tensor hooks or apply Functions), and a value taken beside its
+    own detached copy (its gradient flows where its value does not)."""
     found: List[str] = []
     for node in gm.graph.nodes:
+        if _beside_its_detached_self(node):
+            found.append(f"a value beside its own detached copy (m - m.detach(): its gradient without its value)"
+                         f"{recorded_line(node)}")
+            continue
         fn = function_of(node.target) if node.op == "call_function" else None
         if fn is not None:
             found.append(f"the custom autograd.Function {fn.__qualname__}{recorded_line(node)}")
@@ -82,6 +87,25 @@ def unseen_backward(gm: fx.GraphModule) -> List[str]:
             elif _backward_hooked(module):  # a torch.nn layer's backward hook: code of the user's too
                 found.append(f"module '{node.target}' ({type(module).__name__}) with a backward hook")
     return found
+
+
+_DETACH = (torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default)
+
+
+def _detached_of(node: fx.Node) -> Optional[fx.Node]:
+    """The node ``node`` detaches (``x.detach()``, ``torch.detach(x)``, aten's), or None."""
+    if (node.op == "call_method" and node.target == "detach") or (node.op == "call_function" and node.target in _DETACH):
+        source = node.args[0] if node.args else None
+        return source if isinstance(source, fx.Node) else None
+    return None
+
+
+def _beside_its_detached_self(node: fx.Node) -> bool:
+    """Whether ``node`` takes a value and that value detached (``m - m.detach()``): the value
+    cancels and the gradient does not, so a mixing there is in the backward only (a trial:
+    ``h + (m - m.detach())`` with ``m = h.mean(0)``, outputs exact and gradients 40% off)."""
+    inputs = set(node.all_input_nodes)
+    return any(_detached_of(x) in inputs for x in inputs)
 
 
 def _backward_hooked(module: nn.Module) -> bool:
