@@ -326,8 +326,9 @@ class DistributedPipeline(EvalStep, PipelineState):
             try:
                 if last and replicas is not None and self._step_loss is not None:
                     self._step_loss.over_replicas(replicas)  # each micro-batch's share of the global batch
-                run.schedule.step(*self._sent(tensors), target=stand_in,
-                                    losses=losses if last else None, return_outputs=False)
+                sent, upstream = _from_leaves(self._sent(tensors))
+                run.schedule.step(*sent, target=stand_in, losses=losses if last else None, return_outputs=False)
+                _backward_upstream(upstream)
             except BaseException:
                 self._ties.restore()
                 self._replicas.restore()
@@ -379,3 +380,27 @@ class DistributedPipeline(EvalStep, PipelineState):
     def __repr__(self) -> str:
         return (f"DistributedPipeline(rank={self.rank}/{self.world_size}, stages={self.local} of {self.n_stages}, "
                 f"chunks={self.chunks})")
+
+
+def _from_leaves(inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], list]:
+    """The inputs as the schedule gets them: one computed with grad (a soft prompt, ``emb * 1.0``;
+    an input copied to the device) as a leaf of its own, and the pairs (input, leaf). Why: each
+    micro-batch is a piece of the input, and the first micro-batch's backward went on through the
+    graph that made it and freed it, so the second's failed in torch ('backward through the graph
+    a second time', a trial). :func:`_backward_upstream` takes the leaves' gradients through that
+    graph once, as eager's one backward does."""
+    upstream = []
+    sent = []
+    for t in inputs:
+        if t.requires_grad and t.grad_fn is not None:
+            leaf = t.detach().requires_grad_()
+            upstream.append((t, leaf))
+            t = leaf
+        sent.append(t)
+    return tuple(sent), upstream
+
+
+def _backward_upstream(upstream: list) -> None:
+    taken = [(t, leaf.grad) for t, leaf in upstream if leaf.grad is not None]
+    if taken:
+        torch.autograd.backward([t for t, _ in taken], [g for _, g in taken])

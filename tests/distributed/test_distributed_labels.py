@@ -10,6 +10,7 @@ the rank, zero-bubble V: the loss runs on the rank that also holds stage 0).
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 
 import pytest
@@ -266,4 +267,26 @@ def test_a_loss_fn_reading_a_parameter_no_stage_holds_is_refused(one_rank) -> No
     loss = pipe.step(x, target=y)
     want = F.cross_entropy(eager(x).flatten(0, 1), y.flatten()) + 1e-2 * eager.tok.weight.pow(2).sum()
     _assert_exact(loss, want, model, eager)
+    pipe.close()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_input_computed_with_grad_gets_its_gradient_once(one_rank, schedule) -> None:
+    """A soft prompt (the input is ``prompt * 1.0``, computed with grad): each micro-batch is a
+    piece of it, and the first one's backward freed the graph that made it, so the second's
+    failed in torch ('backward through the graph a second time', a trial). The schedule now
+    starts from a leaf, and the prompt gets the gradient eager gives it."""
+    import fxpipe.distributed as fpd
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    eager = copy.deepcopy(model)
+    prompt = torch.nn.Parameter(torch.randn(8, 16))
+    y = torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(3))
+    pipe = fpd.pipeline(model, prompt.detach(), chunks=2, loss_fn=F.cross_entropy, schedule=schedule, timeout=60)
+    loss = pipe.step(prompt * 1.0, target=y)
+    want_prompt = prompt.detach().clone().requires_grad_()
+    want = F.cross_entropy(eager(want_prompt * 1.0), y)
+    _assert_exact(loss, want, model, eager)
+    assert_close_scaled(prompt.grad, want_prompt.grad, None, what="the prompt's gradient")
     pipe.close()
