@@ -350,8 +350,10 @@ class _Trimmed(nn.Module):
 
 def test_outputs_of_other_lengths_per_micro_batch_are_refused_naming_them() -> None:
     """Each micro-batch trimmed to its own longest row: torch.cat raised a bare RuntimeError
-    from inside the merge (a trial)."""
+    from inside the merge (a trial). (Built from a mask whose micro-batches each hold a full row:
+    one alike in every row is padded for the check, which refuses the trim at the build.)"""
     ids, mask = torch.randint(0, 20, (8, 6)), torch.ones(8, 6)
+    mask[1, 4:] = 0
     pipe = fxpipe.pipeline(_Trimmed(), (ids, mask), 2, chunks=2, devices=["cpu"] * 2, progress=False)
     short = mask.clone()
     short[:4, 3:] = 0
