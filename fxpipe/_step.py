@@ -31,7 +31,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .checks._loss_fn import TargetCopies, Weights, own_loss_output, split_target
+from .checks._loss_fn import Weights, own_loss_output
+from .checks._targets import TargetCopies, split_target
 from .capture._hooks import live_hook_kinds
 from .errors import ArgumentError, StepError
 from .runtime._batchnorm import commit_deferred_batch_norm, deferring

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from fxpipe.checks._batching import Batching
-from fxpipe.checks._loss_fn import LossFnReading, TargetCopies, own_loss_output
+from fxpipe.checks._loss_fn import LossFnReading, own_loss_output
+from fxpipe.checks._targets import TargetCopies
 from fxpipe.checks._loss_keys import loss_key
 from ._loss_shapes import loss_fn_key, loss_only_inputs, own_loss_key
 from fxpipe.errors import DistributedError, StepError

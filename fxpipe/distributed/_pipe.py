@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpipe.capture._tracing import Capture
-from fxpipe.checks._loss_fn import split_target
+from fxpipe.checks._targets import split_target
 from fxpipe.emit._stages import Stages
 from fxpipe.errors import BatchShapeError, DistributedError, ModeError, PipelineClosedError, StepError
 from fxpipe.capture._baked_dtypes import BakedDtypes
