@@ -128,7 +128,9 @@ def refuse_divisor(gm: fx.GraphModule, node: Any, index: Dict[fx.Node, int], in_
         where = recorded_line(n)
         raise MicroBatchError(
             f"the loss (output {i}, merged with 'mean') divides by {divisor.name}{where}, a value computed from "
-            f"the inputs that is not a sum fxpipe can weigh (e.g. a count under .clamp(min=1)): each micro-batch "
+            f"the inputs, and fxpipe does not read the loss as a sum over the samples divided by a plain sum of "
+            f"the inputs (a count under .clamp(min=1), or a numerator it does not read as such a sum: "
+            f"cross_entropy(reduction='sum') is one it does not): each micro-batch "
             "would divide by its own, and the merged loss and its gradients would silently differ from the "
             "model's. What to do: divide by the plain sum (mask.sum()) and guard an empty batch outside the "
             "model, or return the loss's sum and its count and merge both with 'sum' "
