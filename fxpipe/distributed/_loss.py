@@ -144,6 +144,12 @@ class StepLoss:
         self.parameters_read = list(reading.parameters.values())
         if self.refuse_read is not None:  # before any other refusal: the reason, where it is one
             self.refuse_read(self.parameters_read)
+        if weights.kind is None and weights.why.startswith("loss_fn could not be run"):
+            raise StepError(  # a failure, not a form: said as one (a trial read a target's wrong length as a split)
+                f"{weights.why}. Nothing was sent. Where the target does not fit the outputs (its length, its "
+                "classes), eager raises the same on this batch: pass the batch's own target. Where loss_fn reads "
+                "values (.item(), a size the data decides), fake tensors hold none: compute that part from the "
+                "model's outputs in its forward, or outside the pipeline (eval_step gives the outputs)")
         if weights.kind is None:
             raise StepError(
                 "loss_fn cannot be split over micro-batches: torch's schedules compute it on each micro-batch and "
