@@ -77,6 +77,8 @@ def _forget_conversions(t: torch.Tensor) -> None:
 RELEASED = "_fxpipe_released"
 #: the attribute a released tensor carries: a weak reference to its model
 OWNER = "_fxpipe_owner"
+#: the attribute a tensor carries once a pipeline placed it on this rank (a build kept it here)
+WAS_HELD = "_fxpipe_was_held"
 #: per model (by weak reference): the ids of the parameters this rank's latest pipeline of it
 #: holds (not the tensors: torch cannot swap a tensor something holds a weak reference to)
 _HELD: "weakref.WeakKeyDictionary[nn.Module, set[int]]" = weakref.WeakKeyDictionary()
@@ -147,8 +149,11 @@ def refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                     "holds now. Make the optimizer over the new pipeline's parameters and load its state from a "
                     "checkpoint: opt = AdamW(pipe.parameters()); pipe.load_optimizer_state_dict(opt, state) with "
                     "the state saved by pipe.optimizer_state_dict (torch.distributed.checkpoint).")
-    released = [p for group in optimizer.param_groups for p in group["params"] if RELEASED in p.__dict__]
-    if released:  # one check per optimizer step: the first released parameter's model
+    # released after an earlier pipeline held it here: the optimizer was made over that pipeline's
+    # parameters (one made before the first build, over the model or a part of it, holds none such)
+    released = [p for group in optimizer.param_groups for p in group["params"]
+                if RELEASED in p.__dict__ and p.__dict__.get(WAS_HELD)]
+    if released:  # one check per optimizer step: the first such parameter's model
         missing, name = _missing(optimizer, released[0]), released[0].__dict__[RELEASED]
         if missing:
             raise DistributedError(
@@ -203,6 +208,9 @@ def release_others(model: nn.Module, stages: Sequence[torch.fx.GraphModule], loc
             swap_in_place(t, torch.empty_like(t, device="meta"), name)
             t.__dict__[OWNER] = owner
     _HELD[model] = {id(p) for p in model.parameters() if id(p) in mine}
+    for p in model.parameters():
+        if id(p) in mine:
+            p.__dict__[WAS_HELD] = True
 
 
 def restore_released(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
