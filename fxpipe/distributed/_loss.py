@@ -239,7 +239,7 @@ def _shares(counts: Optional[Tensor]) -> Optional[List[Tensor]]:
 
 
 def refuse_parameters_read(read: Iterable[Tensor], held: Sequence[Tuple[str, Tensor]], model: nn.Module,
-                           sharded: bool) -> None:
+                           sharded: bool, replicated: bool) -> None:
     """Refuses (before anything is sent) a ``loss_fn`` that reads a trainable parameter this
     rank's stages do not hold as a whole tensor: ``held``, this rank's ``named_parameters()``.
 
@@ -248,13 +248,15 @@ def refuse_parameters_read(read: Iterable[Tensor], held: Sequence[Tuple[str, Ten
     it out, the other ranks' ``pipe.state_dict()`` hold it untrained, and replicas never sum its
     gradient (a trial: all silent, 1.6e-3 off after three steps). One another rank's stage holds
     is on meta here; under ``'fsdp'`` one this rank holds is a shard outside the forward (both
-    failed inside torch)."""
+    failed inside torch). A parameter of the loss's own (a loss module's temperature, a frozen
+    feature network, a teacher) is the caller's to train on the last stage's rank, as in one
+    process: refused only across data-parallel replicas, which would each train their own."""
     mine = {id(p) for _, p in held}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     for p in read:
         name = names.get(id(p))
         said = f"the model's parameter {name!r}" if name else f"a parameter of shape {tuple(p.shape)} (not the model's)"
-        if id(p) in mine and not sharded:
+        if (id(p) in mine and not sharded) or (name is None and not replicated):
             continue
         if id(p) in mine:
             why = ("data_parallel='fsdp' holds it as a shard outside the forward. What to do: compute that term in the "
@@ -262,10 +264,15 @@ def refuse_parameters_read(read: Iterable[Tensor], held: Sequence[Tuple[str, Ten
         elif p.is_meta:
             why = ("another rank's stage holds it (here it is on meta). What to do: compute that term in the model's "
                    "forward and return it, so the stage holding the parameter computes it")
+        elif name is None:
+            why = ("each data-parallel replica's last stage would train its own copy (its gradient is never summed "
+                   "over the replicas). What to do: use it in the model's forward (return what loss_fn needs)")
         else:
             why = ("no stage of this pipeline uses it, so only the last stage's rank would train it: it is in no "
                    "rank's pipe.parameters(), pipe.clip_grad_norm_ would leave it out, the other ranks' "
                    "pipe.state_dict() would hold it untrained, and data-parallel replicas would never sum its "
                    "gradient. What to do: use it in the model's forward (return what loss_fn needs, e.g. logits / "
-                   "self.temperature), or keep it out of the model and loss_fn, and train it yourself")
-        raise StepError(f"loss_fn reads {said}, which requires grad, and {why}. Nothing was sent.")
+                   "self.temperature), or keep it out of the model")
+        raise StepError(f"loss_fn reads {said}, which requires grad, and {why}. Nothing was sent. (A frozen network "
+                        "the loss runs, a teacher or a feature extractor, needs no gradient: requires_grad_(False) "
+                        "on it.)")

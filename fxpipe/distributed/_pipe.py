@@ -130,7 +130,8 @@ class DistributedPipeline(EvalStep, PipelineState):
         self._step_loss = step_loss  # loss_fn per micro-batch, weighted as it counts (._loss)
         if step_loss is not None:
             step_loss.refuse_read = lambda read: refuse_parameters_read(
-                read, list(self.named_parameters()), self.module, self.layout.data_parallel == "fsdp")
+                read, list(self.named_parameters()), self.module, self.layout.data_parallel == "fsdp",
+                self.layout.replicas is not None)
         self._batching = batching  # how outputs merge (step(return_outputs=True))
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)
@@ -337,7 +338,7 @@ class DistributedPipeline(EvalStep, PipelineState):
             self._ties.after_step()
             self._replicas.after_step()
             if last and self._step_loss is not None:
-                self._step_loss.copies.write_back()
+                self._step_loss.copies.forget()  # the target alike on every rank (the others ran no loss_fn)
             loss = self._broadcast_loss(torch.stack([x.detach() for x in losses]).sum() if last else None)
             if replicas is not None:  # each replica's part of the global batch's loss, summed
                 total = loss.detach().to(torch.float64).reshape(1)
