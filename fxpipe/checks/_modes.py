@@ -26,6 +26,8 @@ its inputs agree (per-module outputs of the whole and the split run compared by 
 
 from __future__ import annotations
 
+import contextlib
+import io
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -118,6 +120,9 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
                     return _check_modes(model, prepared, args_varied, kwargs_varied, flat_varied, chunk_dims,
                                         output_merge, chunks, record)
             except FxpipeError as e:  # what the varied copy shows, a batch at a call would meet
+                own = _refused_as_given(model, prepared, args, kwargs, flat, chunk_dims, output_merge, chunks)
+                if own is not None:
+                    raise own from None  # the sample as given is refused too: its own refusal, no note on the copy
                 if not isinstance(e, MicroBatchError):
                     e.add_note(f"(found on a copy of the sample with {_varied_said(names, masks, inputs)})")
                     raise
@@ -126,6 +131,23 @@ def check_modes(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict,
                 pass
     with checking(model, flat):
         return _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge, chunks, record)
+
+
+def _refused_as_given(model: nn.Module, prepared: Prepared, args: tuple, kwargs: dict, flat: List[Any],
+                      chunk_dims: ChunkDims, output_merge: Optional[OutputMerge], chunks: int
+                      ) -> Optional[FxpipeError]:
+    """The checks' refusal of the sample as given, where its varied copy was refused, or None:
+    such a refusal is not about the rows alike (an output_merge to declare), and is raised as it
+    is, with no note on the copy (a review: a GPT-2 sample with position_ids was told they mix
+    the samples)."""
+    try:
+        with checking(model, flat):
+            _check_modes(model, prepared, args, kwargs, flat, chunk_dims, output_merge, chunks, None)
+    except FxpipeError as e:
+        return e
+    except Exception:  # noqa: BLE001 - the copy's refusal stands
+        return None
+    return None
 
 
 def _rows_varied(prepared: Prepared, model: nn.Module, flat: List[Any], dims: List[Optional[int]]
@@ -172,8 +194,8 @@ def _fails_on(prepared: Prepared, model: nn.Module, flat: List[Any]) -> str:
     """'' where the graph runs on ``flat`` (the varied sample) to finite floating outputs, else
     what went wrong, said."""
     gm = prepared.capture.graph_module
-    try:
-        with preserved(model):
+    try:  # torch.fx prints a failing graph's traceback to stderr before raising: not the user's to read
+        with preserved(model), contextlib.redirect_stderr(io.StringIO()):
             outs = list(sample_run(lambda: gm(*flat), model))
     except Exception as e:  # noqa: BLE001 - a value the model rejects (a BCE target out of [0, 1])
         return f"the model fails on the varied copy ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})"

@@ -37,6 +37,11 @@ class TargetCopies:
             return copy
         return pytree.tree_map(own, part)
 
+    def forget(self) -> None:
+        """The copies dropped, the caller's target left as it was (``fxpipe.distributed``: only the
+        last stage's rank runs ``loss_fn``, and every rank's target must stay alike)."""
+        self._given.clear()
+
     def write_back(self) -> None:
         with torch.no_grad():
             for piece, copy, version in self._given:

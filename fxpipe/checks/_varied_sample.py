@@ -27,7 +27,8 @@ sample of ``torch.ones`` weights; timesteps divided by the batch's largest, from
 sample; class weights from the batch's label counts, from labels all 0). :func:`alike_inputs` names
 such inputs and ``varied(..., only=...)`` varies them alone: a floating input as above, an integer
 one of several values per sample by a permutation of each sample's, one of a value per sample
-(labels, timesteps) by moving every third sample's by half the value (at least 1).
+(labels, timesteps) by moving the second half's samples but the last by half the value (at
+least 1).
 """
 
 from __future__ import annotations
@@ -102,9 +103,11 @@ def varied(flat: Sequence[Any], dims: Sequence[Optional[int]], attempt: int = 0,
             permuted = torch.gather(rows, 1, order.to(rows.device))
             out[i] = permuted.reshape(x.movedim(d, 0).shape).movedim(0, d).contiguous()
         elif x.dim() == d + 1 and only is not None and not x.is_complex():  # a value per sample
-            # every third sample moved by half the value (at least 1): up, then down; unevenly, since
-            # an even split (one of two values per micro-batch) would weigh both alike everywhere
-            step = (torch.arange(x.shape[d], device=x.device) % 3 == 1).view([-1 if k == d else 1 for k in range(x.dim())])
+            # the second half's samples but the last moved by half the value (at least 1), up, then
+            # down: the first micro-batch keeps the sample's value alone (a statistic over the batch,
+            # its largest, differs there), a later one starts on a moved sample (t[0] differs), and
+            # the two values are uneven in every split (counts of them weigh otherwise)
+            step = _second_half(x.shape[d], x.device).view([-1 if k == d else 1 for k in range(x.dim())])
             if x.dtype is torch.bool:
                 out[i] = x ^ step
             else:
@@ -113,6 +116,13 @@ def varied(flat: Sequence[Any], dims: Sequence[Optional[int]], attempt: int = 0,
     if only is not None:
         return None if all(_alike(out[i], d) for i, _, d in split) else out
     return None if alike(out, dims) else out
+
+
+def _second_half(n: int, device: Any) -> Tensor:
+    """Which of ``n`` samples :func:`varied` moves: those of the second half but the last (the
+    last too for a batch of two)."""
+    r = torch.arange(n, device=device)
+    return (r >= n // 2) & ((r != n - 1) | (n <= 2))
 
 
 def _mask_alike(x: Tensor, dim: int) -> bool:

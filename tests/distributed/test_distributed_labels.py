@@ -221,7 +221,7 @@ def _written_target(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def test_a_loss_fn_writing_its_target_in_place(one_rank, schedule: str) -> None:
     """Each micro-batch's target is a view of the caller's, sharing its version counter: a
     write into it made GPipe's backward fail in autograd. The loss gets copies; the caller's
-    target gets the writes after the step, as after eager's call."""
+    target is left as it was (only the last stage's rank runs loss_fn: targets stay alike)."""
     import fxpipe.distributed as fpd
 
     torch.manual_seed(0)
@@ -232,7 +232,7 @@ def test_a_loss_fn_writing_its_target_in_place(one_rank, schedule: str) -> None:
     y, y_eager = _labels().clamp(min=0), _labels().clamp(min=0)
     loss = pipe.step(x, target=y)
     _assert_exact(loss, _written_target(eager(x), y_eager), model, eager)
-    assert torch.equal(y, y_eager)
+    assert torch.equal(y, _labels().clamp(min=0))  # left as it was: alike on every rank
     pipe.close()
 
 
