@@ -250,7 +250,9 @@ def refuse_parameters_read(read: Iterable[Tensor], held: Sequence[Tuple[str, Ten
     is on meta here; under ``'fsdp'`` one this rank holds is a shard outside the forward (both
     failed inside torch). A parameter of the loss's own (a loss module's temperature, a frozen
     feature network, a teacher) is the caller's to train on the last stage's rank, as in one
-    process: refused only across data-parallel replicas, which would each train their own."""
+    process: refused only across data-parallel replicas, which would each train their own, and
+    under a zero-bubble schedule, whose weight pass covers the stages' parameters alone (a
+    review: such a temperature got no gradient at all)."""
     mine = {id(p) for _, p in held}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     for p in read:
@@ -265,8 +267,10 @@ def refuse_parameters_read(read: Iterable[Tensor], held: Sequence[Tuple[str, Ten
             why = ("another rank's stage holds it (here it is on meta). What to do: compute that term in the model's "
                    "forward and return it, so the stage holding the parameter computes it")
         elif name is None:
-            why = ("each data-parallel replica's last stage would train its own copy (its gradient is never summed "
-                   "over the replicas). What to do: use it in the model's forward (return what loss_fn needs)")
+            why = ("each data-parallel replica's last stage would train its own copy (its gradient never summed "
+                   "over the replicas), or the schedule (zero bubble) computes the stages' weights' gradients alone "
+                   "(it would get none). What to do: use it in the model's forward (return what loss_fn needs), or "
+                   "a schedule without a weight pass of its own (gpipe, 1f1b, interleaved1f1b)")
         else:
             why = ("no stage of this pipeline uses it, so only the last stage's rank would train it: it is in no "
                    "rank's pipe.parameters(), pipe.clip_grad_norm_ would leave it out, the other ranks' "

@@ -56,6 +56,7 @@ from ._eval_step import EvalStep
 from ._failures import Failures
 from ._flags import ModelFlags
 from ._loss import StepLoss, refuse_parameters_read
+from ._schedules import splits_backward
 from ._mesh import Layout
 from ._pipe_state import PipelineState
 from ._replicas import ReplicaGradients
@@ -128,10 +129,6 @@ class DistributedPipeline(EvalStep, PipelineState):
         self._failures = Failures(layout.world, device, layout.rows if layout.dp > 1 else None)
         self._failures.watch()  # and an uncaught error between steps too
         self._step_loss = step_loss  # loss_fn per micro-batch, weighted as it counts (._loss)
-        if step_loss is not None:
-            step_loss.refuse_read = lambda read: refuse_parameters_read(
-                read, list(self.named_parameters()), self.module, self.layout.data_parallel == "fsdp",
-                self.layout.replicas is not None)
         self._batching = batching  # how outputs merge (step(return_outputs=True))
         self._autocast = _autocast(device.type)  # the state pipeline() ran the fake metadata run under
         # what the stages hold from the model (all of them: every rank refuses the same change)
@@ -305,6 +302,11 @@ class DistributedPipeline(EvalStep, PipelineState):
             last = self.n_stages - 1 in self.local
             if last and self._step_loss is not None:  # the loss weighed before anything is sent
                 self._step_loss.outputs = list(run.outputs)  # one micro-batch's, of this shape
+                # a parameter of the loss's own is the caller's, unless replicas each train theirs or the
+                # schedule's weight pass (zero bubble) covers the stages' parameters alone
+                alone = self.layout.replicas is not None or splits_backward(run.schedule)
+                self._step_loss.refuse_read = lambda read: refuse_parameters_read(
+                    read, list(self.named_parameters()), self.module, self.layout.data_parallel == "fsdp", alone)
                 self._step_loss.begin(targets, flat)
                 self._step_loss.keep = return_outputs
                 if return_outputs is True:  # merged as eval_step merges: a counted loss by its counts

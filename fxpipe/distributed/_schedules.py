@@ -214,3 +214,9 @@ def make_schedules(schedule: str, stages: Sequence[Any], chunks: int, loss_fn: C
                                    f"{[mapping[k] for k in range(len(placement))]}, fxpipe on {list(placement)}: "
                                    f"this torch version places schedule {schedule!r} differently; use another schedule")
     return training, forward
+
+
+def splits_backward(schedule: Any) -> bool:
+    """Whether ``schedule`` (a torch schedule object) runs the weights' gradients in a pass of
+    their own (the zero-bubble schedules), which covers the stages' parameters alone."""
+    return any(isinstance(schedule, c) for s in SCHEDULES.values() if s.split_backward for c in (s.one, s.several) if c)

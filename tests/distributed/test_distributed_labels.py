@@ -257,6 +257,22 @@ def test_a_loss_fn_reading_a_parameter_no_stage_holds_is_refused(one_rank) -> No
     assert all(p.grad is None for p in model.parameters())
     pipe.close()
 
+    own = torch.nn.Parameter(torch.tensor(0.7))  # the loss's own temperature, not the model's: the caller's
+
+    def tempered_own(out, y):
+        return F.cross_entropy(out.flatten(0, 1) / own, y.flatten(), reduction="sum")
+
+    model, (x,), _ = zoo.gpt_tied(batch=4)
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=tempered_own, schedule="gpipe", stages_per_rank=2, timeout=60)
+    pipe.step(x, target=y)
+    assert own.grad is not None
+    pipe.close()
+    model, (x,), _ = zoo.gpt_tied(batch=4)  # zero bubble: the weight pass covers the stages' weights alone
+    pipe = fpd.pipeline(model, x, chunks=2, loss_fn=tempered_own, schedule="zbv", stages_per_rank=2, timeout=60)
+    with pytest.raises(StepError, match=r"not the model's.*zero bubble"):
+        pipe.step(x, target=y)
+    pipe.close()
+
     def penalised(out, y):  # a weight a stage holds: trained there, exact (a mean plus a constant)
         return F.cross_entropy(out.flatten(0, 1), y.flatten()) + 1e-2 * model.tok.weight.pow(2).sum()
 

@@ -75,7 +75,15 @@ def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
 
     _join(rank, world, port)
     model, x, y, loss_fn, _ = case("gpt", 2)
+    every = list(model.parameters())  # two optimizers over parts of the model, made before the build
+    split = [torch.optim.SGD(every[::2], lr=LR), torch.optim.SGD(every[1::2], lr=LR)]
     pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
+    try:  # (no gradient yet: a step that runs changes nothing)
+        for o in split:
+            o.step()
+        split_ran = "ran"
+    except Exception as e:
+        split_ran = f"{type(e).__name__}: {e}"
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
     losses, norms = [], []
     for step in range(STEPS):
@@ -150,13 +158,21 @@ def _checkpoint_worker(rank: int, world: int, port: int, out: str) -> None:
 
     _join(rank, world, port)
     model, x, y, loss_fn, _ = case("gpt", 2)
+    every = list(model.parameters())  # two optimizers over parts of the model, made before the build
+    split = [torch.optim.SGD(every[::2], lr=LR), torch.optim.SGD(every[1::2], lr=LR)]
     pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
+    try:  # (no gradient yet: a step that runs changes nothing)
+        for o in split:
+            o.step()
+        split_ran = "ran"
+    except Exception as e:
+        split_ran = f"{type(e).__name__}: {e}"
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
     sgd = torch.optim.SGD(pipe.parameters(), lr=LR)  # over the first pipeline's parameters, no state
     first = _train(pipe, opt, x, y, N)
     mine = pipe.state_dict()
     result = {"first": first, "released": sorted(k for k, v in model.state_dict().items() if v.is_meta),
-              "kept": sorted(mine)}
+              "kept": sorted(mine), "split": split_ran}
     optim = pipe.optimizer_state_dict(opt)
     dcp.save({"model": mine, "optim": optim}, checkpoint_id=str(Path(out) / "ckpt"))
     pipe.close()
@@ -226,6 +242,7 @@ def test_weights_stay_true_through_saves_resumes_and_rebuilds(tmp_path: Path) ->
         assert r["stale"].startswith("DistributedError: this AdamW has state for "), r["stale"]
         assert r["stale_sgd"].startswith("DistributedError: this SGD holds ") and "which it holds now" in \
             r["stale_sgd"], r["stale_sgd"]
+        assert r["split"] == "ran", r["split"]  # made before the build over parts of the model: they run
     for r in ranks:
         for got, expected in zip(r["first"] + r["again"], losses):
             assert_close_scaled(got, expected, what="loss")
