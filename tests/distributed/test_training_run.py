@@ -75,15 +75,7 @@ def _clip_worker(rank: int, world: int, port: int, out: str) -> None:
 
     _join(rank, world, port)
     model, x, y, loss_fn, _ = case("gpt", 2)
-    every = list(model.parameters())  # two optimizers over parts of the model, made before the build
-    split = [torch.optim.SGD(every[::2], lr=LR), torch.optim.SGD(every[1::2], lr=LR)]
     pipe = fpd.pipeline(model, x, chunks=2, loss_fn=loss_fn, timeout=60)
-    try:  # (no gradient yet: a step that runs changes nothing)
-        for o in split:
-            o.step()
-        split_ran = "ran"
-    except Exception as e:
-        split_ran = f"{type(e).__name__}: {e}"
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
     losses, norms = [], []
     for step in range(STEPS):
