@@ -28,7 +28,7 @@ from torch import fx, nn
 from ..capture._custom_functions import function_of
 from ..capture._hooks import holds_live_hook
 from ..errors import MicroBatchError
-from ._loss_values import recorded_line
+from ._loss_values import raw_name, recorded_line
 
 __all__ = ["refuse_backward_mixing", "unseen_backward"]
 
@@ -89,12 +89,9 @@ def unseen_backward(gm: fx.GraphModule) -> List[str]:
     return found
 
 
-_DETACH = (torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default)
-
-
 def _detached_of(node: fx.Node) -> Optional[fx.Node]:
     """The node ``node`` detaches (``x.detach()``, ``torch.detach(x)``, aten's), or None."""
-    if (node.op == "call_method" and node.target == "detach") or (node.op == "call_function" and node.target in _DETACH):
+    if node.op in ("call_method", "call_function") and raw_name(node) == "detach":
         source = node.args[0] if node.args else None
         return source if isinstance(source, fx.Node) else None
     return None

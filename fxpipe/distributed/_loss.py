@@ -142,7 +142,7 @@ class StepLoss:
         weights = reading.weights(self.outputs, self._targets, sizes, device=self.device,
                                        alone=not self.replicated)
         self.parameters_read = list(reading.parameters.values())
-        if self.refuse_read is not None:  # before any other refusal: the reason, where it is one
+        if self.refuse_read is not None and self.parameters_read:  # before any other refusal: the reason
             self.refuse_read(self.parameters_read)
         if weights.kind is None and weights.why.startswith("loss_fn could not be run"):
             raise StepError(  # a failure, not a form: said as one (a trial read a target's wrong length as a split)
